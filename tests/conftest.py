@@ -1,0 +1,5 @@
+"""Shared test setup: float32 everywhere, deterministic CPU runs."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

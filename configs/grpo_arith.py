@@ -1,14 +1,35 @@
-"""GRPO on synthetic multi-digit arithmetic with the built-in character tokenizer."""
+"""GRPO on two-digit addition: the main job, runs on a laptop CPU in a few minutes.
 
-import ml_collections
+A small decoder learns `a+b=` -> `sum` with the built-in character tokenizer:
+a short supervised warm start, then GRPO (8 samples per prompt, exact-match
+reward). Validation is greedy accuracy on 256 held-out problems.
+
+    python -m jrl.train --config=configs/grpo_arith.py
+"""
+
+from jrl.config_defaults import base_config
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+def get_config(arg: str | None = None):
     del arg
-    config = ml_collections.ConfigDict()
-    # Random seed; every source of randomness is split from it.
-    config.seed = 0
-    config.algorithm = ml_collections.ConfigDict()
-    # Advantage estimator (verl's algorithm.adv_estimator).
-    config.algorithm.adv_estimator = "grpo"
-    return config
+    c = base_config()
+    c.model.preset = "tiny"
+    c.model.hidden_size = 128
+    c.model.intermediate_size = 256
+    c.model.head_dim = 32
+    c.data.digits = 2
+    c.data.train_batch_size = 32
+    c.data.max_prompt_length = 8
+    c.rollout.n = 8
+    c.rollout.response_length = 5
+    c.sft.steps = 800
+    c.sft.batch_size = 64
+    c.sft.lr = 1e-3
+    c.actor.optim.lr = 3e-4
+    c.actor.ppo_mini_batch_size = 16
+    c.actor.ppo_micro_batch_size = 128
+    c.algorithm.adv_estimator = "grpo"
+    c.trainer.total_training_steps = 300
+    c.trainer.test_freq = 50
+    c.trainer.save_freq = 100
+    return c

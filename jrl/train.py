@@ -1,36 +1,154 @@
 """Entry point: `python -m jrl.train --config=configs/<name>.py [--config.key=value ...]`.
 
-Until the RL trainer lands, this prints the algorithms jrl implements and the
-resolved configuration.
+Builds the tokenizer, data, model and (optionally) a supervised warm start, then
+runs the RL trainer, resuming from the workdir's latest checkpoint when there is
+one. At the end it prints held-out accuracy before and after RL and writes the
+reward curves to `workdir/curves.png`.
 """
 
-from absl import app, flags
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jrl import advantages, losses
+from jrl import metrics, settings
+from jrl.checkpoint import Checkpointer
+from jrl.data import synthetic
+from jrl.data.tokenizers import CharTokenizer, HFTokenizer
+from jrl.models import hf
+from jrl.models.config import ModelConfig
+from jrl.models.transformer import init_params
+from jrl.rewards import default_compute_score
+from jrl.sft import train_sft
+from jrl.trainer import RLTrainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
+                               "runs/<config name>).")
+
+_MODEL_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim")
 
 
-def algorithm_table() -> str:
-    rows = ["advantage estimators (algorithm.adv_estimator):"]
-    for name, est in sorted(advantages.ESTIMATORS.items()):
-        needs = [k for k, v in (("critic", est.needs_values), ("groups", est.needs_groups),
-                                ("greedy baseline", est.needs_baseline)) if v]
-        rows.append(f"  {name:<30} needs: {', '.join(needs) or '-'}")
-    rows.append("policy losses (actor.policy_loss.loss_mode):")
-    rows += [f"  {name}" for name in sorted(losses.POLICY_LOSSES)]
-    rows.append(f"kl estimators: {', '.join(losses.KL_PENALTIES)}")
-    return "\n".join(rows)
+def build_tokenizer(config):
+    name = config.tokenizer.name
+    if name == "char":
+        return CharTokenizer()
+    if name == "hf":
+        path = config.tokenizer.path or config.model.path
+        if not path:
+            raise ValueError("tokenizer.name='hf' needs tokenizer.path or model.path")
+        return HFTokenizer.from_pretrained(path)
+    raise ValueError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+
+
+def build_data(config):
+    if config.data.task == "arithmetic":
+        return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
+                                    config.data.num_train, seed=config.data.seed,
+                                    reverse=config.data.reverse_answer)
+    raise ValueError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
+
+
+def build_model(config, tokenizer) -> tuple[ModelConfig, dict]:
+    """(architecture, initial actor params) from model.path or a preset."""
+    dtypes = {"dtype": config.model.dtype, "remat": config.model.remat}
+    if config.model.path:
+        return hf.load_pretrained(config.model.path, dtype=config.model.param_dtype,
+                                  config_overrides=dtypes)
+    overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
+    # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
+    # never sample an id the tokenizer cannot decode.
+    model = ModelConfig.preset(
+        config.model.preset, param_dtype=config.model.param_dtype, vocab_size=tokenizer.vocab_size,
+        pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
+        **dtypes, **overrides)
+    return model, init_params(model, jax.random.key(config.seed))
+
+
+def warm_start(config, workdir, model, params, tokenizer, train_rows):
+    """Runs (or restores) the supervised warm start of `config.sft`."""
+    ckpt = Checkpointer(os.path.join(workdir, "sft"))
+    if ckpt.latest_step() is not None:
+        params, _ = ckpt.restore(ckpt.latest_step(), params)
+        return params
+    print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
+    params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
+                       batch_size=config.sft.batch_size, lr=config.sft.lr,
+                       max_prompt_length=config.data.max_prompt_length,
+                       max_response_length=config.rollout.response_length, seed=config.seed,
+                       apply_chat_template=config.data.apply_chat_template,
+                       log_every=max(config.sft.steps // 5, 1))
+    ckpt.save(config.sft.steps, params, {"steps": config.sft.steps})
+    ckpt.close()
+    return params
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None
+        ) -> dict:
+    """Runs the experiment; returns a summary (validation before and after, paths)."""
+    tokenizer = build_tokenizer(config)
+    train_rows, val_rows = build_data(config)
+    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
+                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
+    model, params = build_model(config, tokenizer)
+    os.makedirs(workdir, exist_ok=True)
+    if config.sft.steps > 0:
+        params = warm_start(config, workdir, model, params, tokenizer, train_rows)
+    trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
+                        default_compute_score, workdir, config.seed, config.trainer,
+                        apply_chat_template=config.data.apply_chat_template,
+                        data_seed=config.data.seed)
+    resumed = trainer.maybe_restore()
+    writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
+                                   config.to_dict(), start_step=trainer.state.step,
+                                   enabled=jax.process_index() == 0)
+    try:
+        final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+    finally:
+        writer.close()
+        trainer.checkpointer.close()
+    summary = {"resumed": resumed, "step": trainer.state.step, "final": final}
+    jsonl = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(jsonl):
+        records = metrics.read_jsonl(jsonl)
+        initial = next((r for r in records if r["step"] == 0), {})
+        summary["initial"] = {k: v for k, v in initial.items() if k.startswith("val-")}
+        summary["curves"] = metrics.plot_curves(jsonl, os.path.join(workdir, "curves.png"))
+    if config.model.path and config.trainer.export_hf and trainer.state.step == s.total_steps:
+        export = os.path.join(workdir, "hf_export")
+        hf.save_pretrained(export, model, trainer.state.actor.params)
+        summary["hf_export"] = export
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    final, initial = summary.get("final", {}), summary.get("initial", {})
+    for key in sorted(k for k in final if k.startswith("val-core/")):
+        before, after = initial.get(key), final[key]
+        line = f"{key}: {after:.3f} after RL"
+        if before is not None:
+            line += f", {before:.3f} before RL ({100 * (after - before):+.1f} points)"
+        print(line)
+    for key in ("curves", "hf_export"):
+        if key in summary:
+            print(f"{key}: {summary[key]}")
 
 
 def main(argv):
     del argv
-    print(algorithm_table())
-    if _CONFIG.value is not None:
-        print(_CONFIG.value)
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=configs/<name>.py is required")
+    name = os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
+    workdir = _WORKDIR.value or os.path.join("runs", name)
+    print_summary(run(config, workdir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""The full experiment configuration with its defaults; configs/*.py override parts of it.
+
+Keys follow verl's names where verl has the concept. Every key is commented; the
+comment above a key is its documentation.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    # Root seed: model init, rollout sampling and update shuffling all derive from it.
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    # Local Hugging Face checkpoint directory (config.json + safetensors); None: use `preset`.
+    c.model.path = config_dict.placeholder(str)
+    # Named architecture for random init when no path is given (see jrl.models.PRESETS).
+    c.model.preset = "tiny"
+    # Parameter dtype: float32 or bfloat16.
+    c.model.param_dtype = "float32"
+    # Compute dtype of activations and matmuls: float32 or bfloat16.
+    c.model.dtype = "float32"
+    # Rematerialisation in training: none, full or dots (save matmul outputs only).
+    c.model.remat = "none"
+    # Preset overrides (None keeps the preset's value).
+    c.model.hidden_size = config_dict.placeholder(int)
+    # MLP width override.
+    c.model.intermediate_size = config_dict.placeholder(int)
+    # Decoder layers override.
+    c.model.num_layers = config_dict.placeholder(int)
+    # Query heads override.
+    c.model.num_heads = config_dict.placeholder(int)
+    # Key/value heads override.
+    c.model.num_kv_heads = config_dict.placeholder(int)
+    # Per-head width override.
+    c.model.head_dim = config_dict.placeholder(int)
+
+    c.tokenizer = ml_collections.ConfigDict()
+    # "char" (built-in character tokenizer) or "hf" (tokenizer files in model.path or `path`).
+    c.tokenizer.name = "char"
+    # Tokenizer directory for name="hf" when it differs from model.path.
+    c.tokenizer.path = config_dict.placeholder(str)
+
+    c.data = ml_collections.ConfigDict()
+    # Dataset: "arithmetic" (synthetic, built in).
+    c.data.task = "arithmetic"
+    # Arithmetic: operand digits.
+    c.data.digits = 2
+    # Arithmetic: operators, from "+-*".
+    c.data.ops = "+"
+    # Arithmetic: write answers least-significant digit first (easier for small models).
+    c.data.reverse_answer = False
+    # Held-out problems for validation.
+    c.data.num_val = 256
+    # Cap on training problems (None: all that are not held out).
+    c.data.num_train = config_dict.placeholder(int)
+    # Prompts per RL step (verl's data.train_batch_size).
+    c.data.train_batch_size = 32
+    # Prompts per validation generate call.
+    c.data.val_batch_size = 256
+    # Prompt tokens (prompts are left-padded to this length; longer prompts are an error).
+    c.data.max_prompt_length = 16
+    # Encode prompts through the tokenizer's chat template.
+    c.data.apply_chat_template = False
+    # Seed of the per-epoch shuffle of the training prompts.
+    c.data.seed = 0
+
+    c.sft = ml_collections.ConfigDict()
+    # Supervised warm-start steps before RL (0: none).
+    c.sft.steps = 0
+    # Examples per SFT step.
+    c.sft.batch_size = 64
+    # SFT learning rate (AdamW, constant).
+    c.sft.lr = 1e-3
+
+    c.actor = ml_collections.ConfigDict()
+    c.actor.optim = _optim(lr=1e-6)
+    # Prompts per actor optimizer step, multiplied by rollout.n as in verl.
+    c.actor.ppo_mini_batch_size = 16
+    # Sequences per forward/backward pass; gradients accumulate over a mini-batch.
+    c.actor.ppo_micro_batch_size = 64
+    # Passes over each batch.
+    c.actor.ppo_epochs = 1
+    # Reshuffle the batch before splitting it into mini-batches, each epoch.
+    c.actor.shuffle = True
+    # PPO clip epsilon.
+    c.actor.clip_ratio = 0.2
+    # Lower clip epsilon (None: clip_ratio).
+    c.actor.clip_ratio_low = config_dict.placeholder(float)
+    # Upper clip epsilon (None: clip_ratio); DAPO's clip-higher sets e.g. 0.28.
+    c.actor.clip_ratio_high = config_dict.placeholder(float)
+    # Dual-clip bound for negative advantages (> 1).
+    c.actor.clip_ratio_c = 3.0
+    # token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.
+    c.actor.loss_agg_mode = "token-mean"
+    # Divisor of seq-mean-token-sum-norm (None: the response length).
+    c.actor.loss_scale_factor = config_dict.placeholder(float)
+    # Entropy bonus coefficient (subtracted from the loss).
+    c.actor.entropy_coeff = 0.0
+    # Add a KL(actor || reference) term to the actor loss (GRPO-style).
+    c.actor.use_kl_loss = False
+    # Weight of the KL loss.
+    c.actor.kl_loss_coef = 0.001
+    # KL estimator of the KL loss: k1, k2, k3 (low_var_kl), abs, mse, or a `+` variant.
+    c.actor.kl_loss_type = "low_var_kl"
+    # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
+    c.actor.logprob_chunk_size = 128
+    c.actor.policy_loss = ml_collections.ConfigDict()
+    # vanilla, gspo, gpg, cispo, sapo, clip_cov, kl_cov or geo_mean.
+    c.actor.policy_loss.loss_mode = "vanilla"
+    # Clip-Cov: share of tokens whose loss is dropped.
+    c.actor.policy_loss.clip_cov_ratio = 0.0002
+    # Clip-Cov: covariance lower bound.
+    c.actor.policy_loss.clip_cov_lb = 1.0
+    # Clip-Cov: covariance upper bound.
+    c.actor.policy_loss.clip_cov_ub = 5.0
+    # KL-Cov: share of tokens that get the KL penalty.
+    c.actor.policy_loss.kl_cov_ratio = 0.0002
+    # KL-Cov: weight of the |log ratio| penalty.
+    c.actor.policy_loss.ppo_kl_coef = 0.1
+    # SAPO: gate temperature for positive advantages.
+    c.actor.policy_loss.tau_pos = 1.0
+    # SAPO: gate temperature for negative advantages.
+    c.actor.policy_loss.tau_neg = 1.05
+
+    c.critic = ml_collections.ConfigDict()
+    c.critic.optim = _optim(lr=1e-5)
+    # Prompts per critic optimizer step (x rollout.n).
+    c.critic.ppo_mini_batch_size = 16
+    # Sequences per critic forward/backward pass.
+    c.critic.ppo_micro_batch_size = 64
+    # Passes over each batch.
+    c.critic.ppo_epochs = 1
+    # Reshuffle before splitting into mini-batches.
+    c.critic.shuffle = True
+    # Value clip range around the old values.
+    c.critic.cliprange_value = 0.5
+    # Aggregation of the value loss.
+    c.critic.loss_agg_mode = "token-mean"
+
+    c.rollout = ml_collections.ConfigDict()
+    # Samples per prompt (GRPO's group size).
+    c.rollout.n = 8
+    # Sampling temperature.
+    c.rollout.temperature = 1.0
+    # Nucleus sampling mass (1.0: off).
+    c.rollout.top_p = 1.0
+    # Top-k sampling (-1: off).
+    c.rollout.top_k = -1
+    # Sample (True) or decode greedily (False).
+    c.rollout.do_sample = True
+    # Most response tokens (verl's data.max_response_length).
+    c.rollout.response_length = 8
+    c.rollout.val_kwargs = ml_collections.ConfigDict()
+    # Validation samples per prompt.
+    c.rollout.val_kwargs.n = 1
+    # Validation temperature.
+    c.rollout.val_kwargs.temperature = 1.0
+    # Validation top-p.
+    c.rollout.val_kwargs.top_p = 1.0
+    # Validation top-k.
+    c.rollout.val_kwargs.top_k = -1
+    # Validation samples (False: greedy).
+    c.rollout.val_kwargs.do_sample = False
+
+    c.algorithm = ml_collections.ConfigDict()
+    # gae, grpo, grpo_passk, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax,
+    # opo or gpg.
+    c.algorithm.adv_estimator = "grpo"
+    # Discount factor.
+    c.algorithm.gamma = 1.0
+    # GAE lambda.
+    c.algorithm.lam = 1.0
+    # GRPO: divide by the group std (False: Dr. GRPO).
+    c.algorithm.norm_adv_by_std_in_grpo = True
+    # Subtract beta * KL(old || reference) from the token rewards (PPO-style).
+    c.algorithm.use_kl_in_reward = False
+    # KL estimator of the in-reward penalty.
+    c.algorithm.kl_penalty = "kl"
+    c.algorithm.kl_ctrl = ml_collections.ConfigDict()
+    # fixed or adaptive.
+    c.algorithm.kl_ctrl.type = "fixed"
+    # Initial (fixed) KL coefficient beta.
+    c.algorithm.kl_ctrl.kl_coef = 0.001
+    # Adaptive: target KL.
+    c.algorithm.kl_ctrl.target_kl = 0.1
+    # Adaptive: horizon in samples.
+    c.algorithm.kl_ctrl.horizon = 10000.0
+
+    c.trainer = ml_collections.ConfigDict()
+    # RL steps (0: total_epochs passes over the training prompts).
+    c.trainer.total_training_steps = 0
+    # Passes over the training prompts when total_training_steps is 0.
+    c.trainer.total_epochs = 1
+    # Checkpoint every this many steps and at the end (0: never).
+    c.trainer.save_freq = 0
+    # Validate every this many steps and at the end (0: never).
+    c.trainer.test_freq = 0
+    # Steps during which only the critic is trained.
+    c.trainer.critic_warmup = 0
+    # Validate before the first step.
+    c.trainer.val_before_train = True
+    # Checkpoints kept (None: all).
+    c.trainer.max_actor_ckpt_to_keep = config_dict.placeholder(int)
+    # Where metrics go: console, jsonl, tensorboard, wandb.
+    c.trainer.logger = ("console", "jsonl", "tensorboard")
+    # On a non-finite loss or gradient: skip the update and count it ("skip"), or stop ("raise").
+    c.trainer.nan_policy = "skip"
+    # Write the final actor as a Hugging Face checkpoint (when the model came from one).
+    c.trainer.export_hf = True
+    return c
+
+
+def _optim(lr: float) -> ml_collections.ConfigDict:
+    o = ml_collections.ConfigDict()
+    # Peak learning rate (AdamW).
+    o.lr = lr
+    # Decoupled weight decay.
+    o.weight_decay = 0.01
+    # Adam betas.
+    o.betas = (0.9, 0.999)
+    # Linear warmup steps.
+    o.lr_warmup_steps = 0
+    # constant or cosine (after warmup).
+    o.lr_scheduler = "constant"
+    # Cosine floor as a fraction of lr.
+    o.min_lr_ratio = 0.0
+    # Global-norm gradient clipping (0: off).
+    o.grad_clip = 1.0
+    return o

@@ -1,0 +1,196 @@
+"""Metrics with verl's names, and where they go: console, JSONL, TensorBoard, wandb, a PNG.
+
+Step metrics are flat dicts of Python floats. Writers: a progress bar on the
+console (step, reward, KL, step time), `metrics.jsonl` in the workdir, TensorBoard
+event files under `workdir/tensorboard` (needs `tensorboardX`), and wandb when it
+is installed and enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from jrl import masks
+
+# Peak dense bf16 FLOP/s per chip, for MFU.
+PEAK_FLOPS = {
+    "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+def _stats(prefix: str, values, mask=None) -> dict[str, float]:
+    values = np.asarray(values, np.float64)
+    if mask is not None:
+        values = values[np.asarray(mask) > 0]
+    if values.size == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def data_metrics(batch: dict, max_response_length: int, max_prompt_length: int) -> dict:
+    """verl's `compute_data_metrics`: scores, rewards, advantages, returns, values, lengths."""
+    mask = np.asarray(batch["response_mask"], np.float64)
+    out = {}
+    out.update(_stats("critic/score", np.sum(batch["token_level_scores"], -1)))
+    out.update(_stats("critic/rewards", np.sum(batch["token_level_rewards"], -1)))
+    out.update(_stats("critic/advantages", batch["advantages"], mask))
+    out.update(_stats("critic/returns", batch["returns"], mask))
+    if "values" in batch:
+        out.update(_stats("critic/values", batch["values"], mask))
+        returns = np.asarray(batch["returns"])[mask > 0]
+        residual = returns - np.asarray(batch["values"])[mask > 0]
+        out["critic/vf_explained_var"] = float(1.0 - residual.var() / (returns.var() + 1e-5))
+    response_length = mask.sum(-1)
+    prompt_length = np.asarray(batch["prompt_mask"], np.float64).sum(-1)
+    out.update(_stats("response_length", response_length))
+    out["response_length/clip_ratio"] = float(np.mean(response_length >= max_response_length))
+    out.update(_stats("prompt_length", prompt_length))
+    out["prompt_length/clip_ratio"] = float(np.mean(prompt_length >= max_prompt_length))
+    return out
+
+
+def validation_metrics(data_sources: Sequence[str], prompt_index: Sequence[int],
+                       scores: Sequence[float], answers: Sequence[str], n: int) -> dict:
+    """`val-core/<source>/reward/mean@n`, and `best@n` / `maj@n` when n > 1.
+
+    `maj@n` scores each prompt by the score of its most frequent answer.
+    """
+    by_prompt = defaultdict(list)
+    for src, idx, score, answer in zip(data_sources, prompt_index, scores, answers, strict=True):
+        by_prompt[(src, idx)].append((score, answer))
+    per_source = defaultdict(lambda: defaultdict(list))
+    for (src, _), samples in by_prompt.items():
+        values = [s for s, _ in samples]
+        per_source[src]["mean"].append(np.mean(values))
+        if n > 1:
+            per_source[src]["best"].append(np.max(values))
+            majority = Counter(a for _, a in samples).most_common(1)[0][0]
+            per_source[src]["maj"].append(next(s for s, a in samples if a == majority))
+    out = {}
+    for src, stats in per_source.items():
+        out[f"val-core/{src}/reward/mean@{n}"] = float(np.mean(stats["mean"]))
+        if n > 1:
+            out[f"val-aux/{src}/reward/best@{n}/mean"] = float(np.mean(stats["best"]))
+            out[f"val-aux/{src}/reward/maj@{n}/mean"] = float(np.mean(stats["maj"]))
+    return out
+
+
+def masked_mean_np(values, mask) -> float:
+    return float(masks.masked_mean(np.asarray(values), np.asarray(mask)))
+
+
+class MetricsWriter:
+    """Writes each step's metrics to the configured loggers (only on process 0)."""
+
+    def __init__(self, workdir: str, loggers: Sequence[str], total_steps: int,
+                 config_dict: dict | None = None, start_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._bar = self._tb = self._wandb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        _truncate_after(self.path, start_step)
+        if "console" in loggers:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="rl", dynamic_ncols=True)
+        if "tensorboard" in loggers:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            except ImportError:
+                logging.warning("trainer.logger has 'tensorboard' but tensorboardX is missing")
+        if "wandb" in loggers:
+            try:
+                import wandb
+
+                self._wandb = wandb.init(config=config_dict, dir=workdir, resume="allow")
+            except ImportError:
+                logging.warning("trainer.logger has 'wandb' but wandb is not installed")
+        self._jsonl = "jsonl" in loggers
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.n = step
+            shown = {"score": "critic/score/mean", "kl": "actor/ppo_kl", "s": "timing_s/step"}
+            self._bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in shown.items()
+                                   if v in metrics}, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Drops JSONL records of steps after `step` (written after the checkpoint we resume)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(jsonl_path: str, png_path: str, val_key: str | None = None) -> str:
+    """Training score and validation curves from `metrics.jsonl` into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(jsonl_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["critic/score/mean"]) for r in records if "critic/score/mean" in r]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train score (mean)")
+    val_keys = sorted({k for r in records for k in r if k.startswith("val-core/")})
+    for key in val_keys if val_key is None else [val_key]:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,32 @@
+"""Rule-based reward functions chosen by a row's `data_source`.
+
+A reward function has verl's signature
+`fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`
+(a dict must hold the score under "score"; its other entries are logged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jrl.rewards import arithmetic
+
+RewardFn = Callable[..., "float | dict"]
+
+_BY_SOURCE: dict[str, RewardFn] = {
+    arithmetic.DATA_SOURCE: arithmetic.compute_score,
+}
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Dispatches on `data_source`; unknown sources are an error naming the known ones."""
+    if data_source not in _BY_SOURCE:
+        raise NotImplementedError(
+            f"no reward function for data_source={data_source!r}; known: {sorted(_BY_SOURCE)}. "
+            "Set reward.custom_fn=path/to/file.py:name for your own."
+        )
+    return _BY_SOURCE[data_source](data_source, solution_str, ground_truth, extra_info)
+
+
+def register(data_source: str, fn: RewardFn) -> None:
+    _BY_SOURCE[data_source] = fn

@@ -1,0 +1,296 @@
+"""Turns an experiment `ConfigDict` into validated, static settings.
+
+Everything is checked here, before any model is built or anything compiles; each
+error names the config key and what would be valid. The jitted steps then take
+the frozen dataclasses below as static arguments, never the `ConfigDict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+
+from jrl import advantages, kl_control, losses, masks
+from jrl.rollout import SamplingConfig
+
+LR_SCHEDULERS = ("constant", "cosine")
+NAN_POLICIES = ("skip", "raise")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    lr_scheduler: str
+    min_lr_ratio: float
+    grad_clip: float
+    total_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """How one model is updated from a batch of `B·n` sequences."""
+
+    ppo_epochs: int
+    mini_batch: int  # sequences per optimizer step
+    micro_batch: int  # sequences per forward/backward
+    shuffle: bool
+    nan_policy: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSettings:
+    update: UpdateSettings
+    loss: losses.PolicyLossConfig
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    optim: OptimSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSettings:
+    update: UpdateSettings
+    cliprange_value: float
+    loss_agg_mode: str
+    optim: OptimSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSettings:
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl_type: str
+    kl_coef: float
+    target_kl: float
+    horizon: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything static about a run, derived once from the config."""
+
+    actor: ActorSettings
+    critic: CriticSettings | None  # None: the estimator needs no critic
+    algorithm: AlgorithmSettings
+    rollout: SamplingConfig
+    validation: SamplingConfig
+    train_batch_size: int  # prompts per step
+    max_prompt_length: int
+    total_steps: int
+    logprob_chunk_size: int
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+
+def _fail(key: str, message: str):
+    raise ValueError(f"{key}: {message}")
+
+
+def _positive(config, key: str, allow_zero: bool = False):
+    value = _get(config, key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+        value == 0 and not allow_zero
+    ):
+        _fail(key, f"must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+    return value
+
+
+def _choice(config, key: str, choices) -> str:
+    value = _get(config, key)
+    if value not in choices:
+        _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
+    return value
+
+
+def _get(config, key: str):
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            _fail(key, "is missing from the config")
+        node = node[part]
+    return node
+
+
+def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
+    lr = _positive(config, f"{prefix}.optim.lr", allow_zero=True)
+    betas = tuple(_get(config, f"{prefix}.optim.betas"))
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        _fail(f"{prefix}.optim.betas", f"must be two numbers in [0, 1), got {betas}")
+    ratio = _get(config, f"{prefix}.optim.min_lr_ratio")
+    if not 0 <= ratio <= 1:
+        _fail(f"{prefix}.optim.min_lr_ratio", f"must be in [0, 1], got {ratio}")
+    return OptimSettings(
+        lr=lr,
+        weight_decay=_positive(config, f"{prefix}.optim.weight_decay", allow_zero=True),
+        betas=betas,
+        warmup_steps=int(_positive(config, f"{prefix}.optim.lr_warmup_steps", allow_zero=True)),
+        lr_scheduler=_choice(config, f"{prefix}.optim.lr_scheduler", LR_SCHEDULERS),
+        min_lr_ratio=ratio,
+        grad_clip=_positive(config, f"{prefix}.optim.grad_clip", allow_zero=True),
+        total_steps=total_steps,
+    )
+
+
+def _update(config, prefix: str, batch_sequences: int, n: int, nan_policy: str) -> UpdateSettings:
+    mini_prompts = int(_positive(config, f"{prefix}.ppo_mini_batch_size"))
+    mini = mini_prompts * n  # verl: mini-batch size is in prompts, times rollout.n
+    if batch_sequences % mini:
+        _fail(
+            f"{prefix}.ppo_mini_batch_size",
+            f"{mini_prompts} prompts x rollout.n={n} = {mini} sequences must divide the batch "
+            f"of {batch_sequences} sequences (data.train_batch_size x rollout.n)",
+        )
+    micro = int(_positive(config, f"{prefix}.ppo_micro_batch_size"))
+    if mini % micro:
+        _fail(
+            f"{prefix}.ppo_micro_batch_size",
+            f"{micro} sequences must divide the mini-batch of {mini} sequences",
+        )
+    return UpdateSettings(
+        ppo_epochs=int(_positive(config, f"{prefix}.ppo_epochs")),
+        mini_batch=mini,
+        micro_batch=micro,
+        shuffle=bool(_get(config, f"{prefix}.shuffle")),
+        nan_policy=nan_policy,
+    )
+
+
+def _sampling(config, key: str, overrides: dict, stop_ids, pad_id) -> SamplingConfig:
+    sampling = SamplingConfig(
+        n=int(overrides["n"]),
+        max_new_tokens=int(_get(config, "rollout.response_length")),
+        temperature=float(overrides["temperature"]),
+        top_k=int(overrides["top_k"]),
+        top_p=float(overrides["top_p"]),
+        do_sample=bool(overrides["do_sample"]),
+        stop_token_ids=tuple(stop_ids),
+        pad_token_id=int(pad_id),
+    )
+    try:
+        sampling.validate()
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    return sampling
+
+
+def _algorithm(config) -> AlgorithmSettings:
+    estimator = _get(config, "algorithm.adv_estimator")
+    if estimator not in advantages.ESTIMATORS:
+        _fail("algorithm.adv_estimator",
+              f"{estimator!r} is not known; choose one of {sorted(advantages.ESTIMATORS)}")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0 <= _get(config, key) <= 1:
+            _fail(key, f"must be in [0, 1], got {_get(config, key)}")
+    kl_ctrl = _choice(config, "algorithm.kl_ctrl.type", kl_control.KL_CONTROLLERS)
+    if kl_ctrl == "adaptive":
+        _positive(config, "algorithm.kl_ctrl.horizon")
+        _positive(config, "algorithm.kl_ctrl.target_kl")
+    return AlgorithmSettings(
+        adv_estimator=estimator,
+        gamma=float(_get(config, "algorithm.gamma")),
+        lam=float(_get(config, "algorithm.lam")),
+        norm_adv_by_std_in_grpo=bool(_get(config, "algorithm.norm_adv_by_std_in_grpo")),
+        use_kl_in_reward=bool(_get(config, "algorithm.use_kl_in_reward")),
+        kl_penalty=_choice(config, "algorithm.kl_penalty", losses.KL_PENALTIES),
+        kl_ctrl_type=kl_ctrl,
+        kl_coef=float(_positive(config, "algorithm.kl_ctrl.kl_coef", allow_zero=True)),
+        target_kl=float(_get(config, "algorithm.kl_ctrl.target_kl")),
+        horizon=float(_get(config, "algorithm.kl_ctrl.horizon")),
+    )
+
+
+def _policy_loss(config) -> losses.PolicyLossConfig:
+    pl = _get(config, "actor.policy_loss")
+    cfg = losses.PolicyLossConfig(
+        loss_mode=_get(config, "actor.policy_loss.loss_mode"),
+        loss_agg_mode=_choice(config, "actor.loss_agg_mode", masks.LOSS_AGG_MODES),
+        clip_ratio=float(_get(config, "actor.clip_ratio")),
+        clip_ratio_low=_get(config, "actor.clip_ratio_low"),
+        clip_ratio_high=_get(config, "actor.clip_ratio_high"),
+        clip_ratio_c=float(_get(config, "actor.clip_ratio_c")),
+        loss_scale_factor=_get(config, "actor.loss_scale_factor"),
+        clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+        kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+        tau_pos=pl.tau_pos, tau_neg=pl.tau_neg,
+    )
+    cfg.validate("actor")
+    return cfg
+
+
+def total_steps(config, num_train_rows: int) -> int:
+    """`trainer.total_training_steps` if set, else epochs x batches per epoch."""
+    steps = _get(config, "trainer.total_training_steps")
+    if steps:
+        return int(_positive(config, "trainer.total_training_steps"))
+    epochs = int(_positive(config, "trainer.total_epochs"))
+    return epochs * (num_train_rows // int(_get(config, "data.train_batch_size")))
+
+
+def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
+                num_train_rows: int) -> Settings:
+    """Validates `config` and derives the static settings of the run."""
+    batch = int(_positive(config, "data.train_batch_size"))
+    _positive(config, "data.max_prompt_length")
+    _positive(config, "rollout.response_length")
+    algorithm = _algorithm(config)
+    estimator = advantages.get_estimator(algorithm.adv_estimator)
+    n = int(_positive(config, "rollout.n"))
+    if estimator.needs_groups and n < max(2, estimator.min_group_size):
+        _fail("rollout.n", f"algorithm.adv_estimator={algorithm.adv_estimator!r} compares the "
+              f"samples of a prompt and needs rollout.n >= 2, got {n}")
+    nan_policy = _choice(config, "trainer.nan_policy", NAN_POLICIES)
+    for logger in _get(config, "trainer.logger"):
+        if logger not in LOGGERS:
+            _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
+    steps = total_steps(config, num_train_rows)
+    if _get(config, "trainer.save_freq") < 0 or _get(config, "trainer.test_freq") < 0:
+        _fail("trainer.save_freq", "save_freq and test_freq must be >= 0 (0 = never)")
+    rollout_overrides = {k: _get(config, f"rollout.{k}")
+                         for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
+    val_overrides = {k: _get(config, f"rollout.val_kwargs.{k}")
+                     for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
+    actor = ActorSettings(
+        update=_update(config, "actor", batch * n, n, nan_policy),
+        loss=_policy_loss(config),
+        entropy_coeff=float(_get(config, "actor.entropy_coeff")),
+        use_kl_loss=bool(_get(config, "actor.use_kl_loss")),
+        kl_loss_coef=float(_positive(config, "actor.kl_loss_coef", allow_zero=True)),
+        kl_loss_type=_choice(config, "actor.kl_loss_type", losses.KL_PENALTIES),
+        optim=_optim(config, "actor", steps),
+    )
+    critic = None
+    if estimator.needs_values:
+        critic = CriticSettings(
+            update=_update(config, "critic", batch * n, n, nan_policy),
+            cliprange_value=float(_positive(config, "critic.cliprange_value")),
+            loss_agg_mode=_choice(config, "critic.loss_agg_mode", masks.LOSS_AGG_MODES),
+            optim=_optim(config, "critic", steps),
+        )
+    model_path = _get(config, "model.path")
+    if model_path and not os.path.isdir(model_path):
+        _fail("model.path", f"{model_path!r} is not a directory")
+    return Settings(
+        actor=actor,
+        critic=critic,
+        algorithm=algorithm,
+        rollout=_sampling(config, "rollout", rollout_overrides, stop_token_ids, pad_token_id),
+        validation=_sampling(config, "rollout.val_kwargs", val_overrides, stop_token_ids,
+                             pad_token_id),
+        train_batch_size=batch,
+        max_prompt_length=int(_get(config, "data.max_prompt_length")),
+        total_steps=steps,
+        logprob_chunk_size=int(_positive(config, "actor.logprob_chunk_size")),
+    )

@@ -1,0 +1,71 @@
+"""Supervised fine-tuning on (prompt, answer) rows: the warm start before RL.
+
+`python -m jrl.sft --config=configs/x.py --workdir=...` runs the `sft` section of
+an experiment config on its training rows and saves the parameters; the RL
+entry point runs the same warm start first when `sft.steps > 0`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jrl import logprobs, masks, update
+from jrl.data.dataset import Row, encode_prompts, ground_truth
+from jrl.models.config import ModelConfig
+
+
+def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length: int,
+                    apply_chat_template: bool = False):
+    """Left-padded prompts and right-padded `answer + eos` responses, as numpy arrays."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, rows, max_prompt_length,
+                                             apply_chat_template)
+    responses = np.full((len(rows), max_response_length), tokenizer.pad_token_id, np.int32)
+    response_mask = np.zeros_like(responses)
+    for i, row in enumerate(rows):
+        ids = tokenizer.encode(str(ground_truth(row))) + [tokenizer.eos_token_id]
+        if len(ids) > max_response_length:
+            raise ValueError(f"answer of row {i} needs {len(ids)} tokens, more than "
+                             f"rollout.response_length={max_response_length}")
+        responses[i, : len(ids)] = ids
+        response_mask[i, : len(ids)] = 1
+    return prompt_ids, prompt_mask, responses, response_mask
+
+
+def sft_loss(params, batch, *, model: ModelConfig):
+    """Token-mean negative log-likelihood of the responses."""
+    log_probs, _ = logprobs.response_log_probs(
+        params, batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
+        batch["response_mask"], config=model)
+    return -masks.masked_mean(log_probs, batch["response_mask"])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "optimizer"), donate_argnums=0)
+def sft_step(state: update.ModelState, batch, *, model: ModelConfig,
+             optimizer: optax.GradientTransformation):
+    loss, grads = jax.value_and_grad(sft_loss)(state.params, batch, model=model)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return update.ModelState(optax.apply_updates(state.params, updates), opt_state), loss
+
+
+def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: int,
+              batch_size: int, lr: float, max_prompt_length: int, max_response_length: int,
+              seed: int = 0, apply_chat_template: bool = False, log_every: int = 0):
+    """Runs `steps` AdamW steps on random batches of `rows`; returns the new params."""
+    optimizer = optax.adamw(lr, weight_decay=0.0)
+    state = update.ModelState(params, optimizer.init(params))
+    examples = encode_examples(tokenizer, rows, max_prompt_length, max_response_length,
+                               apply_chat_template)
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        pick = rng.choice(len(rows), size=batch_size, replace=False)
+        batch = dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask"),
+                         (jnp.asarray(x[pick]) for x in examples), strict=True))
+        state, loss = sft_step(state, batch, model=model, optimizer=optimizer)
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)
+    return state.params

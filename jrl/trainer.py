@@ -1,0 +1,390 @@
+"""The RL trainer: verl's `fit()` loop in JAX.
+
+One step:
+
+    rollout -> old log-probs -> reference log-probs (if a KL term is configured)
+    -> critic values (if the estimator needs them) -> rule rewards at the last token
+    -> KL in reward (fixed / adaptive controller) -> advantages
+    -> critic update (after `critic_warmup`) -> actor update -> metrics
+
+Each arrow is a jitted program; the host only decodes responses and scores them.
+Randomness is `fold_in(key(seed), step)`, split by purpose, so a resumed run
+repeats exactly what an uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl import advantages as adv_lib
+from jrl import kl_control, logprobs, masks, metrics, rollout, update
+from jrl.checkpoint import Checkpointer
+from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts, ground_truth
+from jrl.models import heads
+from jrl.models.config import ModelConfig
+from jrl.optim import learning_rate_schedule, make_optimizer
+from jrl.settings import Settings
+
+Array = jax.Array
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """Raised with `trainer.nan_policy='raise'` when a loss or gradient is not finite."""
+
+
+# ----------------------------------------------------------------------------- prompts, rewards
+
+
+def decode_responses(tokenizer, responses: np.ndarray, response_mask: np.ndarray) -> list[str]:
+    """Response texts without the stop token and padding."""
+    out = []
+    for ids, mask in zip(responses, response_mask, strict=True):
+        ids = ids[mask > 0].tolist()
+        out.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return out
+
+
+def score_responses(reward_fn: Callable, rows: Sequence[Row], texts: Sequence[str], n: int
+                    ) -> np.ndarray:
+    """Scores sample `i` (of prompt `i // n`) with verl's reward signature.
+
+    A reward function that raises stops the run with the sample's index and data source.
+    """
+    scores = np.zeros(len(texts), np.float32)
+    for i, text in enumerate(texts):
+        row = rows[i // n]
+        try:
+            result = reward_fn(row["data_source"], text, ground_truth(row), row.get("extra_info"))
+        except Exception as err:
+            raise RuntimeError(
+                f"reward function failed on sample {i} (data_source={row['data_source']!r}): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        scores[i] = result["score"] if isinstance(result, dict) else result
+    return scores
+
+
+def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """Token-level scores `[B, R]`: each score at its row's last valid response token."""
+    out = np.zeros(response_mask.shape, np.float32)
+    last = np.maximum(response_mask.sum(-1).astype(np.int64) - 1, 0)
+    out[np.arange(len(scores)), last] = scores
+    return out
+
+
+# ----------------------------------------------------------------------------- jitted stages
+
+
+def _advantage_stage(batch: dict, beta, *, s: Settings):
+    """KL in reward (optional) and the advantage estimator, as one program."""
+    mask = batch["response_mask"].astype(jnp.float32)
+    rewards = batch["token_level_scores"]
+    current_kl = jnp.float32(0.0)
+    if s.algorithm.use_kl_in_reward:
+        rewards, current_kl = kl_control.apply_kl_penalty(
+            rewards, batch["old_log_probs"], batch["ref_log_probs"], mask, beta,
+            s.algorithm.kl_penalty)
+    advantages, returns = adv_lib.compute_advantages(
+        s.algorithm.adv_estimator, rewards, mask, values=batch.get("values"),
+        group_ids=batch["uid"], reward_baselines=batch.get("reward_baselines"),
+        gamma=s.algorithm.gamma, lam=s.algorithm.lam,
+        norm_adv_by_std_in_grpo=s.algorithm.norm_adv_by_std_in_grpo)
+    return rewards, advantages, returns, current_kl
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a checkpoint must hold to continue a run exactly."""
+
+    step: int
+    actor: update.ModelState
+    critic: update.ModelState | None
+    kl: kl_control.KLControlState
+    data: IteratorState
+
+    def tree(self) -> dict:
+        tree = {"actor": self.actor, "kl": self.kl}
+        if self.critic is not None:
+            tree["critic"] = self.critic
+        return tree
+
+
+class RLTrainer:
+    """Holds the jitted stages and runs the loop.
+
+    Args:
+      settings: validated static settings (`jrl.settings.from_config`).
+      model: the architecture of actor, reference and critic.
+      actor_params: initial actor parameters (also the reference's).
+      tokenizer: encodes prompts, decodes responses.
+      train_rows, val_rows: prompt rows in verl's schema.
+      reward_fn: `fn(data_source, solution_str, ground_truth, extra_info)`.
+      workdir: checkpoints, metrics, plots.
+      seed: root of all randomness.
+      trainer_config: the `trainer` section (frequencies, loggers, ...).
+      apply_chat_template: encode prompts through the tokenizer's chat template.
+      data_seed: seed of the per-epoch shuffling of the training rows.
+    """
+
+    def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,
+                 train_rows, val_rows, reward_fn, workdir: str, seed: int, trainer_config,
+                 apply_chat_template: bool = False, data_seed: int = 0):
+        self.s = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.train_rows, self.val_rows = train_rows, val_rows
+        self.reward_fn = reward_fn
+        self.workdir = workdir
+        self.cfg = trainer_config
+        self.chat = apply_chat_template
+        self.data_seed = data_seed
+        self.root_key = jax.random.key(seed)
+        self.estimator = adv_lib.get_estimator(settings.algorithm.adv_estimator)
+        self.ref_params = actor_params if settings.needs_reference else None
+        if self.ref_params is not None:
+            # The actor update donates its parameters; the reference keeps its own copy.
+            self.ref_params = jax.tree.map(jnp.copy, actor_params)
+        self._build_stages()
+        self.state = self._initial_state(actor_params, seed)
+        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                         max_to_keep=trainer_config.max_actor_ckpt_to_keep)
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _build_stages(self):
+        s, model = self.s, self.model
+        a = s.actor.update
+        self.actor_opt = make_optimizer(
+            s.actor.optim, a.ppo_epochs * (self.batch_sequences // a.mini_batch))
+        actor_loss = functools.partial(update.actor_loss, model=model, actor=s.actor,
+                                       temperature=s.rollout.temperature,
+                                       chunk_size=s.logprob_chunk_size)
+        self._update_actor = jax.jit(functools.partial(
+            update.run_updates, loss_fn=actor_loss, optimizer=self.actor_opt, update=a),
+            donate_argnums=0)
+        if s.critic is not None:
+            c = s.critic.update
+            self.critic_opt = make_optimizer(
+                s.critic.optim, c.ppo_epochs * (self.batch_sequences // c.mini_batch))
+            critic_loss = functools.partial(update.critic_loss, model=model, critic=s.critic)
+            self._update_critic = jax.jit(functools.partial(
+                update.run_updates, loss_fn=critic_loss, optimizer=self.critic_opt, update=c),
+                donate_argnums=0)
+            self._values = jax.jit(functools.partial(logprobs.response_values, config=model))
+        self._log_probs = jax.jit(functools.partial(
+            logprobs.response_log_probs, config=model, temperature=s.rollout.temperature,
+            chunk_size=s.logprob_chunk_size, with_entropy=True))
+        self._advantages = jax.jit(functools.partial(_advantage_stage, s=s))
+
+    @property
+    def batch_sequences(self) -> int:
+        return self.s.train_batch_size * self.s.rollout.n
+
+    def _initial_state(self, actor_params, seed) -> TrainState:
+        actor = update.ModelState(actor_params, self.actor_opt.init(actor_params))
+        critic = None
+        if self.s.critic is not None:
+            key = jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
+            critic_params = heads.init_critic_params(actor_params, key)
+            critic = update.ModelState(critic_params, self.critic_opt.init(critic_params))
+        return TrainState(step=0, actor=actor, critic=critic,
+                          kl=kl_control.init_kl_controller(self.s.algorithm.kl_coef),
+                          data=IteratorState())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def maybe_restore(self) -> bool:
+        """Continues from the latest complete checkpoint in the workdir, if any."""
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return False
+        tree, meta = self.checkpointer.restore(step, self.state.tree())
+        self.state = TrainState(step=int(meta["step"]), actor=tree["actor"],
+                                critic=tree.get("critic"), kl=tree["kl"],
+                                data=IteratorState(**meta["data"]))
+        logging.info("resumed from step %d", self.state.step)
+        return True
+
+    def save(self) -> None:
+        meta = {"step": self.state.step, "data": dataclasses.asdict(self.state.data)}
+        self.checkpointer.save(self.state.step, self.state.tree(), meta)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _generate(self, params, rows, sampling: rollout.SamplingConfig, key):
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
+                                                 self.chat)
+        out = rollout.generate(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key,
+                               sampling, config=self.model)
+        return jax.device_get(out)
+
+    def _score(self, rows, out, n) -> np.ndarray:
+        texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
+        return score_responses(self.reward_fn, rows, texts, n), texts
+
+    def train_step(self, iterator: BatchIterator) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        s, st = self.s, self.state
+        timing = {}
+        t_step = time.perf_counter()
+        key = jax.random.fold_in(self.root_key, st.step)
+        gen_key, actor_key, critic_key = jax.random.split(key, 3)
+        rows = iterator.next_batch()
+
+        t = time.perf_counter()
+        out = self._generate(st.actor.params, rows, s.rollout, gen_key)
+        timing["gen"] = time.perf_counter() - t
+
+        batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
+                 "responses": out.responses, "response_mask": out.response_mask}
+        seq = (batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
+               batch["response_mask"])
+        t = time.perf_counter()
+        old_log_probs, entropy = self._log_probs(st.actor.params, *seq)
+        batch["old_log_probs"] = jax.block_until_ready(old_log_probs)
+        timing["old_log_prob"] = time.perf_counter() - t
+        if self.ref_params is not None:
+            t = time.perf_counter()
+            batch["ref_log_probs"] = jax.block_until_ready(self._log_probs(self.ref_params, *seq)[0])
+            timing["ref"] = time.perf_counter() - t
+        if st.critic is not None:
+            t = time.perf_counter()
+            batch["values"] = jax.block_until_ready(self._values(st.critic.params, *seq))
+            timing["values"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        n = s.rollout.n
+        scores, _ = self._score(rows, out, n)
+        batch["token_level_scores"] = place_scores(scores, np.asarray(out.response_mask))
+        if self.estimator.needs_baseline:
+            greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
+            base_out = self._generate(st.actor.params, rows, greedy, gen_key)
+            batch["reward_baselines"] = np.repeat(self._score(rows, base_out, 1)[0], n)
+        timing["reward"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        batch["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
+        rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
+        batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+        jax.block_until_ready(advantages)
+        timing["adv"] = time.perf_counter() - t
+
+        step_metrics = {}
+        if s.algorithm.use_kl_in_reward:
+            step_metrics["actor/reward_kl_penalty"] = float(current_kl)
+            step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
+            st.kl = kl_control.update_kl_controller(
+                st.kl, current_kl, self.batch_sequences, s.algorithm.kl_ctrl_type,
+                s.algorithm.target_kl, s.algorithm.horizon)
+        update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                       "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
+        train_batch = {k: jnp.asarray(batch[k]) for k in update_keys if k in batch}
+        if st.critic is not None:
+            t = time.perf_counter()
+            critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
+            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key)
+            step_metrics.update(self._update_metrics("critic", m, self._lr(s.critic.optim)))
+            timing["update_critic"] = time.perf_counter() - t
+        if st.step >= self.cfg.critic_warmup:
+            t = time.perf_counter()
+            st.actor, m = self._update_actor(st.actor, train_batch, actor_key)
+            step_metrics.update(self._update_metrics("actor", m, self._lr(s.actor.optim)))
+            timing["update_actor"] = time.perf_counter() - t
+        step_metrics["actor/entropy"] = float(
+            masks.agg_loss(entropy, out.response_mask, s.actor.loss.loss_agg_mode))
+        st.step += 1
+        st.data = iterator.state
+        timing["step"] = time.perf_counter() - t_step
+        step_metrics.update(metrics.data_metrics(jax.device_get(batch), s.rollout.max_new_tokens,
+                                                 s.max_prompt_length))
+        step_metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        step_metrics.update(self._perf_metrics(batch, timing))
+        return step_metrics
+
+    def _update_metrics(self, role: str, m: dict, lr: float) -> dict[str, float]:
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        if m["nan_skipped"] and self.s.actor.update.nan_policy == "raise":
+            raise NonFiniteUpdateError(
+                f"step {self.state.step}: non-finite {role} loss or gradient in "
+                f"{int(m['nan_skipped'])} update(s); parameters were left unchanged")
+        names = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
+        out = {f"{role}/{names.get(k, k)}": v for k, v in m.items()}
+        out[f"{role}/lr"] = lr
+        return out
+
+    def _lr(self, optim) -> float:
+        return float(learning_rate_schedule(optim)(self.state.step))
+
+    def _perf_metrics(self, batch, timing) -> dict[str, float]:
+        tokens = float(np.sum(batch["prompt_mask"]) + np.sum(batch["response_mask"]))
+        devices = jax.device_count()
+        out = {"perf/total_num_tokens": tokens, "perf/time_per_step": timing["step"],
+               "perf/throughput": tokens / timing["step"] / devices}
+        peak = metrics.peak_flops(jax.devices()[0].device_kind)
+        if peak and "update_actor" in timing:
+            flops = 6.0 * self.num_params * tokens * self.s.actor.update.ppo_epochs
+            out["perf/mfu/actor"] = flops / timing["update_actor"] / (peak * devices)
+        return out
+
+    @functools.cached_property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.state.actor.params))
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def validate(self, batch_size: int) -> dict[str, float]:
+        """Scores the validation set with `rollout.val_kwargs` sampling."""
+        sampling = self.s.validation
+        key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.state.step)
+        sources, index, scores, answers = [], [], [], []
+        for start in range(0, len(self.val_rows), batch_size):
+            rows = self.val_rows[start:start + batch_size]
+            out = self._generate(self.state.actor.params, rows, sampling,
+                                 jax.random.fold_in(key, start))
+            batch_scores, texts = self._score(rows, out, sampling.n)
+            for i, (score, text) in enumerate(zip(batch_scores, texts, strict=True)):
+                row = rows[i // sampling.n]
+                sources.append(row["data_source"])
+                index.append(start + i // sampling.n)
+                scores.append(float(score))
+                answers.append(text.strip())
+        return metrics.validation_metrics(sources, index, scores, answers, sampling.n)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self, val_batch_size: int, writer: metrics.MetricsWriter | None = None,
+            exit_after_steps: int | None = None) -> dict[str, float]:
+        """Runs until `total_steps`; returns the last validation metrics."""
+        cfg = self.cfg
+        iterator = BatchIterator(self.train_rows, self.s.train_batch_size, self.data_seed,
+                                 shuffle=True, state=self.state.data)
+        last_val = {}
+        if cfg.val_before_train and self.state.step == 0 and self.val_rows:
+            last_val = self.validate(val_batch_size)
+            if writer:
+                writer.write(0, last_val)
+        steps_run = 0
+        while self.state.step < self.s.total_steps:
+            step_metrics = self.train_step(iterator)
+            step = self.state.step
+            last = step == self.s.total_steps
+            if self.val_rows and cfg.test_freq and (step % cfg.test_freq == 0 or last):
+                last_val = self.validate(val_batch_size)
+                step_metrics.update(last_val)
+            if writer:
+                writer.write(step, step_metrics)
+            if cfg.save_freq and (step % cfg.save_freq == 0 or last):
+                self.save()
+            steps_run += 1
+            if exit_after_steps is not None and steps_run >= exit_after_steps:
+                break
+        return last_val

@@ -1,0 +1,137 @@
+"""Functional key/value cache for decoding, and the attention masks built around it.
+
+The cache contract (what `jrl.rollout` relies on)
+------------------------------------------------
+
+The cache is a pytree (`KVCache`) that `forward` takes and returns; nothing is kept
+in Flax collections. Its buffers are stacked over layers:
+`k, v: [L, B, S, K, H]`, S = `max_len` slots. Slot s of every row holds the token
+fed at step s, so all rows share one write position.
+
+Prompts are LEFT-padded to a common length P, so the last prompt token of every
+row sits in slot P-1 and decoding writes every row's next token to the same slot:
+
+1. `cache = init_cache(config, B, max_len)`; `key_mask = zeros [B, max_len]`.
+2. Prefill: `key_mask[:, :P] = prompt_mask`;
+   `hidden, cache = forward(params, prompt_tokens [B,P], positions [B,P], key_mask,
+   cache, write_index=0)`. Tokens are written to slots 0..P-1.
+3. Decode step i (slot `w = P + i`): `key_mask[:, w] = 1` (or 0 for rows that no
+   longer matter); `hidden, cache = forward(params, tokens [B,1], positions [B,1],
+   key_mask, cache, write_index=w)`. `write_index` is one scalar for all rows.
+
+Rules:
+- `positions` are RoPE positions: the number of valid tokens before the token in
+  its row (`positions_from_mask`), so left padding does not shift them. In decode
+  step i a row's position is `prompt_len[b] + i`.
+- `key_mask [B, S]` marks which slots hold real tokens (1 = valid) and must already
+  include the slots being written by this call. Unwritten slots must be 0.
+- A query at slot `write_index + t` attends to slots `s <= write_index + t` with
+  `key_mask[b, s] == 1` (causal + padding + unwritten slots masked out), and to its
+  own slot (which only matters for padding queries, whose outputs are garbage).
+- `write_index + T <= max_len`; `lax.dynamic_update_slice` would otherwise clamp the
+  write silently (checked when `write_index` is a Python int).
+
+Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
+themselves and applies the same causal + padding rule within the T tokens.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jrl.models.config import ModelConfig
+
+# Logical axis names of the cache buffers, for `jrl.sharding`.
+CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer.
+
+    Attributes:
+      k: `[L, B, S, K, H]` keys after RoPE (and q/k norm), in the cache dtype.
+      v: `[L, B, S, K, H]` values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: jax.Array, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
+        """Writes one layer's new keys/values `[B, T, K, H]` at slots write_index.. ."""
+        start = (layer, 0, write_index, 0, 0)
+        # Updating the stacked buffer in place (rather than a per-layer copy) keeps a
+        # decode step's memory traffic at one token per layer.
+        k = lax.dynamic_update_slice(self.k, k_btkh[None].astype(self.k.dtype), start)
+        v = lax.dynamic_update_slice(self.v, v_btkh[None].astype(self.v.dtype), start)
+        return KVCache(k=k, v=v)
+
+    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(k_bskh, v_bskh) of one layer."""
+        return self.k[layer], self.v[layer]
+
+
+def init_cache(
+    config: ModelConfig, batch_size: int, max_len: int, dtype: str | None = None
+) -> KVCache:
+    """An empty cache of `max_len` slots per row.
+
+    Args:
+      config: supplies L, K and H.
+      batch_size: B.
+      max_len: S, prompt length plus the most tokens to generate.
+      dtype: buffer dtype; defaults to the compute dtype `config.dtype`.
+
+    Returns:
+      `KVCache` with zero `k`, `v` of shape `[L, B, S, K, H]`.
+    """
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    dtype = dtype or config.dtype
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
+    """RoPE positions of left- (or right-) padded tokens: valid tokens before each one.
+
+    Padding gets position 0 (its value does not matter; it is masked out).
+
+    Args:
+      mask_bt: `[B, T]`, 1 for real tokens.
+
+    Returns:
+      int32 `[B, T]`.
+    """
+    mask_bt = mask_bt.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0)
+
+
+def attention_mask(
+    key_mask_bs: jax.Array, num_queries: int, write_index: jax.Array | int | None
+) -> jax.Array:
+    """Boolean mask `[B, 1, T, S]`: which key slots each query may attend to.
+
+    Args:
+      key_mask_bs: `[B, S]` validity of keys (1 = real token).
+      num_queries: T.
+      write_index: slot of the first query; None when there is no cache, in which
+        case S == T and query t sits at slot t.
+
+    Returns:
+      bool `[B, 1, T, S]` (broadcast over heads): causal, valid keys only, plus
+      each query's own slot.
+    """
+    first = 0 if write_index is None else write_index
+    query_slot_t1 = (first + jnp.arange(num_queries))[:, None]
+    slot_1s = jnp.arange(key_mask_bs.shape[1])[None, :]
+    allowed_bts = (slot_1s <= query_slot_t1)[None] & key_mask_bs.astype(bool)[:, None, :]
+    # Every query may also see its own slot, so a padding query never has an all-masked
+    # row: cuDNN's backward pass returns garbage gradients for such rows. Real queries
+    # are unaffected (their own slot is valid anyway).
+    return (allowed_bts | (slot_1s == query_slot_t1)[None])[:, None]

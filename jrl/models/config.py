@@ -1,0 +1,345 @@
+"""Model configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family.
+
+`ModelConfig` is hashable, so it can be a static argument of `jax.jit`. It is built
+from a Hugging Face `config.json` dict (`ModelConfig.from_hf`), from a named preset
+(`ModelConfig.preset`), or directly. Run-time options (parameter and compute dtypes,
+rematerialisation, attention kernel) live in the same dataclass; change them with
+`dataclasses.replace(config, dtype="bfloat16", remat="full")`.
+
+The three families differ only in a few switches:
+
+| family | q/k/v bias | per-head q/k RMSNorm | rope scaling       |
+| ------ | ---------- | -------------------- | ------------------ |
+| llama  | no         | no                   | optional "llama3"  |
+| qwen2  | yes        | no                   | none               |
+| qwen3  | no         | yes                  | none               |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots_saveable")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+# HF class name -> (family, head). The head says which output layer the checkpoint has.
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
+    "Qwen3ForSequenceClassification": ("qwen3", "score"),
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency-dependent RoPE scaling (`rope_type: "llama3"`).
+
+    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+    divided by `factor`, those shorter than `.../high_freq_factor` are kept, and the
+    band in between is interpolated smoothly (Llama 3.1 report, section 3.3).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and run-time options of a decoder-only transformer.
+
+    Attributes:
+      family: "llama", "qwen2" or "qwen3" (picks the HF class names on save).
+      vocab_size: V, rows of the token embedding.
+      hidden_size: D, width of the residual stream.
+      intermediate_size: F, width of the SwiGLU MLP.
+      num_layers: L, decoder layers.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (grouped-query attention; N % K == 0).
+      head_dim: H, per-head width (Qwen3 has H != D / N).
+      rope_theta: RoPE base.
+      rope_scaling: Llama 3 scaling, or None for plain RoPE.
+      rms_norm_eps: epsilon of every RMSNorm.
+      tie_word_embeddings: the LM head is the transposed token embedding.
+      qkv_bias: q/k/v projections have a bias (Qwen2).
+      qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+      max_position_embeddings: longest context the checkpoint was trained for.
+      bos_token_id, eos_token_ids, pad_token_id: from config.json, kept for save.
+      initializer_range: stddev of the normal init of fresh kernels.
+      param_dtype: dtype parameters are stored in.
+      dtype: compute dtype of activations and matmuls (logits are always returned
+        in float32 by `unembed`).
+      remat: "none", "full" (recompute each layer in the backward pass) or
+        "dots_saveable" (keep matmul outputs, recompute the rest).
+      attention_impl: "auto" (cuDNN flash attention on GPU when dtype and head_dim
+        allow it, else XLA), "xla" or "cudnn".
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("family", self.family, FAMILIES)
+        for name in ("param_dtype", "dtype"):
+            # Dtype objects (jnp.bfloat16) become their names, keeping the config hashable
+            # and printable.
+            value = getattr(self, name)
+            object.__setattr__(self, name, getattr(value, "__name__", None) or str(value))
+            _check_choice(name, getattr(self, name), DTYPES)
+        _check_choice("remat", self.remat, REMAT_POLICIES)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        # Lists from JSON would make the config unhashable.
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @classmethod
+    def from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
+        """Builds a config from a Hugging Face `config.json` dict.
+
+        Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the
+        transformers 5 key (`rope_parameters`).
+
+        Args:
+          hf_config: the parsed `config.json`.
+          **overrides: fields to set on top (e.g. `dtype="bfloat16"`).
+
+        Raises:
+          ValueError: unsupported architecture, model_type, activation, rope type
+            or attention variant; the message names it and lists what is supported.
+        """
+        family, _ = hf_family_and_head(hf_config)
+        _check_hf_features(hf_config)
+        heads = hf_config["num_attention_heads"]
+        default_head_dim = 128 if family == "qwen3" else hf_config["hidden_size"] // heads
+        kwargs = dict(
+            family=family,
+            vocab_size=hf_config["vocab_size"],
+            hidden_size=hf_config["hidden_size"],
+            intermediate_size=hf_config["intermediate_size"],
+            num_layers=hf_config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+            head_dim=hf_config.get("head_dim") or default_head_dim,
+            rope_theta=float(_rope_theta(hf_config)),
+            rope_scaling=_rope_scaling(hf_config),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            max_position_embeddings=hf_config.get("max_position_embeddings", 32768),
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
+            pad_token_id=hf_config.get("pad_token_id"),
+            initializer_range=hf_config.get("initializer_range", 0.02),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf(self, head: str = "lm") -> dict[str, Any]:
+        """The `config.json` dict that transformers (4.45+ and 5.x) loads.
+
+        Args:
+          head: "lm" for `*ForCausalLM`, "score" for `*ForSequenceClassification`
+            with one label.
+        """
+        _check_choice("head", head, ("lm", "score"))
+        suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
+        eos = self.eos_token_ids
+        hf = {
+            "architectures": [_HF_CLASS_PREFIX[self.family] + suffix],
+            "model_type": _MODEL_TYPES[self.family],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (list(eos) or None),
+            "pad_token_id": self.pad_token_id,
+            # transformers 5 reads rope_parameters; 4.x reads rope_theta/rope_scaling.
+            "rope_parameters": rope_parameters,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(rope_parameters),
+            # transformers 5 reads dtype; 4.x reads torch_dtype.
+            "dtype": self.param_dtype,
+            "torch_dtype": self.param_dtype,
+        }
+        if self.family in ("llama", "qwen3"):
+            hf.update(attention_bias=False)
+        if self.family == "llama":
+            hf.update(mlp_bias=False)
+        else:
+            hf.update(use_sliding_window=False)
+        if head == "score":
+            hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        return hf
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """A named preset (see `PRESETS`), with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; presets are {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def hf_family_and_head(hf_config: Mapping[str, Any]) -> tuple[str, str]:
+    """(family, head) of a HF config dict, from `architectures` or else `model_type`."""
+    architectures = hf_config.get("architectures") or []
+    for arch in architectures:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if architectures:
+        raise ValueError(
+            f"unsupported architecture {architectures}; supported architectures are "
+            f"{sorted(ARCHITECTURES)}"
+        )
+    model_type = hf_config.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported model types are "
+            f"{sorted(_MODEL_TYPES)}"
+        )
+    return _MODEL_TYPES[model_type], "lm"
+
+
+def _check_hf_features(hf_config: Mapping[str, Any]) -> None:
+    """Rejects config switches this implementation does not model."""
+    act = hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if hf_config.get(key):
+            raise ValueError(f"config.json sets {key}=true, which jrl does not support")
+
+
+def _rope_dict(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+    if hf_config.get("rope_theta") is not None:
+        return hf_config["rope_theta"]
+    return _rope_dict(hf_config).get("rope_theta", 10000.0)
+
+
+def _rope_scaling(hf_config: Mapping[str, Any]) -> RopeScaling | None:
+    rope = _rope_dict(hf_config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported rope types are ['default', 'llama3']"
+        )
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
+
+
+# Shapes of the released checkpoints (their config.json files). `tiny` is for tests
+# and synthetic tasks: it fits the built-in CharTokenizer's vocabulary.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        family="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=512,
+        bos_token_id=1, eos_token_ids=(2,), pad_token_id=0,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True,
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_ids=(151643,),
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True,
+        max_position_embeddings=131072, bos_token_id=151643, eos_token_ids=(151643,),
+    ),
+    "qwen2.5-7b": ModelConfig(
+        family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True,
+        max_position_embeddings=131072, bos_token_id=151643, eos_token_ids=(151643,),
+    ),
+    "qwen3-0.6b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
+    ),
+    "llama-3.2-1b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001,),
+    ),
+}

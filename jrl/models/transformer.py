@@ -1,0 +1,327 @@
+"""Decoder-only transformer of the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family (Flax Linen).
+
+One layer is `x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))`; the layers are one
+`nn.scan`, so their parameters are stacked on a leading `layers` axis and the
+layer is compiled once.
+
+Parameter tree (shapes with L layers, V vocab, D hidden, F mlp, N/K query/kv heads,
+H head_dim; logical axis names in brackets):
+
+    embed/embedding                 [V, D]        (vocab, embed)
+    layers/attn_norm/scale          [L, D]        (layers, embed)
+    layers/attn/q_proj/kernel       [L, D, N, H]  (layers, embed, heads, head_dim)
+    layers/attn/q_proj/bias         [L, N, H]     qwen2 only
+    layers/attn/k_proj/kernel       [L, D, K, H]  (layers, embed, kv_heads, head_dim)
+    layers/attn/k_proj/bias         [L, K, H]     qwen2 only
+    layers/attn/v_proj/kernel       [L, D, K, H]
+    layers/attn/v_proj/bias         [L, K, H]     qwen2 only
+    layers/attn/q_norm/scale        [L, H]        qwen3 only
+    layers/attn/k_norm/scale        [L, H]        qwen3 only
+    layers/attn/o_proj/kernel       [L, N, H, D]  (layers, heads, head_dim, embed)
+    layers/mlp_norm/scale           [L, D]
+    layers/mlp/gate_proj/kernel     [L, D, F]     (layers, embed, mlp)
+    layers/mlp/up_proj/kernel       [L, D, F]
+    layers/mlp/down_proj/kernel     [L, F, D]     (layers, mlp, embed)
+    final_norm/scale                [D]
+    lm_head/kernel                  [D, V]        untied LM only (see heads.py)
+
+`forward` serves training (no cache), prefill and decode; see `jrl.models.cache`
+for the cache contract. It returns hidden states; `heads.unembed` turns them into
+float32 logits, so log-probs can be computed in chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jrl.models import heads as heads_lib
+from jrl.models import rope
+from jrl.models.cache import KVCache, attention_mask
+from jrl.models.config import ModelConfig
+
+Params = Mapping[str, Any]
+_REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+class RMSNorm(nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * scale`, statistics in float32 (Zhang & Sennrich 2019)."""
+
+    eps: float
+    axis_name: str
+    dtype: str
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # Cast before scaling, as the HF checkpoints were trained.
+        return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def _norm(config: ModelConfig, axis_name: str, name: str) -> RMSNorm:
+    return RMSNorm(config.rms_norm_eps, axis_name, config.dtype, config.param_dtype, name=name)
+
+
+def _dense(
+    config: ModelConfig, features, axes: tuple[str, ...], name: str, *, axis=-1, bias=False
+) -> nn.DenseGeneral:
+    """A projection whose kernel carries logical axis names `axes` (inputs first)."""
+    num_in = 1 if isinstance(axis, int) else len(axis)
+    normal = nn.initializers.normal(config.initializer_range)
+    return nn.DenseGeneral(
+        features=features,
+        axis=axis,
+        use_bias=bias,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        kernel_init=nn.with_logical_partitioning(normal, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[num_in:]),
+        name=name,
+    )
+
+
+def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int) -> str:
+    """cuDNN flash attention where it applies, else XLA.
+
+    cuDNN needs a GPU, half precision and head_dim <= 128 (a multiple of 8); with a
+    mask (which it turns into a bias) its backward pass also needs even T and S.
+    """
+    if config.attention_impl != "auto":
+        return config.attention_impl
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    head_dim_ok = config.head_dim <= 128 and config.head_dim % 8 == 0
+    even = num_queries % 2 == 0 and num_keys % 2 == 0
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional qkv bias and q/k norm, and a KV cache."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index):
+        c = self.config
+        heads = (c.num_heads, c.head_dim)
+        kv_heads = (c.num_kv_heads, c.head_dim)
+        q_btnh = _dense(c, heads, ("embed", "heads", "head_dim"), "q_proj", bias=c.qkv_bias)(x_btd)
+        kv_axes = ("embed", "kv_heads", "head_dim")
+        k_btkh = _dense(c, kv_heads, kv_axes, "k_proj", bias=c.qkv_bias)(x_btd)
+        v_btkh = _dense(c, kv_heads, kv_axes, "v_proj", bias=c.qkv_bias)(x_btd)
+        if c.qk_norm:
+            q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
+            k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
+        q_btnh = rope.apply_rope(q_btnh, sin_btk, cos_btk)
+        k_btkh = rope.apply_rope(k_btkh, sin_btk, cos_btk)
+        if cache is not None:
+            cache = cache.write(layer, write_index, k_btkh, v_btkh)
+            k_bskh, v_bskh = (t.astype(c.dtype) for t in cache.layer(layer))
+        else:
+            k_bskh, v_bskh = k_btkh, v_btkh
+        out_btnh = jax.nn.dot_product_attention(
+            q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
+            implementation=_attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bskh.shape[1]),
+        )
+        o_axes = ("heads", "head_dim", "embed")
+        out_btd = _dense(c, c.hidden_size, o_axes, "o_proj", axis=(-2, -1))(out_btnh)
+        return out_btd, cache
+
+
+class Mlp(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))` (Shazeer 2020, https://arxiv.org/abs/2002.05202)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        c = self.config
+        gate_btf = _dense(c, c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_btd)
+        up_btf = _dense(c, c.intermediate_size, ("embed", "mlp"), "up_proj")(x_btd)
+        return _dense(c, c.hidden_size, ("mlp", "embed"), "down_proj")(nn.silu(gate_btf) * up_btf)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer; the scan body (carry = (hidden, cache))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index):
+        x_btd, cache = carry
+        c = self.config
+        attn_in = _norm(c, "embed", "attn_norm")(x_btd)
+        attn_out, cache = Attention(c, name="attn")(
+            attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index
+        )
+        x_btd = x_btd + attn_out
+        x_btd = x_btd + Mlp(c, name="mlp")(_norm(c, "embed", "mlp_norm")(x_btd))
+        return (x_btd, cache), None
+
+
+def _layer_stack(config: ModelConfig) -> nn.Module:
+    """The L layers as one `nn.scan` (optionally rematerialised), params stacked on axis 0."""
+    layer_cls = DecoderLayer
+    if config.remat != "none":
+        # prevent_cse=False is safe (and faster) inside scan.
+        layer_cls = nn.remat(
+            DecoderLayer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False
+        )
+    return nn.scan(
+        layer_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=config.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(config, name="layers")
+
+
+class Transformer(nn.Module):
+    """Backbone (embedding, scanned layers, final norm); creates `head`'s params at init.
+
+    Attributes:
+      config: the architecture.
+      head: "lm", "value", "score" or "none": which head parameters `init` creates.
+        The head is applied by the functions in `jrl.models.heads`.
+    """
+
+    config: ModelConfig
+    head: str = "lm"
+
+    @nn.compact
+    def __call__(self, tokens_bt, positions_bt, mask, cache=None, write_index=None):
+        c = self.config
+        normal = nn.initializers.normal(c.initializer_range)
+        x_btd = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+            embedding_init=nn.with_logical_partitioning(normal, ("vocab", "embed")),
+            name="embed",
+        )(tokens_bt)
+        sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
+        mask_b1ts = attention_mask(mask, tokens_bt.shape[1], write_index)
+        layers = jnp.arange(c.num_layers)
+        (x_btd, cache), _ = _layer_stack(c)(
+            (x_btd, cache), layers, sin_btk, cos_btk, mask_b1ts, write_index
+        )
+        hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
+        if self.is_initializing():
+            self._create_head(hidden_btd)
+        return hidden_btd, cache
+
+    def _create_head(self, hidden_btd: jax.Array) -> None:
+        c = self.config
+        kwargs = dict(stddev=c.initializer_range, param_dtype=c.param_dtype)
+        if self.head == "lm" and not c.tie_word_embeddings:
+            heads_lib.Head(c.vocab_size, False, "vocab", name="lm_head", **kwargs)(hidden_btd)
+        elif self.head == "value":
+            heads_lib.Head(1, True, None, name="value_head", **kwargs)(hidden_btd)
+        elif self.head == "score":
+            heads_lib.Head(1, False, None, name="score", **kwargs)(hidden_btd)
+
+
+def _init_variables(config: ModelConfig, rng: jax.Array, head: str):
+    if head not in heads_lib.HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {list(heads_lib.HEADS)}")
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(config, head).init(rng, tokens, tokens, jnp.ones((1, 1), jnp.int32))
+
+
+def init_params(config: ModelConfig, rng: jax.Array, head: str = "lm") -> dict:
+    """Randomly initialised parameters (plain arrays; see the module docstring for the tree).
+
+    Args:
+      config: the architecture.
+      rng: PRNG key.
+      head: "lm" (causal LM), "value" (PPO critic), "score" (reward model) or "none".
+
+    Returns:
+      The parameter dict, in `config.param_dtype`.
+    """
+    return nn.meta.unbox(_init_variables(config, rng, head)["params"])
+
+
+def param_logical_axes(config: ModelConfig, head: str = "lm") -> dict:
+    """`PartitionSpec`s of logical axis names, one per parameter (no compute, no memory)."""
+    boxed = jax.eval_shape(lambda: _init_variables(config, jax.random.key(0), head))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def forward(
+    params: Params,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    mask: jax.Array,
+    cache: KVCache | None = None,
+    write_index: jax.Array | int | None = None,
+    *,
+    config: ModelConfig,
+) -> tuple[jax.Array, KVCache | None]:
+    """Runs the backbone: training forward (no cache), prefill or decode step.
+
+    Args:
+      params: model parameters (extra head entries are ignored).
+      tokens_bt: int32 `[B, T]` token ids.
+      positions_bt: int32 `[B, T]` RoPE positions (`cache.positions_from_mask`).
+      mask: without a cache, `[B, T]` token validity; with a cache, `[B, S]` slot
+        validity including the slots written by this call (1 = valid).
+      cache: `KVCache` of S slots, or None.
+      write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
+        with a cache, must be None without one.
+      config: the architecture (static under jit).
+
+    Returns:
+      (hidden_btd, cache): final hidden states `[B, T, D]` after the final norm, in
+      `config.dtype`, and the updated cache (None without one).
+    """
+    _check_forward_args(tokens_bt, mask, cache, write_index)
+    return Transformer(config, head="none").apply(
+        {"params": params}, tokens_bt, positions_bt, mask, cache, write_index
+    )
+
+
+def forward_logits(
+    params: Params,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    mask: jax.Array,
+    cache: KVCache | None = None,
+    write_index: jax.Array | int | None = None,
+    *,
+    config: ModelConfig,
+) -> tuple[jax.Array, KVCache | None]:
+    """`forward` followed by `heads.unembed`: float32 logits `[B, T, V]` and the cache."""
+    hidden_btd, cache = forward(
+        params, tokens_bt, positions_bt, mask, cache, write_index, config=config
+    )
+    return heads_lib.unembed(params, hidden_btd), cache
+
+
+def _check_forward_args(tokens_bt, mask, cache, write_index) -> None:
+    """Shape checks that fail before tracing reaches the layers."""
+    batch, num_tokens = tokens_bt.shape
+    if cache is None:
+        if write_index is not None:
+            raise ValueError("write_index is only meaningful with a cache; pass cache= too")
+        expected = (batch, num_tokens)
+    else:
+        if write_index is None:
+            raise ValueError("forward with a cache needs write_index (the slot of token 0)")
+        expected = (batch, cache.max_len)
+        if isinstance(write_index, int) and write_index + num_tokens > cache.max_len:
+            raise ValueError(
+                f"write_index {write_index} + {num_tokens} tokens exceeds the cache's "
+                f"{cache.max_len} slots"
+            )
+    if tuple(mask.shape) != expected:
+        what = "[B, S] over cache slots" if cache is not None else "[B, T] over tokens"
+        raise ValueError(f"mask must be {what}, i.e. {expected}; got {tuple(mask.shape)}")

@@ -1,0 +1,227 @@
+"""ModelConfig presets and HF configs, parameter layout, remat, dtypes, heads."""
+
+import dataclasses
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jrl.models import (
+    PRESETS,
+    ModelConfig,
+    RopeScaling,
+    forward,
+    init_critic_params,
+    init_params,
+    param_logical_axes,
+    positions_from_mask,
+    unembed,
+    values,
+)
+from jrl.models.hf import tensor_specs
+from jrl.models.transformer import _attention_impl
+
+# Parameter counts published for the released checkpoints (model cards / HF num_parameters).
+PUBLISHED_PARAM_COUNTS = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "llama-3.2-1b": 1_235_814_400,
+}
+LOGICAL_AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", None}
+
+# The published config.json of meta-llama/Llama-3.2-1B (transformers 4 layout).
+LLAMA_3_2_1B_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 128256,
+}
+# The published config.json of Qwen/Qwen3-0.6B.
+QWEN3_0_6B_CONFIG_JSON = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def _param_count(config, head="lm"):
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), head))
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAM_COUNTS))
+def test_preset_parameter_count_matches_release(name):
+    assert _param_count(PRESETS[name]) == PUBLISHED_PARAM_COUNTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_tensor_shapes_match_transformers(name):
+    config = PRESETS[name]
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    hf_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        hf_shapes.pop("lm_head.weight")
+    ours = {}
+    for spec in tensor_specs(config):
+        names = [spec.hf_name.format(i=i) for i in range(config.num_layers)]
+        ours.update({n: spec.hf_shape for n in (names if spec.per_layer else [spec.hf_name])})
+    assert ours == hf_shapes
+
+
+def test_from_hf_reads_published_configs():
+    assert ModelConfig.from_hf(LLAMA_3_2_1B_CONFIG_JSON) == PRESETS["llama-3.2-1b"]
+    qwen3 = ModelConfig.from_hf(QWEN3_0_6B_CONFIG_JSON)
+    assert qwen3 == PRESETS["qwen3-0.6b"]
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (128, True, False)
+
+
+def test_from_hf_reads_transformers5_rope_parameters():
+    config_json = dict(LLAMA_3_2_1B_CONFIG_JSON)
+    rope = dict(config_json.pop("rope_scaling"), rope_theta=config_json.pop("rope_theta"))
+    config = ModelConfig.from_hf({**config_json, "rope_parameters": rope})
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+
+
+def test_config_is_hashable_and_validates():
+    config = ModelConfig.preset("tiny", remat="full")
+    assert hash(config) == hash(dataclasses.replace(config))
+    with pytest.raises(ValueError, match="remat='some'.*'none', 'full', 'dots_saveable'"):
+        ModelConfig.preset("tiny", remat="some")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig.preset("tiny", num_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown model preset 'gpt2'"):
+        ModelConfig.preset("gpt2")
+
+
+@pytest.mark.parametrize("head", ["lm", "value", "score"])
+def test_logical_axes_cover_every_parameter(head):
+    config = ModelConfig.preset("tiny", tie_word_embeddings=False, qk_norm=True)
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), head))
+    specs = param_logical_axes(config, head)
+    assert jax.tree.structure(shapes) == jax.tree.structure(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for shape, spec in zip(jax.tree.leaves(shapes), flat_specs, strict=True):
+        assert len(spec) == len(shape.shape)
+        assert set(spec) <= LOGICAL_AXIS_NAMES
+    assert specs["layers"]["attn"]["q_proj"]["kernel"] == jax.sharding.PartitionSpec(
+        "layers", "embed", "heads", "head_dim"
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig.preset("tiny")
+    params = init_params(config, jax.random.key(0))
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
+    tokens = jnp.array([[0, 0, 5, 6, 7], [9, 8, 7, 6, 5]], jnp.int32)
+    return config, params, tokens, mask
+
+
+def _loss(params, tokens, mask, config):
+    hidden, _ = forward(params, tokens, positions_from_mask(mask), mask, config=config)
+    logits = unembed(params, hidden)
+    return jnp.sum(jax.nn.log_softmax(logits)[..., 3] * mask)
+
+
+# Module-level jits, so each (function, config) pair compiles once for the whole file.
+_grad = jax.jit(jax.grad(_loss), static_argnames="config")
+_forward = jax.jit(forward, static_argnames="config")
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+def test_remat_gives_the_same_gradients(tiny, remat):
+    config, params, tokens, mask = tiny
+    expected = _grad(params, tokens, mask, config)
+    actual = _grad(params, tokens, mask, dataclasses.replace(config, remat=remat))
+    chex.assert_trees_all_close(actual, expected, atol=1e-6, rtol=1e-5)
+    chex.assert_tree_all_finite(actual)
+
+
+def test_bfloat16_compute_keeps_float32_logits(tiny):
+    config, params, tokens, mask = tiny
+    bf16 = dataclasses.replace(config, dtype="bfloat16")
+    hidden, _ = _forward(params, tokens, positions_from_mask(mask), mask, config=bf16)
+    hidden32, _ = _forward(params, tokens, positions_from_mask(mask), mask, config=config)
+    chex.assert_type(hidden, jnp.bfloat16)
+    logits, logits32 = unembed(params, hidden), unembed(params, hidden32)
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_shape(logits, (2, 5, config.vocab_size))
+    np.testing.assert_allclose(logits, logits32, atol=5e-2)
+
+
+def test_unembed_tied_equals_explicit_head(tiny):
+    config, params, tokens, mask = tiny
+    hidden, _ = _forward(params, tokens, positions_from_mask(mask), mask, config=config)
+    untied = {**params, "lm_head": {"kernel": params["embed"]["embedding"].T}}
+    np.testing.assert_allclose(unembed(untied, hidden), unembed(params, hidden), atol=1e-6)
+    expected = np.einsum("btd,vd->btv", hidden, params["embed"]["embedding"])
+    np.testing.assert_allclose(unembed(params, hidden), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_critic_init_copies_backbone_and_adds_value_head(tiny):
+    config, params, tokens, mask = tiny
+    critic = init_critic_params(params, jax.random.key(3))
+    reference = jax.eval_shape(lambda: init_params(config, jax.random.key(0), "value"))
+    chex.assert_trees_all_equal_shapes_and_dtypes(critic, reference)
+    backbone = {key: params[key] for key in ("embed", "layers", "final_norm")}
+    chex.assert_trees_all_equal({k: critic[k] for k in backbone}, backbone)
+    # Fresh buffers: donating the actor's params must not delete the critic's.
+    actor_leaf = params["embed"]["embedding"]
+    critic_leaf = critic["embed"]["embedding"]
+    assert actor_leaf.unsafe_buffer_pointer() != critic_leaf.unsafe_buffer_pointer()
+
+    hidden, _ = _forward(critic, tokens, positions_from_mask(mask), mask, config=config)
+    critic_values = jax.jit(values)(critic, hidden)
+    chex.assert_shape(critic_values, (2, 5))
+    expected = hidden @ critic["value_head"]["kernel"][:, 0] + critic["value_head"]["bias"][0]
+    np.testing.assert_allclose(critic_values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_impl_choice():
+    config = ModelConfig.preset("tiny")
+    assert _attention_impl(config, jnp.float32, 8, 8) == "xla"
+    assert _attention_impl(config, jnp.bfloat16, 7, 8) == "xla"  # odd T: no cuDNN backward
+    expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    assert _attention_impl(config, jnp.bfloat16, 8, 8) == expected
+    forced = dataclasses.replace(config, attention_impl="xla")
+    assert _attention_impl(forced, jnp.bfloat16, 8, 8) == "xla"
+
+
+def test_forward_argument_errors(tiny):
+    config, params, tokens, mask = tiny
+    positions = positions_from_mask(mask)
+    run = functools.partial(forward, params, tokens, positions, config=config)
+    with pytest.raises(ValueError, match=r"mask must be \[B, T\] over tokens, i.e. \(2, 5\)"):
+        run(mask[:, :4])
+    with pytest.raises(ValueError, match="write_index is only meaningful with a cache"):
+        run(mask, None, 0)
+
+
+def test_params_are_plain_arrays(tiny):
+    _, params, _, _ = tiny
+    assert not any(isinstance(leaf, nn.meta.AxisMetadata) for leaf in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)))

@@ -1,0 +1,215 @@
+"""Rollout throughput: `jrl.rollout.generate` against its HBM roofline and HF `generate`.
+
+Random weights of a preset's shape (no downloads), left-padded random prompts,
+`ignore_stop=True` so every row generates exactly `--new-tokens` tokens. For each
+batch size it reports compile time, steady-state time (median of `--repeats`
+runs after a warm-up, `block_until_ready`), tokens/s = B·R / time, and the
+decode-step HBM roofline:
+
+    bytes/step = weight bytes + KV bytes read (real tokens only, averaged over the
+                 R steps) + KV bytes written (one token per row and layer)
+    roofline tokens/s = B / (bytes/step / bandwidth)
+
+The measured time includes the prefill, so the % of roofline is a lower bound
+for the decode loop. Then the same model in PyTorch (`Qwen2ForCausalLM` etc.
+from the preset's HF config, random weights, same dtype, cuda when available)
+runs `transformers` `generate` with the same sampling settings and
+`min_new_tokens = max_new_tokens`.
+
+    python experiments/bench_rollout.py --out bench_rollout.json          # one H100
+    python experiments/bench_rollout.py --preset tiny --batch-sizes 4 \\
+        --prompt-len 8 --new-tokens 8                                     # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import statistics
+import time
+
+# JAX would otherwise reserve 75% of the GPU and leave PyTorch too little.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jrl import rollout  # noqa: E402
+from jrl.models import ModelConfig, init_params  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen2.5-0.5b", help="jrl.models.PRESETS name")
+    parser.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128, help="P (left-padded)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="R, all generated")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after warm-up")
+    parser.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM: 3350")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    return parser.parse_args()
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int):
+    """Left-padded random prompts whose lengths are uniform in [P/2, P]."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(1, prompt_len // 2), prompt_len + 1, size=batch)
+    mask = np.arange(prompt_len)[None, :] >= (prompt_len - lengths)[:, None]
+    ids = rng.integers(0, vocab, size=(batch, prompt_len))
+    return np.where(mask, ids, 0).astype(np.int32), mask.astype(np.int32)
+
+
+def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbps: float):
+    """(bytes per decode step, roofline tokens/s) from the weights and the real KV tokens."""
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    itemsize = np.dtype(config.dtype).itemsize
+    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    batch = mask.shape[0]
+    # Step i reads the cache of each row's prompt plus i generated tokens.
+    mean_read_tokens = mask.sum() + batch * (new_tokens - 1) / 2
+    step_bytes = weight_bytes + kv_token_bytes * (mean_read_tokens + batch)
+    return float(step_bytes), float(batch / (step_bytes / (gbps * 1e9)))
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_jrl(config, params, ids, mask, sampling, repeats):
+    """(compile s, steady s) of one jitted `generate`."""
+    step = jax.jit(functools.partial(rollout.generate, sampling=sampling, config=config))
+    key = jax.random.key(0)
+    start = time.perf_counter()
+    compiled = step.lower(params, ids, mask, key).compile()
+    compile_s = time.perf_counter() - start
+    ids, mask = jax.device_put(ids), jax.device_put(mask)
+    run = lambda: jax.block_until_ready(compiled(params, ids, mask, key))
+    out = run()  # warm-up
+    assert int(np.asarray(out.response_lengths).min()) == sampling.max_new_tokens
+    return compile_s, median_seconds(run, repeats)
+
+
+def build_hf_model(config: ModelConfig, device: str):
+    import torch
+    import transformers
+
+    hf = config.to_hf()
+    hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model_cls = getattr(transformers, hf["architectures"][0])
+    dtype = getattr(torch, config.dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(hf_config).to(dtype)
+    return model.eval()
+
+
+def bench_hf(model, ids, mask, args, pad_id: int, eos_ids) -> float:
+    """Steady-state seconds of `model.generate` on the same prompts."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids_t = torch.as_tensor(ids, dtype=torch.long, device=device)
+    mask_t = torch.as_tensor(mask, dtype=torch.long, device=device)
+    kwargs = dict(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p,
+        top_k=max(args.top_k, 0), max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens, pad_token_id=pad_id, eos_token_id=list(eos_ids) or None,
+    )
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids_t, attention_mask=mask_t, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + args.new_tokens, out.shape
+
+    run()  # warm-up
+    return median_seconds(run, args.repeats)
+
+
+def versions() -> dict:
+    names = ("jax", "jaxlib", "flax", "torch", "transformers")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def main() -> None:
+    args = parse_args()
+    config = ModelConfig.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(args.seed))
+    eos_ids = config.eos_token_ids
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids or (0,))[0]
+    sampling = rollout.SamplingConfig(
+        max_new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, stop_token_ids=eos_ids, pad_token_id=pad_id, ignore_stop=True,
+    ).validate(config.vocab_size)
+    info = dict(versions=versions(), jax_device=jax.devices()[0].device_kind)
+    hf_model = None
+    if not args.no_hf:
+        import torch
+
+        hf_device = "cuda" if torch.cuda.is_available() else "cpu"
+        info["torch_device"] = torch.cuda.get_device_name() if hf_device == "cuda" else "cpu"
+        hf_model = build_hf_model(config, hf_device)
+    print(json.dumps(info, indent=1))
+
+    results = []
+    for batch in args.batch_sizes:
+        ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
+        compile_s, jrl_s = bench_jrl(config, params, ids, mask, sampling, args.repeats)
+        step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
+        tokens = batch * args.new_tokens
+        row = dict(
+            batch=batch, compile_s=compile_s, jrl_s=jrl_s, jrl_tokens_per_s=tokens / jrl_s,
+            step_gbytes=step_bytes / 1e9, roofline_tokens_per_s=roof_tps,
+            pct_roofline=100 * tokens / jrl_s / roof_tps,
+        )
+        if hf_model is not None:
+            hf_s = bench_hf(hf_model, ids, mask, args, pad_id, eos_ids)
+            row.update(hf_s=hf_s, hf_tokens_per_s=tokens / hf_s, jrl_over_hf=hf_s / jrl_s)
+        results.append(row)
+        print(f"batch {batch}: {row}", flush=True)
+
+    print_table(args, results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), **info, results=results), f, indent=1)
+        print(f"wrote {args.out}")
+
+
+def print_table(args, results) -> None:
+    print(f"\n{args.preset} {args.dtype}, P={args.prompt_len}, R={args.new_tokens}, "
+          f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, "
+          f"HBM {args.hbm_gbps:g} GB/s\n")
+    print("| B | compile s | jrl s | jrl tok/s | GB/step | roofline tok/s | % roofline "
+          "| HF tok/s | jrl/HF |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        hf = (f"{r['hf_tokens_per_s']:.0f} | {r['jrl_over_hf']:.2f}x" if "hf_s" in r
+              else "- | -")
+        print(f"| {r['batch']} | {r['compile_s']:.1f} | {r['jrl_s']:.3f} | "
+              f"{r['jrl_tokens_per_s']:.0f} | {r['step_gbytes']:.4g} | "
+              f"{r['roofline_tokens_per_s']:.0f} | {r['pct_roofline']:.1f} | {hf} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -239,6 +239,7 @@ def generate(
 @functools.partial(jax.jit, static_argnames=("sampling", "config"))
 def _generate(params, prompt_ids, prompt_mask, rng, *, sampling, config) -> RolloutOutput:
     """The compiled body of `generate` (arguments already checked); shapes as there."""
+    config = dataclasses.replace(config, scan_unroll=True)
     row_prompt_ids = jnp.repeat(prompt_ids.astype(jnp.int32), sampling.n, axis=0)
     row_prompt_mask = jnp.repeat(prompt_mask.astype(jnp.int32), sampling.n, axis=0)
     num_rows, prompt_len = row_prompt_ids.shape
@@ -368,8 +369,40 @@ def sample_tokens(
 def _sample_row(logits_v, key, sampling: SamplingConfig):
     """One row of `sample_tokens`: (token int32 [], log_prob float32 [])."""
     processed_v = _process_row(logits_v, sampling)
-    token = jax.random.categorical(key, processed_v)
-    return token.astype(jnp.int32), processed_v[token] - jax.nn.logsumexp(processed_v)
+    token = _inverse_cdf_sample(key, processed_v)
+    return token, processed_v[token] - jax.nn.logsumexp(processed_v)
+
+
+# Vocabulary block of the two-level inverse-CDF search.
+_CDF_BLOCK = 128
+
+
+def _inverse_cdf_sample(key, logits_v):
+    """Draws `i ~ softmax(logits)` from one uniform number: `i = min{i : CDF(i) > u}`.
+
+    A Gumbel-max draw needs V random numbers per row and step, which costs more
+    than the rest of sampling on a large vocabulary. Here the CDF is searched in two
+    levels: cumulative sums of blocks of `_CDF_BLOCK` weights pick the block, a
+    cumulative sum inside it picks the token. Tokens of zero weight (masked by
+    top-k / top-p) are never returned, also when rounding puts `u` on a boundary.
+    """
+    v = logits_v.shape[0]
+    weights = jnp.exp(logits_v - jnp.max(logits_v))  # -inf -> 0
+    weights = jnp.pad(weights, (0, (-v) % _CDF_BLOCK)).reshape(-1, _CDF_BLOCK)
+    block_mass = jnp.sum(weights, axis=1)
+    block_cdf = jnp.cumsum(block_mass)
+    u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
+    block = jnp.minimum(jnp.sum(block_cdf <= u), _last_positive(block_mass))
+    row = weights[block]
+    inner_cdf = (block_cdf[block] - block_mass[block]) + jnp.cumsum(row)
+    inner = jnp.minimum(jnp.sum(inner_cdf <= u), _last_positive(row))
+    return (block * _CDF_BLOCK + inner).astype(jnp.int32)
+
+
+def _last_positive(x):
+    """Index of the last element > 0 of a 1-D array (0 if none)."""
+    n = x.shape[0]
+    return n - 1 - jnp.argmax(x[::-1] > 0)
 
 
 def processed_logits(logits_nv: jax.Array, sampling: SamplingConfig) -> jax.Array:

@@ -5,7 +5,8 @@ The cache contract (what `jrl.rollout` relies on)
 
 The cache is a pytree (`KVCache`) that `forward` takes and returns; nothing is kept
 in Flax collections. Its buffers are stacked over layers:
-`k, v: [L, B, S, K, H]`, S = `max_len` slots. Slot s of every row holds the token
+`k, v: [L, B, K, S, H]`, S = `max_len` slots (heads before slots, so a decode step
+reads each head's keys as one contiguous `[S, H]` block). Slot s of every row holds the token
 fed at step s, so all rows share one write position.
 
 Prompts are LEFT-padded to a common length P, so the last prompt token of every
@@ -45,7 +46,7 @@ from jax import lax
 from jrl.models.config import ModelConfig
 
 # Logical axis names of the cache buffers, for `jrl.sharding`.
-CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
 
 
 @flax.struct.dataclass
@@ -53,8 +54,8 @@ class KVCache:
     """Keys and values of every layer.
 
     Attributes:
-      k: `[L, B, S, K, H]` keys after RoPE (and q/k norm), in the cache dtype.
-      v: `[L, B, S, K, H]` values.
+      k: `[L, B, K, S, H]` keys after RoPE (and q/k norm), in the cache dtype.
+      v: `[L, B, K, S, H]` values.
     """
 
     k: jax.Array
@@ -62,19 +63,21 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def write(self, layer: jax.Array, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
         """Writes one layer's new keys/values `[B, T, K, H]` at slots write_index.. ."""
-        start = (layer, 0, write_index, 0, 0)
+        start = (layer, 0, 0, write_index, 0)
         # Updating the stacked buffer in place (rather than a per-layer copy) keeps a
         # decode step's memory traffic at one token per layer.
-        k = lax.dynamic_update_slice(self.k, k_btkh[None].astype(self.k.dtype), start)
-        v = lax.dynamic_update_slice(self.v, v_btkh[None].astype(self.v.dtype), start)
+        new_k = jnp.swapaxes(k_btkh, 1, 2)[None].astype(self.k.dtype)
+        new_v = jnp.swapaxes(v_btkh, 1, 2)[None].astype(self.v.dtype)
+        k = lax.dynamic_update_slice(self.k, new_k, start)
+        v = lax.dynamic_update_slice(self.v, new_v, start)
         return KVCache(k=k, v=v)
 
     def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(k_bskh, v_bskh) of one layer."""
+        """(k_bksh, v_bksh) of one layer."""
         return self.k[layer], self.v[layer]
 
 
@@ -90,9 +93,9 @@ def init_cache(
       dtype: buffer dtype; defaults to the compute dtype `config.dtype`.
 
     Returns:
-      `KVCache` with zero `k`, `v` of shape `[L, B, S, K, H]`.
+      `KVCache` with zero `k`, `v` of shape `[L, B, K, S, H]`.
     """
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
     dtype = dtype or config.dtype
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

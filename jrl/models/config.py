@@ -83,6 +83,9 @@ class ModelConfig:
         "dots_saveable" (keep matmul outputs, recompute the rest).
       attention_impl: "auto" (cuDNN flash attention on GPU when dtype and head_dim
         allow it, else XLA), "xla" or "cudnn".
+      scan_unroll: unroll the scan over layers into straight-line code. The sampler
+        sets it for decoding: each layer then reads its weights in place instead of
+        through a per-iteration dynamic slice, and XLA can fuse across layers.
     """
 
     family: str
@@ -108,6 +111,7 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    scan_unroll: bool = False
 
     def __post_init__(self):
         _check_choice("family", self.family, FAMILIES)

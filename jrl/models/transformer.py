@@ -104,6 +104,34 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"
 
 
+def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):
+    """Softmax attention with the queries of a key/value head grouped, in float32.
+
+    `N = K * G` query heads share K key/value heads. The queries are viewed as
+    `[B, T, K, G, H]` so each cached key and value is read once for its G queries,
+    never repeated to N heads, and keys/values come heads-first (the cache's
+    layout), so each (row, head) is one contiguous `[S, H]` operand.
+
+    Args:
+      q_btnh: `[B, T, N, H]` queries.
+      k_bksh, v_bksh: `[B, K, S, H]` keys and values.
+      mask_b1ts: bool `[B, 1, T, S]`, True where a query may attend to a key.
+
+    Returns:
+      `[B, T, N, H]` in the queries' dtype.
+    """
+    b, t, n, h = q_btnh.shape
+    k = k_bksh.shape[1]
+    q_bkgth = q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    logits = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(h))
+    logits = jnp.where(mask_b1ts[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_bksh.dtype)
+    out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh,
+                           preferred_element_type=jnp.float32)
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional qkv bias and q/k norm, and a KV cache."""
 
@@ -125,13 +153,19 @@ class Attention(nn.Module):
         k_btkh = rope.apply_rope(k_btkh, sin_btk, cos_btk)
         if cache is not None:
             cache = cache.write(layer, write_index, k_btkh, v_btkh)
-            k_bskh, v_bskh = (t.astype(c.dtype) for t in cache.layer(layer))
+            k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
         else:
-            k_bskh, v_bskh = k_btkh, v_btkh
-        out_btnh = jax.nn.dot_product_attention(
-            q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
-            implementation=_attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bskh.shape[1]),
-        )
+            k_bksh, v_bksh = (jnp.swapaxes(t, 1, 2) for t in (k_btkh, v_btkh))
+        impl = _attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bksh.shape[2])
+        if impl == "xla":
+            out_btnh = grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts)
+        else:
+            # cuDNN takes [B, S, K, H]; without a cache the fresh keys already are.
+            k_bskh, v_bskh = ((k_btkh, v_btkh) if cache is None else
+                              (jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2)))
+            out_btnh = jax.nn.dot_product_attention(
+                q_btnh, k_bskh, v_bskh, mask=mask_b1ts, implementation=impl
+            )
         o_axes = ("heads", "head_dim", "embed")
         out_btd = _dense(c, c.hidden_size, o_axes, "o_proj", axis=(-2, -1))(out_btnh)
         return out_btd, cache
@@ -182,6 +216,7 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
         split_rngs={"params": True},
         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         length=config.num_layers,
+        unroll=config.num_layers if config.scan_unroll else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(config, name="layers")
 

@@ -84,7 +84,7 @@ def test_attention_mask_training_and_decode():
 def test_init_cache_shape(model):
     config, _, _ = model
     cache = init_cache(config, batch_size=3, max_len=20)
-    shape = (config.num_layers, 3, 20, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, 3, config.num_kv_heads, 20, config.head_dim)
     assert cache.k.shape == cache.v.shape == shape
     assert cache.k.dtype == jnp.float32 and cache.max_len == 20
 

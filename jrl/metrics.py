@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jrl import masks
-
 # Peak dense bf16 FLOP/s per chip, for MFU.
 PEAK_FLOPS = {
     "H100": 989e12, "H200": 989e12, "A100": 312e12,
@@ -66,33 +64,36 @@ def data_metrics(batch: dict, max_response_length: int, max_prompt_length: int) 
 
 
 def validation_metrics(data_sources: Sequence[str], prompt_index: Sequence[int],
-                       scores: Sequence[float], answers: Sequence[str], n: int) -> dict:
-    """`val-core/<source>/reward/mean@n`, and `best@n` / `maj@n` when n > 1.
+                       values: dict[str, Sequence[float]], answers: Sequence[str], n: int) -> dict:
+    """verl's validation metrics per data source and variable.
 
-    `maj@n` scores each prompt by the score of its most frequent answer.
+    `values` maps a variable ("reward", and what the reward function returned
+    beside its score, e.g. "acc") to one number per sample. The core variable is
+    "acc" when there is one, else "reward": `val-core/<source>/<var>/mean@n`; the
+    others go under `val-aux/`. With n > 1 also `best@n/mean` (best sample per
+    prompt) and `maj@n/mean` (the value of the prompt's most frequent answer).
     """
-    by_prompt = defaultdict(list)
-    for src, idx, score, answer in zip(data_sources, prompt_index, scores, answers, strict=True):
-        by_prompt[(src, idx)].append((score, answer))
-    per_source = defaultdict(lambda: defaultdict(list))
-    for (src, _), samples in by_prompt.items():
-        values = [s for s, _ in samples]
-        per_source[src]["mean"].append(np.mean(values))
-        if n > 1:
-            per_source[src]["best"].append(np.max(values))
-            majority = Counter(a for _, a in samples).most_common(1)[0][0]
-            per_source[src]["maj"].append(next(s for s, a in samples if a == majority))
+    core = "acc" if "acc" in values else "reward"
     out = {}
-    for src, stats in per_source.items():
-        out[f"val-core/{src}/reward/mean@{n}"] = float(np.mean(stats["mean"]))
-        if n > 1:
-            out[f"val-aux/{src}/reward/best@{n}/mean"] = float(np.mean(stats["best"]))
-            out[f"val-aux/{src}/reward/maj@{n}/mean"] = float(np.mean(stats["maj"]))
+    for var, column in values.items():
+        by_prompt = defaultdict(list)
+        for src, idx, value, answer in zip(data_sources, prompt_index, column, answers,
+                                           strict=True):
+            by_prompt[(src, idx)].append((value, answer))
+        per_source = defaultdict(lambda: defaultdict(list))
+        for (src, _), samples in by_prompt.items():
+            per_source[src]["mean"].append(np.mean([v for v, _ in samples]))
+            if n > 1:
+                per_source[src]["best"].append(np.max([v for v, _ in samples]))
+                majority = Counter(a for _, a in samples).most_common(1)[0][0]
+                per_source[src]["maj"].append(next(v for v, a in samples if a == majority))
+        for src, stats in per_source.items():
+            prefix = f"val-core/{src}/{var}" if var == core else f"val-aux/{src}/{var}"
+            out[f"{prefix}/mean@{n}"] = float(np.mean(stats["mean"]))
+            if n > 1:
+                out[f"{prefix}/best@{n}/mean"] = float(np.mean(stats["best"]))
+                out[f"{prefix}/maj@{n}/mean"] = float(np.mean(stats["maj"]))
     return out
-
-
-def masked_mean_np(values, mask) -> float:
-    return float(masks.masked_mean(np.asarray(values), np.asarray(mask)))
 
 
 class MetricsWriter:

@@ -104,7 +104,8 @@ def _positive(config, key: str, allow_zero: bool = False):
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
         value == 0 and not allow_zero
     ):
-        _fail(key, f"must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+        kind = "non-negative" if allow_zero else "positive"
+        _fail(key, f"must be a {kind} number, got {value!r}")
     return value
 
 

@@ -27,13 +27,18 @@ def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length
     responses = np.full((len(rows), max_response_length), tokenizer.pad_token_id, np.int32)
     response_mask = np.zeros_like(responses)
     for i, row in enumerate(rows):
-        ids = tokenizer.encode(str(ground_truth(row))) + [tokenizer.eos_token_id]
+        ids = tokenizer.encode(demonstration(row)) + [tokenizer.eos_token_id]
         if len(ids) > max_response_length:
             raise ValueError(f"answer of row {i} needs {len(ids)} tokens, more than "
                              f"rollout.response_length={max_response_length}")
         responses[i, : len(ids)] = ids
         response_mask[i, : len(ids)] = 1
     return prompt_ids, prompt_mask, responses, response_mask
+
+
+def demonstration(row: Row) -> str:
+    """The response SFT imitates: `extra_info["demonstration"]` if set, else the ground truth."""
+    return str((row.get("extra_info") or {}).get("demonstration", ground_truth(row)))
 
 
 def sft_loss(params, batch, *, model: ModelConfig):

@@ -49,9 +49,14 @@ def build_tokenizer(config):
 
 def build_data(config):
     if config.data.task == "arithmetic":
-        return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
-                                    config.data.num_train, seed=config.data.seed,
-                                    reverse=config.data.reverse_answer)
+        train, val = synthetic.arithmetic(config.data.digits, config.data.ops,
+                                          config.data.num_val, config.data.num_train,
+                                          seed=config.data.seed,
+                                          reverse=config.data.reverse_answer)
+        if config.data.demo_carry_slip_rate:
+            train = synthetic.with_carry_slips(train, config.data.demo_carry_slip_rate,
+                                               config.data.seed)
+        return train, val
     raise ValueError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
 
 
@@ -117,8 +122,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
     jsonl = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(jsonl):
         records = metrics.read_jsonl(jsonl)
-        initial = next((r for r in records if r["step"] == 0), {})
-        summary["initial"] = {k: v for k, v in initial.items() if k.startswith("val-")}
+        validations = [{k: v for k, v in r.items() if k.startswith("val-")} for r in records]
+        validations = [v for v in validations if v]
+        if validations:
+            summary["initial"] = validations[0] if config.trainer.val_before_train else {}
+            summary["final"] = final or validations[-1]
         summary["curves"] = metrics.plot_curves(jsonl, os.path.join(workdir, "curves.png"))
     if config.model.path and config.trainer.export_hf and trainer.state.step == s.total_steps:
         export = os.path.join(workdir, "hf_export")

@@ -54,23 +54,35 @@ def decode_responses(tokenizer, responses: np.ndarray, response_mask: np.ndarray
 
 
 def score_responses(reward_fn: Callable, rows: Sequence[Row], texts: Sequence[str], n: int
-                    ) -> np.ndarray:
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Scores sample `i` (of prompt `i // n`) with verl's reward signature.
 
-    A reward function that raises stops the run with the sample's index and data source.
+    A reward function may return a float or a dict with "score" and other numbers
+    (e.g. "acc"), which come back as `extras`. One that raises stops the run with the
+    sample's index and data source.
+
+    Returns:
+      `(scores [N], extras {name: [N]})`.
     """
     scores = np.zeros(len(texts), np.float32)
+    extras: dict[str, np.ndarray] = {}
     for i, text in enumerate(texts):
         row = rows[i // n]
         try:
             result = reward_fn(row["data_source"], text, ground_truth(row), row.get("extra_info"))
+            if isinstance(result, dict):
+                scores[i] = result["score"]
+                for key, value in result.items():
+                    if key != "score":
+                        extras.setdefault(key, np.zeros(len(texts), np.float32))[i] = value
+            else:
+                scores[i] = result
         except Exception as err:
             raise RuntimeError(
                 f"reward function failed on sample {i} (data_source={row['data_source']!r}): "
                 f"{type(err).__name__}: {err}"
             ) from err
-        scores[i] = result["score"] if isinstance(result, dict) else result
-    return scores
+    return scores, extras
 
 
 def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
@@ -227,9 +239,10 @@ class RLTrainer:
                                sampling, config=self.model)
         return jax.device_get(out)
 
-    def _score(self, rows, out, n) -> np.ndarray:
+    def _score(self, rows, out, n):
+        """(scores [N], extras {name: [N]}, texts) of a rollout."""
         texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
-        return score_responses(self.reward_fn, rows, texts, n), texts
+        return (*score_responses(self.reward_fn, rows, texts, n), texts)
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -254,7 +267,8 @@ class RLTrainer:
         timing["old_log_prob"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
-            batch["ref_log_probs"] = jax.block_until_ready(self._log_probs(self.ref_params, *seq)[0])
+            ref_log_probs, _ = self._log_probs(self.ref_params, *seq)
+            batch["ref_log_probs"] = jax.block_until_ready(ref_log_probs)
             timing["ref"] = time.perf_counter() - t
         if st.critic is not None:
             t = time.perf_counter()
@@ -263,7 +277,7 @@ class RLTrainer:
 
         t = time.perf_counter()
         n = s.rollout.n
-        scores, _ = self._score(rows, out, n)
+        scores, extras, _ = self._score(rows, out, n)
         batch["token_level_scores"] = place_scores(scores, np.asarray(out.response_mask))
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
@@ -278,7 +292,7 @@ class RLTrainer:
         jax.block_until_ready(advantages)
         timing["adv"] = time.perf_counter() - t
 
-        step_metrics = {}
+        step_metrics = {f"critic/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
         if s.algorithm.use_kl_in_reward:
             step_metrics["actor/reward_kl_penalty"] = float(current_kl)
             step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
@@ -345,19 +359,21 @@ class RLTrainer:
         """Scores the validation set with `rollout.val_kwargs` sampling."""
         sampling = self.s.validation
         key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.state.step)
-        sources, index, scores, answers = [], [], [], []
+        sources, index, answers = [], [], []
+        values: dict[str, list[float]] = {}
         for start in range(0, len(self.val_rows), batch_size):
             rows = self.val_rows[start:start + batch_size]
             out = self._generate(self.state.actor.params, rows, sampling,
                                  jax.random.fold_in(key, start))
-            batch_scores, texts = self._score(rows, out, sampling.n)
-            for i, (score, text) in enumerate(zip(batch_scores, texts, strict=True)):
-                row = rows[i // sampling.n]
-                sources.append(row["data_source"])
+            batch_scores, extras, texts = self._score(rows, out, sampling.n)
+            values.setdefault("reward", []).extend(batch_scores.tolist())
+            for name, column in extras.items():
+                values.setdefault(name, []).extend(column.tolist())
+            for i, text in enumerate(texts):
+                sources.append(rows[i // sampling.n]["data_source"])
                 index.append(start + i // sampling.n)
-                scores.append(float(score))
                 answers.append(text.strip())
-        return metrics.validation_metrics(sources, index, scores, answers, sampling.n)
+        return metrics.validation_metrics(sources, index, values, answers, sampling.n)
 
     # -- the loop ------------------------------------------------------------------------------
 

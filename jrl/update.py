@@ -87,7 +87,7 @@ def run_updates(
         body = lambda c, x: micro_step(state.params, normalizer, c, x)
         rngs = jax.random.split(mini_rng, num_micros)
         (grads, sums, means), _ = jax.lax.scan(body, zeros, (mini, rngs))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -1,5 +1,17 @@
-"""Shared test setup: float32 everywhere, deterministic CPU runs."""
+"""Shared test setup: JAX on the CPU, and a compilation cache shared by the tests.
+
+Many tests compile the same programs (the sampler, log-probs, updates of the tiny
+model); the persistent cache lets later tests reuse what earlier ones compiled.
+"""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+_CACHE = os.path.join(tempfile.gettempdir(), "jrl-jax-cache")
+jax.config.update("jax_compilation_cache_dir", os.environ.get("JRL_TEST_COMPILATION_CACHE", _CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

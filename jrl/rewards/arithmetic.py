@@ -1,12 +1,30 @@
-"""Exact-match scorer of the synthetic arithmetic task."""
+"""Scorer of the synthetic arithmetic task: digit-level partial credit, and exact accuracy."""
 
 from jrl.data.synthetic import DATA_SOURCE
 
 
-def compute_score(data_source, solution_str: str, ground_truth: str, extra_info=None) -> float:
-    """1.0 when the response (surrounding whitespace ignored) is exactly the answer, else 0.0."""
+def digit_credit(response: str, answer: str) -> float:
+    """Share of answer positions, aligned by place value (from the right), that match.
+
+    Divided by the longer of the two strings, so extra or missing digits cost.
+    """
+    if not response:
+        return 0.0
+    matches = sum(a == b for a, b in zip(reversed(response), reversed(answer), strict=False))
+    return matches / max(len(response), len(answer))
+
+
+def compute_score(data_source, solution_str: str, ground_truth: str, extra_info=None) -> dict:
+    """`{"score": 1 if exact else 0.5 * digit credit, "acc": 1 if exact else 0}`.
+
+    The partial credit gives the policy gradient a signal before whole answers are
+    right; `acc` (exact match, surrounding whitespace ignored) is what validation
+    reports as `val-core/.../acc/mean@N`.
+    """
     del data_source, extra_info
-    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+    response, answer = solution_str.strip(), str(ground_truth).strip()
+    exact = float(response == answer)
+    return {"score": exact if exact else 0.5 * digit_credit(response, answer), "acc": exact}
 
 
-__all__ = ["DATA_SOURCE", "compute_score"]
+__all__ = ["DATA_SOURCE", "compute_score", "digit_credit"]

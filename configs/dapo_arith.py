@@ -1,0 +1,20 @@
+"""DAPO-style GRPO on the arithmetic task of grpo_arith: clip-higher, token-mean
+aggregation, no KL term (Yu et al. 2025, arXiv:2503.14476).
+
+Dynamic sampling and overlong shaping are not in this config.
+
+    python -m jrl.train --config=configs/dapo_arith.py
+"""
+
+from configs import grpo_arith
+
+
+def get_config(arg: str | None = None):
+    c = grpo_arith.get_config(arg)
+    c.algorithm.adv_estimator = "grpo"
+    c.actor.clip_ratio_low = 0.2
+    c.actor.clip_ratio_high = 0.28
+    c.actor.loss_agg_mode = "token-mean"
+    c.actor.use_kl_loss = False
+    c.algorithm.use_kl_in_reward = False
+    return c

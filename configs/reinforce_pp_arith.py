@@ -1,0 +1,16 @@
+"""REINFORCE++ with a group baseline on the arithmetic task of grpo_arith.
+
+    python -m jrl.train --config=configs/reinforce_pp_arith.py
+"""
+
+from configs import grpo_arith
+
+
+def get_config(arg: str | None = None):
+    c = grpo_arith.get_config(arg)
+    c.algorithm.adv_estimator = "reinforce_plus_plus_baseline"
+    # REINFORCE++ regularises with a KL loss to the warm start (k2 gradient, k3 value).
+    c.actor.use_kl_loss = True
+    c.actor.kl_loss_type = "k3+"
+    c.actor.kl_loss_coef = 0.001
+    return c

@@ -1,0 +1,57 @@
+"""Bad configs stop before anything is built or compiled, naming the key."""
+
+import pytest
+
+from jrl import settings
+from jrl.data.tokenizers import CharTokenizer
+
+from .tiny import tiny_config
+
+_BAD = [
+    ({"data.train_batch_size": 0}, "data.train_batch_size"),
+    ({"actor.ppo_mini_batch_size": 3}, "actor.ppo_mini_batch_size"),
+    ({"actor.ppo_micro_batch_size": 3}, "actor.ppo_micro_batch_size"),
+    ({"algorithm.adv_estimator": "ppo"}, "algorithm.adv_estimator"),
+    ({"rollout.n": 1}, "rollout.n"),
+    ({"actor.policy_loss.loss_mode": "clipped"}, "actor.policy_loss.loss_mode"),
+    ({"actor.loss_agg_mode": "mean"}, "actor.loss_agg_mode"),
+    ({"actor.kl_loss_type": "k4"}, "actor.kl_loss_type"),
+    ({"algorithm.kl_penalty": "kl2"}, "algorithm.kl_penalty"),
+    ({"algorithm.kl_ctrl.type": "pid"}, "algorithm.kl_ctrl.type"),
+    ({"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 0.0},
+     "algorithm.kl_ctrl.horizon"),
+    ({"rollout.temperature": 0.0}, "rollout"),
+    ({"rollout.top_p": 1.5}, "rollout"),
+    ({"rollout.val_kwargs.top_k": -5}, "rollout.val_kwargs"),
+    ({"rollout.response_length": 0}, "rollout.response_length"),
+    ({"algorithm.gamma": 1.5}, "algorithm.gamma"),
+    ({"actor.clip_ratio_c": 1.0}, "actor.clip_ratio_c"),
+    ({"actor.optim.lr_scheduler": "linear"}, "actor.optim.lr_scheduler"),
+    ({"actor.optim.betas": (0.9,)}, "actor.optim.betas"),
+    ({"trainer.nan_policy": "ignore"}, "trainer.nan_policy"),
+    ({"trainer.logger": ("console", "mlflow")}, "trainer.logger"),
+    ({"trainer.total_training_steps": 0, "trainer.total_epochs": 0}, "trainer.total_epochs"),
+    ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 3},
+     "critic.ppo_mini_batch_size"),
+    ({"model.path": "/nonexistent/model"}, "model.path"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), _BAD, ids=[k for _, k in _BAD])
+def test_bad_config_names_the_key(overrides, key, monkeypatch):
+    # Anything that would compile fails the test: validation must come first.
+    import jax
+
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("compiled before validating"))
+    config = tiny_config(**overrides)
+    tok = CharTokenizer()
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        settings.from_config(config, stop_token_ids=tok.eos_token_ids,
+                             pad_token_id=tok.pad_token_id, num_train_rows=90)
+
+
+def test_good_config_passes():
+    tok = CharTokenizer()
+    s = settings.from_config(tiny_config(), stop_token_ids=tok.eos_token_ids,
+                             pad_token_id=tok.pad_token_id, num_train_rows=90)
+    assert s.actor.update.mini_batch == 4 and s.critic is None and s.total_steps == 2

@@ -1,0 +1,44 @@
+"""Two RL steps for every advantage estimator and every policy loss on the tiny config."""
+
+import math
+
+import pytest
+
+from jrl import advantages, losses
+from jrl.metrics import read_jsonl
+from jrl.train import run
+
+from .tiny import tiny_config
+
+
+def _run(tmp_path, **overrides):
+    run(tiny_config(**overrides), str(tmp_path))
+    records = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["actor/nan_skipped_updates"] == 0
+        assert all(math.isfinite(v) for k, v in record.items() if k != "step"), record
+    return records
+
+
+@pytest.mark.parametrize("estimator", sorted(advantages.ESTIMATORS))
+def test_every_estimator(tmp_path, estimator):
+    records = _run(tmp_path, **{"algorithm.adv_estimator": estimator})
+    assert ("critic/vf_loss" in records[0]) == (estimator == "gae")
+    assert "actor/pg_loss" in records[0] and "critic/advantages/mean" in records[0]
+
+
+@pytest.mark.parametrize("loss_mode", sorted(losses.POLICY_LOSSES))
+def test_every_policy_loss(tmp_path, loss_mode):
+    _run(tmp_path, **{"actor.policy_loss.loss_mode": loss_mode})
+
+
+def test_kl_terms_and_adaptive_controller(tmp_path):
+    records = _run(tmp_path, **{
+        "actor.use_kl_loss": True, "actor.kl_loss_type": "k3+", "actor.entropy_coeff": 0.01,
+        "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive",
+        "algorithm.kl_ctrl.kl_coef": 0.1, "algorithm.kl_ctrl.horizon": 100.0})
+    assert {"actor/kl_loss", "actor/entropy_loss", "actor/reward_kl_penalty"} <= set(records[0])
+    # The adaptive controller moved beta after step 1.
+    coeffs = [r["actor/reward_kl_penalty_coeff"] for r in records]
+    assert coeffs[1] != coeffs[0]

@@ -1,0 +1,108 @@
+"""The actor update: micro-batch invariance and the non-finite guard."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import settings, update
+from jrl.data.tokenizers import CharTokenizer
+from jrl.models.config import ModelConfig
+from jrl.models.transformer import init_params
+from jrl.optim import make_optimizer
+from jrl.train import run
+
+from .tiny import tiny_config
+
+_MODEL = ModelConfig.preset("tiny", vocab_size=40, hidden_size=32, intermediate_size=64,
+                            num_layers=1, head_dim=8)
+
+
+def _actor_settings(micro):
+    tok = CharTokenizer()
+    config = tiny_config(**{"data.train_batch_size": 4, "rollout.n": 2,
+                            "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": micro,
+                            "actor.entropy_coeff": 0.01, "actor.use_kl_loss": True})
+    return settings.from_config(config, stop_token_ids=tok.eos_token_ids,
+                                pad_token_id=tok.pad_token_id, num_train_rows=90).actor
+
+
+def _batch(seed=0, b=8, p=4, r=5):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, r + 1, b)
+    response_mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
+    prompt_mask = (np.arange(p)[None] >= rng.integers(0, 3, b)[:, None]).astype(np.int32)
+    return {
+        "prompt_ids": jnp.asarray(rng.integers(3, 40, (b, p)) * prompt_mask, jnp.int32),
+        "prompt_mask": jnp.asarray(prompt_mask),
+        "responses": jnp.asarray(rng.integers(3, 40, (b, r)) * response_mask, jnp.int32),
+        "response_mask": jnp.asarray(response_mask),
+        "old_log_probs": jnp.asarray(-rng.random((b, r)) * 3, jnp.float32),
+        "ref_log_probs": jnp.asarray(-rng.random((b, r)) * 3, jnp.float32),
+        "advantages": jnp.asarray(np.repeat(rng.normal(size=(b, 1)), r, 1), jnp.float32),
+    }
+
+
+def _update(micro, batch):
+    actor = _actor_settings(micro)
+    params = init_params(_MODEL, jax.random.key(0))
+    optimizer = make_optimizer(actor.optim, 2)
+    loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor, temperature=1.0,
+                                chunk_size=2)
+    state = update.ModelState(params, optimizer.init(params))
+    fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn, optimizer=optimizer,
+                                   update=actor.update))
+    return fn(state, batch, jax.random.key(1))
+
+
+@pytest.mark.parametrize("micro", [2, 1])
+def test_micro_batch_split_gives_same_parameters(micro):
+    """Mini-batches of 4 sequences as 1 (micro 4), 2 (micro 2) or 4 (micro 1) micro-batches."""
+    batch = _batch()
+    whole, whole_metrics = _update(4, batch)
+    split, split_metrics = _update(micro, batch)
+    chex.assert_trees_all_close(split.params, whole.params, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(split_metrics["pg_loss"], whole_metrics["pg_loss"], rtol=1e-5)
+    np.testing.assert_allclose(split_metrics["kl_loss"], whole_metrics["kl_loss"], rtol=1e-5)
+    # And the update did change the parameters.
+    before = init_params(_MODEL, jax.random.key(0))
+    assert not np.allclose(before["layers"]["mlp"]["up_proj"]["kernel"],
+                           whole.params["layers"]["mlp"]["up_proj"]["kernel"])
+
+
+def test_non_finite_update_is_skipped():
+    batch = _batch()
+    batch["advantages"] = batch["advantages"].at[0, 0].set(jnp.nan)
+    state, metrics = _update(4, batch)
+    before = init_params(_MODEL, jax.random.key(0))
+    # The NaN sits in one of the two mini-batches of each epoch: exactly that update is skipped.
+    assert float(metrics["nan_skipped"]) == 1.0
+    chex.assert_tree_all_finite(state.params)
+    assert not jax.tree.all(jax.tree.map(np.array_equal, before, state.params))
+    batch["advantages"] = jnp.full_like(batch["advantages"], jnp.inf)
+    state, metrics = _update(4, batch)
+    assert float(metrics["nan_skipped"]) == 2.0
+    chex.assert_trees_all_equal(state.params, before)
+
+
+def _nan_reward(*args):
+    return float("nan")
+
+
+def test_trainer_nan_policy(tmp_path, monkeypatch):
+    import jrl.train
+
+    monkeypatch.setattr(jrl.train, "default_compute_score", _nan_reward)
+    summary = run(tiny_config(), str(tmp_path / "skip"))
+    assert summary["step"] == 2
+    from jrl.metrics import read_jsonl
+
+    records = read_jsonl(str(tmp_path / "skip" / "metrics.jsonl"))
+    assert all(r["actor/nan_skipped_updates"] == 2 for r in records)
+    from jrl.trainer import NonFiniteUpdateError
+
+    with pytest.raises(NonFiniteUpdateError, match="step 0: non-finite actor"):
+        run(tiny_config(**{"trainer.nan_policy": "raise"}), str(tmp_path / "raise"))

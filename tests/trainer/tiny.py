@@ -1,0 +1,34 @@
+"""A tiny experiment config shared by the trainer tests."""
+
+from jrl.config_defaults import base_config
+
+
+def tiny_config(**overrides):
+    c = base_config()
+    c.model.preset = "tiny"
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 1
+    c.model.head_dim = 8
+    c.data.digits = 1
+    c.data.num_val = 8
+    c.data.train_batch_size = 4
+    c.data.val_batch_size = 8
+    c.data.max_prompt_length = 4
+    c.rollout.n = 2
+    c.rollout.response_length = 3
+    c.actor.optim.lr = 1e-3
+    c.actor.ppo_mini_batch_size = 2
+    c.actor.ppo_micro_batch_size = 2
+    c.critic.ppo_mini_batch_size = 2
+    c.critic.ppo_micro_batch_size = 2
+    c.trainer.total_training_steps = 2
+    c.trainer.logger = ("jsonl",)
+    c.trainer.val_before_train = False
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c

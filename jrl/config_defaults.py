@@ -54,9 +54,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.ops = "+"
     # Arithmetic: write answers least-significant digit first (easier for small models).
     c.data.reverse_answer = False
-    # Arithmetic: share of carrying sums whose warm-up demonstration forgets the carry
-    # (the reward still checks the true sum).
-    c.data.demo_carry_slip_rate = 0.0
     # Held-out problems for validation.
     c.data.num_val = 256
     # Cap on training problems (None: all that are not held out).

@@ -180,11 +180,7 @@ def _sampling(config, key: str, overrides: dict, stop_ids, pad_id) -> SamplingCo
         stop_token_ids=tuple(stop_ids),
         pad_token_id=int(pad_id),
     )
-    try:
-        sampling.validate()
-    except ValueError as err:
-        raise ValueError(f"{key}: {err}") from None
-    return sampling
+    return sampling.validate(prefix=key)
 
 
 def _algorithm(config) -> AlgorithmSettings:

@@ -49,14 +49,9 @@ def build_tokenizer(config):
 
 def build_data(config):
     if config.data.task == "arithmetic":
-        train, val = synthetic.arithmetic(config.data.digits, config.data.ops,
-                                          config.data.num_val, config.data.num_train,
-                                          seed=config.data.seed,
-                                          reverse=config.data.reverse_answer)
-        if config.data.demo_carry_slip_rate:
-            train = synthetic.with_carry_slips(train, config.data.demo_carry_slip_rate,
-                                               config.data.seed)
-        return train, val
+        return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
+                                    config.data.num_train, seed=config.data.seed,
+                                    reverse=config.data.reverse_answer)
     raise ValueError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
 
 

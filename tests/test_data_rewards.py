@@ -57,17 +57,17 @@ def test_encode_prompts_left_pads_and_names_overlong_rows():
         encode_prompts(tok, rows, 5, apply_chat_template=False)
 
 
-@pytest.mark.parametrize(("response", "answer", "expected"), [
-    ("124", "124", {"score": 1.0, "acc": 1.0}),
-    (" 124\n", "124", {"score": 1.0, "acc": 1.0}),
-    ("114", "124", {"score": 0.5 * 2 / 3, "acc": 0.0}),  # tens digit wrong
-    ("24", "124", {"score": 0.5 * 2 / 3, "acc": 0.0}),  # hundreds digit missing
-    ("9124", "124", {"score": 0.5 * 3 / 4, "acc": 0.0}),  # an extra digit
-    ("", "124", {"score": 0.0, "acc": 0.0}),
+@pytest.mark.parametrize(("response", "answer", "exact", "digits"), [
+    ("124", "124", 1.0, 1.0),
+    (" 124\n", "124", 1.0, 1.0),
+    ("114", "124", 0.0, 2 / 3),  # tens digit wrong
+    ("24", "124", 0.0, 2 / 3),  # hundreds digit missing
+    ("9124", "124", 0.0, 3 / 4),  # an extra digit
+    ("", "124", 0.0, 0.0),
 ])
-def test_arithmetic_scorer(response, answer, expected):
+def test_arithmetic_scorer(response, answer, exact, digits):
     out = default_compute_score(synthetic.DATA_SOURCE, response, answer)
-    assert out == pytest.approx(expected)
+    assert out == pytest.approx({"score": exact, "acc": exact, "digits": digits})
     assert arithmetic.digit_credit("12", "12") == 1.0
 
 
@@ -109,3 +109,13 @@ def test_validation_metrics_mean_best_maj():
     assert out["val-core/s/acc/best@3/mean"] == 1.0
     assert out["val-core/s/acc/maj@3/mean"] == pytest.approx(0.5)
     assert out["val-aux/s/reward/mean@3"] == pytest.approx((0.4 + 1) / 2)
+
+
+
+def test_sft_imitates_the_demonstration_when_given():
+    from jrl.sft import demonstration
+
+    row = synthetic.arithmetic_row(7, "+", 5, width=2)
+    assert demonstration(row) == "12"
+    row["extra_info"]["demonstration"] = "012"
+    assert demonstration(row) == "012" and row["reward_model"]["ground_truth"] == "12"

@@ -37,37 +37,6 @@ def arithmetic_row(a: int, op: str, b: int, reverse: bool = False, width: int = 
     }
 
 
-def add_without_carry(a: int, b: int) -> int:
-    """`a + b` digit by digit, dropping every carry (the classic slip): 47 + 38 -> 75."""
-    out, place = 0, 1
-    while a or b:
-        out += ((a % 10 + b % 10) % 10) * place
-        a, b, place = a // 10, b // 10, place * 10
-    return out
-
-
-def with_carry_slips(rows: list[Row], rate: float, seed: int) -> list[Row]:
-    """Copies of addition rows whose *demonstration* forgets the carry, for a share `rate`
-    of the problems that have one.
-
-    The demonstration (`extra_info["demonstration"]`) is what supervised warm-up
-    imitates; the ground truth, which the reward checks, stays correct. With `rate`
-    above one half the imitating model's most likely answer to a carrying sum is
-    the slip, while the right answer keeps a fair share of its samples: the gap
-    between greedy and sampled accuracy that RL with a verifier closes.
-    """
-    rng = np.random.default_rng(seed)
-    out = []
-    for row in rows:
-        info = row["extra_info"]
-        slip = add_without_carry(info["a"], info["b"]) if info["op"] == "+" else None
-        if slip is not None and slip != info["a"] + info["b"] and rng.random() < rate:
-            shown = str(slip)[::-1] if info.get("reversed") else str(slip)
-            row = {**row, "extra_info": {**info, "demonstration": shown}}
-        out.append(row)
-    return out
-
-
 def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: int | None = None,
                seed: int = 0, reverse: bool = False) -> tuple[list[Row], list[Row]]:
     """All `a op b` with operands of up to `digits` digits, split into train / held-out.

@@ -1,4 +1,4 @@
-"""Scorer of the synthetic arithmetic task: digit-level partial credit, and exact accuracy."""
+"""Scorer of the synthetic arithmetic task: exact match, with digit credit reported beside it."""
 
 from jrl.data.synthetic import DATA_SOURCE
 
@@ -15,16 +15,15 @@ def digit_credit(response: str, answer: str) -> float:
 
 
 def compute_score(data_source, solution_str: str, ground_truth: str, extra_info=None) -> dict:
-    """`{"score": 1 if exact else 0.5 * digit credit, "acc": 1 if exact else 0}`.
+    """`{"score": 1 if exact else 0, "acc": same, "digits": digit credit}`.
 
-    The partial credit gives the policy gradient a signal before whole answers are
-    right; `acc` (exact match, surrounding whitespace ignored) is what validation
-    reports as `val-core/.../acc/mean@N`.
+    Exact match ignores surrounding whitespace. `digits` is logged, not rewarded:
+    partial credit for almost-right sums slowed learning in our runs.
     """
     del data_source, extra_info
     response, answer = solution_str.strip(), str(ground_truth).strip()
     exact = float(response == answer)
-    return {"score": exact if exact else 0.5 * digit_credit(response, answer), "acc": exact}
+    return {"score": exact, "acc": exact, "digits": digit_credit(response, answer)}
 
 
 __all__ = ["DATA_SOURCE", "compute_score", "digit_credit"]

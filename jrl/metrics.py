@@ -111,7 +111,8 @@ class MetricsWriter:
         if "console" in loggers:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="rl", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="rl", dynamic_ncols=True,
+                             mininterval=1.0)
         if "tensorboard" in loggers:
             try:
                 from tensorboardX import SummaryWriter
@@ -141,10 +142,10 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
-            self._bar.n = step
             shown = {"score": "critic/score/mean", "kl": "actor/ppo_kl", "s": "timing_s/step"}
             self._bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in shown.items()
-                                   if v in metrics}, refresh=True)
+                                   if v in metrics}, refresh=False)
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:

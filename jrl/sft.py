@@ -74,3 +74,34 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)
     return state.params
+
+
+def main(argv):
+    """`python -m jrl.sft --config=configs/x.py --workdir=...`: the warm start alone."""
+    del argv
+    from absl import flags, logging
+
+    from jrl import train
+
+    logging.set_verbosity(logging.WARNING)
+    config = train.CONFIG.value
+    if config is None:
+        from absl import app
+
+        raise app.UsageError("--config=configs/<name>.py is required")
+    if config.sft.steps <= 0:
+        raise ValueError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
+    tokenizer = train.build_tokenizer(config)
+    train_rows, _ = train.build_data(config)
+    model, params = train.build_model(config, tokenizer)
+    workdir = flags.FLAGS.workdir or "runs/sft"
+    train.warm_start(config, workdir, model, params, tokenizer, train_rows)
+    print(f"saved the warm-started parameters under {workdir}/sft")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    import jrl.train  # noqa: F401  (defines --config and --workdir)
+
+    app.run(main)

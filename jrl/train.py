@@ -26,8 +26,8 @@ from jrl.rewards import default_compute_score
 from jrl.sft import train_sft
 from jrl.trainer import RLTrainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                         lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
                                "runs/<config name>).")
 
@@ -146,7 +146,7 @@ def print_summary(summary: dict) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    config = _CONFIG.value
+    config = CONFIG.value
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     name = os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]

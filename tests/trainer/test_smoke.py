@@ -42,3 +42,27 @@ def test_kl_terms_and_adaptive_controller(tmp_path):
     # The adaptive controller moved beta after step 1.
     coeffs = [r["actor/reward_kl_penalty_coeff"] for r in records]
     assert coeffs[1] != coeffs[0]
+
+
+def test_hf_checkpoint_in_and_out(tmp_path):
+    """A run from a HF-format checkpoint exports the trained actor back to HF format."""
+    import jax
+    import numpy as np
+
+    from jrl.data.tokenizers import CharTokenizer
+    from jrl.models import hf
+    from jrl.models.config import ModelConfig
+    from jrl.models.transformer import init_params
+
+    tok = CharTokenizer()
+    model = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, hidden_size=32,
+                               intermediate_size=64, num_layers=1, head_dim=8,
+                               pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_ids)
+    params = init_params(model, jax.random.key(3))
+    source = tmp_path / "source"
+    hf.save_pretrained(source, model, params)
+    summary = run(tiny_config(**{"model.path": str(source)}), str(tmp_path / "run"))
+    _, exported = hf.load_pretrained(summary["hf_export"])
+    before = params["layers"]["mlp"]["up_proj"]["kernel"]
+    after = exported["layers"]["mlp"]["up_proj"]["kernel"]
+    assert after.shape == before.shape and not np.allclose(after, before)

@@ -30,6 +30,9 @@ def get_config(arg: str | None = None):
     c.actor.optim.lr = 3e-4
     c.actor.ppo_mini_batch_size = 16
     c.actor.ppo_micro_batch_size = 128
+    # Reshuffle the two mini-batches of a step each epoch (the runs in README used it).
+    c.actor.shuffle = True
+    c.critic.shuffle = True
     c.algorithm.adv_estimator = "grpo"
     c.trainer.total_training_steps = 200
     c.trainer.test_freq = 25

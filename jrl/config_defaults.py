@@ -79,14 +79,16 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.actor = ml_collections.ConfigDict()
     c.actor.optim = _optim(lr=1e-6)
+    # Global-norm gradient clipping (0: off).
+    c.actor.grad_clip = 1.0
     # Prompts per actor optimizer step, multiplied by rollout.n as in verl.
     c.actor.ppo_mini_batch_size = 16
     # Sequences per forward/backward pass; gradients accumulate over a mini-batch.
     c.actor.ppo_micro_batch_size = 64
     # Passes over each batch.
     c.actor.ppo_epochs = 1
-    # Reshuffle the batch before splitting it into mini-batches, each epoch.
-    c.actor.shuffle = True
+    # Reshuffle the batch before splitting it into mini-batches, each epoch (verl: off).
+    c.actor.shuffle = False
     # PPO clip epsilon.
     c.actor.clip_ratio = 0.2
     # Lower clip epsilon (None: clip_ratio).
@@ -129,14 +131,16 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.critic = ml_collections.ConfigDict()
     c.critic.optim = _optim(lr=1e-5)
+    # Global-norm gradient clipping (0: off).
+    c.critic.grad_clip = 1.0
     # Prompts per critic optimizer step (x rollout.n).
     c.critic.ppo_mini_batch_size = 16
     # Sequences per critic forward/backward pass.
     c.critic.ppo_micro_batch_size = 64
     # Passes over each batch.
     c.critic.ppo_epochs = 1
-    # Reshuffle before splitting into mini-batches.
-    c.critic.shuffle = True
+    # Reshuffle before splitting into mini-batches (verl: off).
+    c.critic.shuffle = False
     # Value clip range around the old values.
     c.critic.cliprange_value = 0.5
     # Aggregation of the value loss.
@@ -226,9 +230,7 @@ def _optim(lr: float) -> ml_collections.ConfigDict:
     # Linear warmup steps.
     o.lr_warmup_steps = 0
     # constant or cosine (after warmup).
-    o.lr_scheduler = "constant"
+    o.lr_scheduler_type = "constant"
     # Cosine floor as a fraction of lr.
     o.min_lr_ratio = 0.0
-    # Global-norm gradient clipping (0: off).
-    o.grad_clip = 1.0
     return o

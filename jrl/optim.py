@@ -10,7 +10,7 @@ from jrl.settings import OptimSettings
 def learning_rate_schedule(s: OptimSettings) -> optax.Schedule:
     """Linear warmup over `warmup_steps`, then constant or cosine down to `min_lr_ratio * lr`."""
     warmup = max(s.warmup_steps, 0)
-    if s.lr_scheduler == "constant":
+    if s.lr_scheduler_type == "constant":
         after = optax.constant_schedule(s.lr)
     else:
         after = optax.cosine_decay_schedule(
@@ -22,16 +22,15 @@ def learning_rate_schedule(s: OptimSettings) -> optax.Schedule:
     return optax.join_schedules([ramp, after], boundaries=[warmup])
 
 
-def make_optimizer(s: OptimSettings, updates_per_step: int = 1) -> optax.GradientTransformation:
-    """`clip_by_global_norm(grad_clip)` (when > 0) then AdamW.
+def make_optimizer(s: OptimSettings) -> optax.GradientTransformation:
+    """`clip_by_global_norm(grad_clip)` (when > 0), Adam moments, decoupled weight decay.
 
-    The learning rate advances once per training step (as verl steps its
-    scheduler once per `update_actor`), although the optimizer updates once per
-    mini-batch: `updates_per_step` = ppo_epochs x mini-batches per step.
+    The result is AdamW's update direction without the learning rate: the update
+    multiplies it by `-lr` for the current training step (`learning_rate_schedule`),
+    so the rate advances once per RL step as verl's scheduler does, and a skipped
+    (non-finite) update does not shift the schedule.
     """
-    schedule = learning_rate_schedule(s)
-    per_step = lambda count: schedule(count // updates_per_step)
-    adamw = optax.adamw(per_step, b1=s.betas[0], b2=s.betas[1], weight_decay=s.weight_decay)
-    if s.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(s.grad_clip), adamw)
-    return adamw
+    parts = [optax.clip_by_global_norm(s.grad_clip)] if s.grad_clip > 0 else []
+    parts += [optax.scale_by_adam(b1=s.betas[0], b2=s.betas[1]),
+              optax.add_decayed_weights(s.weight_decay)]
+    return optax.chain(*parts)

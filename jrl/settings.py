@@ -26,7 +26,7 @@ class OptimSettings:
     weight_decay: float
     betas: tuple[float, float]
     warmup_steps: int
-    lr_scheduler: str
+    lr_scheduler_type: str
     min_lr_ratio: float
     grad_clip: float
     total_steps: int
@@ -138,9 +138,9 @@ def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
         weight_decay=_positive(config, f"{prefix}.optim.weight_decay", allow_zero=True),
         betas=betas,
         warmup_steps=int(_positive(config, f"{prefix}.optim.lr_warmup_steps", allow_zero=True)),
-        lr_scheduler=_choice(config, f"{prefix}.optim.lr_scheduler", LR_SCHEDULERS),
+        lr_scheduler_type=_choice(config, f"{prefix}.optim.lr_scheduler_type", LR_SCHEDULERS),
         min_lr_ratio=ratio,
-        grad_clip=_positive(config, f"{prefix}.optim.grad_clip", allow_zero=True),
+        grad_clip=_positive(config, f"{prefix}.grad_clip", allow_zero=True),
         total_steps=total_steps,
     )
 
@@ -276,6 +276,10 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
             loss_agg_mode=_choice(config, "critic.loss_agg_mode", masks.LOSS_AGG_MODES),
             optim=_optim(config, "critic", steps),
         )
+    if _get(config, "model.param_dtype") != "float32":
+        _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
+              "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
+              "bfloat16 compute")
     model_path = _get(config, "model.path")
     if model_path and not os.path.isdir(model_path):
         _fail("model.path", f"{model_path!r} is not a directory")

@@ -175,8 +175,7 @@ class RLTrainer:
     def _build_stages(self):
         s, model = self.s, self.model
         a = s.actor.update
-        self.actor_opt = make_optimizer(
-            s.actor.optim, a.ppo_epochs * (self.batch_sequences // a.mini_batch))
+        self.actor_opt = make_optimizer(s.actor.optim)
         actor_loss = functools.partial(update.actor_loss, model=model, actor=s.actor,
                                        temperature=s.rollout.temperature,
                                        chunk_size=s.logprob_chunk_size)
@@ -185,8 +184,7 @@ class RLTrainer:
             donate_argnums=0)
         if s.critic is not None:
             c = s.critic.update
-            self.critic_opt = make_optimizer(
-                s.critic.optim, c.ppo_epochs * (self.batch_sequences // c.mini_batch))
+            self.critic_opt = make_optimizer(s.critic.optim)
             critic_loss = functools.partial(update.critic_loss, model=model, critic=s.critic)
             self._update_critic = jax.jit(functools.partial(
                 update.run_updates, loss_fn=critic_loss, optimizer=self.critic_opt, update=c),
@@ -292,7 +290,7 @@ class RLTrainer:
         jax.block_until_ready(advantages)
         timing["adv"] = time.perf_counter() - t
 
-        step_metrics = {f"critic/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+        step_metrics = {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
         if s.algorithm.use_kl_in_reward:
             step_metrics["actor/reward_kl_penalty"] = float(current_kl)
             step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
@@ -305,13 +303,19 @@ class RLTrainer:
         if st.critic is not None:
             t = time.perf_counter()
             critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
-            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key)
-            step_metrics.update(self._update_metrics("critic", m, self._lr(s.critic.optim)))
+            lr = self._lr(s.critic.optim, st.step)
+            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key, lr)
+            step_metrics.update(self._update_metrics("critic", m, lr))
             timing["update_critic"] = time.perf_counter() - t
-        if st.step >= self.cfg.critic_warmup:
+        # verl counts steps from 1 and updates the actor once critic_warmup <= step.
+        first_actor_step = max(self.cfg.critic_warmup - 1, 0)
+        if st.step >= first_actor_step:
             t = time.perf_counter()
-            st.actor, m = self._update_actor(st.actor, train_batch, actor_key)
-            step_metrics.update(self._update_metrics("actor", m, self._lr(s.actor.optim)))
+            lr = self._lr(s.actor.optim, st.step - first_actor_step)
+            st.actor, m = self._update_actor(st.actor, train_batch, actor_key, lr)
+            step_metrics.update(self._update_metrics("actor", m, lr))
+            if s.actor.use_kl_loss:
+                step_metrics["actor/kl_coef"] = s.actor.kl_loss_coef
             timing["update_actor"] = time.perf_counter() - t
         step_metrics["actor/entropy"] = float(
             masks.agg_loss(entropy, out.response_mask, s.actor.loss.loss_agg_mode))
@@ -335,8 +339,10 @@ class RLTrainer:
         out[f"{role}/lr"] = lr
         return out
 
-    def _lr(self, optim) -> float:
-        return float(learning_rate_schedule(optim)(self.state.step))
+    @staticmethod
+    def _lr(optim, scheduler_step: int) -> float:
+        """The rate of this step: the schedule advances once per update of the model."""
+        return float(learning_rate_schedule(optim)(scheduler_step))
 
     def _perf_metrics(self, batch, timing) -> dict[str, float]:
         tokens = float(np.sum(batch["prompt_mask"]) + np.sum(batch["response_mask"]))

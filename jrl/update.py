@@ -52,12 +52,16 @@ def run_updates(
     state: ModelState,
     batch: Batch,
     rng: Array,
+    lr: Array,
     *,
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
     update: UpdateSettings,
 ) -> tuple[ModelState, dict[str, Array]]:
     """Runs `ppo_epochs` passes of mini-batch updates over `batch` (leading dim `N`).
+
+    `optimizer` gives the update direction (`jrl.optim.make_optimizer`); every
+    mini-batch step moves the parameters by `-lr` times it.
 
     Returns:
       The new state and scalar metrics: the loss terms (summed over the
@@ -90,7 +94,7 @@ def run_updates(
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = optax.apply_updates(state.params, jax.tree.map(lambda u: -lr * u, updates))
         params = jax.tree.map(lambda p, u: u.astype(p.dtype), state.params, params)
         new = ModelState(params=params, opt_state=opt_state)
         new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)

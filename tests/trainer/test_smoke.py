@@ -16,7 +16,7 @@ def _run(tmp_path, **overrides):
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
-        assert record["actor/nan_skipped_updates"] == 0
+        assert record.get("actor/nan_skipped_updates", 0) == 0
         assert all(math.isfinite(v) for k, v in record.items() if k != "step"), record
     return records
 
@@ -66,3 +66,10 @@ def test_hf_checkpoint_in_and_out(tmp_path):
     before = params["layers"]["mlp"]["up_proj"]["kernel"]
     after = exported["layers"]["mlp"]["up_proj"]["kernel"]
     assert after.shape == before.shape and not np.allclose(after, before)
+
+
+def test_critic_warmup_counts_steps_from_one(tmp_path):
+    # verl: the actor updates once critic_warmup <= step, with steps counted from 1.
+    records = _run(tmp_path, **{"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 2})
+    assert "actor/pg_loss" not in records[0] and "critic/vf_loss" in records[0]
+    assert "actor/pg_loss" in records[1] and records[1]["actor/lr"] == 1e-3

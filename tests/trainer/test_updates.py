@@ -49,13 +49,13 @@ def _batch(seed=0, b=8, p=4, r=5):
 def _update(micro, batch):
     actor = _actor_settings(micro)
     params = init_params(_MODEL, jax.random.key(0))
-    optimizer = make_optimizer(actor.optim, 2)
+    optimizer = make_optimizer(actor.optim)
     loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor, temperature=1.0,
                                 chunk_size=2)
     state = update.ModelState(params, optimizer.init(params))
     fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn, optimizer=optimizer,
                                    update=actor.update))
-    return fn(state, batch, jax.random.key(1))
+    return fn(state, batch, jax.random.key(1), actor.optim.lr)
 
 
 @pytest.mark.parametrize("micro", [2, 1])

@@ -78,17 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.lr = 1e-3
 
     c.actor = ml_collections.ConfigDict()
-    c.actor.optim = _optim(lr=1e-6)
-    # Global-norm gradient clipping (0: off).
-    c.actor.grad_clip = 1.0
-    # Prompts per actor optimizer step, multiplied by rollout.n as in verl.
-    c.actor.ppo_mini_batch_size = 16
-    # Sequences per forward/backward pass; gradients accumulate over a mini-batch.
-    c.actor.ppo_micro_batch_size = 64
-    # Passes over each batch.
-    c.actor.ppo_epochs = 1
-    # Reshuffle the batch before splitting it into mini-batches, each epoch (verl: off).
-    c.actor.shuffle = False
+    _add_update_keys(c.actor, lr=1e-6)
     # PPO clip epsilon.
     c.actor.clip_ratio = 0.2
     # Lower clip epsilon (None: clip_ratio).
@@ -130,17 +120,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.policy_loss.tau_neg = 1.05
 
     c.critic = ml_collections.ConfigDict()
-    c.critic.optim = _optim(lr=1e-5)
-    # Global-norm gradient clipping (0: off).
-    c.critic.grad_clip = 1.0
-    # Prompts per critic optimizer step (x rollout.n).
-    c.critic.ppo_mini_batch_size = 16
-    # Sequences per critic forward/backward pass.
-    c.critic.ppo_micro_batch_size = 64
-    # Passes over each batch.
-    c.critic.ppo_epochs = 1
-    # Reshuffle before splitting into mini-batches (verl: off).
-    c.critic.shuffle = False
+    _add_update_keys(c.critic, lr=1e-5)
     # Value clip range around the old values.
     c.critic.cliprange_value = 0.5
     # Aggregation of the value loss.
@@ -217,6 +197,21 @@ def base_config() -> ml_collections.ConfigDict:
     # Write the final actor as a Hugging Face checkpoint (when the model came from one).
     c.trainer.export_hf = True
     return c
+
+
+def _add_update_keys(model: ml_collections.ConfigDict, lr: float) -> None:
+    """The keys actor and critic share: optimizer and PPO mini-batching."""
+    model.optim = _optim(lr)
+    # Global-norm gradient clipping (0: off).
+    model.grad_clip = 1.0
+    # Prompts per optimizer step, multiplied by rollout.n as in verl.
+    model.ppo_mini_batch_size = 16
+    # Sequences per forward/backward pass; gradients accumulate over a mini-batch.
+    model.ppo_micro_batch_size = 64
+    # Passes over each batch.
+    model.ppo_epochs = 1
+    # Reshuffle the batch before splitting it into mini-batches, each epoch (verl: off).
+    model.shuffle = False
 
 
 def _optim(lr: float) -> ml_collections.ConfigDict:

@@ -74,19 +74,20 @@ def build_model(config, tokenizer) -> tuple[ModelConfig, dict]:
 def warm_start(config, workdir, model, params, tokenizer, train_rows):
     """Runs (or restores) the supervised warm start of `config.sft`."""
     ckpt = Checkpointer(os.path.join(workdir, "sft"))
-    if ckpt.latest_step() is not None:
-        params, _ = ckpt.restore(ckpt.latest_step(), params)
+    try:
+        if ckpt.latest_step() is not None:
+            return ckpt.restore(ckpt.latest_step(), params)[0]
+        print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
+        params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
+                           batch_size=config.sft.batch_size, lr=config.sft.lr,
+                           max_prompt_length=config.data.max_prompt_length,
+                           max_response_length=config.rollout.response_length,
+                           seed=config.seed, apply_chat_template=config.data.apply_chat_template,
+                           log_every=max(config.sft.steps // 5, 1))
+        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps})
         return params
-    print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
-    params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
-                       batch_size=config.sft.batch_size, lr=config.sft.lr,
-                       max_prompt_length=config.data.max_prompt_length,
-                       max_response_length=config.rollout.response_length, seed=config.seed,
-                       apply_chat_template=config.data.apply_chat_template,
-                       log_every=max(config.sft.steps // 5, 1))
-    ckpt.save(config.sft.steps, params, {"steps": config.sft.steps})
-    ckpt.close()
-    return params
+    finally:
+        ckpt.close()
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None

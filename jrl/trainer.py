@@ -233,13 +233,14 @@ class RLTrainer:
     def _generate(self, params, rows, sampling: rollout.SamplingConfig, key):
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
                                                  self.chat)
-        out = rollout.generate(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key,
-                               sampling, config=self.model)
-        return jax.device_get(out)
+        return rollout.generate(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key,
+                                sampling, config=self.model)
 
     def _score(self, rows, out, n):
-        """(scores [N], extras {name: [N]}, texts) of a rollout."""
-        texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
+        """(scores [N], extras {name: [N]}, texts) of a rollout; only the responses come
+        to the host, the rest of the rollout stays on the device for the next stages."""
+        responses, response_mask = jax.device_get((out.responses, out.response_mask))
+        texts = decode_responses(self.tokenizer, responses, response_mask)
         return (*score_responses(self.reward_fn, rows, texts, n), texts)
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
@@ -252,7 +253,7 @@ class RLTrainer:
         rows = iterator.next_batch()
 
         t = time.perf_counter()
-        out = self._generate(st.actor.params, rows, s.rollout, gen_key)
+        out = jax.block_until_ready(self._generate(st.actor.params, rows, s.rollout, gen_key))
         timing["gen"] = time.perf_counter() - t
 
         batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,

@@ -175,6 +175,46 @@ def base_config() -> ml_collections.ConfigDict:
     # Adaptive: horizon in samples.
     c.algorithm.kl_ctrl.horizon = 10000.0
 
+    c.mesh = ml_collections.ConfigDict()
+    # Devices on the data-parallel axis (parameters replicated); -1: all the others leave.
+    c.mesh.data = -1
+    # Devices on the FSDP axis (parameters, gradients and optimizer states split; -1 allowed).
+    c.mesh.fsdp = 1
+    # Devices on the tensor-parallel axis (heads, MLP width and vocabulary split).
+    c.mesh.tensor = 1
+    c.mesh.rules = ml_collections.ConfigDict()
+    # Mesh axes (comma-separated, "" for none) each logical axis is split over: batch rows.
+    c.mesh.rules.batch = "data,fsdp"
+    # Vocabulary (embedding rows, LM head columns, logits).
+    c.mesh.rules.vocab = "tensor"
+    # Hidden dimension of the parameters (the FSDP split).
+    c.mesh.rules.embed = "fsdp"
+    # Query heads.
+    c.mesh.rules.heads = "tensor"
+    # Key/value heads (and the KV cache).
+    c.mesh.rules.kv_heads = "tensor"
+    # MLP width.
+    c.mesh.rules.mlp = "tensor"
+    # Stacked layer axis of the parameters and the cache.
+    c.mesh.rules.layers = ""
+    # Per-head width.
+    c.mesh.rules.head_dim = ""
+    # KV-cache slots.
+    c.mesh.rules.cache_length = ""
+
+    c.distributed = ml_collections.ConfigDict()
+    # Start jax.distributed: "auto" (when a coordinator is configured or the environment
+    # names a multi-process cluster: TPU pod, SLURM), "yes" or "no".
+    c.distributed.initialize = "auto"
+    # host:port of process 0 (None: detected from the cluster environment).
+    c.distributed.coordinator_address = config_dict.placeholder(str)
+    # Number of processes (None: detected).
+    c.distributed.num_processes = config_dict.placeholder(int)
+    # This process's index (None: detected).
+    c.distributed.process_id = config_dict.placeholder(int)
+    # Devices of this process to use, e.g. "0,1" (None: all of them).
+    c.distributed.local_device_ids = config_dict.placeholder(str)
+
     c.trainer = ml_collections.ConfigDict()
     # RL steps (0: total_epochs passes over the training prompts).
     c.trainer.total_training_steps = 0

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jrl.models import cache as cache_lib
 from jrl.models import heads, transformer
 from jrl.models.config import ModelConfig
+from jrl.sharding import constrain
 
 Array = jax.Array
 
@@ -30,7 +31,8 @@ def sequence_inputs(prompt_ids, prompt_mask, responses, response_mask):
 
 
 def _chunk_log_probs(params, hidden_bcd, targets_bc, temperature, with_entropy):
-    logits_bcv = heads.unembed(params, hidden_bcd) / temperature
+    logits_bcv = constrain(heads.unembed(params, hidden_bcd), ("batch", None, "vocab"))
+    logits_bcv = logits_bcv / temperature
     log_z_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     target_logit_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
     log_probs_bc = target_logit_bc - log_z_bc

@@ -48,6 +48,7 @@ from jrl.models.cache import KVCache, init_cache, positions_from_mask
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
+from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
 
@@ -231,17 +232,24 @@ def generate(
         left-padded, non-empty and within the vocabulary (values are checked when
         the inputs are concrete, before compiling).
     """
-    sampling.validate(config.vocab_size)
-    _check_prompts(prompt_ids, prompt_mask, config)
+    check_inputs(prompt_ids, prompt_mask, sampling, config)
     return _generate(params, prompt_ids, prompt_mask, rng, sampling=sampling, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "config"))
-def _generate(params, prompt_ids, prompt_mask, rng, *, sampling, config) -> RolloutOutput:
-    """The compiled body of `generate` (arguments already checked); shapes as there."""
+def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: ModelConfig) -> None:
+    """The checks `generate` makes before compiling (for callers that jit `generate_program`)."""
+    sampling.validate(config.vocab_size)
+    _check_prompts(prompt_ids, prompt_mask, config)
+
+
+def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
+                     ) -> RolloutOutput:
+    """The body of `generate` (arguments already checked), to be jitted by the caller
+    with its own shardings; shapes as in `generate`."""
     config = dataclasses.replace(config, scan_unroll=True)
-    row_prompt_ids = jnp.repeat(prompt_ids.astype(jnp.int32), sampling.n, axis=0)
-    row_prompt_mask = jnp.repeat(prompt_mask.astype(jnp.int32), sampling.n, axis=0)
+    repeat = lambda x: constrain(jnp.repeat(x.astype(jnp.int32), sampling.n, axis=0),
+                                 ("batch", None))
+    row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
     num_rows, prompt_len = row_prompt_ids.shape
     num_new = sampling.max_new_tokens
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
@@ -279,6 +287,9 @@ def _generate(params, prompt_ids, prompt_mask, rng, *, sampling, config) -> Roll
     )
 
 
+_generate = jax.jit(generate_program, static_argnames=("sampling", "config"))
+
+
 def _prefill(params, row_prompt_ids, row_prompt_mask, num_new, config):
     """One forward over the prompts into a fresh cache of P + R slots.
 
@@ -293,8 +304,8 @@ def _prefill(params, row_prompt_ids, row_prompt_mask, num_new, config):
         params, row_prompt_ids, positions, key_mask, cache, 0, config=config
     )
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
-    # that position avoids a [N, P, V] logits buffer.
-    return unembed(params, hidden_npd[:, -1]), cache, key_mask
+    # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
+    return constrain(unembed(params, hidden_npd[:, -1]), ("batch", None)), cache, key_mask
 
 
 def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, config):
@@ -314,7 +325,8 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, c
         params, state.last_tokens[:, None], positions, key_mask, state.cache, slot,
         config=config,
     )
-    return unembed(params, hidden_n1d[:, 0]), state.replace(cache=cache, key_mask=key_mask)
+    logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
+    return logits_nv, state.replace(cache=cache, key_mask=key_mask)
 
 
 def _emit(state: _DecodeState, logits_nv, row_keys, sampling: SamplingConfig) -> _DecodeState:

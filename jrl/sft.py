@@ -7,6 +7,7 @@ entry point runs the same warm start first when `sft.steps > 0`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 import optax
 
 from jrl import logprobs, masks, update
+from jrl import sharding as sharding_lib
 from jrl.data.dataset import Row, encode_prompts, ground_truth
 from jrl.models.config import ModelConfig
 
@@ -59,17 +61,40 @@ def sft_step(state: update.ModelState, batch, *, model: ModelConfig,
 
 def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: int,
               batch_size: int, lr: float, max_prompt_length: int, max_response_length: int,
-              seed: int = 0, apply_chat_template: bool = False, log_every: int = 0):
-    """Runs `steps` AdamW steps on random batches of `rows`; returns the new params."""
+              seed: int = 0, apply_chat_template: bool = False, log_every: int = 0,
+              sharder: sharding_lib.Sharder | None = None):
+    """Runs `steps` AdamW steps on random batches of `rows`; returns the new params.
+
+    With a `sharder`, batches are split over its batch axes and the optimizer state
+    follows the parameters' shardings.
+    """
     optimizer = optax.adamw(lr, weight_decay=0.0)
-    state = update.ModelState(params, optimizer.init(params))
+    if sharder is None:
+        state = update.ModelState(params, optimizer.init(params))
+        put, context = (lambda batch: jax.tree.map(jnp.asarray, batch)), contextlib.nullcontext()
+    else:
+        sharder.check_batch(batch_size, "sft.batch_size")
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        opt_shardings = sharder.opt_state(optimizer, params, param_shardings)
+        state = update.ModelState(
+            params, jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
+        put, context = sharder.put_batch, sharder.active()
+    with context:
+        return _sft_loop(state, rows, tokenizer, optimizer, put, model=model, steps=steps,
+                         batch_size=batch_size, max_prompt_length=max_prompt_length,
+                         max_response_length=max_response_length, seed=seed,
+                         apply_chat_template=apply_chat_template, log_every=log_every)
+
+
+def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_size,
+              max_prompt_length, max_response_length, seed, apply_chat_template, log_every):
     examples = encode_examples(tokenizer, rows, max_prompt_length, max_response_length,
                                apply_chat_template)
     rng = np.random.default_rng(seed)
     for step in range(steps):
         pick = rng.choice(len(rows), size=batch_size, replace=False)
-        batch = dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask"),
-                         (jnp.asarray(x[pick]) for x in examples), strict=True))
+        batch = put(dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask"),
+                             (x[pick] for x in examples), strict=True)))
         state, loss = sft_step(state, batch, model=model, optimizer=optimizer)
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)

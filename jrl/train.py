@@ -8,6 +8,7 @@ reward curves to `workdir/curves.png`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -15,13 +16,13 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jrl import metrics, settings
+from jrl import distributed, metrics, settings, sharding
 from jrl.checkpoint import Checkpointer
 from jrl.data import synthetic
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.models import hf
 from jrl.models.config import ModelConfig
-from jrl.models.transformer import init_params
+from jrl.models.transformer import init_params, param_logical_axes
 from jrl.rewards import default_compute_score
 from jrl.sft import train_sft
 from jrl.trainer import RLTrainer
@@ -55,12 +56,26 @@ def build_data(config):
     raise ValueError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
 
 
-def build_model(config, tokenizer) -> tuple[ModelConfig, dict]:
-    """(architecture, initial actor params) from model.path or a preset."""
+def param_shardings(sharder: sharding.Sharder, model: ModelConfig, head: str = "lm"):
+    """Shardings of a model's parameters on `sharder`'s mesh (from shapes alone)."""
+    shapes = jax.eval_shape(functools.partial(init_params, model, head=head), jax.random.key(0))
+    return sharder.params(param_logical_axes(model, head), shapes)
+
+
+def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
+                ) -> tuple[ModelConfig, dict]:
+    """(architecture, initial actor params) from model.path or a preset.
+
+    With a `sharder`, parameters are created (or read) directly into their shardings;
+    no device ever holds a full copy it does not need.
+    """
     dtypes = {"dtype": config.model.dtype, "remat": config.model.remat}
     if config.model.path:
+        shardings = None
+        if sharder is not None:
+            shardings = lambda model, head: param_shardings(sharder, model, head)
         return hf.load_pretrained(config.model.path, dtype=config.model.param_dtype,
-                                  config_overrides=dtypes)
+                                  config_overrides=dtypes, shardings=shardings)
     overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
     # never sample an id the tokenizer cannot decode.
@@ -68,10 +83,15 @@ def build_model(config, tokenizer) -> tuple[ModelConfig, dict]:
         config.model.preset, param_dtype=config.model.param_dtype, vocab_size=tokenizer.vocab_size,
         pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
         **dtypes, **overrides)
-    return model, init_params(model, jax.random.key(config.seed))
+    key = jax.random.key(config.seed)
+    if sharder is None:
+        return model, init_params(model, key)
+    init = jax.jit(functools.partial(init_params, model),
+                   out_shardings=param_shardings(sharder, model))
+    return model, init(key)
 
 
-def warm_start(config, workdir, model, params, tokenizer, train_rows):
+def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=None):
     """Runs (or restores) the supervised warm start of `config.sft`."""
     ckpt = Checkpointer(os.path.join(workdir, "sft"))
     try:
@@ -83,28 +103,41 @@ def warm_start(config, workdir, model, params, tokenizer, train_rows):
                            max_prompt_length=config.data.max_prompt_length,
                            max_response_length=config.rollout.response_length,
                            seed=config.seed, apply_chat_template=config.data.apply_chat_template,
-                           log_every=max(config.sft.steps // 5, 1))
+                           log_every=max(config.sft.steps // 5, 1), sharder=sharder)
         ckpt.save(config.sft.steps, params, {"steps": config.sft.steps})
         return params
     finally:
         ckpt.close()
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None
-        ) -> dict:
-    """Runs the experiment; returns a summary (validation before and after, paths)."""
+def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None,
+        sharder: sharding.Sharder | None = None, reward_fn=None) -> dict:
+    """Runs the experiment; returns a summary (validation before and after, paths).
+
+    Args:
+      config: the experiment config (`jrl.config_defaults.base_config` and overrides).
+      workdir: checkpoints, metrics and plots; a run resumes from its latest checkpoint.
+      exit_after_steps: stop after this many RL steps of this call (for tests).
+      sharder: the mesh to use (default: built from `config.mesh` over all devices).
+      reward_fn: a Python reward function with verl's signature (default: the rule
+        scorer of each row's data_source).
+    """
+    distributed.maybe_initialize(config)
+    sharder = sharder or sharding.from_config(config)
     tokenizer = build_tokenizer(config)
     train_rows, val_rows = build_data(config)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
-    model, params = build_model(config, tokenizer)
+    model, params = build_model(config, tokenizer, sharder)
     os.makedirs(workdir, exist_ok=True)
     if config.sft.steps > 0:
-        params = warm_start(config, workdir, model, params, tokenizer, train_rows)
+        params = warm_start(config, workdir, model, params, tokenizer, train_rows, sharder)
     trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
-                        default_compute_score, workdir, config.seed, config.trainer,
+                        reward_fn or default_compute_score, workdir, config.seed, config.trainer,
                         apply_chat_template=config.data.apply_chat_template,
-                        data_seed=config.data.seed)
+                        data_seed=config.data.seed, sharder=sharder)
+    if jax.process_index() == 0:
+        print(trainer.memory_report(), flush=True)
     resumed = trainer.maybe_restore()
     writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
                                    config.to_dict(), start_step=trainer.state.step,
@@ -126,7 +159,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
         summary["curves"] = metrics.plot_curves(jsonl, os.path.join(workdir, "curves.png"))
     if config.model.path and config.trainer.export_hf and trainer.state.step == s.total_steps:
         export = os.path.join(workdir, "hf_export")
-        hf.save_pretrained(export, model, trainer.state.actor.params)
+        # Every process takes part in gathering the parameters; process 0 writes.
+        params = jax.tree.map(sharding.host_array, trainer.state.actor.params)
+        if jax.process_index() == 0:
+            hf.save_pretrained(export, model, params)
         summary["hf_export"] = export
     return summary
 

@@ -27,9 +27,10 @@ import numpy as np
 
 from jrl import advantages as adv_lib
 from jrl import kl_control, logprobs, masks, metrics, rollout, update
+from jrl import sharding as sharding_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts, ground_truth
-from jrl.models import heads
+from jrl.models import CACHE_LOGICAL_AXES, heads, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule, make_optimizer
 from jrl.settings import Settings
@@ -145,12 +146,16 @@ class RLTrainer:
       trainer_config: the `trainer` section (frequencies, loggers, ...).
       apply_chat_template: encode prompts through the tokenizer's chat template.
       data_seed: seed of the per-epoch shuffling of the training rows.
+      sharder: the mesh and its rules (default: every device on the `data` axis).
     """
 
     def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,
                  train_rows, val_rows, reward_fn, workdir: str, seed: int, trainer_config,
-                 apply_chat_template: bool = False, data_seed: int = 0):
+                 apply_chat_template: bool = False, data_seed: int = 0,
+                 sharder: sharding_lib.Sharder | None = None):
         self.s = settings
+        self.sharder = sharder or sharding_lib.Sharder(sharding_lib.make_mesh())
+        self._check_batch_sizes()
         self.model = model
         self.tokenizer = tokenizer
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -161,10 +166,13 @@ class RLTrainer:
         self.data_seed = data_seed
         self.root_key = jax.random.key(seed)
         self.estimator = adv_lib.get_estimator(settings.algorithm.adv_estimator)
-        self.ref_params = actor_params if settings.needs_reference else None
-        if self.ref_params is not None:
+        self._build_shardings(actor_params)
+        actor_params = jax.device_put(actor_params, self.actor_shardings)
+        self.ref_params = None
+        if settings.needs_reference:
             # The actor update donates its parameters; the reference keeps its own copy.
-            self.ref_params = jax.tree.map(jnp.copy, actor_params)
+            self.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                      out_shardings=self.actor_shardings)(actor_params)
         self._build_stages()
         self.state = self._initial_state(actor_params, seed)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -172,43 +180,120 @@ class RLTrainer:
 
     # -- construction --------------------------------------------------------------------------
 
-    def _build_stages(self):
-        s, model = self.s, self.model
-        a = s.actor.update
+    def _check_batch_sizes(self) -> None:
+        """Every batch the steps split over the mesh must divide evenly (before compiling)."""
+        s, check = self.s, self.sharder.check_batch
+        check(s.train_batch_size, "data.train_batch_size (prompts)")
+        for role, settings in (("actor", s.actor), ("critic", s.critic)):
+            if settings is not None:
+                check(settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
+
+    def _build_shardings(self, actor_params) -> None:
+        """Shardings of parameters and optimizer states from their logical axes."""
+        sh, s = self.sharder, self.s
         self.actor_opt = make_optimizer(s.actor.optim)
+        shapes = jax.eval_shape(lambda p: p, actor_params)
+        self.actor_shardings = sh.params(param_logical_axes(self.model, "lm"), shapes)
+        self.actor_state_shardings = update.ModelState(
+            self.actor_shardings, sh.opt_state(self.actor_opt, shapes, self.actor_shardings))
+        self.batch_sharding = sh.batch()
+        if s.critic is not None:
+            self.critic_opt = make_optimizer(s.critic.optim)
+            key = jax.random.key(0)
+            self.critic_shapes = jax.eval_shape(heads.init_critic_params, shapes, key)
+            self.critic_shardings = sh.params(param_logical_axes(self.model, "value"),
+                                              self.critic_shapes)
+            self.critic_state_shardings = update.ModelState(
+                self.critic_shardings,
+                sh.opt_state(self.critic_opt, self.critic_shapes, self.critic_shardings))
+
+    def _build_stages(self):
+        s, model, rep, b = self.s, self.model, self.sharder.replicated, self.batch_sharding
         actor_loss = functools.partial(update.actor_loss, model=model, actor=s.actor,
                                        temperature=s.rollout.temperature,
                                        chunk_size=s.logprob_chunk_size)
-        self._update_actor = jax.jit(functools.partial(
-            update.run_updates, loss_fn=actor_loss, optimizer=self.actor_opt, update=a),
+        state_sh = self.actor_state_shardings
+        self._update_actor = jax.jit(
+            functools.partial(update.run_updates, loss_fn=actor_loss, optimizer=self.actor_opt,
+                              update=s.actor.update),
+            in_shardings=(state_sh, b, rep, rep), out_shardings=(state_sh, rep),
             donate_argnums=0)
         if s.critic is not None:
-            c = s.critic.update
-            self.critic_opt = make_optimizer(s.critic.optim)
             critic_loss = functools.partial(update.critic_loss, model=model, critic=s.critic)
-            self._update_critic = jax.jit(functools.partial(
-                update.run_updates, loss_fn=critic_loss, optimizer=self.critic_opt, update=c),
+            state_sh = self.critic_state_shardings
+            self._update_critic = jax.jit(
+                functools.partial(update.run_updates, loss_fn=critic_loss,
+                                  optimizer=self.critic_opt, update=s.critic.update),
+                in_shardings=(state_sh, b, rep, rep), out_shardings=(state_sh, rep),
                 donate_argnums=0)
-            self._values = jax.jit(functools.partial(logprobs.response_values, config=model))
+            self._values = jax.jit(functools.partial(logprobs.response_values, config=model),
+                                   in_shardings=(self.critic_shardings, b, b, b, b),
+                                   out_shardings=b)
         self._log_probs = jax.jit(functools.partial(
             logprobs.response_log_probs, config=model, temperature=s.rollout.temperature,
-            chunk_size=s.logprob_chunk_size, with_entropy=True))
-        self._advantages = jax.jit(functools.partial(_advantage_stage, s=s))
+            chunk_size=s.logprob_chunk_size, with_entropy=True),
+            in_shardings=(self.actor_shardings, b, b, b, b), out_shardings=(b, b))
+        self._advantages = jax.jit(functools.partial(_advantage_stage, s=s),
+                                   in_shardings=(b, rep), out_shardings=(b, b, b, rep))
+        self._generators: dict[rollout.SamplingConfig, Callable] = {}
+
+    def _generator(self, sampling: rollout.SamplingConfig) -> Callable:
+        """The rollout program for `sampling`, compiled with the mesh's shardings."""
+        if sampling not in self._generators:
+            b = self.batch_sharding
+            self._generators[sampling] = jax.jit(
+                functools.partial(rollout.generate_program, sampling=sampling,
+                                  config=self.model),
+                in_shardings=(self.actor_shardings, b, b, self.sharder.replicated),
+                out_shardings=b)
+        return self._generators[sampling]
 
     @property
     def batch_sequences(self) -> int:
         return self.s.train_batch_size * self.s.rollout.n
 
     def _initial_state(self, actor_params, seed) -> TrainState:
-        actor = update.ModelState(actor_params, self.actor_opt.init(actor_params))
+        """Optimizer states and the critic are created directly in their shardings."""
+        init_opt = lambda opt, sh: jax.jit(opt.init, in_shardings=(sh.params,),
+                                           out_shardings=sh.opt_state)
+        actor = update.ModelState(
+            actor_params, init_opt(self.actor_opt, self.actor_state_shardings)(actor_params))
         critic = None
         if self.s.critic is not None:
             key = jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
-            critic_params = heads.init_critic_params(actor_params, key)
-            critic = update.ModelState(critic_params, self.critic_opt.init(critic_params))
+            critic_params = jax.jit(heads.init_critic_params,
+                                    in_shardings=(self.actor_shardings, self.sharder.replicated),
+                                    out_shardings=self.critic_shardings)(actor_params, key)
+            critic = update.ModelState(
+                critic_params,
+                init_opt(self.critic_opt, self.critic_state_shardings)(critic_params))
         return TrainState(step=0, actor=actor, critic=critic,
                           kl=kl_control.init_kl_controller(self.s.algorithm.kl_coef),
                           data=IteratorState())
+
+    def memory_report(self) -> str:
+        """Per-device bytes of parameters, optimizer states and the rollout's KV cache."""
+        sh, s, m = self.sharder, self.s, self.model
+        parts = [("actor params", self.state.actor.params, self.actor_shardings),
+                 ("actor optimizer", self.state.actor.opt_state,
+                  self.actor_state_shardings.opt_state)]
+        if self.ref_params is not None:
+            parts.append(("reference params", self.ref_params, self.actor_shardings))
+        if self.state.critic is not None:
+            parts += [("critic params", self.state.critic.params, self.critic_shardings),
+                      ("critic optimizer", self.state.critic.opt_state,
+                       self.critic_state_shardings.opt_state)]
+        rows, slots = self.batch_sequences, s.max_prompt_length + s.rollout.max_new_tokens
+        shape = (m.num_layers, rows, m.num_kv_heads, slots, m.head_dim)
+        cache = jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))
+        cache_sharding = sh.named(CACHE_LOGICAL_AXES, shape)
+        parts.append((f"KV cache, {rows} rows x {slots} slots", (cache, cache),
+                      (cache_sharding, cache_sharding)))
+        lines = [f"mesh {dict(sh.mesh.shape)} over {sh.mesh.devices.size} devices; per device:"]
+        for name, tree, shardings in parts:
+            nbytes = sh.bytes_per_device(tree, shardings)
+            lines.append(f"  {name:<34} {sharding_lib.format_bytes(nbytes)}")
+        return "\n".join(lines)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -231,20 +316,30 @@ class RLTrainer:
     # -- one step ------------------------------------------------------------------------------
 
     def _generate(self, params, rows, sampling: rollout.SamplingConfig, key):
+        """Encodes the prompts on the host, splits them over the mesh's batch axes and
+        samples; the rollout stays on the devices."""
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
                                                  self.chat)
-        return rollout.generate(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key,
-                                sampling, config=self.model)
+        rollout.check_inputs(prompt_ids, prompt_mask, sampling, self.model)
+        prompt_ids, prompt_mask = self.sharder.put_batch((prompt_ids, prompt_mask))
+        with self.sharder.active():
+            return self._generator(sampling)(params, prompt_ids, prompt_mask, key)
 
     def _score(self, rows, out, n):
         """(scores [N], extras {name: [N]}, texts) of a rollout; only the responses come
         to the host, the rest of the rollout stays on the device for the next stages."""
-        responses, response_mask = jax.device_get((out.responses, out.response_mask))
+        count = len(rows) * n  # rows padded for the mesh are not scored
+        responses = sharding_lib.host_array(out.responses)[:count]
+        response_mask = sharding_lib.host_array(out.response_mask)[:count]
         texts = decode_responses(self.tokenizer, responses, response_mask)
         return (*score_responses(self.reward_fn, rows, texts, n), texts)
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step; returns its metrics."""
+        with self.sharder.active():
+            return self._train_step(iterator)
+
+    def _train_step(self, iterator: BatchIterator) -> dict[str, float]:
         s, st = self.s, self.state
         timing = {}
         t_step = time.perf_counter()
@@ -277,15 +372,18 @@ class RLTrainer:
         t = time.perf_counter()
         n = s.rollout.n
         scores, extras, _ = self._score(rows, out, n)
-        batch["token_level_scores"] = place_scores(scores, np.asarray(out.response_mask))
+        host = {"response_mask": sharding_lib.host_array(out.response_mask)}
+        host["token_level_scores"] = place_scores(scores, host["response_mask"])
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
             base_out = self._generate(st.actor.params, rows, greedy, gen_key)
-            batch["reward_baselines"] = np.repeat(self._score(rows, base_out, 1)[0], n)
+            host["reward_baselines"] = np.repeat(self._score(rows, base_out, 1)[0], n)
         timing["reward"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        batch["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
+        host["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
+        batch.update(self.sharder.put_batch(
+            {k: v for k, v in host.items() if k != "response_mask"}))
         rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
         batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
         jax.block_until_ready(advantages)
@@ -300,7 +398,7 @@ class RLTrainer:
                 s.algorithm.target_kl, s.algorithm.horizon)
         update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                        "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
-        train_batch = {k: jnp.asarray(batch[k]) for k in update_keys if k in batch}
+        train_batch = {k: batch[k] for k in update_keys if k in batch}
         if st.critic is not None:
             t = time.perf_counter()
             critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
@@ -323,10 +421,11 @@ class RLTrainer:
         st.step += 1
         st.data = iterator.state
         timing["step"] = time.perf_counter() - t_step
-        step_metrics.update(metrics.data_metrics(jax.device_get(batch), s.rollout.max_new_tokens,
+        host_batch = jax.tree.map(sharding_lib.host_array, batch)
+        step_metrics.update(metrics.data_metrics(host_batch, s.rollout.max_new_tokens,
                                                  s.max_prompt_length))
         step_metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-        step_metrics.update(self._perf_metrics(batch, timing))
+        step_metrics.update(self._perf_metrics(host_batch, timing))
         return step_metrics
 
     def _update_metrics(self, role: str, m: dict, lr: float) -> dict[str, float]:
@@ -364,13 +463,22 @@ class RLTrainer:
 
     def validate(self, batch_size: int) -> dict[str, float]:
         """Scores the validation set with `rollout.val_kwargs` sampling."""
+        with self.sharder.active():
+            return self._validate(batch_size)
+
+    def _validate(self, batch_size: int) -> dict[str, float]:
         sampling = self.s.validation
         key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.state.step)
         sources, index, answers = [], [], []
         values: dict[str, list[float]] = {}
+        # Every generate call gets the same number of prompts (one compilation), a
+        # multiple of the mesh's batch split; the last batch is padded with copies.
+        multiple = self.sharder.batch_size_multiple
+        padded_size = -(-min(batch_size, len(self.val_rows)) // multiple) * multiple
         for start in range(0, len(self.val_rows), batch_size):
             rows = self.val_rows[start:start + batch_size]
-            out = self._generate(self.state.actor.params, rows, sampling,
+            padded = list(rows) + [rows[-1]] * (padded_size - len(rows))
+            out = self._generate(self.state.actor.params, padded, sampling,
                                  jax.random.fold_in(key, start))
             batch_scores, extras, texts = self._score(rows, out, sampling.n)
             values.setdefault("reward", []).extend(batch_scores.tolist())

@@ -21,6 +21,7 @@ import optax
 from jrl import logprobs, losses, masks
 from jrl.models.config import ModelConfig
 from jrl.settings import ActorSettings, CriticSettings, UpdateSettings
+from jrl.sharding import constrain
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -35,10 +36,12 @@ class ModelState:
 
 
 def _reshape_minis(batch: Batch, perm: Array, num_minis: int, num_micros: int) -> Batch:
+    """`[N, ...]` -> `[minis, micros, micro, ...]`, each micro-batch split over the data axes."""
     def one(x):
         x = x[perm]
-        return x.reshape(num_minis, num_micros, x.shape[0] // (num_minis * num_micros),
-                         *x.shape[1:])
+        x = x.reshape(num_minis, num_micros, x.shape[0] // (num_minis * num_micros),
+                      *x.shape[1:])
+        return constrain(x, (None, None, "batch") + (None,) * (x.ndim - 3))
 
     return jax.tree.map(one, batch)
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jrl.models.config import ModelConfig
+from jrl.sharding import constrain
 
 # Logical axis names of the cache buffers, for `jrl.sharding`.
 CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
@@ -97,7 +98,8 @@ def init_cache(
     """
     shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
     dtype = dtype or config.dtype
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_LOGICAL_AXES)
+    return KVCache(k=zeros(), v=zeros())
 
 
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:

@@ -236,7 +236,9 @@ def load_pretrained(
       config_overrides: `ModelConfig` fields to set, e.g. `{"dtype": "bfloat16",
         "remat": "full"}`.
       shardings: optional pytree of `jax.sharding.Sharding` with the params' structure
-        (e.g. from `jrl.sharding`); each leaf is placed as soon as it is loaded.
+        (e.g. from `jrl.sharding`), or a function `(config, head) -> pytree` for when
+        the architecture is known only from config.json; each leaf is placed in its
+        sharding as soon as it is read (every device receives only its shard).
 
     Returns:
       The config and the params: `embed`, `layers`, `final_norm`, plus `lm_head`
@@ -260,6 +262,8 @@ def load_pretrained(
         )
     overrides = {"param_dtype": dtype, "dtype": dtype, **(config_overrides or {})}
     config = ModelConfig.from_hf(hf_config, **overrides)
+    if callable(shardings):
+        shardings = shardings(config, head)
     params: dict = {}
     with contextlib.ExitStack() as stack:
         reader = _CheckpointReader(path, stack)

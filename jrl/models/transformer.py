@@ -44,8 +44,15 @@ from jrl.models import heads as heads_lib
 from jrl.models import rope
 from jrl.models.cache import KVCache, attention_mask
 from jrl.models.config import ModelConfig
+from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
+# Logical axes of activations (`jrl.sharding.constrain`): batch split over the data
+# axes, heads and MLP width over `tensor`, the hidden (embed) dimension whole.
+_HIDDEN = ("batch", None, None)
+_HEADS = ("batch", None, "heads", None)
+_KV_HEADS = ("batch", None, "kv_heads", None)
+_MLP = ("batch", None, "mlp")
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
@@ -149,8 +156,9 @@ class Attention(nn.Module):
         if c.qk_norm:
             q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
-        q_btnh = rope.apply_rope(q_btnh, sin_btk, cos_btk)
-        k_btkh = rope.apply_rope(k_btkh, sin_btk, cos_btk)
+        q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
+        k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
+        v_btkh = constrain(v_btkh, _KV_HEADS)
         if cache is not None:
             cache = cache.write(layer, write_index, k_btkh, v_btkh)
             k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
@@ -166,6 +174,7 @@ class Attention(nn.Module):
             out_btnh = jax.nn.dot_product_attention(
                 q_btnh, k_bskh, v_bskh, mask=mask_b1ts, implementation=impl
             )
+        out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
         out_btd = _dense(c, c.hidden_size, o_axes, "o_proj", axis=(-2, -1))(out_btnh)
         return out_btd, cache
@@ -179,8 +188,10 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         c = self.config
-        gate_btf = _dense(c, c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_btd)
-        up_btf = _dense(c, c.intermediate_size, ("embed", "mlp"), "up_proj")(x_btd)
+        gate_btf = constrain(_dense(c, c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_btd),
+                             _MLP)
+        up_btf = constrain(_dense(c, c.intermediate_size, ("embed", "mlp"), "up_proj")(x_btd),
+                           _MLP)
         return _dense(c, c.hidden_size, ("mlp", "embed"), "down_proj")(nn.silu(gate_btf) * up_btf)
 
 
@@ -199,7 +210,7 @@ class DecoderLayer(nn.Module):
         )
         x_btd = x_btd + attn_out
         x_btd = x_btd + Mlp(c, name="mlp")(_norm(c, "embed", "mlp_norm")(x_btd))
-        return (x_btd, cache), None
+        return (constrain(x_btd, _HIDDEN), cache), None
 
 
 def _layer_stack(config: ModelConfig) -> nn.Module:
@@ -242,6 +253,7 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(normal, ("vocab", "embed")),
             name="embed",
         )(tokens_bt)
+        x_btd = constrain(x_btd, _HIDDEN)
         sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
         mask_b1ts = attention_mask(mask, tokens_bt.shape[1], write_index)
         layers = jnp.arange(c.num_layers)

@@ -1,0 +1,88 @@
+"""Runs a few RL steps of a tiny config on one mesh and prints the metrics as JSON.
+
+Used by the sharding tests in a fresh process, so the number of (CPU) devices and
+the `jax.distributed` set-up can differ from the test process's:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.runner \\
+        --algo grpo --meshes "1,1,1 8,1,1 2,2,2" --steps 3 --out metrics.json
+
+Each mesh is `data,fsdp,tensor` over the first data*fsdp*tensor devices; the output
+maps each mesh to its list of per-step metrics. With `--coordinator`, the process joins a
+`jax.distributed` cluster (`--num_processes`, `--process_id`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+
+def varied_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward that differs between random responses, so every advantage is non-zero."""
+    del data_source, ground_truth, extra_info
+    digits = sum(ch.isdigit() for ch in solution_str)
+    return {"score": digits / 3.0, "acc": float(digits == 3)}
+
+
+def tiny_mesh_config(algo: str, steps: int):
+    from tests.trainer.tiny import tiny_config
+
+    overrides = {
+        "data.train_batch_size": 8, "data.val_batch_size": 8,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8,
+        "critic.ppo_mini_batch_size": 4, "critic.ppo_micro_batch_size": 8,
+        "actor.optim.lr": 1e-2, "critic.optim.lr": 1e-2,
+        "trainer.total_training_steps": steps,
+        "algorithm.adv_estimator": "grpo" if algo == "grpo" else "gae",
+    }
+    if algo == "grpo":
+        overrides.update({"actor.use_kl_loss": True, "actor.entropy_coeff": 0.01})
+    else:
+        overrides.update({"algorithm.use_kl_in_reward": True})
+    return tiny_config(**overrides)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
+    parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--coordinator", default=None)
+    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--process_id", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from jrl import sharding, train
+
+    config = tiny_mesh_config(args.algo, args.steps)
+    if args.coordinator:
+        config.distributed.coordinator_address = args.coordinator
+        config.distributed.num_processes = args.num_processes
+        config.distributed.process_id = args.process_id
+        from jrl import distributed
+
+        distributed.maybe_initialize(config)
+    results = {}
+    for mesh in args.meshes.split():
+        shape = tuple(int(x) for x in mesh.split(","))
+        devices = jax.devices()[: math.prod(shape)]
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(*shape), devices))
+        workdir = tempfile.mkdtemp(prefix="jrl-mesh-")
+        train.run(config, workdir, sharder=sharder, reward_fn=varied_reward)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:
+                results[mesh] = [json.loads(line) for line in f]
+    if jax.process_index() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

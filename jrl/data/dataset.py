@@ -19,7 +19,8 @@ Row = dict
 
 
 def ground_truth(row: Row):
-    return row.get("reward_model", {}).get("ground_truth")
+    """The row's `reward_model.ground_truth`, or None when the row has none."""
+    return (row.get("reward_model") or {}).get("ground_truth")
 
 
 @dataclasses.dataclass
@@ -67,6 +68,20 @@ class BatchIterator:
         return batch
 
 
+def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool) -> list[int]:
+    """Token ids of a row's prompt, as the policy sees it.
+
+    A list of chat messages always goes through the chat template (with the
+    generation prompt); a plain string does only when `apply_chat_template` is set,
+    as a single user message.
+    """
+    prompt = row["prompt"]
+    if apply_chat_template or not isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
 def encode_prompts(tokenizer, rows: Sequence[Row], max_prompt_length: int,
                    apply_chat_template: bool) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded prompt ids and mask `[B, max_prompt_length]`.
@@ -76,11 +91,7 @@ def encode_prompts(tokenizer, rows: Sequence[Row], max_prompt_length: int,
     ids = np.full((len(rows), max_prompt_length), tokenizer.pad_token_id, np.int32)
     mask = np.zeros((len(rows), max_prompt_length), np.int32)
     for i, row in enumerate(rows):
-        prompt = row["prompt"]
-        if apply_chat_template or not isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        tokens = tokenizer.encode(prompt)
+        tokens = prompt_token_ids(tokenizer, row, apply_chat_template)
         if len(tokens) > max_prompt_length:
             raise ValueError(
                 f"prompt of row {i} ({row.get('data_source')}) has {len(tokens)} tokens, more "

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jrl.rewards import arithmetic
+from jrl.rewards import arithmetic, gsm8k, math_answers
 
 RewardFn = Callable[..., "float | dict"]
 
 _BY_SOURCE: dict[str, RewardFn] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score,
+    gsm8k.DATA_SOURCE: gsm8k.compute_score,
+    **{source: math_answers.compute_score for source in math_answers.DATA_SOURCES},
 }
 
 
@@ -29,4 +31,5 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 
 def register(data_source: str, fn: RewardFn) -> None:
+    """Makes `default_compute_score` send `data_source` to `fn` (in this process only)."""
     _BY_SOURCE[data_source] = fn

@@ -1,0 +1,281 @@
+"""Prompt datasets on disk, in verl's row schema.
+
+`load_rows(paths)` reads the files a verl user passes as `data.train_files` /
+`data.val_files`: parquet (as written by verl's preprocessing scripts) or JSON
+lines, one row per line. Every row is checked, and a malformed one stops with its
+file, row index, field and what would be valid::
+
+    {"prompt": str | [{"role": str, "content": str}, ...],
+     "data_source": str,
+     "reward_model": {"ground_truth": ..., "style": ...}   (optional),
+     "extra_info": {...}                                     (optional)}
+
+Other fields pass through untouched; `extra_info` reaches the reward function.
+
+The raw readers (`read_records`, `find_split_files`) also read a local copy of a
+Hugging Face dataset (a `save_to_disk` directory of arrow files, the hub's parquet
+shards, or JSON lines) for the preprocessing scripts in `experiments/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jrl.data.dataset import Row, prompt_token_ids
+
+ROW_SUFFIXES = (".parquet", ".jsonl", ".json")
+RECORD_SUFFIXES = (*ROW_SUFFIXES, ".arrow")
+_PARQUET_BATCH_ROWS = 4096
+
+
+# --------------------------------------------------------------------------- raw records
+
+
+def _iter_parquet(path: Path) -> Iterator[dict]:
+    # to_pylist gives plain Python lists and dicts; pandas would give numpy object arrays.
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        yield from batch.to_pylist()
+
+
+def _iter_json_lines(path: Path) -> Iterator[dict]:
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}: line {line_number} is not valid JSON ({err.msg}); a JSON lines "
+                    "file holds one JSON object per line"
+                ) from err
+
+
+def _iter_json(path: Path) -> Iterator[dict]:
+    """A `.json` file: one JSON array of objects, or JSON lines (as `datasets` accepts)."""
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith("["):
+        yield from _iter_json_lines(path)
+        return
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from err
+    yield from records
+
+
+def _iter_arrow(path: Path) -> Iterator[dict]:
+    """An arrow file of `datasets.save_to_disk` (IPC stream format) or an IPC file."""
+    try:
+        reader = pa.ipc.open_stream(path)
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(path)
+        for i in range(reader.num_record_batches):
+            yield from reader.get_batch(i).to_pylist()
+        return
+    for batch in reader:
+        yield from batch.to_pylist()
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[Any]:
+    """Yields the records of one file, unvalidated: `.parquet`, `.jsonl`, `.json`, `.arrow`.
+
+    Raises:
+      FileNotFoundError: the file does not exist (named).
+      ValueError: an unsupported suffix (named, with the supported ones) or invalid JSON
+        (file and line named).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    readers = {".parquet": _iter_parquet, ".jsonl": _iter_json_lines, ".json": _iter_json,
+               ".arrow": _iter_arrow}
+    if path.suffix not in readers:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of "
+                         f"{sorted(readers)}")
+    return readers[path.suffix](path)
+
+
+def read_records(path: str | os.PathLike) -> list[Any]:
+    """All records of one file (see `iter_records`)."""
+    return list(iter_records(path))
+
+
+def find_split_files(root: str | os.PathLike, split: str) -> list[Path]:
+    """Files holding one split of a locally downloaded dataset, in shard order.
+
+    Looks under `root` (recursively) for, in this order of preference:
+      * a `datasets.save_to_disk` split directory `<split>/` with `*.arrow` files;
+      * parquet shards `<split>.parquet` or `<split>-*.parquet` (the hub's layout,
+        e.g. `main/train-00000-of-00001.parquet`);
+      * JSON lines `<split>.jsonl` / `<split>.json` or `<split>-*.jsonl`.
+
+    Returns:
+      The sorted files of the first kind found; empty when the split is absent.
+    """
+    root = Path(root).expanduser()
+    arrow = sorted(p for p in root.rglob("*.arrow") if p.parent.name == split)
+    if arrow:
+        return arrow
+    for suffix in (".parquet", ".jsonl", ".json"):
+        found = sorted(
+            p for p in root.rglob(f"*{suffix}")
+            if p.name == f"{split}{suffix}" or p.name.startswith(f"{split}-")
+        )
+        if found:
+            return found
+    return []
+
+
+def read_splits(root: str | os.PathLike, splits: Sequence[str] = ("train", "test")
+                ) -> dict[str, tuple[str, list[Any]]]:
+    """The records of each split found under `root` (see `find_split_files`).
+
+    Returns:
+      `{split: (source, records)}` for the splits present, `source` naming the files.
+
+    Raises:
+      FileNotFoundError: `root` is not a directory, or none of the splits is present
+        (the layouts searched named).
+    """
+    if not Path(root).expanduser().is_dir():
+        raise FileNotFoundError(f"dataset directory {str(root)!r} does not exist")
+    found = {}
+    for split in splits:
+        files = find_split_files(root, split)
+        if files:
+            found[split] = (", ".join(map(str, files)), [r for f in files for r in read_records(f)])
+    if not found:
+        raise FileNotFoundError(
+            f"none of the splits {list(splits)} under {str(root)!r}: expected <split>/ "
+            "directories of *.arrow files (datasets.save_to_disk), <split>-*.parquet or "
+            "<split>.parquet files, or <split>.jsonl files")
+    return found
+
+
+def write_parquet(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+    """Writes rows (dicts of Python values) as one parquet file, creating its directory."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+
+
+# --------------------------------------------------------------------------- verl rows
+
+
+_PROMPT_FORMAT = "a string or a non-empty list of {'role': str, 'content': str} messages"
+
+
+def _check_prompt(prompt: Any) -> str | None:
+    """What is wrong with a prompt, or None when it is valid."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list) or not prompt:
+        return f"got {type(prompt).__name__} {_short(prompt)}"
+    for j, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"message {j} is a {type(message).__name__}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"message {j} has {key}={_short(message.get(key))}"
+    return None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def validate_row(row: Any, *, where: str, prompt_key: str = "prompt") -> Row:
+    """Checks one row of verl's schema and returns it with `prompt` set.
+
+    Args:
+      row: the record as read.
+      where: "file: row i", for error messages.
+      prompt_key: the field holding the prompt (verl's `data.prompt_key`); its value
+        is also stored under "prompt", where the rest of jrl reads it.
+
+    Raises:
+      ValueError: naming `where`, the field and what would be valid.
+    """
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: a row must be a JSON object / struct, got "
+                         f"{type(row).__name__}")
+    row = dict(row)
+    if prompt_key not in row:
+        raise ValueError(f"{where}: missing field {prompt_key!r} (the prompt: {_PROMPT_FORMAT}); "
+                         f"fields present: {sorted(row)}")
+    problem = _check_prompt(row[prompt_key])
+    if problem:
+        raise ValueError(f"{where}: field {prompt_key!r} must be {_PROMPT_FORMAT}; {problem}")
+    if not isinstance(row.get("data_source"), str):
+        raise ValueError(f"{where}: field 'data_source' must be a string naming the reward "
+                         f"function's data source; got {_short(row.get('data_source'))}")
+    for key in ("reward_model", "extra_info"):
+        if row.get(key) is not None and not isinstance(row[key], Mapping):
+            raise ValueError(f"{where}: field {key!r} must be a dict (or absent); got "
+                             f"{type(row[key]).__name__} {_short(row[key])}")
+    row["prompt"] = row[prompt_key]
+    return row
+
+
+def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
+              prompt_key: str = "prompt", max_rows: int | None = None) -> list[Row]:
+    """Rows of verl-schema parquet / JSON lines files, validated, in file order.
+
+    Args:
+      paths: one path or a list of paths (verl's `data.train_files` accepts both).
+      prompt_key: field holding the prompt (verl's `data.prompt_key`).
+      max_rows: stop after this many rows in total (None: all).
+
+    Returns:
+      A list of plain dicts (lists and dicts, never numpy object arrays).
+
+    Raises:
+      FileNotFoundError: a path does not exist (named).
+      ValueError: no paths, an unsupported suffix, or a malformed row (file, row
+        index, field and what is valid named).
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise ValueError("no data files given; expected a path or a list of paths to "
+                         f"{'/'.join(ROW_SUFFIXES)} files")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} must be positive (or None for all rows)")
+    for path in paths:  # fail on a missing or unreadable file before reading a large one
+        if not Path(path).expanduser().is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        if Path(path).suffix not in ROW_SUFFIXES:
+            raise ValueError(f"{path}: unsupported file type {Path(path).suffix!r}; expected "
+                             f"one of {list(ROW_SUFFIXES)}")
+    rows: list[Row] = []
+    for path in paths:
+        for index, record in enumerate(iter_records(path)):
+            if max_rows is not None and len(rows) >= max_rows:
+                return rows
+            rows.append(validate_row(record, where=f"{path}: row {index}",
+                                     prompt_key=prompt_key))
+    return rows
+
+
+def filter_overlong_prompts(rows: Sequence[Row], tokenizer, max_prompt_length: int,
+                            apply_chat_template: bool) -> tuple[list[Row], int]:
+    """Drops rows whose prompt has more than `max_prompt_length` tokens.
+
+    Prompts are encoded exactly as `dataset.encode_prompts` encodes them (verl's
+    `data.filter_overlong_prompts`).
+
+    Returns:
+      `(kept_rows, num_dropped)`, the kept rows in their original order.
+    """
+    kept = [row for row in rows
+            if len(prompt_token_ids(tokenizer, row, apply_chat_template)) <= max_prompt_length]
+    return kept, len(rows) - len(kept)

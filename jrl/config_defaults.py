@@ -16,7 +16,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model = ml_collections.ConfigDict()
-    # Local Hugging Face checkpoint directory (config.json + safetensors); None: use `preset`.
+    # Local Hugging Face checkpoint directory (config.json + safetensors; `~` allowed);
+    # None: use `preset`.
     c.model.path = config_dict.placeholder(str)
     # Named architecture for random init when no path is given (see jrl.models.PRESETS).
     c.model.preset = "tiny"
@@ -24,7 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     # Compute dtype of activations and matmuls: float32 or bfloat16.
     c.model.dtype = "float32"
-    # Rematerialisation in training: none, full or dots (save matmul outputs only).
+    # Rematerialisation in training: none, full or dots_saveable (keep matmul outputs).
     c.model.remat = "none"
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)
@@ -46,7 +47,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.tokenizer.path = config_dict.placeholder(str)
 
     c.data = ml_collections.ConfigDict()
-    # Dataset: "arithmetic" (synthetic, built in).
+    # Training rows in verl's schema: a .parquet/.jsonl path or a list of them (verl's
+    # data.train_files). None: the synthetic `task`.
+    c.data.train_files = config_dict.placeholder(object)
+    # Validation rows (same formats); None: no validation set (or the task's held-out part).
+    c.data.val_files = config_dict.placeholder(object)
+    # Column of the rows holding the prompt (chat messages or a string).
+    c.data.prompt_key = "prompt"
+    # Drop rows whose prompt exceeds max_prompt_length (the count is printed); False: such a
+    # row is an error naming it.
+    c.data.filter_overlong_prompts = False
+    # Prompts per generation round when algorithm.filter_groups is on (None: train_batch_size).
+    c.data.gen_batch_size = config_dict.placeholder(int)
+    # Synthetic dataset when no train_files are given: "arithmetic".
     c.data.task = "arithmetic"
     # Arithmetic: operand digits.
     c.data.digits = 2
@@ -137,6 +150,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = -1
     # Sample (True) or decode greedily (False).
     c.rollout.do_sample = True
+    # Keep generating after a stop token, to the full response_length (benchmarks).
+    c.rollout.ignore_eos = False
+    # Sequences per forward pass when computing old/reference log-probs and values
+    # (bounds the logits buffer; None: the whole batch at once).
+    c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)
     # Most response tokens (verl's data.max_response_length).
     c.rollout.response_length = 8
     c.rollout.val_kwargs = ml_collections.ConfigDict()
@@ -174,6 +192,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.kl_ctrl.target_kl = 0.1
     # Adaptive: horizon in samples.
     c.algorithm.kl_ctrl.horizon = 10000.0
+    c.algorithm.filter_groups = ml_collections.ConfigDict()
+    # DAPO dynamic sampling: drop groups whose samples all score the same and generate
+    # more (data.gen_batch_size prompts a round) until train_batch_size groups remain.
+    c.algorithm.filter_groups.enable = False
+    # What must vary within a group: "acc", "score" or another reward extra.
+    c.algorithm.filter_groups.metric = "acc"
+    # Most generation rounds per step before stopping with an error (0: no limit).
+    c.algorithm.filter_groups.max_num_gen_batches = 10
 
     c.mesh = ml_collections.ConfigDict()
     # Devices on the data-parallel axis (parameters replicated); -1: all the others leave.
@@ -214,6 +240,39 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = config_dict.placeholder(int)
     # Devices of this process to use, e.g. "0,1" (None: all of them).
     c.distributed.local_device_ids = config_dict.placeholder(str)
+
+    c.reward = ml_collections.ConfigDict()
+    # Your reward function, "path/to/file.py:name", with verl's signature
+    # fn(data_source, solution_str, ground_truth, extra_info) -> float | dict (verl's
+    # custom_reward_function.path and .name). None: the built-in scorer of each data_source.
+    c.reward.custom_fn = config_dict.placeholder(str)
+    # Worker processes scoring responses in parallel (0: in this process).
+    c.reward.num_workers = 0
+    # When the reward function raises: "raise" (stop, naming the sample) or "score" (use
+    # error_score and count it in reward/num_errors).
+    c.reward.on_error = "raise"
+    # Score of a sample whose reward function raised, with on_error="score".
+    c.reward.error_score = 0.0
+
+    c.reward_model = ml_collections.ConfigDict()
+    # Score responses with a reward model (its score replaces the rule reward).
+    c.reward_model.enable = False
+    c.reward_model.model = ml_collections.ConfigDict()
+    # Local HF *ForSequenceClassification checkpoint directory (with its tokenizer).
+    c.reward_model.model.path = config_dict.placeholder(str)
+    # Most tokens of prompt + response the reward model reads.
+    c.reward_model.max_length = 1024
+    # Truncation of longer conversations: "left" (keep the end), "right" or "error".
+    c.reward_model.truncation = "left"
+    # Sequences per reward-model forward pass (None: all at once).
+    c.reward_model.micro_batch_size = config_dict.placeholder(int)
+    c.reward_model.overlong_buffer = ml_collections.ConfigDict()
+    # DAPO overlong shaping: penalise responses longer than response_length - len.
+    c.reward_model.overlong_buffer.enable = False
+    # Length of the buffer before the response limit over which the penalty grows.
+    c.reward_model.overlong_buffer.len = 4
+    # Penalty at the response limit (it grows linearly from 0 over the buffer).
+    c.reward_model.overlong_buffer.penalty_factor = 1.0
 
     c.trainer = ml_collections.ConfigDict()
     # RL steps (0: total_epochs passes over the training prompts).

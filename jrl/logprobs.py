@@ -109,3 +109,26 @@ def response_values(critic_params, prompt_ids, prompt_mask, responses, response_
     hidden = response_hidden(critic_params, prompt_ids, prompt_mask, responses, response_mask,
                              config=config)
     return heads.values(critic_params, hidden)
+
+
+def in_micro_batches(fn, micro_batch: int | None):
+    """`fn(params, *arrays) -> outputs`, run over micro-batches of `micro_batch` rows.
+
+    The rows `[N, ...]` are viewed as `[N / micro_batch, micro_batch, ...]` and mapped
+    sequentially (`lax.map`), so activations and logits are bounded by one micro-batch;
+    each micro-batch is split over the mesh's batch axes. None: one pass over all rows.
+    """
+    if micro_batch is None:
+        return fn
+
+    def mapped(params, *arrays):
+        n = arrays[0].shape[0]
+        if n % micro_batch:
+            raise ValueError(f"{n} rows do not split into micro-batches of {micro_batch}")
+        split = lambda x: constrain(x.reshape(n // micro_batch, micro_batch, *x.shape[1:]),
+                                    (None, "batch") + (None,) * (x.ndim - 1))
+        out = jax.lax.map(lambda xs: fn(params, *xs), tuple(split(x) for x in arrays))
+        merge = lambda y: constrain(y.reshape(n, *y.shape[2:]), ("batch",) + (None,) * (y.ndim - 2))
+        return jax.tree.map(merge, out)
+
+    return mapped

@@ -17,6 +17,9 @@ from jrl.rollout import SamplingConfig
 
 LR_SCHEDULERS = ("constant", "cosine")
 NAN_POLICIES = ("skip", "raise")
+ON_ERROR = ("raise", "score")
+REMAT = ("none", "full", "dots_saveable")
+DTYPES = ("float32", "bfloat16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
@@ -77,6 +80,31 @@ class AlgorithmSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """How responses are scored (`reward.*`, `reward_model.*`)."""
+
+    custom_fn: str | None  # "path.py:name"; None: the scorer of each data_source
+    num_workers: int
+    on_error: str  # "raise" or "score"
+    error_score: float
+    model_path: str | None  # reward model checkpoint; None: rule scoring
+    model_max_length: int
+    model_truncation: str
+    model_micro_batch_size: int | None
+    overlong_buffer_len: int  # 0: no overlong shaping
+    overlong_penalty_factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSettings:
+    """DAPO dynamic sampling (`algorithm.filter_groups.*`); None in Settings when off."""
+
+    metric: str
+    max_num_gen_batches: int  # 0: no limit
+    gen_batch_size: int  # prompts per generation round
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything static about a run, derived once from the config."""
 
@@ -89,6 +117,9 @@ class Settings:
     max_prompt_length: int
     total_steps: int
     logprob_chunk_size: int
+    reward: RewardSettings
+    filter_groups: FilterGroupsSettings | None
+    log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
 
     @property
     def needs_reference(self) -> bool:
@@ -179,8 +210,68 @@ def _sampling(config, key: str, overrides: dict, stop_ids, pad_id) -> SamplingCo
         do_sample=bool(overrides["do_sample"]),
         stop_token_ids=tuple(stop_ids),
         pad_token_id=int(pad_id),
+        ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
     )
     return sampling.validate(prefix=key)
+
+
+def _reward(config, response_length: int) -> RewardSettings:
+    on_error = _choice(config, "reward.on_error", ON_ERROR)
+    num_workers = int(_positive(config, "reward.num_workers", allow_zero=True))
+    custom_fn = _get(config, "reward.custom_fn")
+    if custom_fn is not None and (not isinstance(custom_fn, str) or ":" not in custom_fn):
+        _fail("reward.custom_fn", f"{custom_fn!r} is not 'path/to/file.py:function_name'")
+    if custom_fn is not None and not os.path.isfile(custom_fn.rsplit(":", 1)[0]):
+        _fail("reward.custom_fn", f"file {custom_fn.rsplit(':', 1)[0]!r} does not exist")
+    model_path = None
+    if _get(config, "reward_model.enable"):
+        model_path = _get(config, "reward_model.model.path")
+        model_path = model_path and os.path.expanduser(model_path)
+        if not model_path or not os.path.isdir(model_path):
+            _fail("reward_model.model.path", f"{model_path!r} is not a directory; "
+                  "reward_model.enable=True needs a local HF sequence-classification checkpoint")
+    micro = _get(config, "reward_model.micro_batch_size")
+    if micro is not None:
+        micro = int(_positive(config, "reward_model.micro_batch_size"))
+    buffer_len, factor = 0, 0.0
+    if _get(config, "reward_model.overlong_buffer.enable"):
+        buffer_len = int(_positive(config, "reward_model.overlong_buffer.len"))
+        if buffer_len > response_length:
+            _fail("reward_model.overlong_buffer.len", f"{buffer_len} exceeds "
+                  f"rollout.response_length={response_length}")
+        factor = float(_positive(config, "reward_model.overlong_buffer.penalty_factor",
+                                 allow_zero=True))
+    return RewardSettings(
+        custom_fn=custom_fn, num_workers=num_workers, on_error=on_error,
+        error_score=float(_get(config, "reward.error_score")), model_path=model_path,
+        model_max_length=int(_positive(config, "reward_model.max_length")),
+        model_truncation=_choice(config, "reward_model.truncation", ("left", "right", "error")),
+        model_micro_batch_size=micro, overlong_buffer_len=buffer_len,
+        overlong_penalty_factor=factor)
+
+
+def _filter_groups(config, batch: int, n: int, estimator) -> FilterGroupsSettings | None:
+    if not _get(config, "algorithm.filter_groups.enable"):
+        return None
+    if n < 2:
+        _fail("algorithm.filter_groups.enable", f"drops groups whose samples all score the "
+              f"same, which needs rollout.n >= 2, got {n}")
+    if estimator.needs_baseline:
+        _fail("algorithm.filter_groups.enable", "cannot be combined with an estimator that "
+              "needs a greedy baseline rollout (remax)")
+    gen_batch = _get(config, "data.gen_batch_size")
+    gen_batch = batch if gen_batch is None else int(_positive(config, "data.gen_batch_size"))
+    metric = _get(config, "algorithm.filter_groups.metric")
+    if not isinstance(metric, str) or not metric:
+        _fail("algorithm.filter_groups.metric", f"{metric!r} must name a reward field, e.g. "
+              "'acc' or 'score'")
+    if metric != "score" and _get(config, "reward_model.enable"):
+        _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
+              "'score'")
+    return FilterGroupsSettings(
+        metric=metric, gen_batch_size=gen_batch,
+        max_num_gen_batches=int(_positive(config, "algorithm.filter_groups.max_num_gen_batches",
+                                          allow_zero=True)))
 
 
 def _algorithm(config) -> AlgorithmSettings:
@@ -280,8 +371,14 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
               "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
               "bfloat16 compute")
+    if _get(config, "model.remat") not in REMAT:
+        _fail("model.remat", f"{_get(config, 'model.remat')!r} is not valid; choose one of "
+              f"{list(REMAT)}")
+    for key in ("model.dtype", "model.param_dtype"):
+        if _get(config, key) not in DTYPES:
+            _fail(key, f"{_get(config, key)!r} is not valid; choose one of {list(DTYPES)}")
     model_path = _get(config, "model.path")
-    if model_path and not os.path.isdir(model_path):
+    if model_path and not os.path.isdir(os.path.expanduser(model_path)):
         _fail("model.path", f"{model_path!r} is not a directory")
     return Settings(
         actor=actor,
@@ -294,4 +391,19 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         max_prompt_length=int(_get(config, "data.max_prompt_length")),
         total_steps=steps,
         logprob_chunk_size=int(_positive(config, "actor.logprob_chunk_size")),
+        reward=_reward(config, int(_get(config, "rollout.response_length"))),
+        filter_groups=_filter_groups(config, batch, n, estimator),
+        log_prob_micro_batch=_log_prob_micro_batch(config, batch * n),
     )
+
+
+def _log_prob_micro_batch(config, batch_sequences: int) -> int | None:
+    key = "rollout.log_prob_micro_batch_size"
+    micro = _get(config, key)
+    if micro is None:
+        return None
+    micro = int(_positive(config, key))
+    if batch_sequences % micro:
+        _fail(key, f"{micro} must divide the batch of {batch_sequences} sequences "
+              "(data.train_batch_size x rollout.n)")
+    return micro

@@ -117,7 +117,7 @@ def main(argv):
     if config.sft.steps <= 0:
         raise ValueError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
     tokenizer = train.build_tokenizer(config)
-    train_rows, _ = train.build_data(config)
+    train_rows, _ = train.build_data(config, tokenizer)
     model, params = train.build_model(config, tokenizer)
     workdir = flags.FLAGS.workdir or "runs/sft"
     train.warm_start(config, workdir, model, params, tokenizer, train_rows)

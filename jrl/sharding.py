@@ -133,6 +133,11 @@ class Sharder:
             raise ValueError(f"sharding rules name mesh axes {sorted(unknown)} that the mesh "
                              f"does not have ({mesh.axis_names})")
 
+    def rules_without(self, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """These rules with `axis` removed from every parameter axis (not from `batch`)."""
+        return tuple((name, axes if name == "batch" else tuple(a for a in axes if a != axis))
+                     for name, axes in self.rules.items())
+
     # -- specs -------------------------------------------------------------------------------
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:

@@ -18,12 +18,13 @@ from ml_collections import config_flags
 
 from jrl import distributed, metrics, settings, sharding
 from jrl.checkpoint import Checkpointer
-from jrl.data import synthetic
+from jrl.data import files, synthetic
+from jrl.data.dataset import prompt_token_ids
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.models import hf
 from jrl.models.config import ModelConfig
 from jrl.models.transformer import init_params, param_logical_axes
-from jrl.rewards import default_compute_score
+from jrl.rewards import scoring
 from jrl.sft import train_sft
 from jrl.trainer import RLTrainer
 
@@ -41,14 +42,18 @@ def build_tokenizer(config):
     if name == "char":
         return CharTokenizer()
     if name == "hf":
-        path = config.tokenizer.path or config.model.path
+        path = os.path.expanduser(config.tokenizer.path or config.model.path or "")
         if not path:
             raise ValueError("tokenizer.name='hf' needs tokenizer.path or model.path")
         return HFTokenizer.from_pretrained(path)
     raise ValueError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
 
 
-def build_data(config):
+def build_data(config, tokenizer=None):
+    """(train rows, validation rows): from `data.train_files` / `val_files` when given,
+    else the synthetic `data.task`."""
+    if config.data.train_files:
+        return _file_rows(config, tokenizer, "train"), _file_rows(config, tokenizer, "val")
     if config.data.task == "arithmetic":
         return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
                                     config.data.num_train, seed=config.data.seed,
@@ -60,6 +65,50 @@ def param_shardings(sharder: sharding.Sharder, model: ModelConfig, head: str = "
     """Shardings of a model's parameters on `sharder`'s mesh (from shapes alone)."""
     shapes = jax.eval_shape(functools.partial(init_params, model, head=head), jax.random.key(0))
     return sharder.params(param_logical_axes(model, head), shapes)
+
+
+def _file_rows(config, tokenizer, split: str) -> list:
+    """Rows of `data.<split>_files`, with overlong prompts dropped or reported."""
+    key = f"data.{split}_files"
+    paths = config.data[f"{split}_files"]
+    if not paths:
+        return []
+    rows = files.load_rows(paths, prompt_key=config.data.prompt_key)
+    limit, chat = config.data.max_prompt_length, config.data.apply_chat_template
+    if tokenizer is None:
+        return rows
+    if config.data.filter_overlong_prompts:
+        rows, dropped = files.filter_overlong_prompts(rows, tokenizer, limit, chat)
+        if jax.process_index() == 0:
+            print(f"{key}: dropped {dropped} rows with prompts over data.max_prompt_length="
+                  f"{limit} tokens; {len(rows)} remain", flush=True)
+        if not rows:
+            raise ValueError(f"{key}: every prompt is longer than data.max_prompt_length="
+                             f"{limit}")
+        return rows
+    for index, row in enumerate(rows):
+        length = len(prompt_token_ids(tokenizer, row, chat))
+        if length > limit:
+            raise ValueError(
+                f"{key}: the prompt of row {index} ({row.get('data_source')}) has {length} "
+                f"tokens, more than data.max_prompt_length={limit}; raise the limit or set "
+                "data.filter_overlong_prompts=True to drop such rows")
+    return rows
+
+
+def build_reward(config, s: settings.Settings, reward_fn=None):
+    """(rule scorer, reward model or None) of the `reward` / `reward_model` sections."""
+    r = s.reward
+    scorer = scoring.RewardScorer(reward_fn or r.custom_fn, num_workers=r.num_workers,
+                                  on_error=r.on_error, error_score=r.error_score)
+    model = None
+    if r.model_path:
+        from jrl.rewards.reward_model import RewardModel
+
+        model = RewardModel.from_pretrained(
+            r.model_path, r.model_max_length, dtype=config.model.dtype,
+            truncation=r.model_truncation, micro_batch_size=r.model_micro_batch_size)
+    return scorer, model
 
 
 def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
@@ -74,7 +123,8 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
         shardings = None
         if sharder is not None:
             shardings = lambda model, head: param_shardings(sharder, model, head)
-        return hf.load_pretrained(config.model.path, dtype=config.model.param_dtype,
+        return hf.load_pretrained(os.path.expanduser(config.model.path),
+                                  dtype=config.model.param_dtype,
                                   config_overrides=dtypes, shardings=shardings)
     overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
@@ -125,17 +175,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
     distributed.maybe_initialize(config)
     sharder = sharder or sharding.from_config(config)
     tokenizer = build_tokenizer(config)
-    train_rows, val_rows = build_data(config)
+    train_rows, val_rows = build_data(config, tokenizer)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
+    scorer, reward_model = build_reward(config, s, reward_fn)
     model, params = build_model(config, tokenizer, sharder)
     os.makedirs(workdir, exist_ok=True)
     if config.sft.steps > 0:
         params = warm_start(config, workdir, model, params, tokenizer, train_rows, sharder)
     trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
-                        reward_fn or default_compute_score, workdir, config.seed, config.trainer,
+                        scorer, workdir, config.seed, config.trainer,
                         apply_chat_template=config.data.apply_chat_template,
-                        data_seed=config.data.seed, sharder=sharder)
+                        data_seed=config.data.seed, sharder=sharder, reward_model=reward_model)
     if jax.process_index() == 0:
         print(trainer.memory_report(), flush=True)
     resumed = trainer.maybe_restore()
@@ -146,7 +197,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
         final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
     finally:
         writer.close()
-        trainer.checkpointer.close()
+        trainer.close()
     summary = {"resumed": resumed, "step": trainer.state.step, "final": final}
     jsonl = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(jsonl):

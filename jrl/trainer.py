@@ -14,12 +14,13 @@ repeats exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,12 @@ from jrl import advantages as adv_lib
 from jrl import kl_control, logprobs, masks, metrics, rollout, update
 from jrl import sharding as sharding_lib
 from jrl.checkpoint import Checkpointer
-from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts, ground_truth
+from jrl.data import dynamic_sampling
+from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.models import CACHE_LOGICAL_AXES, heads, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule, make_optimizer
+from jrl.rewards import overlong, scoring
 from jrl.settings import Settings
 
 Array = jax.Array
@@ -52,38 +55,6 @@ def decode_responses(tokenizer, responses: np.ndarray, response_mask: np.ndarray
         ids = ids[mask > 0].tolist()
         out.append(tokenizer.decode(ids, skip_special_tokens=True))
     return out
-
-
-def score_responses(reward_fn: Callable, rows: Sequence[Row], texts: Sequence[str], n: int
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Scores sample `i` (of prompt `i // n`) with verl's reward signature.
-
-    A reward function may return a float or a dict with "score" and other numbers
-    (e.g. "acc"), which come back as `extras`. One that raises stops the run with the
-    sample's index and data source.
-
-    Returns:
-      `(scores [N], extras {name: [N]})`.
-    """
-    scores = np.zeros(len(texts), np.float32)
-    extras: dict[str, np.ndarray] = {}
-    for i, text in enumerate(texts):
-        row = rows[i // n]
-        try:
-            result = reward_fn(row["data_source"], text, ground_truth(row), row.get("extra_info"))
-            if isinstance(result, dict):
-                scores[i] = result["score"]
-                for key, value in result.items():
-                    if key != "score":
-                        extras.setdefault(key, np.zeros(len(texts), np.float32))[i] = value
-            else:
-                scores[i] = result
-        except Exception as err:
-            raise RuntimeError(
-                f"reward function failed on sample {i} (data_source={row['data_source']!r}): "
-                f"{type(err).__name__}: {err}"
-            ) from err
-    return scores, extras
 
 
 def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
@@ -140,26 +111,36 @@ class RLTrainer:
       actor_params: initial actor parameters (also the reference's).
       tokenizer: encodes prompts, decodes responses.
       train_rows, val_rows: prompt rows in verl's schema.
-      reward_fn: `fn(data_source, solution_str, ground_truth, extra_info)`.
+      reward_fn: `fn(data_source, solution_str, ground_truth, extra_info)`, or a
+        `jrl.rewards.scoring.RewardScorer` (parallel workers, error policy).
       workdir: checkpoints, metrics, plots.
       seed: root of all randomness.
       trainer_config: the `trainer` section (frequencies, loggers, ...).
       apply_chat_template: encode prompts through the tokenizer's chat template.
       data_seed: seed of the per-epoch shuffling of the training rows.
       sharder: the mesh and its rules (default: every device on the `data` axis).
+      reward_model: a `jrl.rewards.reward_model.RewardModel` whose scores replace the
+        rule rewards (None: rule rewards).
     """
 
     def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,
                  train_rows, val_rows, reward_fn, workdir: str, seed: int, trainer_config,
                  apply_chat_template: bool = False, data_seed: int = 0,
-                 sharder: sharding_lib.Sharder | None = None):
+                 sharder: sharding_lib.Sharder | None = None, reward_model=None):
         self.s = settings
         self.sharder = sharder or sharding_lib.Sharder(sharding_lib.make_mesh())
         self._check_batch_sizes()
         self.model = model
         self.tokenizer = tokenizer
         self.train_rows, self.val_rows = train_rows, val_rows
-        self.reward_fn = reward_fn
+        if not isinstance(reward_fn, scoring.RewardScorer):
+            reward_fn = scoring.RewardScorer(
+                reward_fn, on_error=settings.reward.on_error,
+                error_score=settings.reward.error_score)
+        self.scorer = reward_fn
+        self.reward_model = reward_model
+        # Rule scoring runs beside the device stages; workers (if any) are the scorer's.
+        self._score_thread = concurrent.futures.ThreadPoolExecutor(1, "jrl-reward")
         self.workdir = workdir
         self.cfg = trainer_config
         self.chat = apply_chat_template
@@ -170,9 +151,12 @@ class RLTrainer:
         actor_params = jax.device_put(actor_params, self.actor_shardings)
         self.ref_params = None
         if settings.needs_reference:
-            # The actor update donates its parameters; the reference keeps its own copy.
-            self.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                                      out_shardings=self.actor_shardings)(actor_params)
+            # The actor update donates its parameters; the reference keeps its own copy,
+            # in the compute dtype (the layers cast to it anyway: the same numbers).
+            self.ref_params = self._compute_params(actor_params)
+            if self.ref_params is actor_params:
+                self.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                          out_shardings=self.actor_shardings)(actor_params)
         self._build_stages()
         self.state = self._initial_state(actor_params, seed)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -184,6 +168,10 @@ class RLTrainer:
         """Every batch the steps split over the mesh must divide evenly (before compiling)."""
         s, check = self.s, self.sharder.check_batch
         check(s.train_batch_size, "data.train_batch_size (prompts)")
+        if s.filter_groups is not None:
+            check(s.filter_groups.gen_batch_size, "data.gen_batch_size (prompts)")
+        if s.log_prob_micro_batch is not None:
+            check(s.log_prob_micro_batch, "rollout.log_prob_micro_batch_size")
         for role, settings in (("actor", s.actor), ("critic", s.critic)):
             if settings is not None:
                 check(settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
@@ -197,6 +185,23 @@ class RLTrainer:
         self.actor_state_shardings = update.ModelState(
             self.actor_shardings, sh.opt_state(self.actor_opt, shapes, self.actor_shardings))
         self.batch_sharding = sh.batch()
+        # Rollout and log-prob passes read the weights in the compute dtype; the rollout
+        # gets them gathered over `fsdp` once per step rather than once per token.
+        compute = jnp.dtype(self.model.dtype)
+        cast = lambda p: jax.tree.map(
+            lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+        self._cast = None
+        if compute != jnp.dtype(self.model.param_dtype):
+            self._cast = jax.jit(cast, in_shardings=(self.actor_shardings,),
+                                 out_shardings=self.actor_shardings)
+        self.rollout_shardings = self.actor_shardings
+        self._gather = None
+        if sh.mesh.shape["fsdp"] > 1:
+            gathered = sharding_lib.Sharder(sh.mesh, sh.rules_without("fsdp"))
+            self.rollout_shardings = gathered.params(param_logical_axes(self.model, "lm"),
+                                                     shapes)
+            self._gather = jax.jit(cast, in_shardings=(self.actor_shardings,),
+                                   out_shardings=self.rollout_shardings)
         if s.critic is not None:
             self.critic_opt = make_optimizer(s.critic.optim)
             key = jax.random.key(0)
@@ -226,16 +231,27 @@ class RLTrainer:
                                   optimizer=self.critic_opt, update=s.critic.update),
                 in_shardings=(state_sh, b, rep, rep), out_shardings=(state_sh, rep),
                 donate_argnums=0)
-            self._values = jax.jit(functools.partial(logprobs.response_values, config=model),
+            values = functools.partial(logprobs.response_values, config=model)
+            self._values = jax.jit(logprobs.in_micro_batches(values, s.log_prob_micro_batch),
                                    in_shardings=(self.critic_shardings, b, b, b, b),
                                    out_shardings=b)
-        self._log_probs = jax.jit(functools.partial(
+        log_probs = functools.partial(
             logprobs.response_log_probs, config=model, temperature=s.rollout.temperature,
-            chunk_size=s.logprob_chunk_size, with_entropy=True),
-            in_shardings=(self.actor_shardings, b, b, b, b), out_shardings=(b, b))
+            chunk_size=s.logprob_chunk_size, with_entropy=True)
+        self._log_probs = jax.jit(logprobs.in_micro_batches(log_probs, s.log_prob_micro_batch),
+                                  in_shardings=(self.actor_shardings, b, b, b, b),
+                                  out_shardings=(b, b))
         self._advantages = jax.jit(functools.partial(_advantage_stage, s=s),
                                    in_shardings=(b, rep), out_shardings=(b, b, b, rep))
         self._generators: dict[rollout.SamplingConfig, Callable] = {}
+
+    def _compute_params(self, params):
+        """`params` in the compute dtype, same shardings (the same array when equal)."""
+        return params if self._cast is None else self._cast(params)
+
+    def _rollout_params(self, compute_params):
+        """The compute-dtype weights gathered for decoding (the same array without fsdp)."""
+        return compute_params if self._gather is None else self._gather(compute_params)
 
     def _generator(self, sampling: rollout.SamplingConfig) -> Callable:
         """The rollout program for `sampling`, compiled with the mesh's shardings."""
@@ -244,7 +260,7 @@ class RLTrainer:
             self._generators[sampling] = jax.jit(
                 functools.partial(rollout.generate_program, sampling=sampling,
                                   config=self.model),
-                in_shardings=(self.actor_shardings, b, b, self.sharder.replicated),
+                in_shardings=(self.rollout_shardings, b, b, self.sharder.replicated),
                 out_shardings=b)
         return self._generators[sampling]
 
@@ -270,6 +286,12 @@ class RLTrainer:
         return TrainState(step=0, actor=actor, critic=critic,
                           kl=kl_control.init_kl_controller(self.s.algorithm.kl_coef),
                           data=IteratorState())
+
+    def close(self) -> None:
+        """Stops reward workers and closes the checkpointer."""
+        self._score_thread.shutdown()
+        self.scorer.close()
+        self.checkpointer.close()
 
     def memory_report(self) -> str:
         """Per-device bytes of parameters, optimizer states and the rollout's KV cache."""
@@ -317,7 +339,7 @@ class RLTrainer:
 
     def _generate(self, params, rows, sampling: rollout.SamplingConfig, key):
         """Encodes the prompts on the host, splits them over the mesh's batch axes and
-        samples; the rollout stays on the devices."""
+        samples; the rollout stays on the devices. `params` are the rollout's copy."""
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
                                                  self.chat)
         rollout.check_inputs(prompt_ids, prompt_mask, sampling, self.model)
@@ -325,14 +347,82 @@ class RLTrainer:
         with self.sharder.active():
             return self._generator(sampling)(params, prompt_ids, prompt_mask, key)
 
-    def _score(self, rows, out, n):
-        """(scores [N], extras {name: [N]}, texts) of a rollout; only the responses come
-        to the host, the rest of the rollout stays on the device for the next stages."""
-        count = len(rows) * n  # rows padded for the mesh are not scored
+    def _submit_scores(self, rows, out, n) -> Callable[[], tuple]:
+        """Starts scoring a rollout; returns a function that waits for
+        `(scores [N], extras {name: [N]}, num_errors, texts)`.
+
+        Only the responses come to the host. Rule scoring runs in the background (and in
+        the scorer's worker processes), so the device stages that follow overlap it;
+        rows padded for the mesh are not scored.
+        """
+        count = len(rows) * n
         responses = sharding_lib.host_array(out.responses)[:count]
         response_mask = sharding_lib.host_array(out.response_mask)[:count]
         texts = decode_responses(self.tokenizer, responses, response_mask)
-        return (*score_responses(self.reward_fn, rows, texts, n), texts)
+        if self.reward_model is None:
+            future = self._score_thread.submit(self.scorer.score, rows, texts, n)
+        reward = self.s.reward
+
+        def collect():
+            if self.reward_model is not None:
+                result = scoring.ScoreResult(self.reward_model.score(rows, texts, n), {}, 0)
+            else:
+                result = future.result()
+            scores, extras = result.scores, dict(result.extras)
+            if reward.overlong_buffer_len:
+                penalty = overlong.overlong_penalty(
+                    response_mask.sum(-1), self.s.rollout.max_new_tokens,
+                    reward.overlong_buffer_len, reward.overlong_penalty_factor)
+                scores = scores + penalty
+                extras.update(overlong.overlong_extras(penalty))
+            if result.num_errors:
+                logging.warning("%d reward failures scored %s; first: %s", result.num_errors,
+                                reward.error_score, result.first_error)
+            return scores, extras, result.num_errors, texts
+
+        return collect
+
+    def _rollout(self, iterator: BatchIterator, params, key):
+        """Rows, rollout arrays (on the devices), a score collector and rollout metrics.
+
+        With `algorithm.filter_groups`, generates rounds of `data.gen_batch_size`
+        prompts and keeps the groups whose metric varies until `train_batch_size` are in.
+        """
+        n, fg = self.s.rollout.n, self.s.filter_groups
+        names = ("prompt_ids", "prompt_mask", "responses", "response_mask")
+        if fg is None:
+            rows = iterator.next_batch()
+            out = self._generate(params, rows, self.s.rollout, key)
+            collect = self._submit_scores(rows, out, n)
+            return rows, {k: getattr(out, k) for k in names}, collect, {}
+        acc = dynamic_sampling.GroupAccumulator(self.s.train_batch_size, n)
+        num_errors = 0
+        while not acc.is_full:
+            rows = iterator.next_batch()
+            out = self._generate(params, rows, self.s.rollout,
+                                 jax.random.fold_in(key, acc.num_gen_batches))
+            scores, extras, errors, _ = self._submit_scores(rows, out, n)()
+            num_errors += errors
+            if fg.metric != "score" and fg.metric not in extras:
+                raise ValueError(
+                    f"algorithm.filter_groups.metric={fg.metric!r} is not among the reward's "
+                    f"fields {['score', *sorted(extras)]}")
+            metric = scores if fg.metric == "score" else extras[fg.metric]
+            arrays = {k: sharding_lib.host_array(getattr(out, k))[:len(rows) * n]
+                      for k in names}
+            arrays.update({"score": scores, **{f"extra/{k}": v for k, v in extras.items()}})
+            acc.add(arrays, rows, dynamic_sampling.groups_with_variance(metric, n))
+            dynamic_sampling.check_gen_batches(acc.num_gen_batches, fg.max_num_gen_batches,
+                                               acc.num_groups, self.s.train_batch_size, n)
+        filled = acc.take()
+        a = filled.arrays
+        extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
+        batch = self.sharder.put_batch({k: a[k] for k in names})
+        rollout_metrics = {"train/num_gen_batches": float(filled.num_gen_batches),
+                           "train/num_filtered_groups": float(filled.num_filtered_groups)}
+        texts = decode_responses(self.tokenizer, a["responses"], a["response_mask"])
+        return (filled.rows, batch, lambda: (a["score"], extras, num_errors, texts),
+                rollout_metrics)
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -345,20 +435,23 @@ class RLTrainer:
         t_step = time.perf_counter()
         key = jax.random.fold_in(self.root_key, st.step)
         gen_key, actor_key, critic_key = jax.random.split(key, 3)
-        rows = iterator.next_batch()
 
         t = time.perf_counter()
-        out = jax.block_until_ready(self._generate(st.actor.params, rows, s.rollout, gen_key))
+        compute_params = self._compute_params(st.actor.params)
+        rollout_params = self._rollout_params(compute_params)
+        rows, batch, collect_scores, step_metrics = self._rollout(iterator, rollout_params,
+                                                                  gen_key)
+        jax.block_until_ready(batch)
+        del rollout_params
         timing["gen"] = time.perf_counter() - t
 
-        batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
-                 "responses": out.responses, "response_mask": out.response_mask}
         seq = (batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
                batch["response_mask"])
         t = time.perf_counter()
-        old_log_probs, entropy = self._log_probs(st.actor.params, *seq)
+        old_log_probs, entropy = self._log_probs(compute_params, *seq)
         batch["old_log_probs"] = jax.block_until_ready(old_log_probs)
         timing["old_log_prob"] = time.perf_counter() - t
+        del compute_params
         if self.ref_params is not None:
             t = time.perf_counter()
             ref_log_probs, _ = self._log_probs(self.ref_params, *seq)
@@ -371,25 +464,28 @@ class RLTrainer:
 
         t = time.perf_counter()
         n = s.rollout.n
-        scores, extras, _ = self._score(rows, out, n)
-        host = {"response_mask": sharding_lib.host_array(out.response_mask)}
-        host["token_level_scores"] = place_scores(scores, host["response_mask"])
+        scores, extras, num_errors, _ = collect_scores()
+        host = {"token_level_scores": place_scores(
+            scores, sharding_lib.host_array(batch["response_mask"]))}
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
-            base_out = self._generate(st.actor.params, rows, greedy, gen_key)
-            host["reward_baselines"] = np.repeat(self._score(rows, base_out, 1)[0], n)
+            base_params = self._rollout_params(self._compute_params(st.actor.params))
+            base_out = self._generate(base_params, rows, greedy, gen_key)
+            host["reward_baselines"] = np.repeat(self._submit_scores(rows, base_out, 1)()[0], n)
         timing["reward"] = time.perf_counter() - t
 
         t = time.perf_counter()
         host["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
-        batch.update(self.sharder.put_batch(
-            {k: v for k, v in host.items() if k != "response_mask"}))
+        batch.update(self.sharder.put_batch(host))
         rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
         batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
         jax.block_until_ready(advantages)
         timing["adv"] = time.perf_counter() - t
 
-        step_metrics = {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+        step_metrics.update({f"reward_extra/{k}/mean": float(np.mean(v))
+                             for k, v in extras.items()})
+        if s.reward.on_error == "score":
+            step_metrics["reward/num_errors"] = float(num_errors)
         if s.algorithm.use_kl_in_reward:
             step_metrics["actor/reward_kl_penalty"] = float(current_kl)
             step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
@@ -417,7 +513,7 @@ class RLTrainer:
                 step_metrics["actor/kl_coef"] = s.actor.kl_loss_coef
             timing["update_actor"] = time.perf_counter() - t
         step_metrics["actor/entropy"] = float(
-            masks.agg_loss(entropy, out.response_mask, s.actor.loss.loss_agg_mode))
+            masks.agg_loss(entropy, batch["response_mask"], s.actor.loss.loss_agg_mode))
         st.step += 1
         st.data = iterator.state
         timing["step"] = time.perf_counter() - t_step
@@ -475,12 +571,12 @@ class RLTrainer:
         # multiple of the mesh's batch split; the last batch is padded with copies.
         multiple = self.sharder.batch_size_multiple
         padded_size = -(-min(batch_size, len(self.val_rows)) // multiple) * multiple
+        params = self._rollout_params(self._compute_params(self.state.actor.params))
         for start in range(0, len(self.val_rows), batch_size):
             rows = self.val_rows[start:start + batch_size]
             padded = list(rows) + [rows[-1]] * (padded_size - len(rows))
-            out = self._generate(self.state.actor.params, padded, sampling,
-                                 jax.random.fold_in(key, start))
-            batch_scores, extras, texts = self._score(rows, out, sampling.n)
+            out = self._generate(params, padded, sampling, jax.random.fold_in(key, start))
+            batch_scores, extras, _, texts = self._submit_scores(rows, out, sampling.n)()
             values.setdefault("reward", []).extend(batch_scores.tolist())
             for name, column in extras.items():
                 values.setdefault(name, []).extend(column.tolist())
@@ -496,7 +592,9 @@ class RLTrainer:
             exit_after_steps: int | None = None) -> dict[str, float]:
         """Runs until `total_steps`; returns the last validation metrics."""
         cfg = self.cfg
-        iterator = BatchIterator(self.train_rows, self.s.train_batch_size, self.data_seed,
+        fg = self.s.filter_groups
+        batch_size = self.s.train_batch_size if fg is None else fg.gen_batch_size
+        iterator = BatchIterator(self.train_rows, batch_size, self.data_seed,
                                  shuffle=True, state=self.state.data)
         last_val = {}
         if cfg.val_before_train and self.state.step == 0 and self.val_rows:

@@ -8,7 +8,7 @@ from jrl.data import synthetic
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.data.tokenizers import CharTokenizer
 from jrl.rewards import arithmetic, default_compute_score
-from jrl.trainer import place_scores, score_responses
+from jrl.trainer import place_scores
 
 
 def test_arithmetic_split_is_disjoint_and_well_formed():
@@ -74,23 +74,6 @@ def test_arithmetic_scorer(response, answer, exact, digits):
 def test_unknown_data_source_is_named():
     with pytest.raises(NotImplementedError, match="data_source='gsm9k'"):
         default_compute_score("gsm9k", "1", "1")
-
-
-def test_score_responses_extras_and_errors():
-    rows = [{"data_source": "a", "reward_model": {"ground_truth": "1"}},
-            {"data_source": "b", "reward_model": {"ground_truth": "2"}}]
-    fn = lambda src, text, gt, extra: {"score": float(text == gt), "acc": 1.0}
-    scores, extras = score_responses(fn, rows, ["1", "0", "2", "2"], n=2)
-    np.testing.assert_array_equal(scores, [1, 0, 1, 1])
-    np.testing.assert_array_equal(extras["acc"], [1, 1, 1, 1])
-
-    def broken(src, text, gt, extra):
-        if text == "2":
-            raise KeyError("boom")
-        return 0.0
-
-    with pytest.raises(RuntimeError, match=r"sample 2 \(data_source='b'\): KeyError"):
-        score_responses(broken, rows, ["1", "0", "2", "2"], n=2)
 
 
 def test_place_scores_at_last_valid_token():

@@ -49,8 +49,11 @@ class ScoreResult(NamedTuple):
     first_error: str | None = None  # message of the first failure, for the log
 
 
-def resolve_fn(fn_spec: str | None) -> Callable:
-    """The reward function of a spec: None -> dispatch on data_source; else a file's fn."""
+def resolve_fn(fn_spec: str | Callable | None) -> Callable:
+    """The reward function of a spec: None -> dispatch on data_source; a callable -> itself;
+    else a file's fn."""
+    if callable(fn_spec):
+        return fn_spec
     if fn_spec is None:
         from jrl.rewards import default_compute_score
 
@@ -131,8 +134,9 @@ class RewardScorer:
     """Scores responses with a rule reward function, serially or in a process pool.
 
     Args:
-      fn_spec: None for `jrl.rewards.default_compute_score` (by `data_source`), or
-        "path/to/file.py:name" for a user function.
+      fn_spec: None for `jrl.rewards.default_compute_score` (by `data_source`),
+        "path/to/file.py:name" for a user function, or the function itself (scored in
+        this process only).
       num_workers: worker processes; 0 scores in this process, synchronously.
       on_error: "raise" stops at the first failing sample with a RuntimeError naming
         its index, data source and the exception; "score" gives it `error_score` and
@@ -143,12 +147,16 @@ class RewardScorer:
       ValueError: a bad `num_workers` / `on_error`, or a bad spec (see `load_custom_fn`).
     """
 
-    def __init__(self, fn_spec: str | None = None, num_workers: int = 0,
+    def __init__(self, fn_spec: str | Callable | None = None, num_workers: int = 0,
                  on_error: str = "raise", error_score: float = 0.0):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; expected one of {ON_ERROR}")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0 (0: score in-process)")
+        if callable(fn_spec) and num_workers:
+            raise ValueError("a reward function passed as a Python object is scored in this "
+                             "process (num_workers=0); give worker processes a "
+                             "'path/to/file.py:name' spec instead")
         self.fn_spec, self.num_workers = fn_spec, num_workers
         self.on_error, self.error_score = on_error, float(error_score)
         self._fn = resolve_fn(fn_spec)  # errors in the spec surface here, in this process

@@ -88,14 +88,15 @@ def test_non_finite_update_is_skipped():
     chex.assert_trees_all_equal(state.params, before)
 
 
-def _nan_reward(*args):
-    return float("nan")
+def _nan_token_scores(scores, response_mask):
+    # Reward functions returning NaN are rejected by the scorer; poison the token scores.
+    return np.full(np.shape(response_mask), np.nan, np.float32)
 
 
 def test_trainer_nan_policy(tmp_path, monkeypatch):
-    import jrl.train
+    import jrl.trainer
 
-    monkeypatch.setattr(jrl.train, "default_compute_score", _nan_reward)
+    monkeypatch.setattr(jrl.trainer, "place_scores", _nan_token_scores)
     summary = run(tiny_config(), str(tmp_path / "skip"))
     assert summary["step"] == 2
     from jrl.metrics import read_jsonl

@@ -1,0 +1,348 @@
+"""One full RL step of the real trainer (`jrl.trainer.RLTrainer.train_step`), timed by phase.
+
+A GRPO step (reference + KL loss, no critic) and a PPO step (critic, GAE) on a
+preset's shape with random weights: float32 master parameters, bfloat16 compute.
+The defaults are the Qwen2.5-0.5B shape, 64 prompts x n=8 samples, prompts of
+exactly 128 tokens, responses of up to 256 tokens. With `ignore_stop` (the
+default) every response is generated to full length, so runs compare at a fixed
+token count; `--natural_stops` lets rows end at a stop token instead (a random
+model almost never samples the single EOS of a 152k vocabulary; `--stop_prob`
+adds stop ids so that rows end after about 1/stop_prob tokens).
+
+Mini-batching follows verl's GSM8K GRPO example, except that the whole batch is
+one mini-batch: `ppo_mini_batch_size = batch` (one optimizer step per RL step),
+one PPO epoch, KL loss (low_var_kl, 0.001), entropy_coeff 0. PPO uses the same
+mini-batching for actor and critic, GAE with gamma = lam = 1 and, by default, a
+KL penalty in the reward (so the step also runs the reference).
+
+Reported per algorithm, as means over the timed steps (after `--warmup` steps
+that compile): the trainer's `timing_s/*` phases, verl's throughput (prompt +
+response tokens of the step / step time / #devices), the MFU of the actor update
+(6 * params * tokens * ppo_epochs / update time / peak bf16 FLOP/s) and the peak
+device memory of the process up to the end of that algorithm's steps (with
+`--algo both`, GRPO runs first, so PPO's figure is the larger of the two).
+
+    python experiments/bench_rl_step.py --out rl_step.json                   # one H100
+    python experiments/bench_rl_step.py --preset tiny --batch 4 --n 2 \\
+        --prompt_len 16 --response_len 16 --steps 1 --warmup 1               # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import zlib
+
+# Leave headroom above JAX's default 75% of the GPU: the log-prob stages run the
+# whole batch in one program.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jrl import metrics, settings, sharding  # noqa: E402
+from jrl.config_defaults import base_config  # noqa: E402
+from jrl.data.dataset import BatchIterator  # noqa: E402
+from jrl.models import ModelConfig  # noqa: E402
+from jrl.train import build_model  # noqa: E402
+from jrl.trainer import RLTrainer  # noqa: E402
+
+PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
+          "update_actor", "step")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="jrl.models.PRESETS name")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (params stay float32)")
+    p.add_argument("--algo", default="both", choices=("grpo", "ppo", "both"))
+    p.add_argument("--batch", type=int, default=64, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=128, help="tokens per prompt (exact)")
+    p.add_argument("--response_len", type=int, default=256, help="most response tokens")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--natural_stops", action="store_true",
+                   help="stop rows at stop tokens (default: every row runs to response_len)")
+    p.add_argument("--stop_prob", type=float, default=0.0,
+                   help="with --natural_stops: add ceil(stop_prob * vocab) stop ids, so a "
+                        "near-uniform random model stops with about this chance per token")
+    p.add_argument("--micro_batch", type=int, default=32,
+                   help="actor.ppo_micro_batch_size: sequences per forward/backward (global)")
+    p.add_argument("--critic_micro_batch", type=int, default=None,
+                   help="critic.ppo_micro_batch_size (default: --micro_batch)")
+    p.add_argument("--mini_batch", type=int, default=None,
+                   help="ppo_mini_batch_size in prompts (default: --batch, one update a step)")
+    p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--logprob_chunk_size", type=int, default=32,
+                   help="response tokens per log-prob chunk: the old/ref log-prob stages hold "
+                        "[B*n, chunk, vocab] float32 logits at once")
+    p.add_argument("--log_prob_micro_batch", type=int, default=128,
+                   help="sequences per old/ref log-prob and value forward (0: all at once)")
+    p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
+    p.add_argument("--no_ppo_kl_in_reward", action="store_true",
+                   help="PPO without the KL-in-reward penalty (then it needs no reference)")
+    p.add_argument("--mesh_data", type=int, default=-1)
+    p.add_argument("--mesh_fsdp", type=int, default=1)
+    p.add_argument("--mesh_tensor", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data, tokenizer
+
+
+class BenchTokenizer:
+    """Ids written as decimal numbers: encoding and decoding cost next to nothing."""
+
+    def __init__(self, vocab_size: int, pad_token_id: int, eos_token_ids: tuple[int, ...]):
+        self._vocab_size = vocab_size
+        self._pad = pad_token_id
+        self._eos = tuple(eos_token_ids)
+
+    vocab_size = property(lambda self: self._vocab_size)
+    pad_token_id = property(lambda self: self._pad)
+    eos_token_id = property(lambda self: self._eos[0])
+    eos_token_ids = property(lambda self: self._eos)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs):
+        raise NotImplementedError("the benchmark's prompts are plain token strings")
+
+
+def make_rows(num: int, prompt_len: int, vocab: int, avoid: set[int], seed: int) -> list[dict]:
+    """verl-schema rows whose prompts encode to exactly `prompt_len` non-special ids."""
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab), np.fromiter(avoid, int))
+    ids = rng.choice(allowed, size=(num, prompt_len))
+    return [{"prompt": " ".join(map(str, row)), "data_source": "bench",
+             "reward_model": {"ground_truth": ""}, "extra_info": {"index": i}}
+            for i, row in enumerate(ids.tolist())]
+
+
+def hash_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A cheap score in [0, 1) that differs between samples (GRPO groups get variance)."""
+    return (zlib.crc32(solution_str.encode()) % 1000) / 1000.0
+
+
+def stop_ids(model: ModelConfig, pad_id: int, natural: bool, stop_prob: float) -> tuple:
+    eos = tuple(model.eos_token_ids) or (pad_id,)
+    if not natural or stop_prob <= 0:
+        return eos
+    extra = math.ceil(stop_prob * model.vocab_size)
+    # The highest ids (never used by the prompts of a small vocabulary's specials).
+    candidates = [i for i in range(model.vocab_size - 1, -1, -1) if i not in eos and i != pad_id]
+    return eos + tuple(candidates[:extra])
+
+
+# ----------------------------------------------------------------------------- config, trainer
+
+
+def make_config(args, algo: str):
+    """The experiment config, built from `base_config()` as configs/*.py do."""
+    c = base_config()
+    c.seed = args.seed
+    c.model.preset = args.preset
+    c.model.param_dtype = "float32"
+    c.model.dtype = args.dtype
+    c.model.remat = args.remat
+    c.data.train_batch_size = args.batch
+    c.data.max_prompt_length = args.prompt_len
+    c.rollout.n = args.n
+    c.rollout.response_length = args.response_len
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = -1
+    mini = args.mini_batch or args.batch
+    for role, micro in (("actor", args.micro_batch),
+                        ("critic", args.critic_micro_batch or args.micro_batch)):
+        c[role].ppo_mini_batch_size = mini
+        # A micro-batch larger than the mini-batch (small smoke runs) is the mini-batch.
+        c[role].ppo_micro_batch_size = min(micro, mini * args.n)
+        c[role].ppo_epochs = args.ppo_epochs
+    c.actor.logprob_chunk_size = args.logprob_chunk_size
+    batch_sequences = args.batch * args.n
+    if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
+        c.rollout.log_prob_micro_batch_size = args.log_prob_micro_batch
+    # verl's rollout `ignore_eos`: every response runs to response_len.
+    c.rollout.ignore_eos = not args.natural_stops
+    c.actor.entropy_coeff = 0.0
+    if algo == "grpo":
+        c.algorithm.adv_estimator = "grpo"
+        c.actor.use_kl_loss = True
+        c.actor.kl_loss_coef = 0.001
+        c.actor.kl_loss_type = "low_var_kl"
+        c.algorithm.use_kl_in_reward = False
+    else:
+        c.algorithm.adv_estimator = "gae"
+        c.algorithm.gamma = 1.0
+        c.algorithm.lam = 1.0
+        c.actor.use_kl_loss = False
+        c.algorithm.use_kl_in_reward = not args.no_ppo_kl_in_reward
+        c.algorithm.kl_penalty = "kl"
+        c.algorithm.kl_ctrl.kl_coef = 0.001
+    c.trainer.total_training_steps = args.warmup + args.steps
+    c.trainer.val_before_train = False
+    c.trainer.test_freq = 0
+    c.trainer.save_freq = 0
+    c.trainer.logger = ("console",)
+    if "mesh" in c:
+        for axis in ("data", "fsdp", "tensor"):
+            if axis in c.mesh:
+                c.mesh[axis] = getattr(args, f"mesh_{axis}")
+    return c
+
+
+def build_trainer(args, algo: str, workdir: str):
+    """The trainer as `jrl.train` builds it: mesh from `config.mesh`, parameters created
+    in their shardings by `build_model`, then `RLTrainer`."""
+    config = make_config(args, algo)
+    preset = ModelConfig.preset(args.preset)
+    pad_id = preset.pad_token_id if preset.pad_token_id is not None else preset.eos_token_ids[0]
+    tokenizer = BenchTokenizer(preset.vocab_size, pad_id, preset.eos_token_ids)
+    sharder = sharding.from_config(config)
+    model, params = build_model(config, tokenizer, sharder)
+    stops = stop_ids(model, pad_id, args.natural_stops, args.stop_prob)
+    rows = make_rows(2 * args.batch, args.prompt_len, model.vocab_size, {pad_id, *stops},
+                     args.seed)
+    s = settings.from_config(config, stop_token_ids=stops, pad_token_id=pad_id,
+                             num_train_rows=len(rows))
+    trainer = RLTrainer(s, model, params, tokenizer, rows, [], hash_reward, workdir,
+                        args.seed, config.trainer, sharder=sharder)
+    iterator = BatchIterator(rows, args.batch, seed=args.seed, shuffle=True)
+    info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
+                ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,
+                micro_batch_sequences=s.actor.update.micro_batch,
+                mesh=dict(zip(sharder.mesh.axis_names, sharder.mesh.devices.shape, strict=True)))
+    return trainer, iterator, info
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def peak_memory_bytes() -> int | None:
+    """The largest `peak_bytes_in_use` of this process's devices (None on CPU)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    peaks = [int(x["peak_bytes_in_use"]) for x in stats if x and "peak_bytes_in_use" in x]
+    return max(peaks) if peaks else None
+
+
+def mean(values):
+    return statistics.fmean(values) if values else None
+
+
+def run_algo(args, algo: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench_{algo}_") as workdir:
+        start = time.perf_counter()
+        trainer, iterator, info = build_trainer(args, algo, workdir)
+        setup_s = time.perf_counter() - start
+        steps = []
+        for i in range(args.warmup + args.steps):
+            start = time.perf_counter()
+            m = trainer.train_step(iterator)
+            m["wall_s"] = time.perf_counter() - start
+            steps.append(m)
+            timed = "timed" if i >= args.warmup else "warm-up"
+            print(f"[{algo}] step {i + 1} ({timed}): {m['wall_s']:.3f} s, "
+                  f"response_length/mean {m['response_length/mean']:.1f}", flush=True)
+        num_params = trainer.num_params
+        trainer.checkpointer.close()
+        del trainer
+        gc.collect()
+    timed = steps[args.warmup:]
+    devices = jax.device_count()
+    phases = {k: mean([m[f"timing_s/{k}"] for m in timed if f"timing_s/{k}" in m])
+              for k in PHASES}
+    phases = {k: v for k, v in phases.items() if v is not None}
+    tokens = mean([m["perf/total_num_tokens"] for m in timed])
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    epochs = args.ppo_epochs
+    mfu = (6.0 * num_params * tokens * epochs / phases["update_actor"] / (peak * devices)
+           if peak and "update_actor" in phases else None)
+    return dict(
+        algo=algo, setup_s=setup_s, warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
+        timed_wall_s=[m["wall_s"] for m in timed], phases_s=phases,
+        phases_per_step_s=[{k: m[f"timing_s/{k}"] for k in PHASES if f"timing_s/{k}" in m}
+                           for m in timed],
+        tokens_per_step=tokens, response_length_mean=mean([m["response_length/mean"]
+                                                            for m in timed]),
+        throughput_tokens_per_s_per_device=tokens / phases["step"] / devices,
+        trainer_perf_throughput=mean([m["perf/throughput"] for m in timed]),
+        mfu_actor=mfu, trainer_perf_mfu_actor=mean([m.get("perf/mfu/actor") for m in timed
+                                                    if m.get("perf/mfu/actor") is not None]),
+        num_params=num_params, peak_memory_bytes_process=peak_memory_bytes(),
+        last_metrics={k: v for k, v in timed[-1].items() if isinstance(v, (int, float))},
+        **info,
+    )
+
+
+def versions() -> dict:
+    found = {}
+    for name in ("jax", "jaxlib", "flax", "optax"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def print_table(args, results) -> None:
+    stops = "natural stops" if args.natural_stops else "forced full length (ignore_stop)"
+    print(f"\n{args.preset}, fp32 params / {args.dtype} compute, {args.batch} prompts x "
+          f"n={args.n}, P={args.prompt_len}, R<={args.response_len}, {stops}; "
+          f"{args.steps} timed steps after {args.warmup} warm-up; "
+          f"{jax.device_count()} x {jax.devices()[0].device_kind}\n")
+    names = [r["algo"] for r in results]
+    print("| phase (s) | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for phase in PHASES:
+        cells = [f"{r['phases_s'][phase]:.3f}" if phase in r["phases_s"] else "-"
+                 for r in results]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
+    rows = [
+        ("tokens/step (prompt+response)", lambda r: f"{r['tokens_per_step']:.0f}"),
+        ("response length (mean)", lambda r: f"{r['response_length_mean']:.1f}"),
+        ("throughput (tok/s/device)", lambda r: f"{r['throughput_tokens_per_s_per_device']:.0f}"),
+        ("MFU actor update", lambda r: "-" if r["mfu_actor"] is None
+         else f"{100 * r['mfu_actor']:.1f}%"),
+        ("peak memory (GiB, process)", lambda r: "-" if r["peak_memory_bytes_process"] is None
+         else f"{r['peak_memory_bytes_process'] / 2**30:.2f}"),
+        ("first step (compile) s", lambda r: f"{r['warmup_wall_s'][0]:.1f}"
+         if r["warmup_wall_s"] else "-"),
+    ]
+    for label, fn in rows:
+        print(f"| {label} | " + " | ".join(fn(r) for r in results) + " |")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
+    info = dict(versions=versions(), device=jax.devices()[0].device_kind,
+                num_devices=jax.device_count(), backend=jax.default_backend())
+    print(json.dumps(info), flush=True)
+    results = []
+    for algo in algos:
+        results.append(run_algo(args, algo))
+        if args.out:  # after each algorithm, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(dict(args=vars(args), **info, results=results), f, indent=1)
+    print_table(args, results)
+    if args.out:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

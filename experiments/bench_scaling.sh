@@ -28,7 +28,7 @@ bench() {  # bench NAME GPUS ARGS...
   local devices
   devices=$(seq -s, 0 $((gpus - 1)))
   echo "== $name on GPUs $devices"
-  CUDA_VISIBLE_DEVICES=$devices timeout 420 python3 experiments/bench_rl_step.py --algo grpo \
+  CUDA_VISIBLE_DEVICES=$devices timeout "${LIMIT:-420}" python3 experiments/bench_rl_step.py --algo grpo \
     --prompt_len 128 --response_len 256 --out "$OUT/$name.json" "$@" 2>&1 |
     grep -v "^W0000\|^I0000" | tee -a "$OUT/scaling.log" | tail -25
 }
@@ -46,7 +46,7 @@ case "$MODE" in
         --micro_batch $((32 * g))
     done ;;
   fsdp)
-    bench fsdp_7b_4gpu 4 --preset qwen2.5-7b --batch 32 --n 8 --mesh_data 1 --mesh_fsdp 4 \
+    LIMIT=250 bench fsdp_7b_4gpu 4 --preset qwen2.5-7b --batch 32 --n 8 --mesh_data 1 --mesh_fsdp 4 \
       --remat full --micro_batch 32 --log_prob_micro_batch 64 --warmup 1 --steps 2 ;;
   *) echo "usage: $0 [dp] [strong] [fsdp]" >&2; exit 2 ;;
 esac

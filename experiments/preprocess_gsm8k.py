@@ -28,7 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-from jrl.data.files import read_splits, write_parquet
+from jrl.data.files import convert_splits
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -67,13 +67,7 @@ def convert(local_dir: str | Path, output_dir: str | Path) -> dict[str, int]:
       FileNotFoundError: neither split is found under `local_dir` (layouts named).
       ValueError: a record lacks a field or a final answer (file and record named).
     """
-    written = {}
-    for split, (source, records) in read_splits(local_dir, SPLITS).items():
-        rows = [to_row(r, split, i, f"{source}: {split} record {i}")
-                for i, r in enumerate(records)]
-        write_parquet(rows, Path(output_dir).expanduser() / f"{split}.parquet")
-        written[split] = len(rows)
-    return written
+    return convert_splits(local_dir, output_dir, SPLITS, to_row)
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:

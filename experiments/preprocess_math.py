@@ -29,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jrl.data.files import read_splits, write_parquet
+from jrl.data.files import convert_splits
 from jrl.rewards.math_answers import DATA_SOURCES, last_boxed
 
 DEFAULT_DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -73,13 +73,8 @@ def convert(local_dir: str | Path, output_dir: str | Path,
       FileNotFoundError: neither split is found under `local_dir` (layouts named).
       ValueError: a record lacks a field or a final answer (file and record named).
     """
-    written = {}
-    for split, (source, records) in read_splits(local_dir, SPLITS).items():
-        rows = [to_row(r, split, i, f"{source}: {split} record {i}", data_source)
-                for i, r in enumerate(records)]
-        write_parquet(rows, Path(output_dir).expanduser() / f"{split}.parquet")
-        written[split] = len(rows)
-    return written
+    return convert_splits(local_dir, output_dir, SPLITS,
+                          lambda r, split, i, where: to_row(r, split, i, where, data_source))
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:

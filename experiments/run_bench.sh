@@ -67,8 +67,10 @@ run() {
   echo "== $name exit $rc at ${SECONDS}s" | tee -a "$OUT/env.log"
 }
 
+# JRL_EXTRA: more bench_rl_step.py flags (e.g. the micro-batch chosen by tune_rl_step.sh).
+# shellcheck disable=SC2206
 JRL=(python3 experiments/bench_rl_step.py --preset qwen2.5-0.5b --batch 64 --n 8
-  --prompt_len 128 --response_len 256 --warmup 2 --steps 3)
+  --prompt_len 128 --response_len 256 --warmup 2 --steps 3 ${JRL_EXTRA:-})
 TRL=(python3 experiments/bench_trl_grpo.py --preset qwen2.5-0.5b --batch 64 --n 8
   --prompt_len 128 --response_len 256 --warmup 1 --steps 2)
 if [[ "${SMOKE:-0}" == 1 ]]; then  # the same flow at toy sizes, on a CPU

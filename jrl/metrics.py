@@ -173,13 +173,13 @@ def read_jsonl(path: str) -> list[dict]:
 
 def plot_curves(jsonl_path: str, png_path: str, val_key: str | None = None) -> str:
     """Training score and validation curves from `metrics.jsonl` into a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot) draws off-screen without switching the user's backend,
+    # so notebooks keep their inline plots.
+    from matplotlib.figure import Figure
 
     records = read_jsonl(jsonl_path)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     train = [(r["step"], r["critic/score/mean"]) for r in records if "critic/score/mean" in r]
     if train:
         ax.plot(*zip(*train, strict=True), label="train score (mean)")
@@ -194,5 +194,4 @@ def plot_curves(jsonl_path: str, png_path: str, val_key: str | None = None) -> s
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
-    plt.close(fig)
     return png_path

@@ -27,6 +27,7 @@ from jrl.data.tokenizers import HFTokenizer
 from jrl.metrics import read_jsonl
 from jrl.models import ModelConfig, init_params, save_pretrained
 from jrl.train import run
+from tests.trainer.tiny import apply_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -202,13 +203,7 @@ def _config(fixture, reward_fn="half_correct", **overrides):
     c.trainer.total_training_steps = 2
     c.trainer.val_before_train = False
     c.trainer.logger = ("jsonl",)
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return c
+    return apply_overrides(c, overrides)
 
 
 def _metrics(workdir) -> list[dict]:

@@ -279,3 +279,25 @@ def filter_overlong_prompts(rows: Sequence[Row], tokenizer, max_prompt_length: i
     kept = [row for row in rows
             if len(prompt_token_ids(tokenizer, row, apply_chat_template)) <= max_prompt_length]
     return kept, len(rows) - len(kept)
+
+
+def convert_splits(local_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                   splits: Sequence[str], to_row) -> dict[str, int]:
+    """Writes `<output_dir>/<split>.parquet` for each split found under `local_dir`.
+
+    Args:
+      local_dir: a downloaded dataset (see `read_splits` for the layouts).
+      output_dir: where the parquet files go (`~` allowed).
+      splits: split names to look for.
+      to_row: `fn(record, split, index, where) -> row` in verl's schema.
+
+    Returns:
+      Rows written per split.
+    """
+    written = {}
+    for split, (source, records) in read_splits(local_dir, splits).items():
+        rows = [to_row(r, split, i, f"{source}: {split} record {i}")
+                for i, r in enumerate(records)]
+        write_parquet(rows, Path(output_dir).expanduser() / f"{split}.parquet")
+        written[split] = len(rows)
+    return written

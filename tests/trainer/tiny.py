@@ -25,6 +25,11 @@ def tiny_config(**overrides):
     c.trainer.total_training_steps = 2
     c.trainer.logger = ("jsonl",)
     c.trainer.val_before_train = False
+    return apply_overrides(c, overrides)
+
+
+def apply_overrides(c, overrides: dict):
+    """Sets dotted keys (`"actor.optim.lr": 1e-3`) on a config; returns it."""
     for key, value in overrides.items():
         node = c
         *parents, leaf = key.split(".")

@@ -284,8 +284,13 @@ class RLTrainer:
                 critic_params,
                 init_opt(self.critic_opt, self.critic_state_shardings)(critic_params))
         return TrainState(step=0, actor=actor, critic=critic,
-                          kl=kl_control.init_kl_controller(self.s.algorithm.kl_coef),
+                          kl=self._replicated(
+                              kl_control.init_kl_controller(self.s.algorithm.kl_coef)),
                           data=IteratorState())
+
+    def _replicated(self, tree):
+        """Small state (the KL controller) as global arrays, so every process saves it."""
+        return jax.device_put(tree, self.sharder.replicated)
 
     def close(self) -> None:
         """Stops reward workers and closes the checkpointer."""
@@ -489,9 +494,9 @@ class RLTrainer:
         if s.algorithm.use_kl_in_reward:
             step_metrics["actor/reward_kl_penalty"] = float(current_kl)
             step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
-            st.kl = kl_control.update_kl_controller(
+            st.kl = self._replicated(kl_control.update_kl_controller(
                 st.kl, current_kl, self.batch_sequences, s.algorithm.kl_ctrl_type,
-                s.algorithm.target_kl, s.algorithm.horizon)
+                s.algorithm.target_kl, s.algorithm.horizon))
         update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                        "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
         train_batch = {k: batch[k] for k in update_keys if k in batch}

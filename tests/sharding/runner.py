@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     parser.add_argument("--coordinator", default=None)
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--process_id", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="(one mesh) write here, and save "
+                        "a checkpoint at the last step")
     args = parser.parse_args(argv)
 
     import jax
@@ -62,6 +64,8 @@ def main(argv=None) -> None:
     from jrl import sharding, train
 
     config = tiny_mesh_config(args.algo, args.steps)
+    if args.workdir:
+        config.trainer.save_freq = args.steps
     if args.coordinator:
         config.distributed.coordinator_address = args.coordinator
         config.distributed.num_processes = args.num_processes
@@ -74,7 +78,7 @@ def main(argv=None) -> None:
         shape = tuple(int(x) for x in mesh.split(","))
         devices = jax.devices()[: math.prod(shape)]
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(*shape), devices))
-        workdir = tempfile.mkdtemp(prefix="jrl-mesh-")
+        workdir = args.workdir or tempfile.mkdtemp(prefix="jrl-mesh-")
         train.run(config, workdir, sharder=sharder, reward_fn=varied_reward)
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "metrics.jsonl")) as f:

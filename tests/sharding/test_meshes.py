@@ -75,13 +75,15 @@ def _free_port() -> int:
 
 
 def test_two_processes_match_one_process(tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8."""
+    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8,
+    and the two write one checkpoint together."""
     expected = _run(tmp_path, "grpo", "8,1,1", steps=2)["8,1,1"]
     out = tmp_path / "two_processes.json"
     address = f"localhost:{_free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.sharding.runner", "--algo", "grpo", "--meshes", "8,1,1",
          "--steps", "2", "--out", str(out), "--coordinator", address,
+         "--workdir", str(tmp_path / "run"),
          "--num_processes", "2", "--process_id", str(i)],
         cwd=ROOT, env=_env(4)) for i in range(2)]
     try:
@@ -91,3 +93,5 @@ def test_two_processes_match_one_process(tmp_path):
             p.kill()
     assert codes == [0, 0]
     assert_same_metrics(expected, json.loads(out.read_text())["8,1,1"])
+    # Both processes wrote one orbax checkpoint together (step 2: the last step).
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]

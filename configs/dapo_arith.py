@@ -1,7 +1,9 @@
 """DAPO-style GRPO on the arithmetic task of grpo_arith: clip-higher, token-mean
 aggregation, no KL term (Yu et al. 2025, arXiv:2503.14476).
 
-Dynamic sampling and overlong shaping are not in this config.
+Dynamic sampling and overlong shaping are off here; turn them on with
+`--config.algorithm.filter_groups.enable=True` (and `data.gen_batch_size`) and
+`--config.reward_model.overlong_buffer.enable=True` (and `.len`).
 
     python -m jrl.train --config=configs/dapo_arith.py
 """

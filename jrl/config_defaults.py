@@ -246,7 +246,8 @@ def base_config() -> ml_collections.ConfigDict:
     # fn(data_source, solution_str, ground_truth, extra_info) -> float | dict (verl's
     # custom_reward_function.path and .name). None: the built-in scorer of each data_source.
     c.reward.custom_fn = config_dict.placeholder(str)
-    # Worker processes scoring responses in parallel (0: in this process).
+    # Worker processes scoring responses in parallel (0: a background thread of this
+    # process; use workers for reward code that needs a main thread, e.g. signal timeouts).
     c.reward.num_workers = 0
     # When the reward function raises: "raise" (stop, naming the sample) or "score" (use
     # error_score and count it in reward/num_errors).

@@ -40,7 +40,7 @@ def maybe_initialize(config) -> bool:
                                 and not cluster_detected()):
         return False
     global _started
-    if _started:  # a second run in the same process joins the same cluster
+    if _started or jax.distributed.is_initialized():  # already part of a cluster
         return True
     local_ids = None
     if d.local_device_ids:

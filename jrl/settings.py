@@ -250,7 +250,8 @@ def _reward(config, response_length: int) -> RewardSettings:
         overlong_penalty_factor=factor)
 
 
-def _filter_groups(config, batch: int, n: int, estimator) -> FilterGroupsSettings | None:
+def _filter_groups(config, batch: int, n: int, estimator,
+                   num_train_rows: int) -> FilterGroupsSettings | None:
     if not _get(config, "algorithm.filter_groups.enable"):
         return None
     if n < 2:
@@ -265,7 +266,17 @@ def _filter_groups(config, batch: int, n: int, estimator) -> FilterGroupsSetting
     if not isinstance(metric, str) or not metric:
         _fail("algorithm.filter_groups.metric", f"{metric!r} must name a reward field, e.g. "
               "'acc' or 'score'")
-    if metric != "score" and _get(config, "reward_model.enable"):
+    if metric == "seq_final_reward" and _get(config, "algorithm.use_kl_in_reward"):
+        _fail("algorithm.filter_groups.metric", "'seq_final_reward' with "
+              "algorithm.use_kl_in_reward=True is not supported (the groups are filtered "
+              "before the KL penalty); use 'seq_reward'")
+    if gen_batch > num_train_rows:
+        _fail("data.gen_batch_size" if _get(config, "data.gen_batch_size") is not None
+              else "data.train_batch_size",
+              f"{gen_batch} prompts per generation round is more than the {num_train_rows} "
+              "training rows")
+    if metric not in ("score", "seq_reward", "seq_final_reward") and _get(
+            config, "reward_model.enable"):
         _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
               "'score'")
     return FilterGroupsSettings(
@@ -324,7 +335,11 @@ def total_steps(config, num_train_rows: int) -> int:
     if steps:
         return int(_positive(config, "trainer.total_training_steps"))
     epochs = int(_positive(config, "trainer.total_epochs"))
-    return epochs * (num_train_rows // int(_get(config, "data.train_batch_size")))
+    # With dynamic sampling a step reads at least one round of gen_batch_size prompts.
+    per_step = _get(config, "data.train_batch_size")
+    if _get(config, "algorithm.filter_groups.enable") and _get(config, "data.gen_batch_size"):
+        per_step = _get(config, "data.gen_batch_size")
+    return epochs * (num_train_rows // int(per_step))
 
 
 def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
@@ -392,7 +407,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         total_steps=steps,
         logprob_chunk_size=int(_positive(config, "actor.logprob_chunk_size")),
         reward=_reward(config, int(_get(config, "rollout.response_length"))),
-        filter_groups=_filter_groups(config, batch, n, estimator),
+        filter_groups=_filter_groups(config, batch, n, estimator, num_train_rows),
         log_prob_micro_batch=_log_prob_micro_batch(config, batch * n),
     )
 

@@ -242,6 +242,16 @@ class Sharder:
         return sum(jax.tree.leaves(jax.tree.map(one, tree, shardings)))
 
 
+@contextlib.contextmanager
+def inactive() -> Iterator[None]:
+    """No `Sharder` within the block: programs traced here run where their inputs are."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Pins `x` to the sharding its logical axes map to, when a `Sharder` is active."""
     sharder = _ACTIVE.get()

@@ -99,7 +99,9 @@ def _file_rows(config, tokenizer, split: str) -> list:
 def build_reward(config, s: settings.Settings, reward_fn=None):
     """(rule scorer, reward model or None) of the `reward` / `reward_model` sections."""
     r = s.reward
-    scorer = scoring.RewardScorer(reward_fn or r.custom_fn, num_workers=r.num_workers,
+    # With a reward model the rule scorer is never called: no worker processes for it.
+    scorer = scoring.RewardScorer(reward_fn or r.custom_fn,
+                                  num_workers=0 if r.model_path else r.num_workers,
                                   on_error=r.on_error, error_score=r.error_score)
     model = None
     if r.model_path:
@@ -179,25 +181,31 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
     scorer, reward_model = build_reward(config, s, reward_fn)
-    model, params = build_model(config, tokenizer, sharder)
-    os.makedirs(workdir, exist_ok=True)
-    if config.sft.steps > 0:
-        params = warm_start(config, workdir, model, params, tokenizer, train_rows, sharder)
-    trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
-                        scorer, workdir, config.seed, config.trainer,
-                        apply_chat_template=config.data.apply_chat_template,
-                        data_seed=config.data.seed, sharder=sharder, reward_model=reward_model)
-    if jax.process_index() == 0:
-        print(trainer.memory_report(), flush=True)
-    resumed = trainer.maybe_restore()
-    writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
-                                   config.to_dict(), start_step=trainer.state.step,
-                                   enabled=jax.process_index() == 0)
-    try:
-        final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+    trainer = None
+    try:  # reward workers and the checkpointer are closed however the run ends
+        model, params = build_model(config, tokenizer, sharder)
+        os.makedirs(workdir, exist_ok=True)
+        if config.sft.steps > 0:
+            params = warm_start(config, workdir, model, params, tokenizer, train_rows, sharder)
+        trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
+                            scorer, workdir, config.seed, config.trainer,
+                            apply_chat_template=config.data.apply_chat_template,
+                            data_seed=config.data.seed, sharder=sharder,
+                            reward_model=reward_model)
+        if jax.process_index() == 0:
+            print(trainer.memory_report(), flush=True)
+        resumed = trainer.maybe_restore()
+        writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
+                                       config.to_dict(), start_step=trainer.state.step,
+                                       enabled=jax.process_index() == 0)
+        try:
+            final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+        finally:
+            writer.close()
     finally:
-        writer.close()
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
+        scorer.close()
     summary = {"resumed": resumed, "step": trainer.state.step, "final": final}
     jsonl = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(jsonl):
@@ -207,7 +215,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
         if validations:
             summary["initial"] = validations[0] if config.trainer.val_before_train else {}
             summary["final"] = final or validations[-1]
-        summary["curves"] = metrics.plot_curves(jsonl, os.path.join(workdir, "curves.png"))
+        summary["curves"] = os.path.join(workdir, "curves.png")
+        if jax.process_index() == 0:
+            metrics.plot_curves(jsonl, summary["curves"])
     if config.model.path and config.trainer.export_hf and trainer.state.step == s.total_steps:
         export = os.path.join(workdir, "hf_export")
         # Every process takes part in gathering the parameters; process 0 writes.

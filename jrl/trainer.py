@@ -310,7 +310,8 @@ class RLTrainer:
             parts += [("critic params", self.state.critic.params, self.critic_shardings),
                       ("critic optimizer", self.state.critic.opt_state,
                        self.critic_state_shardings.opt_state)]
-        rows, slots = self.batch_sequences, s.max_prompt_length + s.rollout.max_new_tokens
+        prompts = s.train_batch_size if s.filter_groups is None else s.filter_groups.gen_batch_size
+        rows, slots = prompts * s.rollout.n, s.max_prompt_length + s.rollout.max_new_tokens
         shape = (m.num_layers, rows, m.num_kv_heads, slots, m.head_dim)
         cache = jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))
         cache_sharding = sh.named(CACHE_LOGICAL_AXES, shape)
@@ -354,7 +355,8 @@ class RLTrainer:
 
     def _submit_scores(self, rows, out, n) -> Callable[[], tuple]:
         """Starts scoring a rollout; returns a function that waits for
-        `(scores [N], extras {name: [N]}, num_errors, texts)`.
+        `(scores [N], extras {name: [N]}, num_errors, texts)`. `scores` include DAPO's
+        overlong penalty; `extras["score"]` is then the reward function's own score.
 
         Only the responses come to the host. Rule scoring runs in the background (and in
         the scorer's worker processes), so the device stages that follow overlap it;
@@ -378,8 +380,8 @@ class RLTrainer:
                 penalty = overlong.overlong_penalty(
                     response_mask.sum(-1), self.s.rollout.max_new_tokens,
                     reward.overlong_buffer_len, reward.overlong_penalty_factor)
+                extras.update(overlong.overlong_extras(penalty), score=scores)
                 scores = scores + penalty
-                extras.update(overlong.overlong_extras(penalty))
             if result.num_errors:
                 logging.warning("%d reward failures scored %s; first: %s", result.num_errors,
                                 reward.error_score, result.first_error)
@@ -408,11 +410,7 @@ class RLTrainer:
                                  jax.random.fold_in(key, acc.num_gen_batches))
             scores, extras, errors, _ = self._submit_scores(rows, out, n)()
             num_errors += errors
-            if fg.metric != "score" and fg.metric not in extras:
-                raise ValueError(
-                    f"algorithm.filter_groups.metric={fg.metric!r} is not among the reward's "
-                    f"fields {['score', *sorted(extras)]}")
-            metric = scores if fg.metric == "score" else extras[fg.metric]
+            metric = self._filter_metric(fg.metric, scores, extras)
             arrays = {k: sharding_lib.host_array(getattr(out, k))[:len(rows) * n]
                       for k in names}
             arrays.update({"score": scores, **{f"extra/{k}": v for k, v in extras.items()}})
@@ -428,6 +426,20 @@ class RLTrainer:
         texts = decode_responses(self.tokenizer, a["responses"], a["response_mask"])
         return (filled.rows, batch, lambda: (a["score"], extras, num_errors, texts),
                 rollout_metrics)
+
+    @staticmethod
+    def _filter_metric(name: str, scores, extras):
+        """What must vary within a group, by verl's names: "seq_reward" / "seq_final_reward"
+        the sequence's reward (with the overlong penalty), "score" the reward function's
+        score, "acc" its "acc" field (the score itself when it returns a number)."""
+        if name in ("seq_reward", "seq_final_reward"):
+            return scores
+        if name in extras:
+            return extras[name]
+        if name in ("score", "acc"):
+            return extras.get("score", scores)
+        raise ValueError(f"algorithm.filter_groups.metric={name!r} is not among the reward's "
+                         f"fields {['score', 'seq_reward', *sorted(extras)]}")
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step; returns its metrics."""

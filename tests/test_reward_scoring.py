@@ -198,7 +198,7 @@ def test_overlong_extras_and_errors():
     np.testing.assert_array_equal(extras["overlong"], [0.0, 1.0])
     with pytest.raises(ValueError, match=r"overlong_buffer.len=0 must be in \(0, "):
         overlong_penalty(np.array([1]), 10, 0, 1.0)
-    with pytest.raises(ValueError, match="overlong_buffer.len=11 .*max_response_length=10"):
+    with pytest.raises(ValueError, match="overlong_buffer.len=11 .*rollout.response_length=10"):
         overlong_penalty(np.array([1]), 10, 11, 1.0)
     with pytest.raises(ValueError, match="penalty_factor=-1"):
         overlong_penalty(np.array([1]), 10, 2, -1.0)

@@ -22,7 +22,7 @@ def overlong_penalty(response_lengths: np.ndarray, max_response_length: int,
 
     Args:
       response_lengths: `[N]` valid response tokens `L` (EOS included).
-      max_response_length: `L_max` (data.max_response_length).
+      max_response_length: `L_max` (rollout.response_length).
       buffer_length: `B` (reward_model.overlong_buffer.len), 0 < B <= L_max.
       penalty_factor: `f` (reward_model.overlong_buffer.penalty_factor).
 
@@ -36,7 +36,7 @@ def overlong_penalty(response_lengths: np.ndarray, max_response_length: int,
     if not 0 < buffer_length <= max_response_length:
         raise ValueError(
             f"reward_model.overlong_buffer.len={buffer_length} must be in (0, "
-            f"data.max_response_length={max_response_length}]")
+            f"rollout.response_length={max_response_length}]")
     if penalty_factor < 0:
         raise ValueError(f"reward_model.overlong_buffer.penalty_factor={penalty_factor} must be "
                          ">= 0 (a negative factor would penalise short responses)")

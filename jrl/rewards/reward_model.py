@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl import sharding
 from jrl.data.dataset import Row
 from jrl.data.tokenizers import HFTokenizer, Tokenizer
 from jrl.models import forward, load_pretrained, positions_from_mask, sequence_scores
@@ -147,8 +148,11 @@ class RewardModel:
         if pad:  # fill the last micro-batch with copies of row 0; their scores are dropped
             tokens = np.concatenate([tokens, np.repeat(tokens[:1], pad, 0)])
             mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
-        scores = _score_program(self.params, jnp.asarray(tokens), jnp.asarray(mask),
-                                config=self.config, micro_batch_size=micro)
+        # The reward model runs unsharded on this process's default device, whatever
+        # mesh the trainer has active.
+        with sharding.inactive():
+            scores = _score_program(self.params, jnp.asarray(tokens), jnp.asarray(mask),
+                                    config=self.config, micro_batch_size=micro)
         return np.asarray(scores, np.float32)[:num]
 
     def score(self, rows: Sequence[Row], texts: Sequence[str], n: int) -> np.ndarray:

@@ -36,6 +36,15 @@ _BAD = [
     ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 3},
      "critic.ppo_mini_batch_size"),
     ({"model.path": "/nonexistent/model"}, "model.path"),
+    ({"model.remat": "dots"}, "model.remat"),
+    ({"reward.on_error": "ignore"}, "reward.on_error"),
+    ({"reward.custom_fn": "/nonexistent/reward.py:fn"}, "reward.custom_fn"),
+    ({"reward_model.enable": True}, "reward_model.model.path"),
+    ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 1000},
+     "data.gen_batch_size"),
+    ({"algorithm.filter_groups.enable": True, "algorithm.use_kl_in_reward": True,
+      "algorithm.filter_groups.metric": "seq_final_reward"}, "algorithm.filter_groups.metric"),
+    ({"rollout.log_prob_micro_batch_size": 3}, "rollout.log_prob_micro_batch_size"),
 ]
 
 

@@ -74,15 +74,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process(tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8,
-    and the two write one checkpoint together."""
-    expected = _run(tmp_path, "grpo", "8,1,1", steps=2)["8,1,1"]
-    out = tmp_path / "two_processes.json"
+def _two_processes(tmp_path, steps: int) -> list[dict]:
+    """Runs the GRPO config in 2 processes x 4 CPU devices on one shared workdir."""
+    out = tmp_path / f"two_processes_{steps}.json"
     address = f"localhost:{_free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.sharding.runner", "--algo", "grpo", "--meshes", "8,1,1",
-         "--steps", "2", "--out", str(out), "--coordinator", address,
+         "--steps", str(steps), "--out", str(out), "--coordinator", address,
          "--workdir", str(tmp_path / "run"),
          "--num_processes", "2", "--process_id", str(i)],
         cwd=ROOT, env=_env(4)) for i in range(2)]
@@ -92,6 +90,15 @@ def test_two_processes_match_one_process(tmp_path):
         for p in procs:
             p.kill()
     assert codes == [0, 0]
-    assert_same_metrics(expected, json.loads(out.read_text())["8,1,1"])
+    return json.loads(out.read_text())["8,1,1"]
+
+
+def test_two_processes_match_one_process(tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8;
+    the two write one checkpoint together, and a second launch resumes from it."""
+    expected = _run(tmp_path, "grpo", "8,1,1", steps=3)["8,1,1"]
+    assert_same_metrics(expected[:2], _two_processes(tmp_path, steps=2))
     # Both processes wrote one orbax checkpoint together (step 2: the last step).
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+    # Relaunched for 3 steps, both restore step 2 and run step 3 as the straight run did.
+    assert_same_metrics(expected, _two_processes(tmp_path, steps=3))

@@ -54,6 +54,9 @@ def build_data(config, tokenizer=None):
     else the synthetic `data.task`."""
     if config.data.train_files:
         return _file_rows(config, tokenizer, "train"), _file_rows(config, tokenizer, "val")
+    if config.data.val_files:
+        raise ValueError("data.val_files is set without data.train_files; give both, or "
+                         "neither for the synthetic data.task")
     if config.data.task == "arithmetic":
         return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
                                     config.data.num_train, seed=config.data.seed,

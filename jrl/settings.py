@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from jrl import advantages, kl_control, losses, masks
+from jrl.rewards import custom
 from jrl.rollout import SamplingConfig
 
 LR_SCHEDULERS = ("constant", "cosine")
@@ -219,10 +220,14 @@ def _reward(config, response_length: int) -> RewardSettings:
     on_error = _choice(config, "reward.on_error", ON_ERROR)
     num_workers = int(_positive(config, "reward.num_workers", allow_zero=True))
     custom_fn = _get(config, "reward.custom_fn")
-    if custom_fn is not None and (not isinstance(custom_fn, str) or ":" not in custom_fn):
-        _fail("reward.custom_fn", f"{custom_fn!r} is not 'path/to/file.py:function_name'")
-    if custom_fn is not None and not os.path.isfile(custom_fn.rsplit(":", 1)[0]):
-        _fail("reward.custom_fn", f"file {custom_fn.rsplit(':', 1)[0]!r} does not exist")
+    if custom_fn is not None:
+        # The loader's own parser, so `~` and the spec rules are the same here and there.
+        try:
+            path, _ = custom.parse_spec(custom_fn)
+        except ValueError as err:
+            _fail("reward.custom_fn", str(err))
+        if not path.is_file():
+            _fail("reward.custom_fn", f"file {str(path)!r} does not exist")
     model_path = None
     if _get(config, "reward_model.enable"):
         model_path = _get(config, "reward_model.model.path")

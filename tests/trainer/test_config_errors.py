@@ -66,3 +66,18 @@ def test_good_config_passes():
     s = settings.from_config(tiny_config(), stop_token_ids=tok.eos_token_ids,
                              pad_token_id=tok.pad_token_id, num_train_rows=90)
     assert s.actor.update.mini_batch == 4 and s.critic is None and s.total_steps == 2
+
+
+def test_custom_fn_spec_expands_home(tmp_path, monkeypatch):
+    """A `~/...` spec is checked as the loader reads it (home expanded)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "reward.py").write_text("def fn(*args):\n    return 1.0\n")
+    tok = CharTokenizer()
+    s = settings.from_config(tiny_config(**{"reward.custom_fn": "~/reward.py:fn"}),
+                             stop_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                             num_train_rows=90)
+    assert s.reward.custom_fn == "~/reward.py:fn"
+    with pytest.raises(ValueError, match=r"reward\.custom_fn.*does not exist"):
+        settings.from_config(tiny_config(**{"reward.custom_fn": "~/other.py:fn"}),
+                             stop_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                             num_train_rows=90)

@@ -1,0 +1,79 @@
+"""Mesh sizes, logical-axis specs and byte counts of jrl.sharding (no devices needed)."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from jrl import sharding
+from jrl.sharding import MeshSettings, Sharder
+
+
+@pytest.mark.parametrize(("sizes", "devices", "expected"), [
+    ((-1, 1, 1), 8, (8, 1, 1)),
+    ((1, -1, 1), 8, (1, 8, 1)),
+    ((2, -1, 2), 8, (2, 2, 2)),
+    ((2, 2, 2), 8, (2, 2, 2)),
+])
+def test_mesh_sizes(sizes, devices, expected):
+    assert MeshSettings(*sizes).resolve(devices) == expected
+
+
+@pytest.mark.parametrize(("sizes", "message"), [
+    ((-1, -1, 1), "only one axis may be -1"),
+    ((0, 1, 1), r"mesh\.data=0 is not valid"),
+    ((3, -1, 1), r"8 devices cannot be split .*mesh\.data=3"),
+    ((2, 2, 1), r"needs 4 devices but 8 are present"),
+])
+def test_mesh_size_errors_name_the_keys(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        MeshSettings(*sizes).resolve(8)
+
+
+def _sharder(data=2, fsdp=2, tensor=2):
+    return Sharder(AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES))
+
+
+def test_specs_split_what_divides_and_replicate_the_rest():
+    sh = _sharder()
+    # Embedding [V, D]: 99 rows do not split over tensor=2, the hidden dim does over fsdp.
+    assert sh.spec(("vocab", "embed"), (99, 128)) == PartitionSpec(None, "fsdp")
+    assert sh.spec(("vocab", "embed"), (100, 128)) == PartitionSpec("tensor", "fsdp")
+    # q kernel [L, D, N, H] with 14 heads; k kernel with one KV head stays whole.
+    q = sh.spec(("layers", "embed", "heads", "head_dim"), (24, 896, 14, 64))
+    assert q == PartitionSpec(None, "fsdp", "tensor", None)
+    k = sh.spec(("layers", "embed", "kv_heads", "head_dim"), (24, 896, 1, 64))
+    assert k == PartitionSpec(None, "fsdp", None, None)
+    # The batch goes over data and fsdp together; a mesh axis is used once per array.
+    assert sh.spec(("batch", None), (8, 5)) == PartitionSpec(("data", "fsdp"), None)
+    assert sh.spec(("batch", "embed"), (8, 128)) == PartitionSpec(("data", "fsdp"), None)
+    assert sh.batch_size_multiple == 4
+    with pytest.raises(ValueError, match="multiple of 4"):
+        sh.check_batch(6, "data.train_batch_size")
+
+
+def test_axes_of_size_one_are_not_named():
+    assert _sharder(8, 1, 1).spec(("vocab", "embed"), (100, 128)) == PartitionSpec(None, None)
+    assert _sharder(1, 8, 1).spec(("batch", None), (16, 3)) == PartitionSpec("fsdp", None)
+
+
+def test_rules_from_config():
+    rules = ml_collections.ConfigDict({"batch": "data, fsdp", "embed": "", "mlp": "tensor"})
+    assert sharding.rules_from_config(rules) == (
+        ("batch", ("data", "fsdp")), ("embed", ()), ("mlp", ("tensor",)))
+    with pytest.raises(ValueError, match=r"mesh\.rules\.mlp='model'"):
+        sharding.rules_from_config(ml_collections.ConfigDict({"mlp": "model"}))
+    rules = dict(sharding.rules_from_config(ml_collections.ConfigDict(
+        {"batch": "data,fsdp", "embed": "fsdp"})))
+    gathered = dict(Sharder(AbstractMesh((2, 2, 1), sharding.MESH_AXES),
+                            tuple(rules.items())).rules_without("fsdp"))
+    assert gathered == {"batch": ("data", "fsdp"), "embed": ()}
+
+
+def test_bytes_per_device_on_one_device():
+    sh = Sharder(sharding.make_mesh(MeshSettings(1, 1, 1), jax.devices()[:1]))
+    tree = {"a": jax.ShapeDtypeStruct((4, 6), jnp.float32),
+            "b": jax.ShapeDtypeStruct((10,), jnp.bfloat16)}
+    shardings = {"a": sh.named(("embed", "mlp"), (4, 6)), "b": sh.replicated}
+    assert sh.bytes_per_device(tree, shardings) == 4 * 6 * 4 + 10 * 2

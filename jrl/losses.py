@@ -107,6 +107,15 @@ class PolicyLossConfig:
                 raise ValueError(f"{prefix}.policy_loss.{key} must be > 0, got {value}")
 
 
+def _abs(x: Array) -> Array:
+    """`|x|` with torch's gradient `sign(x)`, which is 0 at x = 0 (jnp.abs's is 1).
+
+    Log-probs equal their reference (or old) values exactly on the first update,
+    where an `|log r|` term must then add no gradient, as in verl.
+    """
+    return jnp.sign(x) * x
+
+
 def _log_ratio(log_probs: Array, old_log_probs: Array, clamp: bool = True) -> Array:
     log_ratio = log_probs - old_log_probs
     return jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP) if clamp else log_ratio
@@ -153,7 +162,9 @@ def vanilla(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer
 
 def gspo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
     """GSPO: per-token ratio `sg(s_i) * pi / sg(pi)` with `s_i` the length-normalised
-    sequence ratio; clipped like PPO; always aggregated `seq-mean-token-mean`."""
+    sequence ratio; clipped like PPO; the per-token losses are aggregated by the configured
+    `loss_agg_mode`, as verl 0.9's `compute_policy_loss_gspo` does (the GSPO paper's
+    sequence mean is `seq-mean-token-mean`)."""
     del rng
     log_ratio = log_probs - old_log_probs
     mask = jnp.asarray(response_mask, log_probs.dtype)
@@ -168,7 +179,7 @@ def gspo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=No
         masked_mean((loss2 > loss1).astype(jnp.float32), response_mask),
         masked_mean(-log_ratio, response_mask),
     )
-    return _agg(pg_losses, response_mask, cfg, normalizer, "seq-mean-token-mean"), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
 
 
 def gpg(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
@@ -248,7 +259,7 @@ def kl_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=
     valid = jnp.asarray(response_mask) > 0
     log_ratio = log_probs - old_log_probs
     ratio = jnp.exp(log_ratio)
-    abs_kl = jnp.abs(log_ratio)
+    abs_kl = _abs(log_ratio)
     cov = (advantages - masked_mean(advantages, valid)) * (
         sg(log_probs) - masked_mean(sg(log_probs), valid)
     )
@@ -347,7 +358,7 @@ def _kl_forward(log_probs: Array, ref_log_probs: Array, kind: str) -> Array:
     if kind in ("kl", "k1"):
         return diff
     if kind == "abs":
-        return jnp.abs(diff)
+        return _abs(diff)
     if kind in ("mse", "k2"):
         return 0.5 * jnp.square(diff)
     if kind in ("low_var_kl", "k3"):
@@ -360,7 +371,8 @@ def _kl_forward(log_probs: Array, ref_log_probs: Array, kind: str) -> Array:
 def kl_penalty(log_probs: Array, ref_log_probs: Array, kind: str) -> Array:
     """Per-token KL(pi || pi_ref) estimate `[B, T]` (see joschu.net/blog/kl-approx).
 
-    `k1`/`kl`: log r; `abs`: |log r|; `k2`/`mse`: (log r)^2 / 2;
+    `k1`/`kl`: log r; `abs`: |log r| (gradient 0 where log r = 0, as torch's);
+    `k2`/`mse`: (log r)^2 / 2;
     `k3`/`low_var_kl`: exp(-log r) + log r - 1 (clamped to [-10, 10]), with
     log r = logp - logp_ref. A `+` suffix is the straight-through variant: the
     forward value is the named estimator's, the gradient is k2's, whose

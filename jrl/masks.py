@@ -24,6 +24,7 @@ _MEAN_EPS = 1e-8
 
 LOSS_AGG_MODES = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -107,6 +108,9 @@ def agg_loss(
 
     Modes (verl's names), with `N_tok` and `N_seq` from `normalizer`:
       - `token-mean`:              sum_bt(l * m) / N_tok
+      - `token-sum`:               sum_bt(l * m) (no normaliser: the mini-batch's
+        micro-batch losses add up to its token sum; verl scales its local sum by
+        the data-parallel size only to undo FSDP's mean over ranks)
       - `seq-mean-token-sum`:      sum_b(sum_t l * m) / N_seq
       - `seq-mean-token-mean`:     sum_b(sum_t(l * m) / (sum_t m + 1e-8)) / N_seq
       - `seq-mean-token-sum-norm`: sum_b(sum_t l * m) / N_seq / scale_factor
@@ -130,6 +134,8 @@ def agg_loss(
         normalizer = loss_normalizer(mask_bt)
     if mode == "token-mean":
         return jnp.sum(loss_bt * mask_bt) / normalizer.num_tokens
+    if mode == "token-sum":
+        return jnp.sum(loss_bt * mask_bt)
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
     token_count_b = jnp.sum(mask_bt, axis=-1)

@@ -73,6 +73,31 @@ class OtherPolicyLossesTest(chex.TestCase):
         np.testing.assert_allclose(grad, [[-2 * math.exp(0.05) / 2] * 2], rtol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(
+        # Ratios are 1 (s = 1, unclipped), so each token's loss is -A: row 0 (1 valid token,
+        # A = 1): [-1]; row 1 (2 tokens, A = -2): [2, 2]. Token sums: -1 and 4.
+        # (mode, loss, d loss / d logp): d(-A s_t)/d logp_t = -A (s_t = 1), times the
+        # mode's weight of the token.
+        ("token-mean", (-1 + 4) / 3, [[-1 / 3, 0.0], [2 / 3, 2 / 3]]),
+        ("token-sum", -1 + 4, [[-1.0, 0.0], [2.0, 2.0]]),
+        ("seq-mean-token-mean", (-1 / 1 + 4 / 2) / 2, [[-0.5, 0.0], [0.5, 0.5]]),
+        ("seq-mean-token-sum", (-1 + 4) / 2, [[-0.5, 0.0], [1.0, 1.0]]),
+        # seq-mean-token-sum divided again by T = 2 (the default divisor).
+        ("seq-mean-token-sum-norm", (-1 + 4) / 2 / 2, [[-0.25, 0.0], [0.5, 0.5]]),
+    )
+    def test_gspo_aggregates_by_the_configured_mode(self, agg, expected_loss, expected_grad):
+        # verl 0.9's compute_policy_loss_gspo hands its per-token losses to agg_loss with
+        # the configured loss_agg_mode.
+        logp = jnp.array([[-1.0, -0.5], [-2.0, -0.7]])
+        adv = jnp.array([[1.0, 1.0], [-2.0, -2.0]])
+        mask = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+        cfg = PolicyLossConfig(loss_mode="gspo", loss_agg_mode=agg)
+        fn = self.variant(lambda lp: losses.gspo(logp, lp, adv, mask, cfg)[0])
+        np.testing.assert_allclose(fn(logp), expected_loss, rtol=1e-6)
+        grad = self.variant(jax.grad(lambda lp: losses.gspo(logp, lp, adv, mask, cfg)[0]))(logp)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_cispo(self):
         old, logp, adv, mask = _tokens([1.5, 1.0], [1, -2], logp=[-0.5, -2.0])
         cfg = PolicyLossConfig()
@@ -123,6 +148,28 @@ class OtherPolicyLossesTest(chex.TestCase):
         per_token = [-2.0 * math.exp(0.3) + 0.5 * 0.3, 1.0, -0.5, 0.0]
         np.testing.assert_allclose(loss, sum(per_token) / 4, rtol=1e-5)
         np.testing.assert_allclose(m["actor/ppo_kl"], 0.3 / 4, rtol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kl_cov_abs_gradient_is_zero_on_policy(self):
+        # Same tokens; covariance (A - 0.375)(logp + 1.15) is largest at token 0
+        # (1.625 * 1.05), so token 0 carries 0.5 * |log r|. Per-token gradient of
+        # -A exp(log r) is -A r; token-mean divides by 4.
+        logp = jnp.array([[-0.1, -2.0, -1.0, -1.5]])
+        adv = jnp.array([[2.0, -1.0, 0.5, 0.0]])
+        cfg = PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.25, ppo_kl_coef=0.5)
+
+        def grad_at(log_r0):
+            old = logp - jnp.array([[log_r0, 0.0, 0.0, 0.0]])
+            fn = lambda lp: losses.kl_cov(old, lp, adv, jnp.ones((1, 4)), cfg)[0]
+            return self.variant(jax.grad(fn))(logp)
+
+        # log r = 0 everywhere (first update): |log r| adds no gradient, as torch's abs.
+        # [-2, 1, -0.5, 0] / 4.
+        np.testing.assert_allclose(grad_at(0.0), [[-0.5, 0.25, -0.125, 0.0]], atol=1e-6)
+        # log r0 = 0.3: token 0 gets (-2 e^0.3 + 0.5 * 1) / 4; log r0 = -0.3: (-2 e^-0.3 - 0.5) / 4.
+        np.testing.assert_allclose(grad_at(0.3)[0, 0], (-2 * math.exp(0.3) + 0.5) / 4, rtol=1e-5)
+        np.testing.assert_allclose(grad_at(-0.3)[0, 0], (-2 * math.exp(-0.3) - 0.5) / 4,
+                                   rtol=1e-5)
 
     def test_clip_cov_drops_eligible_tokens(self):
         # Only token 0 has covariance in (1, 5) and is not clipped: it is dropped.
@@ -217,6 +264,17 @@ class KLTest(chex.TestCase, parameterized.TestCase):
         # Gradient of k2 = (logp - ref), per element.
         grad = self.variant(jax.grad(lambda lp: jnp.sum(plus(lp))))(logp)
         np.testing.assert_allclose(grad, [1.0, -1.0, 0.0], atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_abs_gradient_is_zero_where_logp_equals_ref(self):
+        # d|d|/dlogp = sign(d) with d = logp - ref: +1 at d = 1, -1 at d = -1, and 0 at
+        # d = 0 (torch's abs; e.g. the first update, when the actor is the reference).
+        logp = jnp.array([-1.0, -2.0, -0.3])
+        ref = jnp.array([-2.0, -1.0, -0.3])
+        fn = lambda lp: losses.kl_penalty(lp, ref, "abs")
+        np.testing.assert_allclose(self.variant(fn)(logp), [1.0, 1.0, 0.0], atol=1e-6)
+        grad = self.variant(jax.grad(lambda lp: jnp.sum(fn(lp))))(logp)
+        np.testing.assert_array_equal(grad, [1.0, -1.0, 0.0])
 
     def test_k3_clamps(self):
         out = losses.kl_penalty(jnp.array([-50.0]), jnp.array([0.0]), "k3")

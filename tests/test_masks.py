@@ -46,6 +46,7 @@ _LOSS = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 _MASK = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 _GOLDEN = {
     "token-mean": (1 + 2 + 4) / 3,
+    "token-sum": 1 + 2 + 4,
     "seq-mean-token-sum": (3 + 4) / 2,
     "seq-mean-token-mean": (1.5 + 4) / 2,
     "seq-mean-token-sum-norm": (3 + 4) / 2 / 3,
@@ -68,6 +69,16 @@ class AggLossTest(chex.TestCase, parameterized.TestCase):
     def test_scale_factor(self):
         out = masks.agg_loss(_LOSS, _MASK, "seq-mean-token-sum-norm", scale_factor=7.0)
         np.testing.assert_allclose(out, 3.5 / 7.0, rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_sum_has_no_normaliser(self):
+        # Rows split into two micro-batches: row 0 sums to 1 + 2 = 3, row 1 to 4; whatever
+        # the counts passed in, the parts add up to the whole batch's 7.
+        norm = masks.LossNormalizer(num_tokens=jnp.float32(100.0), num_seqs=jnp.float32(50.0))
+        fn = self.variant(lambda x, m: masks.agg_loss(x, m, "token-sum", norm))
+        np.testing.assert_allclose(fn(_LOSS[:1], _MASK[:1]), 3.0, rtol=1e-6)
+        np.testing.assert_allclose(fn(_LOSS[1:], _MASK[1:]), 4.0, rtol=1e-6)
+        np.testing.assert_allclose(fn(_LOSS, _MASK), 7.0, rtol=1e-6)
 
     def test_unknown_mode(self):
         with pytest.raises(ValueError, match="loss_agg_mode"):

@@ -21,11 +21,12 @@ _MODEL = ModelConfig.preset("tiny", vocab_size=40, hidden_size=32, intermediate_
                             num_layers=1, head_dim=8)
 
 
-def _actor_settings(micro):
+def _actor_settings(micro, agg="token-mean"):
     tok = CharTokenizer()
     config = tiny_config(**{"data.train_batch_size": 4, "rollout.n": 2,
                             "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": micro,
-                            "actor.entropy_coeff": 0.01, "actor.use_kl_loss": True})
+                            "actor.entropy_coeff": 0.01, "actor.use_kl_loss": True,
+                            "actor.loss_agg_mode": agg})
     return settings.from_config(config, stop_token_ids=tok.eos_token_ids,
                                 pad_token_id=tok.pad_token_id, num_train_rows=90).actor
 
@@ -46,8 +47,8 @@ def _batch(seed=0, b=8, p=4, r=5):
     }
 
 
-def _update(micro, batch):
-    actor = _actor_settings(micro)
+def _update(micro, batch, agg="token-mean"):
+    actor = _actor_settings(micro, agg)
     params = init_params(_MODEL, jax.random.key(0))
     optimizer = make_optimizer(actor.optim)
     loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor, temperature=1.0,
@@ -58,12 +59,13 @@ def _update(micro, batch):
     return fn(state, batch, jax.random.key(1), actor.optim.lr)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum"])
 @pytest.mark.parametrize("micro", [2, 1])
-def test_micro_batch_split_gives_same_parameters(micro):
+def test_micro_batch_split_gives_same_parameters(micro, agg):
     """Mini-batches of 4 sequences as 1 (micro 4), 2 (micro 2) or 4 (micro 1) micro-batches."""
     batch = _batch()
-    whole, whole_metrics = _update(4, batch)
-    split, split_metrics = _update(micro, batch)
+    whole, whole_metrics = _update(4, batch, agg)
+    split, split_metrics = _update(micro, batch, agg)
     chex.assert_trees_all_close(split.params, whole.params, atol=1e-6, rtol=0)
     np.testing.assert_allclose(split_metrics["pg_loss"], whole_metrics["pg_loss"], rtol=1e-5)
     np.testing.assert_allclose(split_metrics["kl_loss"], whole_metrics["kl_loss"], rtol=1e-5)

@@ -1,8 +1,12 @@
 """GRPO on two-digit addition: the main job, runs on a laptop CPU in a few minutes.
 
-A small decoder learns `a+b=` -> `sum` with the built-in character tokenizer:
-a short supervised warm start, then GRPO (8 samples per prompt, exact-match
-reward). Validation is greedy accuracy on 256 held-out problems.
+A small decoder learns `a+b=` -> `sum` (answer written least-significant digit
+first) with the built-in character tokenizer. The supervised warm start imitates a
+noisy teacher that forgets the carry in 80% of the carrying sums, so the warm-started
+model answers about a third of the held-out sums right when decoding greedily but
+still samples the right answer to most of them now and then; GRPO (8 samples per
+prompt, exact-match reward against the true sum) then closes that gap. Validation is
+greedy accuracy on 256 held-out problems. docs/learning.md explains the choices.
 
     python -m jrl.train --config=configs/grpo_arith.py
 """
@@ -14,27 +18,38 @@ def get_config(arg: str | None = None):
     del arg
     c = base_config()
     c.model.preset = "tiny"
-    c.model.hidden_size = 128
-    c.model.intermediate_size = 256
+    # Width 256: the warm start leaves its loss plateau within a few hundred steps on
+    # every seed (at width 128 some seeds stay on it for over 1,000 steps).
+    c.model.hidden_size = 256
+    c.model.intermediate_size = 512
+    c.model.num_heads = 8
+    c.model.num_kv_heads = 4
     c.model.head_dim = 32
     c.data.digits = 2
+    c.data.reverse_answer = True
+    c.data.carry_slip_rate = 0.8
     c.data.train_batch_size = 32
     c.data.max_prompt_length = 8
     c.rollout.n = 8
     c.rollout.response_length = 5
-    # A deliberately short warm start (~20% held-out accuracy): it teaches the format
-    # and part of the skill, and leaves the rest for RL.
-    c.sft.steps = 350
+    # A warm start run to convergence on the noisy demonstrations (the starting accuracy
+    # is set by the teacher's slip rate, not by where SFT happens to stop).
+    # With a 100-step warmup to 1e-3 the loss leaves its plateau (the model finds
+    # the digits to add) by step ~500 on every seed tried; 800 steps leave a margin.
+    c.sft.steps = 800
     c.sft.batch_size = 128
-    c.sft.lr = 2e-3
-    c.actor.optim.lr = 3e-4
+    c.sft.lr = 1e-3
+    c.sft.lr_warmup_steps = 100
+    # 3e-4 let one seed of five drift away from a good policy at width 256.
+    c.actor.optim.lr = 1e-4
     c.actor.ppo_mini_batch_size = 16
     c.actor.ppo_micro_batch_size = 128
     # Reshuffle the two mini-batches of a step each epoch (the runs in README used it).
     c.actor.shuffle = True
     c.critic.shuffle = True
     c.algorithm.adv_estimator = "grpo"
-    c.trainer.total_training_steps = 200
+    # Held-out accuracy is above 0.85 by step 25 and near 1 by step 100 on every seed.
+    c.trainer.total_training_steps = 100
     c.trainer.test_freq = 25
-    c.trainer.save_freq = 100
+    c.trainer.save_freq = 50
     return c

@@ -67,6 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.ops = "+"
     # Arithmetic: write answers least-significant digit first (easier for small models).
     c.data.reverse_answer = False
+    # Arithmetic: share of the carrying training sums whose warm-start demonstration drops
+    # the carries (a noisy teacher; the reward still checks the true sum). 0: none.
+    c.data.carry_slip_rate = 0.0
     # Held-out problems for validation.
     c.data.num_val = 256
     # Cap on training problems (None: all that are not held out).
@@ -87,8 +90,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.steps = 0
     # Examples per SFT step.
     c.sft.batch_size = 64
-    # SFT learning rate (AdamW, constant).
+    # SFT learning rate (AdamW; constant after the warmup).
     c.sft.lr = 1e-3
+    # Steps over which the SFT learning rate rises linearly from 0 to sft.lr.
+    c.sft.lr_warmup_steps = 0
 
     c.actor = ml_collections.ConfigDict()
     _add_update_keys(c.actor, lr=1e-6)
@@ -100,7 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.clip_ratio_high = config_dict.placeholder(float)
     # Dual-clip bound for negative advantages (> 1).
     c.actor.clip_ratio_c = 3.0
-    # token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.
+    # token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.
     c.actor.loss_agg_mode = "token-mean"
     # Divisor of seq-mean-token-sum-norm (None: the response length).
     c.actor.loss_scale_factor = config_dict.placeholder(float)

@@ -61,14 +61,20 @@ def sft_step(state: update.ModelState, batch, *, model: ModelConfig,
 
 def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: int,
               batch_size: int, lr: float, max_prompt_length: int, max_response_length: int,
-              seed: int = 0, apply_chat_template: bool = False, log_every: int = 0,
+              seed: int = 0, lr_warmup_steps: int = 0, apply_chat_template: bool = False,
+              log_every: int = 0,
               sharder: sharding_lib.Sharder | None = None):
     """Runs `steps` AdamW steps on random batches of `rows`; returns the new params.
+
+    The learning rate rises linearly from 0 over `lr_warmup_steps`, then stays at `lr`.
 
     With a `sharder`, batches are split over its batch axes and the optimizer state
     follows the parameters' shardings.
     """
-    optimizer = optax.adamw(lr, weight_decay=0.0)
+    if lr_warmup_steps < 0:
+        raise ValueError(f"sft.lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
+    schedule = optax.linear_schedule(0.0, lr, lr_warmup_steps) if lr_warmup_steps else lr
+    optimizer = optax.adamw(schedule, weight_decay=0.0)
     if sharder is None:
         state = update.ModelState(params, optimizer.init(params))
         put, context = (lambda batch: jax.tree.map(jnp.asarray, batch)), contextlib.nullcontext()

@@ -60,7 +60,8 @@ def build_data(config, tokenizer=None):
     if config.data.task == "arithmetic":
         return synthetic.arithmetic(config.data.digits, config.data.ops, config.data.num_val,
                                     config.data.num_train, seed=config.data.seed,
-                                    reverse=config.data.reverse_answer)
+                                    reverse=config.data.reverse_answer,
+                                    carry_slip_rate=config.data.carry_slip_rate)
     raise ValueError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
 
 
@@ -157,7 +158,8 @@ def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=No
                            batch_size=config.sft.batch_size, lr=config.sft.lr,
                            max_prompt_length=config.data.max_prompt_length,
                            max_response_length=config.rollout.response_length,
-                           seed=config.seed, apply_chat_template=config.data.apply_chat_template,
+                           seed=config.seed, lr_warmup_steps=config.sft.lr_warmup_steps,
+                           apply_chat_template=config.data.apply_chat_template,
                            log_every=max(config.sft.steps // 5, 1), sharder=sharder)
         ckpt.save(config.sft.steps, params, {"steps": config.sft.steps})
         return params

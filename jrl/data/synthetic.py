@@ -37,8 +37,43 @@ def arithmetic_row(a: int, op: str, b: int, reverse: bool = False, width: int = 
     }
 
 
+def add_without_carry(a: int, b: int) -> int:
+    """`a + b` digit by digit with every carry dropped (the classic slip): 47 + 38 -> 75."""
+    total, place = 0, 1
+    while a or b:
+        total += (a % 10 + b % 10) % 10 * place
+        a, b, place = a // 10, b // 10, place * 10
+    return total
+
+
+def with_carry_slips(rows: list[Row], rate: float, seed: int) -> list[Row]:
+    """Copies of `rows` whose demonstration drops the carries, for a share `rate` of the
+    addition problems that have a carry.
+
+    The demonstration (`extra_info["demonstration"]`) is what the supervised warm start
+    imitates; the ground truth, which the reward checks, stays the true sum. A model
+    that imitates such a teacher with `rate > 1/2` answers carrying sums wrongly when
+    decoding greedily but still samples the right answer about `1 - rate` of the time:
+    the gap between greedy and sampled accuracy that RL with a verifier closes.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"data.carry_slip_rate must be in [0, 1], got {rate}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for row in rows:
+        info = row["extra_info"]
+        if info["op"] == "+":
+            slip = add_without_carry(info["a"], info["b"])
+            if slip != info["a"] + info["b"] and rng.random() < rate:
+                shown = str(slip)[::-1] if info["reversed"] else str(slip)
+                row = {**row, "extra_info": {**info, "demonstration": shown}}
+        out.append(row)
+    return out
+
+
 def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: int | None = None,
-               seed: int = 0, reverse: bool = False) -> tuple[list[Row], list[Row]]:
+               seed: int = 0, reverse: bool = False, carry_slip_rate: float = 0.0
+               ) -> tuple[list[Row], list[Row]]:
     """All `a op b` with operands of up to `digits` digits, split into train / held-out.
 
     Args:
@@ -48,6 +83,8 @@ def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: i
       num_train: cap on training problems (None: all the rest).
       seed: the split and order.
       reverse: write answers least-significant digit first.
+      carry_slip_rate: share of the carrying training sums whose demonstration drops
+        the carries (`with_carry_slips`); held-out rows are untouched.
 
     Returns:
       `(train_rows, val_rows)`.
@@ -62,4 +99,7 @@ def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: i
     order = np.random.default_rng(seed).permutation(len(problems))
     val = [arithmetic_row(*problems[i], reverse, digits) for i in order[:num_val]]
     rest = order[num_val:] if num_train is None else order[num_val : num_val + num_train]
-    return [arithmetic_row(*problems[i], reverse, digits) for i in rest], val
+    train = [arithmetic_row(*problems[i], reverse, digits) for i in rest]
+    if carry_slip_rate:
+        train = with_carry_slips(train, carry_slip_rate, seed)
+    return train, val

@@ -27,7 +27,11 @@ torch==2.13.0`. Run everything (3 seeds, then the plot) with
     python experiments/compare_trl.py all --seeds 0 1 2
     python experiments/plot_learning.py
 
-or one stage: `python experiments/compare_trl.py {warm,jrl,trl} --seed 0`.
+or one stage: `python experiments/compare_trl.py {warm,jrl,trl} --seed 0`. Diagnostics
+(after `warm`): `gradcheck` (jrl's actor loss and gradient vs TRL's `compute_loss` on one
+mini-batch) and `profile` (forward + backward of the policy loss, jrl vs torch).
+`--rl_seed N` runs RL seed N from `--seed`'s warm start; `--set key=value` overrides
+a config key. docs/learning.md has the results and the exact commands.
 """
 
 from __future__ import annotations
@@ -659,32 +663,45 @@ def _profile_layout(st: Setup, torch_model, rows, prompt_len: int, repeats: int)
                                           out.response_mask))
     adv = np.random.default_rng(0).standard_normal((len(batch[0]), 1)).astype(np.float32)
 
-    def jrl_loss(params):
-        log_probs, _ = response_log_probs(params, *batch, config=st.model)
+    def jrl_loss(params, model=st.model):
+        log_probs, _ = response_log_probs(params, *batch, config=model)
         return -masks.masked_mean(log_probs * adv, batch[3])
 
     grad_fn = jax.jit(jax.value_and_grad(jrl_loss))
+    unrolled = jax.jit(jax.value_and_grad(functools.partial(
+        jrl_loss, model=dataclasses.replace(st.model, scan_unroll=True))))
+    forward = jax.jit(jrl_loss)
     tokens = torch.as_tensor(np.concatenate([batch[0], batch[2]], 1), dtype=torch.long)
     attention = torch.as_tensor(np.concatenate([batch[1], batch[3]], 1), dtype=torch.long)
     targets, weights = tokens[:, prompt_len:], torch.as_tensor(batch[3] * adv)
 
-    def torch_step():
-        torch_model.zero_grad(set_to_none=True)
+    def torch_loss():
         logits = torch_model(input_ids=tokens, attention_mask=attention).logits
         logp = torch.log_softmax(logits[:, prompt_len - 1:-1], -1)
         logp = logp.gather(-1, targets[..., None])[..., 0]
-        (-(logp * weights).sum() / weights.ne(0).sum()).backward()
+        return -(logp * weights).sum() / weights.ne(0).sum()
 
+    def torch_step():
+        torch_model.zero_grad(set_to_none=True)
+        torch_loss().backward()
+
+    def torch_forward():
+        with torch.no_grad():
+            torch_loss()
+
+    run = lambda fn: _median_seconds(lambda: jax.block_until_ready(fn(st.params)), repeats)
     return {"sequences": len(tokens), "prompt_len": prompt_len, "length": int(tokens.shape[1]),
-            "jrl_seconds": _median_seconds(
-                lambda: jax.block_until_ready(grad_fn(st.params)), repeats),
-            "torch_seconds": _median_seconds(torch_step, repeats)}
+            "jrl_seconds": run(grad_fn), "jrl_scan_unrolled_seconds": run(unrolled),
+            "jrl_forward_seconds": run(forward),
+            "torch_seconds": _median_seconds(torch_step, repeats),
+            "torch_forward_seconds": _median_seconds(torch_forward, repeats)}
 
 
 def run_profile(args) -> None:
     """Forward + backward of a policy-gradient loss on one mini-batch (the bulk of the
-    actor update), jrl's jitted `value_and_grad` vs torch autograd on the HF model, same
-    weights and tokens, with prompts padded to data.max_prompt_length (jrl's layout) and
+    actor update), jrl's jitted `value_and_grad` (layers scanned, as in training, and
+    unrolled) vs torch autograd on the HF model, and each forward alone; same weights
+    and tokens, with prompts padded to data.max_prompt_length (jrl's layout) and
     unpadded (TRL's layout when all prompts have one length)."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -40,5 +40,10 @@ class Checkpointer:
         restored = self.manager.restore(step, args=args)
         return restored.state, restored.meta
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON metadata of step `step`, without reading its arrays."""
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return dict(self.manager.restore(step, args=args).meta)
+
     def close(self) -> None:
         self.manager.close()

@@ -21,7 +21,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.path = config_dict.placeholder(str)
     # Named architecture for random init when no path is given (see jrl.models.PRESETS).
     c.model.preset = "tiny"
-    # Parameter dtype: float32 or bfloat16.
+    # Parameter dtype: float32 (training needs it; set model.dtype for bfloat16 compute).
     c.model.param_dtype = "float32"
     # Compute dtype of activations and matmuls: float32 or bfloat16.
     c.model.dtype = "float32"
@@ -301,6 +301,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.trainer.nan_policy = "skip"
     # Write the final actor as a Hugging Face checkpoint (when the model came from one).
     c.trainer.export_hf = True
+    # Start of a run in a workdir that already holds one: "auto" (same config: resume;
+    # changed keys: stop and list them), "disable" (start over: the workdir's
+    # checkpoints, warm start and metrics are removed) or "resume_path" (resume from
+    # trainer.resume_from_path, whatever changed).
+    c.trainer.resume_mode = "auto"
+    # With resume_mode="resume_path": a checkpoint directory, <workdir>/checkpoints/<step>.
+    c.trainer.resume_from_path = config_dict.placeholder(str)
     return c
 
 

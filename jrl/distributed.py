@@ -11,6 +11,8 @@ import os
 
 import jax
 
+from jrl.errors import ConfigError
+
 INITIALIZE_CHOICES = ("auto", "yes", "no")
 _started = False
 
@@ -34,8 +36,8 @@ def maybe_initialize(config) -> bool:
     """
     d = config.distributed
     if d.initialize not in INITIALIZE_CHOICES:
-        raise ValueError(f"distributed.initialize={d.initialize!r} is not valid; choose one of "
-                         f"{list(INITIALIZE_CHOICES)}")
+        raise ConfigError(f"distributed.initialize={d.initialize!r} is not valid; choose one of "
+                          f"{list(INITIALIZE_CHOICES)}")
     if d.initialize == "no" or (d.initialize == "auto" and not d.coordinator_address
                                 and not cluster_detected()):
         return False

@@ -1,9 +1,9 @@
 """Metrics with verl's names, and where they go: console, JSONL, TensorBoard, wandb, a PNG.
 
 Step metrics are flat dicts of Python floats. Writers: a progress bar on the
-console (step, reward, KL, step time), `metrics.jsonl` in the workdir, TensorBoard
-event files under `workdir/tensorboard` (needs `tensorboardX`), and wandb when it
-is installed and enabled.
+console (step, score, `ppo_kl`, seconds per step) with a line for each validation,
+`metrics.jsonl` in the workdir, TensorBoard event files under `workdir/tensorboard`
+(needs `tensorboardX`), and wandb when it is installed and enabled.
 """
 
 from __future__ import annotations
@@ -11,10 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Peak dense bf16 FLOP/s per chip, for MFU.
 PEAK_FLOPS = {
@@ -97,22 +102,30 @@ def validation_metrics(data_sources: Sequence[str], prompt_index: Sequence[int],
 
 
 class MetricsWriter:
-    """Writes each step's metrics to the configured loggers (only on process 0)."""
+    """Writes each step's metrics to the configured loggers (only on process 0).
+
+    With "console" in `loggers` there is a progress bar, labelled as compiling until
+    the first training step is written; its clock then restarts so that the rate and
+    ETA leave out compilation. Each validation (the `val-core/` keys of a step,
+    step 0 for the one before RL) also prints one line above the bar, e.g.
+    `step 25: val-core/synthetic/arithmetic/acc/mean@1 = 0.914`. Without "console"
+    nothing is printed.
+    """
 
     def __init__(self, workdir: str, loggers: Sequence[str], total_steps: int,
                  config_dict: dict | None = None, start_step: int = 0, enabled: bool = True):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._bar = self._tb = self._wandb = None
+        self._start_step = start_step
+        self._compiling = False
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
         _truncate_after(self.path, start_step)
         if "console" in loggers:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="rl", dynamic_ncols=True,
-                             mininterval=1.0)
+            self._compiling = start_step < total_steps
+            self._bar = _progress_bar(total_steps, start_step, self._compiling)
         if "tensorboard" in loggers:
             try:
                 from tensorboardX import SummaryWriter
@@ -142,10 +155,28 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
-            shown = {"score": "critic/score/mean", "kl": "actor/ppo_kl", "s": "timing_s/step"}
-            self._bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in shown.items()
-                                   if v in metrics}, refresh=False)
-            self._bar.update(step - self._bar.n)
+            self._write_console(step, metrics)
+
+    def _write_console(self, step: int, metrics: dict[str, float]) -> None:
+        from tqdm import tqdm
+
+        new_bar = self._compiling and step > self._start_step
+        if new_bar:
+            # The first training step compiled; a new bar times the rest from here.
+            self._bar.leave = False
+            self._bar.close()
+            if "timing_s/step" in metrics:
+                tqdm.write(f"step {step}: {metrics['timing_s/step']:.1f} s "
+                           "(including compilation)")
+            self._bar = _progress_bar(self._bar.total, step, compiling=False)
+            self._compiling = False
+        shown = {"score": "critic/score/mean", "ppo_kl": "actor/ppo_kl",
+                 "s/step": "timing_s/step"}
+        self._bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in shown.items()
+                               if v in metrics}, refresh=new_bar)
+        self._bar.update(step - self._bar.n)
+        if line := validation_line(step, metrics):
+            tqdm.write(line)  # above the bar, which it redraws
 
     def close(self) -> None:
         if self._bar is not None:
@@ -156,12 +187,45 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+def _progress_bar(total_steps: int, initial: int, compiling: bool):
+    from tqdm import tqdm
+
+    desc = "rl (compiling the first step)" if compiling else "rl"
+    return tqdm(total=total_steps, initial=initial, desc=desc, dynamic_ncols=True,
+                mininterval=1.0)
+
+
+def validation_line(step: int, metrics: dict[str, float], max_keys: int = 3) -> str | None:
+    """One line with a step's headline validation numbers, or None without validation.
+
+    Shows the `val-core/.../mean@n` keys (one per data source), at most `max_keys`.
+    """
+    keys = sorted(k for k in metrics if k.startswith("val-core/") and "/mean@" in k)
+    if not keys:
+        return None
+    shown = ", ".join(f"{k} = {metrics[k]:.3f}" for k in keys[:max_keys])
+    more = f" (+{len(keys) - max_keys} more)" if len(keys) > max_keys else ""
+    return f"step {step}: {shown}{more}"
+
+
 def _truncate_after(path: str, step: int) -> None:
-    """Drops JSONL records of steps after `step` (written after the checkpoint we resume)."""
+    """Drops the JSONL records that a run resuming from checkpoint `step` writes again.
+
+    Those are the steps after `step` (written after that checkpoint was saved) and, for a
+    start from step 0 (no checkpoint), every record, the before-RL validation included;
+    a last line cut short by a kill is dropped too. So no step is ever logged twice.
+    """
     if not os.path.exists(path):
         return
+    kept = []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if step > 0 and record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
     with open(path, "w") as f:
         f.writelines(kept)
 
@@ -173,25 +237,55 @@ def read_jsonl(path: str) -> list[dict]:
 
 def plot_curves(jsonl_path: str, png_path: str, val_key: str | None = None) -> str:
     """Training score and validation curves from `metrics.jsonl` into a PNG."""
-    # A bare Figure (no pyplot) draws off-screen without switching the user's backend,
-    # so notebooks keep their inline plots.
+    curves_figure(read_jsonl(jsonl_path), val_key).savefig(png_path, dpi=120)
+    return png_path
+
+
+def curves_figure(records: Sequence[dict], val_key: str | None = None) -> Figure:
+    """A matplotlib Figure: the training score and the validation headline per RL step.
+
+    One panel per kind of curve, each with its metric on the y-axis; accuracies on
+    a 0-1 axis. `val_key` picks one validation key (default: every `val-core/` key).
+    """
+    # A bare Figure with an Agg canvas (no pyplot) draws off-screen without switching
+    # the user's backend, so notebooks keep their inline plots.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = read_jsonl(jsonl_path)
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
     train = [(r["step"], r["critic/score/mean"]) for r in records if "critic/score/mean" in r]
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train score (mean)")
     val_keys = sorted({k for r in records for k in r if k.startswith("val-core/")})
-    for key in val_keys if val_key is None else [val_key]:
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    return png_path
+    val_keys = val_keys if val_key is None else [val_key]
+    val = {k: [(r["step"], r[k]) for r in records if k in r] for k in val_keys}
+    val = {k: points for k, points in val.items() if points}
+    panels = int(bool(train)) + int(bool(val))
+    fig = Figure(figsize=(5 * max(panels, 1), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(1, panels, squeeze=False, sharex=True)[0]) if panels else []
+    if train:
+        ax = axes.pop(0)
+        ax.plot(*zip(*train, strict=True))
+        ax.set_ylabel("training score (critic/score/mean)")
+    if val:
+        ax = axes.pop(0)
+        for key, points in val.items():
+            # Unclipped: accuracies of 0 or 1 sit on the axis limits.
+            ax.plot(*zip(*points, strict=True), marker="o", clip_on=False,
+                    label=key.removeprefix("val-core/"))
+        variables = {_validation_variable(k) for k in val}
+        if variables == {"acc"}:
+            ax.set_ylim(0, 1)
+            ax.set_ylabel("validation accuracy (val-core)")
+        else:
+            ax.set_ylabel(f"validation {', '.join(sorted(variables))} (val-core)")
+        # Below the axes: the keys are long and would cover the curves.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small")
+    for ax in fig.axes:
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def _validation_variable(key: str) -> str:
+    """The variable of a `val-*/<data_source>/<var>/<stat>@<n>[/mean]` key ("acc", ...)."""
+    match = re.search(r"/([^/]+)/(?:mean|best|maj)@\d+(?:/mean)?$", key)
+    return match.group(1) if match else key

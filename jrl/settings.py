@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from jrl import advantages, kl_control, losses, masks
+from jrl.errors import ConfigError
 from jrl.rewards import custom
 from jrl.rollout import SamplingConfig
 
@@ -128,7 +129,7 @@ class Settings:
 
 
 def _fail(key: str, message: str):
-    raise ValueError(f"{key}: {message}")
+    raise ConfigError(f"{key}: {message}")
 
 
 def _positive(config, key: str, allow_zero: bool = False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import optax
 from jrl import logprobs, masks, update
 from jrl import sharding as sharding_lib
 from jrl.data.dataset import Row, encode_prompts, ground_truth
+from jrl.errors import ConfigError
 from jrl.models.config import ModelConfig
 
 
@@ -31,8 +33,8 @@ def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length
     for i, row in enumerate(rows):
         ids = tokenizer.encode(demonstration(row)) + [tokenizer.eos_token_id]
         if len(ids) > max_response_length:
-            raise ValueError(f"answer of row {i} needs {len(ids)} tokens, more than "
-                             f"rollout.response_length={max_response_length}")
+            raise ConfigError(f"answer of row {i} needs {len(ids)} tokens, more than "
+                              f"rollout.response_length={max_response_length}")
         responses[i, : len(ids)] = ids
         response_mask[i, : len(ids)] = 1
     return prompt_ids, prompt_mask, responses, response_mask
@@ -72,7 +74,7 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
     follows the parameters' shardings.
     """
     if lr_warmup_steps < 0:
-        raise ValueError(f"sft.lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
+        raise ConfigError(f"sft.lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
     schedule = optax.linear_schedule(0.0, lr, lr_warmup_steps) if lr_warmup_steps else lr
     optimizer = optax.adamw(schedule, weight_decay=0.0)
     if sharder is None:
@@ -110,29 +112,35 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
 def main(argv):
     """`python -m jrl.sft --config=configs/x.py --workdir=...`: the warm start alone."""
     del argv
-    from absl import flags, logging
+    from absl import app, logging
 
-    from jrl import train
+    from jrl import cli, rundir, train
+    from jrl.checkpoint import Checkpointer
 
     logging.set_verbosity(logging.WARNING)
-    config = train.CONFIG.value
+    config = cli.CONFIG.value
     if config is None:
-        from absl import app
-
         raise app.UsageError("--config=configs/<name>.py is required")
     if config.sft.steps <= 0:
-        raise ValueError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
-    tokenizer = train.build_tokenizer(config)
-    train_rows, _ = train.build_data(config, tokenizer)
-    model, params = train.build_model(config, tokenizer)
-    workdir = flags.FLAGS.workdir or "runs/sft"
-    train.warm_start(config, workdir, model, params, tokenizer, train_rows)
-    print(f"saved the warm-started parameters under {workdir}/sft")
+        raise ConfigError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
+    workdir = cli.WORKDIR.value or "runs/sft"
+    with rundir.locked(workdir):
+        tokenizer = train.build_tokenizer(config)
+        train_rows, _ = train.build_data(config, tokenizer)
+        model, params = train.build_model(config, tokenizer)
+        checkpointer = Checkpointer(os.path.join(workdir, "sft"))
+        existing = checkpointer.latest_step()
+        checkpointer.close()
+        # An existing warm start is checked against this config (an error if it differs).
+        train.warm_start(config, workdir, model, params, tokenizer, train_rows)
+    if existing is None:
+        print(f"saved the warm-started parameters under {workdir}/sft")
+    else:
+        print(f"{workdir}/sft already holds this warm start; nothing to train (a new --workdir "
+              "makes another)")
 
 
 if __name__ == "__main__":
-    from absl import app
+    from jrl import cli
 
-    import jrl.train  # noqa: F401  (defines --config and --workdir)
-
-    app.run(main)
+    cli.run(main)

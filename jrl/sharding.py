@@ -31,6 +31,8 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jrl.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # Mesh axes the batch is split over.
 BATCH_AXES = ("data", "fsdp")
@@ -74,21 +76,21 @@ class MeshSettings:
         sizes = [getattr(self, axis) for axis in MESH_AXES]
         for axis, size in zip(MESH_AXES, sizes, strict=True):
             if size == 0 or size < -1:
-                raise ValueError(f"mesh.{axis}={size} is not valid; use a positive size or -1 "
-                                 "(all remaining devices)")
+                raise ConfigError(f"mesh.{axis}={size} is not valid; use a positive size or -1 "
+                                  "(all remaining devices)")
         free = [axis for axis, size in zip(MESH_AXES, sizes, strict=True) if size == -1]
         if len(free) > 1:
-            raise ValueError(f"mesh: only one axis may be -1, got {free}")
+            raise ConfigError(f"mesh: only one axis may be -1, got {free}")
         fixed = math.prod(size for size in sizes if size != -1)
         if free:
             if num_devices % fixed:
-                raise ValueError(
+                raise ConfigError(
                     f"mesh: {num_devices} devices cannot be split with the fixed axes "
                     f"{self._describe()} (product {fixed}); pick sizes that divide {num_devices}")
             sizes = [num_devices // fixed if size == -1 else size for size in sizes]
         elif fixed != num_devices:
-            raise ValueError(f"mesh: {self._describe()} needs {fixed} devices but "
-                             f"{num_devices} are present; set one axis to -1 to fill the rest")
+            raise ConfigError(f"mesh: {self._describe()} needs {fixed} devices but "
+                              f"{num_devices} are present; set one axis to -1 to fill the rest")
         return tuple(sizes)
 
     def _describe(self) -> str:
@@ -130,8 +132,8 @@ class Sharder:
         self.rules = {name: _as_tuple(axes) for name, axes in rules}
         unknown = {a for axes in self.rules.values() for a in axes} - set(mesh.axis_names)
         if unknown:
-            raise ValueError(f"sharding rules name mesh axes {sorted(unknown)} that the mesh "
-                             f"does not have ({mesh.axis_names})")
+            raise ConfigError(f"sharding rules name mesh axes {sorted(unknown)} that the mesh "
+                              f"does not have ({mesh.axis_names})")
 
     def rules_without(self, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """These rules with `axis` removed from every parameter axis (not from `batch`)."""
@@ -215,7 +217,7 @@ class Sharder:
     def check_batch(self, size: int, what: str) -> None:
         multiple = self.batch_size_multiple
         if size % multiple:
-            raise ValueError(
+            raise ConfigError(
                 f"{what} = {size} sequences cannot be split over the mesh's batch axes "
                 f"(data x fsdp = {multiple}); make it a multiple of {multiple}")
 
@@ -293,8 +295,8 @@ def rules_from_config(rules_config) -> tuple[tuple[str, tuple[str, ...]], ...]:
         axes = tuple(a.strip() for a in str(value or "").split(",") if a.strip())
         unknown = [a for a in axes if a not in MESH_AXES]
         if unknown:
-            raise ValueError(f"mesh.rules.{name}={value!r} names unknown mesh axes {unknown}; "
-                             f"valid axes are {list(MESH_AXES)} (comma-separated, or '')")
+            raise ConfigError(f"mesh.rules.{name}={value!r} names unknown mesh axes {unknown}; "
+                              f"valid axes are {list(MESH_AXES)} (comma-separated, or '')")
         rules.append((name, axes))
     return tuple(rules)
 

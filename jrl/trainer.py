@@ -325,16 +325,27 @@ class RLTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def maybe_restore(self) -> bool:
-        """Continues from the latest complete checkpoint in the workdir, if any."""
-        step = self.checkpointer.latest_step()
+    def maybe_restore(self, resume_from: str | None = None) -> bool:
+        """Continues from a checkpoint: `resume_from` (a `<dir>/<step>` checkpoint directory,
+        possibly of another run) or else the workdir's latest complete one, if any."""
+        checkpointer, step = self.checkpointer, self.checkpointer.latest_step()
+        if resume_from is not None:
+            checkpointer = Checkpointer(os.path.dirname(resume_from))
+            step = int(os.path.basename(resume_from))
         if step is None:
             return False
-        tree, meta = self.checkpointer.restore(step, self.state.tree())
+        try:
+            tree, meta = checkpointer.restore(step, self.state.tree())
+        finally:
+            if checkpointer is not self.checkpointer:
+                checkpointer.close()
         self.state = TrainState(step=int(meta["step"]), actor=tree["actor"],
                                 critic=tree.get("critic"), kl=tree["kl"],
                                 data=IteratorState(**meta["data"]))
-        logging.info("resumed from step %d", self.state.step)
+        if jax.process_index() == 0:
+            source = f" ({resume_from})" if resume_from else ""
+            print(f"resumed from step {self.state.step} (of {self.s.total_steps}){source}",
+                  flush=True)
         return True
 
     def save(self) -> None:

@@ -1,11 +1,22 @@
-"""docs/configs.md is generated from the config source; keys without a comment are refused."""
+"""docs/configs.md is generated from the config source; keys without a comment are refused.
 
+The training commands of the README and docs/ do not share a workdir unless they
+start the same run.
+"""
+
+import ast
+import glob
+import importlib
 import os
+import re
+import shlex
 import textwrap
 
 import pytest
 
 from jrl import config_defaults, config_docs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SOURCE = textwrap.dedent('''
     import ml_collections
@@ -103,3 +114,59 @@ def test_check_flag_reports_a_stale_file(tmp_path, capsys):
     assert "stale" in capsys.readouterr().err
     os.remove(output)
     assert config_docs.main(["--check", "--output", output]) == 1
+
+
+def _train_commands(path):
+    """The arguments of each `python -m jrl.train` command in the file's bash blocks."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if "python -m jrl.train" in line:
+                yield shlex.split(line.split("python -m jrl.train", 1)[1], comments=True)
+
+
+def _same_value(current, text: str) -> bool:
+    if current is None:
+        return False
+    if isinstance(current, str):
+        return current == text
+    try:
+        return current == type(current)(ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError):
+        return False
+
+
+def _run(args):
+    """(workdir, (config file, the overrides that change the config file's values))."""
+    flags = dict(arg.split("=", 1) for arg in args if arg.startswith("--"))
+    config_file = flags.pop("--config")
+    name = os.path.splitext(os.path.basename(config_file))[0]
+    workdir = os.path.normpath(flags.pop("--workdir", os.path.join("runs", name)))
+    config = None
+    if os.path.isfile(os.path.join(ROOT, config_file)) and config_file.startswith("configs/"):
+        config = importlib.import_module(f"configs.{name}").get_config()
+    changes = []
+    for flag, text in sorted(flags.items()):
+        key = flag.removeprefix("--config.")
+        try:
+            current = config
+            for part in key.split("."):
+                current = current[part]
+        except (KeyError, TypeError):
+            current = None
+        if not _same_value(current, text):
+            changes.append((key, text))
+    return workdir, (config_file, tuple(changes))
+
+
+def test_documented_commands_share_a_workdir_only_for_the_same_run():
+    runs = {}
+    for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs",
+                                                                               "*.md")))]:
+        for args in _train_commands(path):
+            workdir, run = _run(args)
+            runs.setdefault(workdir, {}).setdefault(run, []).append(os.path.relpath(path, ROOT))
+    assert runs, "no training commands found"
+    shared = {workdir: found for workdir, found in runs.items() if len(found) > 1}
+    assert not shared, f"different runs in one workdir (give each its own --workdir): {shared}"

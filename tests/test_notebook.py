@@ -1,11 +1,24 @@
 """The Colab notebook runs top to bottom on the CPU at its smoke-test size.
 
+jrl is installed the way the notebook installs it on Colab: a wheel is built from
+this checkout (`pip install <checkout>` builds the same) and installed into a
+directory of its own, and the kernel runs in an empty directory with that one
+first on its path, so the checkout's `jrl/` and `configs/` cannot be imported. The
+notebook reads `configs/*.py` from the checkout's files (`JRL_REPO_DIR`), as from
+the clone it makes on Colab.
+
 Section 8 (a user's Hugging Face checkpoint) runs on a tiny checkpoint written
 here: a random 1-layer model and a small BPE tokenizer with a chat template.
 """
 
+import glob
+import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 
 import jax
 import nbclient
@@ -46,6 +59,47 @@ def _tiny_hf_checkpoint(path):
     hf.save_pretrained(path, model, init_params(model, jax.random.key(0)))
 
 
+# Appended to the notebook: where every jrl module the kernel imported came from.
+_CHECK_IMPORTS = """
+import importlib.util
+import json
+import sys
+
+print("imports:", json.dumps({
+    "jrl": sorted({m.__file__ for n, m in sys.modules.items()
+                   if (n == "jrl" or n.startswith("jrl.")) and getattr(m, "__file__", None)}),
+    "configs_importable": importlib.util.find_spec("configs") is not None,
+}))
+"""
+
+
+def _install_wheel(tmp_path) -> str:
+    """Builds jrl's wheel from the checkout and installs it, without its dependencies
+    (this environment has them), into a directory; returns the directory."""
+    # The build runs on a copy: building in place would leave build/ and *.egg-info
+    # in the checkout.
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "jrl"), src / "jrl",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    dist, site = tmp_path / "dist", tmp_path / "site"
+    # Without setuptools here, pip builds in an isolated environment it downloads.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    pip = [sys.executable, "-m", "pip"]
+    quiet = ["-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", *quiet, "--no-deps", *isolation, "-w", str(dist), str(src)],
+                   check=True)
+    (wheel,) = glob.glob(str(dist / "jrl-*.whl"))
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    sources = {os.path.relpath(p, ROOT).replace(os.sep, "/")
+               for p in glob.glob(os.path.join(ROOT, "jrl", "**", "*.py"), recursive=True)}
+    assert sources <= packaged, f"missing from the wheel: {sorted(sources - packaged)}"
+    subprocess.run([*pip, "install", *quiet, "--no-deps", "--target", str(site), wheel],
+                   check=True)
+    return str(site)
+
+
 def _text(cell) -> str:
     parts = []
     for output in cell.get("outputs", []):
@@ -61,7 +115,11 @@ def _text(cell) -> str:
 def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
     checkpoint = str(tmp_path / "hf_model")
     _tiny_hf_checkpoint(checkpoint)
+    site = _install_wheel(tmp_path)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     workdir = tmp_path / "runs" / "notebook"
+    monkeypatch.setenv("PYTHONPATH", site)
     monkeypatch.setenv("JRL_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("JRL_REPO_DIR", ROOT)
     monkeypatch.setenv("JRL_WORKDIR", str(workdir))
@@ -77,11 +135,17 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     assert not any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         "store the notebook without outputs")
+    notebook.cells.append(nbformat.v4.new_code_cell(_CHECK_IMPORTS))
     client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+                                     resources={"metadata": {"path": str(cwd)}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, on failure
 
     text = "\n".join(_text(cell) for cell in notebook.cells if cell.cell_type == "code")
+    assert f"jrl package: {os.path.join(site, 'jrl')}" in text
+    imports = json.loads(text.split("imports: ")[-1].splitlines()[0])
+    assert imports["jrl"], "the kernel imported no jrl module"
+    assert all(f.startswith(site + os.sep) for f in imports["jrl"]), imports["jrl"]
+    assert not imports["configs_importable"]
     assert "backend: cpu" in text
     assert "val-core/synthetic/arithmetic/acc/mean@1" in text
     assert "resumed: False; last step: 4" in text

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jrl.errors import ConfigError
+
 Row = dict
 
 
@@ -40,7 +42,7 @@ class BatchIterator:
     def __init__(self, rows: Sequence[Row], batch_size: int, seed: int, shuffle: bool = True,
                  state: IteratorState | None = None):
         if len(rows) < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.train_batch_size={batch_size} is larger than the dataset ({len(rows)} rows)"
             )
         self.rows = rows
@@ -93,7 +95,7 @@ def encode_prompts(tokenizer, rows: Sequence[Row], max_prompt_length: int,
     for i, row in enumerate(rows):
         tokens = prompt_token_ids(tokenizer, row, apply_chat_template)
         if len(tokens) > max_prompt_length:
-            raise ValueError(
+            raise ConfigError(
                 f"prompt of row {i} ({row.get('data_source')}) has {len(tokens)} tokens, more "
                 f"than data.max_prompt_length={max_prompt_length}"
             )

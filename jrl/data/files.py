@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jrl.data.dataset import Row, prompt_token_ids
+from jrl.errors import DataError
 
 ROW_SUFFIXES = (".parquet", ".jsonl", ".json")
 RECORD_SUFFIXES = (*ROW_SUFFIXES, ".arrow")
@@ -52,7 +53,7 @@ def _iter_json_lines(path: Path) -> Iterator[dict]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
+                raise DataError(
                     f"{path}: line {line_number} is not valid JSON ({err.msg}); a JSON lines "
                     "file holds one JSON object per line"
                 ) from err
@@ -68,7 +69,7 @@ def _iter_json(path: Path) -> Iterator[dict]:
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from err
+        raise DataError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from err
     yield from records
 
 
@@ -99,8 +100,8 @@ def iter_records(path: str | os.PathLike) -> Iterator[Any]:
     readers = {".parquet": _iter_parquet, ".jsonl": _iter_json_lines, ".json": _iter_json,
                ".arrow": _iter_arrow}
     if path.suffix not in readers:
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of "
-                         f"{sorted(readers)}")
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of "
+                        f"{sorted(readers)}")
     return readers[path.suffix](path)
 
 
@@ -189,6 +190,10 @@ def _check_prompt(prompt: Any) -> str | None:
     return None
 
 
+def _prompt_text(prompt: str | list) -> str:
+    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -207,34 +212,40 @@ def validate_row(row: Any, *, where: str, prompt_key: str = "prompt") -> Row:
       ValueError: naming `where`, the field and what would be valid.
     """
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where}: a row must be a JSON object / struct, got "
-                         f"{type(row).__name__}")
+        raise DataError(f"{where}: a row must be a JSON object / struct, got "
+                        f"{type(row).__name__}")
     row = dict(row)
     if prompt_key not in row:
-        raise ValueError(f"{where}: missing field {prompt_key!r} (the prompt: {_PROMPT_FORMAT}); "
-                         f"fields present: {sorted(row)}")
+        raise DataError(f"{where}: missing field {prompt_key!r} (the prompt: {_PROMPT_FORMAT}); "
+                        f"fields present: {sorted(row)}")
     problem = _check_prompt(row[prompt_key])
+    if problem is None and not _prompt_text(row[prompt_key]).strip():
+        problem = "it is empty (no text to condition on)"
     if problem:
-        raise ValueError(f"{where}: field {prompt_key!r} must be {_PROMPT_FORMAT}; {problem}")
+        raise DataError(f"{where}: field {prompt_key!r} must be {_PROMPT_FORMAT}; {problem}")
     if not isinstance(row.get("data_source"), str):
-        raise ValueError(f"{where}: field 'data_source' must be a string naming the reward "
-                         f"function's data source; got {_short(row.get('data_source'))}")
+        raise DataError(f"{where}: field 'data_source' must be a string naming the reward "
+                        f"function's data source; got {_short(row.get('data_source'))}")
     for key in ("reward_model", "extra_info"):
         if row.get(key) is not None and not isinstance(row[key], Mapping):
-            raise ValueError(f"{where}: field {key!r} must be a dict (or absent); got "
-                             f"{type(row[key]).__name__} {_short(row[key])}")
+            raise DataError(f"{where}: field {key!r} must be a dict (or absent); got "
+                            f"{type(row[key]).__name__} {_short(row[key])}")
     row["prompt"] = row[prompt_key]
     return row
 
 
 def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-              prompt_key: str = "prompt", max_rows: int | None = None) -> list[Row]:
+              prompt_key: str = "prompt", max_rows: int | None = None,
+              check: Callable[[Row, str], None] | None = None) -> list[Row]:
     """Rows of verl-schema parquet / JSON lines files, validated, in file order.
 
     Args:
       paths: one path or a list of paths (verl's `data.train_files` accepts both).
       prompt_key: field holding the prompt (verl's `data.prompt_key`).
       max_rows: stop after this many rows in total (None: all).
+      check: `check(row, where)` run on each valid row (`where` is "file: row i"), for
+        what the caller needs of a row (its reward's fields, its prompt's length); it
+        raises to reject the row.
 
     Returns:
       A list of plain dicts (lists and dicts, never numpy object arrays).
@@ -246,23 +257,26 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
-        raise ValueError("no data files given; expected a path or a list of paths to "
-                         f"{'/'.join(ROW_SUFFIXES)} files")
+        raise DataError("no data files given; expected a path or a list of paths to "
+                        f"{'/'.join(ROW_SUFFIXES)} files")
     if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows={max_rows} must be positive (or None for all rows)")
+        raise DataError(f"max_rows={max_rows} must be positive (or None for all rows)")
     for path in paths:  # fail on a missing or unreadable file before reading a large one
         if not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist")
         if Path(path).suffix not in ROW_SUFFIXES:
-            raise ValueError(f"{path}: unsupported file type {Path(path).suffix!r}; expected "
-                             f"one of {list(ROW_SUFFIXES)}")
+            raise DataError(f"{path}: unsupported file type {Path(path).suffix!r}; expected "
+                            f"one of {list(ROW_SUFFIXES)}")
     rows: list[Row] = []
     for path in paths:
         for index, record in enumerate(iter_records(path)):
             if max_rows is not None and len(rows) >= max_rows:
                 return rows
-            rows.append(validate_row(record, where=f"{path}: row {index}",
-                                     prompt_key=prompt_key))
+            where = f"{path}: row {index}"
+            row = validate_row(record, where=where, prompt_key=prompt_key)
+            if check is not None:
+                check(row, where)
+            rows.append(row)
     return rows
 
 

@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 
 from jrl.data.dataset import Row
+from jrl.errors import ConfigError
 
 DATA_SOURCE = "synthetic/arithmetic"
 
@@ -57,7 +58,7 @@ def with_carry_slips(rows: list[Row], rate: float, seed: int) -> list[Row]:
     the gap between greedy and sampled accuracy that RL with a verifier closes.
     """
     if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"data.carry_slip_rate must be in [0, 1], got {rate}")
+        raise ConfigError(f"data.carry_slip_rate must be in [0, 1], got {rate}")
     rng = np.random.default_rng(seed)
     out = []
     for row in rows:
@@ -91,11 +92,11 @@ def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: i
     """
     unknown = set(ops) - set(_OPS)
     if unknown or not ops:
-        raise ValueError(f"data.ops must use characters from {''.join(_OPS)}, got {ops!r}")
+        raise ConfigError(f"data.ops must use characters from {''.join(_OPS)}, got {ops!r}")
     limit = 10**digits
     problems = list(itertools.product(range(limit), ops, range(limit)))
     if num_val >= len(problems):
-        raise ValueError(f"data.num_val={num_val} leaves no training problems ({len(problems)})")
+        raise ConfigError(f"data.num_val={num_val} leaves no training problems ({len(problems)})")
     order = np.random.default_rng(seed).permutation(len(problems))
     val = [arithmetic_row(*problems[i], reverse, digits) for i in order[:num_val]]
     rest = order[num_val:] if num_train is None else order[num_val : num_val + num_train]

@@ -25,6 +25,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from jrl.errors import ConfigError
+
 Message = Mapping[str, Any]
 
 
@@ -98,8 +100,8 @@ class CharTokenizer(Tokenizer):
         unknown = sorted({ch for ch in text if ch not in self._ids})
         if unknown:
             shown = ", ".join(f"{ch!r} (U+{ord(ch):04X})" for ch in unknown)
-            raise ValueError(f"CharTokenizer cannot encode {shown}; its alphabet is "
-                             f"{CHAR_ALPHABET!r}")
+            raise ConfigError(f"CharTokenizer cannot encode {shown}; its alphabet is "
+                              f"{CHAR_ALPHABET!r}")
         ids = [self._ids[ch] for ch in text]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
@@ -117,8 +119,8 @@ class CharTokenizer(Tokenizer):
         for message in messages:
             role = message["role"]
             if role not in _CHAR_ROLES:
-                raise ValueError(f"unknown chat role {role!r}; expected one of "
-                                 f"{sorted(_CHAR_ROLES)}")
+                raise ConfigError(f"unknown chat role {role!r}; expected one of "
+                                  f"{sorted(_CHAR_ROLES)}")
             lines.append(f"{_CHAR_ROLES[role]}: {message['content']}\n")
         return "".join(lines) + ("Assistant: " if add_generation_prompt else "")
 
@@ -249,9 +251,9 @@ class HFTokenizer(Tokenizer):
         token = self.special_tokens.get(key)
         token_id = None if token is None else self._tokenizer.token_to_id(token)
         if token is not None and token_id is None:
-            raise ValueError(f"{key} {token!r} of {self._source} is not in its vocabulary")
+            raise ConfigError(f"{key} {token!r} of {self._source} is not in its vocabulary")
         if required and token_id is None:
-            raise ValueError(f"{TOKENIZER_CONFIG_FILE} of {self._source} defines no {key}")
+            raise ConfigError(f"{TOKENIZER_CONFIG_FILE} of {self._source} defines no {key}")
         return token_id
 
     vocab_size = property(lambda self: self._tokenizer.get_vocab_size(with_added_tokens=True))
@@ -284,7 +286,7 @@ class HFTokenizer(Tokenizer):
           jinja2.TemplateError: the template rejected the conversation.
         """
         if self._template is None:
-            raise ValueError(
+            raise ConfigError(
                 f"tokenizer {self._source} has no chat template (neither "
                 f"{CHAT_TEMPLATE_FILE} nor 'chat_template' in {TOKENIZER_CONFIG_FILE})"
             )

@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from jrl.errors import ConfigError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
@@ -124,12 +126,12 @@ class ModelConfig:
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         # Lists from JSON would make the config unhashable.
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
@@ -229,7 +231,7 @@ class ModelConfig:
     def preset(cls, name: str, **overrides) -> ModelConfig:
         """A named preset (see `PRESETS`), with optional field overrides."""
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; presets are {sorted(PRESETS)}")
+            raise ConfigError(f"unknown model preset {name!r}; presets are {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -240,13 +242,13 @@ def hf_family_and_head(hf_config: Mapping[str, Any]) -> tuple[str, str]:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     if architectures:
-        raise ValueError(
+        raise ConfigError(
             f"unsupported architecture {architectures}; supported architectures are "
             f"{sorted(ARCHITECTURES)}"
         )
     model_type = hf_config.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise ValueError(
+        raise ConfigError(
             f"unsupported model_type {model_type!r}; supported model types are "
             f"{sorted(_MODEL_TYPES)}"
         )
@@ -257,10 +259,10 @@ def _check_hf_features(hf_config: Mapping[str, Any]) -> None:
     """Rejects config switches this implementation does not model."""
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        raise ConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
     for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf_config.get(key):
-            raise ValueError(f"config.json sets {key}=true, which jrl does not support")
+            raise ConfigError(f"config.json sets {key}=true, which jrl does not support")
 
 
 def _rope_dict(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -279,7 +281,7 @@ def _rope_scaling(hf_config: Mapping[str, Any]) -> RopeScaling | None:
     if rope_type == "default":
         return None
     if rope_type != "llama3":
-        raise ValueError(
+        raise ConfigError(
             f"unsupported rope_type {rope_type!r}; supported rope types are ['default', 'llama3']"
         )
     return RopeScaling(
@@ -300,7 +302,7 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
 
 
 # Shapes of the released checkpoints (their config.json files). `tiny` is for tests

@@ -35,6 +35,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jrl import errors
 from jrl.models.config import ModelConfig, hf_family_and_head
 
 CONFIG_NAME = "config.json"
@@ -45,7 +46,7 @@ _EMBED_NAME = "model.embed_tokens.weight"
 _LM_HEAD_NAME = "lm_head.weight"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(errors.CheckpointError):
     """A checkpoint's tensors do not match its config.json (missing, misshapen, untied)."""
 
 

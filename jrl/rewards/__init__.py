@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jrl.errors import DataError
 from jrl.rewards import arithmetic, gsm8k, math_answers
 
 RewardFn = Callable[..., "float | dict"]
@@ -28,6 +29,28 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
             "Set reward.custom_fn=path/to/file.py:name for your own."
         )
     return _BY_SOURCE[data_source](data_source, solution_str, ground_truth, extra_info)
+
+
+def check_row(row, where: str) -> None:
+    """Checks that `default_compute_score` can score `row`: a known `data_source` and a
+    `reward_model.ground_truth` that is a non-empty string or a number (every built-in
+    scorer compares the answer with `str(ground_truth)`).
+
+    Raises:
+      DataError: naming `where`, the field and what would be valid.
+    """
+    source = row.get("data_source")
+    if source not in _BY_SOURCE:
+        raise DataError(f"{where}: field 'data_source' is {source!r}, which has no reward "
+                        f"function; known: {sorted(_BY_SOURCE)}. Set reward.custom_fn="
+                        "path/to/file.py:name to score other sources.")
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    number = isinstance(truth, (int, float)) and not isinstance(truth, bool)
+    if not number and not (isinstance(truth, str) and truth.strip()):
+        got = "nothing" if truth is None else f"{type(truth).__name__} {truth!r}"[:80]
+        raise DataError(f"{where}: field 'reward_model.ground_truth' must be a non-empty "
+                        f"string or a number (the answer the {source!r} reward compares "
+                        f"with); got {got}")
 
 
 def register(data_source: str, fn: RewardFn) -> None:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from jrl.errors import ConfigError
+
 SPEC_FORMAT = "'path/to/file.py:function_name'"
 
 
@@ -25,15 +27,15 @@ def parse_spec(spec: str) -> tuple[Path, str]:
       ValueError: the spec is not a string of the form `path/to/file.py:name`.
     """
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"custom reward function spec {spec!r} (reward.custom_fn) must be "
-                         f"{SPEC_FORMAT}")
+        raise ConfigError(f"custom reward function spec {spec!r} (reward.custom_fn) must be "
+                          f"{SPEC_FORMAT}")
     path, name = spec.rsplit(":", 1)
     if not path or not name.isidentifier():
-        raise ValueError(f"custom reward function spec {spec!r} (reward.custom_fn) must be "
-                         f"{SPEC_FORMAT}, with a Python identifier after the colon")
+        raise ConfigError(f"custom reward function spec {spec!r} (reward.custom_fn) must be "
+                          f"{SPEC_FORMAT}, with a Python identifier after the colon")
     if not path.endswith(".py"):
-        raise ValueError(f"custom reward function spec {spec!r}: {path!r} is not a .py file; "
-                         f"expected {SPEC_FORMAT}")
+        raise ConfigError(f"custom reward function spec {spec!r}: {path!r} is not a .py file; "
+                          f"expected {SPEC_FORMAT}")
     return Path(path).expanduser(), name
 
 
@@ -76,8 +78,8 @@ def load_custom_fn(spec: str) -> Callable:
     if not hasattr(module, name):
         callables = sorted(k for k, v in vars(module).items()
                            if callable(v) and not k.startswith("_"))
-        raise ValueError(f"{str(path)!r} defines no {name!r}; its public callables are "
-                         f"{callables}")
+        raise ConfigError(f"{str(path)!r} defines no {name!r}; its public callables are "
+                          f"{callables}")
     fn = getattr(module, name)
     if not callable(fn):
         raise TypeError(f"{name!r} in {str(path)!r} is a {type(fn).__name__}, not a function")

@@ -57,6 +57,8 @@ def main(argv=None) -> None:
     parser.add_argument("--process_id", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="(one mesh) write here, and save "
                         "a checkpoint at the last step")
+    parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume "
+                        "from (trainer.resume_mode='resume_path')")
     args = parser.parse_args(argv)
 
     import jax
@@ -66,6 +68,9 @@ def main(argv=None) -> None:
     config = tiny_mesh_config(args.algo, args.steps)
     if args.workdir:
         config.trainer.save_freq = args.steps
+    if args.resume_from:
+        config.trainer.resume_mode = "resume_path"
+        config.trainer.resume_from_path = args.resume_from
     if args.coordinator:
         config.distributed.coordinator_address = args.coordinator
         config.distributed.num_processes = args.num_processes

@@ -74,7 +74,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(tmp_path, steps: int) -> list[dict]:
+def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list[dict]:
     """Runs the GRPO config in 2 processes x 4 CPU devices on one shared workdir."""
     out = tmp_path / f"two_processes_{steps}.json"
     address = f"localhost:{_free_port()}"
@@ -82,7 +82,8 @@ def _two_processes(tmp_path, steps: int) -> list[dict]:
         [sys.executable, "-m", "tests.sharding.runner", "--algo", "grpo", "--meshes", "8,1,1",
          "--steps", str(steps), "--out", str(out), "--coordinator", address,
          "--workdir", str(tmp_path / "run"),
-         "--num_processes", "2", "--process_id", str(i)],
+         "--num_processes", "2", "--process_id", str(i),
+         *(["--resume_from", resume_from] if resume_from else [])],
         cwd=ROOT, env=_env(4)) for i in range(2)]
     try:
         codes = [p.wait(timeout=600) for p in procs]
@@ -100,5 +101,7 @@ def test_two_processes_match_one_process(tmp_path):
     assert_same_metrics(expected[:2], _two_processes(tmp_path, steps=2))
     # Both processes wrote one orbax checkpoint together (step 2: the last step).
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
-    # Relaunched for 3 steps, both restore step 2 and run step 3 as the straight run did.
-    assert_same_metrics(expected, _two_processes(tmp_path, steps=3))
+    # Relaunched for 3 steps from that checkpoint (a longer run: trainer.resume_mode=
+    # "resume_path"), both restore step 2 and run step 3 as the straight run did.
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "2")
+    assert_same_metrics(expected, _two_processes(tmp_path, steps=3, resume_from=checkpoint))

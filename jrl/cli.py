@@ -1,0 +1,106 @@
+"""What `python -m jrl.train` and `python -m jrl.sft` share: flags, the config's keys
+checked before parsing, and errors printed as one line.
+
+A config, data, checkpoint or run-directory error (`jrl.errors.JrlError`, or a missing
+file) prints `error: <message>` and exits with status 2; `--debug` adds the traceback.
+Anything else is unexpected and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jrl import rundir
+from jrl.errors import ConfigError, JrlError
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                         lock_config=True)
+WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
+                              "runs/<config name>).")
+DEBUG = flags.DEFINE_bool("debug", False, "Print the full traceback of config, data and "
+                          "checkpoint errors too.")
+EXIT_USER_ERROR = 2
+
+
+def config_name() -> str:
+    return os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
+
+
+def _config_file_arg(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _load_config(spec: str):
+    """The config of a `--config=path.py[:arg]` value, as config_flags loads it."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: {path!r} is not a file; give a Python config file such as "
+                          "configs/grpo_arith.py")
+    module_spec = importlib.util.spec_from_file_location("jrl_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def check_override_keys(config, keys: Sequence[str]) -> None:
+    """Stops at the first dotted key that the config does not have, naming the nearest."""
+    for key in keys:
+        node, seen = config, []
+        for part in key.split("."):
+            if not hasattr(node, "keys"):
+                raise ConfigError(f"--config.{key}: {'.'.join(seen)} is a value, not a section")
+            if part not in node.keys():
+                nearest = difflib.get_close_matches(key, list(rundir.flatten(config)), n=1,
+                                                    cutoff=0.5)
+                hint = f"; the nearest valid key is {nearest[0]}" if nearest else ""
+                raise ConfigError(f"--config.{key}: the config has no key {key}{hint}")
+            node, seen = node[part], [*seen, part]
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, after checking every `--config.<key>=...` names a real key."""
+    try:
+        spec = _config_file_arg(argv[1:])
+        keys = [a[len("--config."):].split("=", 1)[0] for a in argv[1:]
+                if a.startswith("--config.")]
+        if spec and keys:
+            check_override_keys(_load_config(spec), keys)
+    except JrlError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    return app.parse_flags_with_usage(argv)
+
+
+def _exit_on_sigterm(signum, frame):
+    del frame
+    sys.exit(128 + signum)  # unwinds: the workdir's lock and open files are released
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """`app.run(main)` with readable errors for bad input."""
+
+    def wrapped(argv):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            main(argv)
+        except (JrlError, FileNotFoundError) as err:
+            if DEBUG.value:
+                traceback.print_exc()
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+
+    app.run(wrapped, flags_parser=parse_flags)

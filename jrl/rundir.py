@@ -1,0 +1,295 @@
+"""The run directory (`--workdir`): one run, the config it was started with, and its lock.
+
+    <workdir>/config.json     the resolved config, written when the run first starts
+    <workdir>/run.lock        pid, host and start time of the process running it
+    <workdir>/finished.json   written when the run reaches its last step
+    <workdir>/sft/            the warm start; its checkpoint records the settings it used
+    <workdir>/checkpoints/    RL checkpoints; metrics.jsonl, curves.png, tensorboard/
+
+A later start into the same workdir compares its config with `config.json`
+(`check_config`): the same config resumes (or reports a finished run), a changed one
+stops with the changed keys, unless `trainer.resume_mode` says otherwise (verl's
+names): `disable` starts over, `resume_path` resumes from `trainer.resume_from_path`
+whatever changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import ml_collections
+
+from jrl.errors import CheckpointError, ConfigError, RunDirError
+
+CONFIG_FILE = "config.json"
+LOCK_FILE = "run.lock"
+FINISHED_FILE = "finished.json"
+RESUME_MODES = ("auto", "disable", "resume_path")
+# What a run leaves in its workdir; `resume_mode=disable` removes these.
+RUN_OUTPUTS = ("checkpoints", "sft", "metrics.jsonl", "curves.png", "tensorboard", "hf_export",
+               FINISHED_FILE, CONFIG_FILE)
+# Keys that choose how a run is started, logged, placed on devices or exported, not what it
+# learns: they may differ between the starts of one run.
+CONTROL_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
+                "trainer.export_hf", "reward.num_workers", "mesh.", "distributed.")
+# The config keys a warm start depends on (prefixes); any change means a different one.
+WARM_START_KEYS = ("seed", "tokenizer.", "model.", "sft.", "data.", "rollout.response_length")
+# data.* keys that only the RL loop reads.
+_RL_ONLY_DATA_KEYS = ("data.train_batch_size", "data.val_batch_size", "data.gen_batch_size",
+                      "data.val_files")
+ABSENT = "<absent>"
+
+
+def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
+    """`{"actor.optim.lr": 1e-6, ...}` with JSON values (tuples become lists)."""
+    tree = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
+    tree = json.loads(json.dumps(tree, default=str))
+    out = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(tree, "")
+    return out
+
+
+def _matches(key: str, prefixes) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
+
+
+def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any],
+                 ignore=CONTROL_KEYS) -> list[tuple[str, Any, Any]]:
+    """`(key, old value, new value)` for each key whose value differs, sorted by key."""
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
+            if not _matches(k, ignore) and old.get(k, ABSENT) != new.get(k, ABSENT)]
+
+
+def format_changes(changes) -> str:
+    return "\n".join(f"  {key}: {json.dumps(old)} -> {json.dumps(new)}"
+                     for key, old, new in changes)
+
+
+def warm_start_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The flattened config keys that decide what the supervised warm start computes."""
+    return {k: v for k, v in flatten(config).items()
+            if _matches(k, WARM_START_KEYS) and k not in _RL_ONLY_DATA_KEYS}
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """How this start of a run proceeds.
+
+    Attributes:
+      kind: "new" (nothing to resume), "resume" (continue from the latest checkpoint
+        of the workdir, or from `resume_from`) or "finished" (the run is complete).
+      resume_from: the checkpoint step directory of `resume_mode=resume_path`.
+      notes: lines to print (what was removed, which keys changed).
+    """
+
+    kind: str
+    resume_from: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpoint: bool,
+                 write: bool = True) -> Start:
+    """Compares `config` with the run already in `workdir` and decides how to start.
+
+    Args:
+      workdir: the run directory.
+      config: this start's config.
+      has_checkpoint: whether `workdir/checkpoints` holds a complete checkpoint.
+      write: record the config (and remove old outputs for `disable`): process 0 only.
+
+    Raises:
+      RunDirError: the workdir's run used another config (the changed keys listed),
+        under `resume_mode=auto`.
+      ConfigError / CheckpointError: a bad `resume_mode` or `resume_from_path`.
+    """
+    mode = config.trainer.resume_mode
+    if mode not in RESUME_MODES:
+        raise ConfigError(f"trainer.resume_mode: {mode!r} is not valid; choose one of "
+                          f"{list(RESUME_MODES)}")
+    new = flatten(config)
+    config_path = os.path.join(workdir, CONFIG_FILE)
+    old = _read_json(config_path)
+    notes: list[str] = []
+    if mode == "disable":
+        present = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
+        if present and write:
+            for name in present:
+                path = os.path.join(workdir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            notes.append(f"trainer.resume_mode=disable: removed the previous run's "
+                         f"{', '.join(present)} from {workdir}")
+        old, has_checkpoint = None, False
+    resume_from = None
+    if mode == "resume_path":
+        resume_from = checkpoint_step_dir(config.trainer.resume_from_path)
+        if old is not None:
+            changes = changed_keys(old, new)
+            if changes:
+                notes.append(f"resuming from {resume_from} with changed keys:\n"
+                             + format_changes(changes))
+    elif old is not None:
+        changes = changed_keys(old, new)
+        if changes:
+            raise RunDirError(
+                f"{workdir} holds a run started with another config ({config_path}); changed "
+                f"keys, old -> new:\n{format_changes(changes)}\nPass a new --workdir for a "
+                "new run, --config.trainer.resume_mode=disable to start this one over (its "
+                "checkpoints and metrics are removed), or --config.trainer.resume_mode="
+                "resume_path --config.trainer.resume_from_path=<checkpoint dir> to continue "
+                "from a checkpoint with this config.")
+    elif has_checkpoint:
+        notes.append(f"{workdir} has checkpoints but no {CONFIG_FILE}; recording this config")
+    finished = _read_json(os.path.join(workdir, FINISHED_FILE))
+    if write:
+        os.makedirs(workdir, exist_ok=True)
+        _write_json(config_path, new)
+        if finished is not None and mode == "resume_path":
+            os.remove(os.path.join(workdir, FINISHED_FILE))
+    if mode == "resume_path":
+        return Start("resume", resume_from, tuple(notes))
+    if finished is not None:
+        return Start("finished", notes=tuple(notes))
+    return Start("resume" if has_checkpoint else "new", notes=tuple(notes))
+
+
+def checkpoint_step_dir(path: str | None) -> str:
+    """The checkpoint directory `trainer.resume_from_path` names (`.../checkpoints/<step>`)."""
+    if not path:
+        raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path: a "
+                          "checkpoint directory such as <workdir>/checkpoints/<step>")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path) or not os.path.basename(path).isdigit():
+        raise CheckpointError(f"trainer.resume_from_path: {path} is not a checkpoint directory; "
+                              "expected <workdir>/checkpoints/<step> of an earlier run")
+    return path
+
+
+def read_finished(workdir: str) -> dict | None:
+    return _read_json(os.path.join(workdir, FINISHED_FILE))
+
+
+def mark_finished(workdir: str, step: int, total_steps: int) -> None:
+    _write_json(os.path.join(workdir, FINISHED_FILE),
+                {"step": step, "total_steps": total_steps, "time": _now()})
+
+
+# ----------------------------------------------------------------------------- lock
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_lock(path: str, attempts: int = 20) -> dict | None:
+    """The lock's holder, or None once the file is gone; waits out a holder mid-write."""
+    for _ in range(attempts):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:
+            time.sleep(0.05)
+    return {"pid": None, "host": None, "started": None}
+
+
+def acquire_lock(workdir: str) -> str:
+    """Takes `workdir/run.lock` for this process; returns its path.
+
+    Raises:
+      RunDirError: another live process holds it (named).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, LOCK_FILE)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is None:
+                continue  # released meanwhile
+            pid, host = holder.get("pid"), holder.get("host")
+            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+                print(f"{workdir}: taking over the stale lock of pid {pid} (started "
+                      f"{holder.get('started')}; that process is gone)", flush=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                continue
+            where = "this host" if host == me["host"] else f"host {host}"
+            hint = "" if host == me["host"] else (
+                "; if no run is alive there, delete the lock file")
+            raise RunDirError(f"{workdir} is in use by pid {pid} on {where} since "
+                              f"{holder.get('started')} ({path}); wait for that run to end "
+                              f"or pass another --workdir{hint}") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise RunDirError(f"{workdir}: could not take {path}; other processes keep taking it")
+
+
+def release_lock(path: str) -> None:
+    """Removes the lock if this process still holds it."""
+    holder = _read_lock(path, attempts=1)
+    if holder is not None and holder.get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def locked(workdir: str, enabled: bool = True) -> Iterator[None]:
+    """Holds `workdir/run.lock` for the block (every exit path releases it)."""
+    if not enabled:
+        yield
+        return
+    path = acquire_lock(workdir)
+    try:
+        yield
+    finally:
+        release_lock(path)

@@ -1,0 +1,133 @@
+"""What the console and curves.png show: validation lines, labelled bar fields, compiling, axes."""
+
+import json
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+from jrl import metrics
+
+VAL = "val-core/synthetic/arithmetic/acc/mean@1"
+
+
+def _step(score: float, kl: float = 0.00123, seconds: float = 0.41) -> dict[str, float]:
+    return {"critic/score/mean": score, "actor/ppo_kl": kl, "timing_s/step": seconds}
+
+
+@pytest.fixture
+def writer(tmp_path):
+    w = metrics.MetricsWriter(str(tmp_path), ["console", "jsonl"], total_steps=4)
+    yield w
+    w.close()
+
+
+def test_validation_is_printed_with_its_value(writer, capsys):
+    writer.write(0, {VAL: 0.297, "val-aux/synthetic/arithmetic/reward/mean@1": 0.1})
+    writer.write(1, _step(0.5))
+    writer.write(2, {**_step(0.6), VAL: 0.9137})
+    out = capsys.readouterr().out.splitlines()
+    assert f"step 0: {VAL} = 0.297" in out
+    assert f"step 2: {VAL} = 0.914" in out
+    assert not any(line.startswith("step 1:") and "val-" in line for line in out)
+    assert not any("val-aux" in line for line in out)
+
+
+def test_validation_line_is_short():
+    many = {f"val-core/source{i}/acc/mean@4": 0.5 for i in range(5)}
+    many.update({f"val-core/source{i}/acc/best@4/mean": 0.9 for i in range(5)})
+    line = metrics.validation_line(7, many)
+    assert line == ("step 7: val-core/source0/acc/mean@4 = 0.500, "
+                    "val-core/source1/acc/mean@4 = 0.500, "
+                    "val-core/source2/acc/mean@4 = 0.500 (+2 more)")
+    assert metrics.validation_line(7, _step(0.5)) is None
+
+
+def test_nothing_is_printed_without_the_console_logger(tmp_path, capsys):
+    w = metrics.MetricsWriter(str(tmp_path), ["jsonl"], total_steps=4)
+    w.write(0, {VAL: 0.297})
+    w.write(1, {**_step(0.5), VAL: 0.5})
+    w.close()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert len(metrics.read_jsonl(w.path)) == 2
+
+
+def test_bar_fields_are_labelled(writer):
+    writer.write(1, _step(0.53))
+    assert writer._bar.postfix == "score=0.53, ppo_kl=0.00123, s/step=0.41"
+    assert writer._bar.n == 1
+
+
+def test_compiling_until_the_first_training_step(writer, capsys):
+    assert writer._bar.desc == "rl (compiling the first step)"
+    writer.write(0, {VAL: 0.297})  # validation before RL: still compiling
+    assert "compiling" in writer._bar.desc
+    writer.write(1, _step(0.5, seconds=63.2))
+    assert writer._bar.desc == "rl"
+    assert "step 1: 63.2 s (including compilation)" in capsys.readouterr().out
+    # The clock restarts after step 1, so rate and ETA leave out compilation.
+    assert writer._bar.n == writer._bar.initial == 1
+    writer.write(2, _step(0.6))
+    assert writer._bar.desc == "rl" and writer._bar.n == 2
+    assert "compilation" not in capsys.readouterr().out
+
+
+def test_resumed_run_compiles_its_first_step(tmp_path):
+    w = metrics.MetricsWriter(str(tmp_path), ["console"], total_steps=6, start_step=4)
+    assert "compiling" in w._bar.desc and w._bar.n == 4
+    w.write(5, _step(0.5))
+    assert w._bar.desc == "rl" and w._bar.n == 5
+    w.close()
+    done = metrics.MetricsWriter(str(tmp_path), ["console"], total_steps=6, start_step=6)
+    assert done._bar.desc == "rl"
+    done.close()
+
+
+def _records() -> list[dict]:
+    records = [{"step": 0, VAL: 0.3, "val-core/other/acc/mean@1": 0.1}]
+    for step in range(1, 5):
+        records.append({"step": step, **_step(0.2 * step)})
+    records[-1].update({VAL: 0.8, "val-core/other/acc/mean@1": 0.4})
+    return records
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_curves_label_axes_and_keep_legends_off_the_data():
+    fig = metrics.curves_figure(_records())
+    assert isinstance(fig.canvas, FigureCanvasAgg)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    train, val = fig.axes
+    assert train.get_ylabel() == "training score (critic/score/mean)"
+    assert val.get_ylabel() == "validation accuracy (val-core)"
+    assert all(ax.get_xlabel() == "RL step" for ax in fig.axes)
+    assert val.get_ylim() == (0, 1)
+    assert train.get_ylim() != (0, 1)
+    legend = val.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["other/acc/mean@1",
+                                                        "synthetic/arithmetic/acc/mean@1"]
+    legend_box = legend.get_window_extent(renderer)
+    assert not _overlap(legend_box, val.get_window_extent(renderer))
+    assert not _overlap(legend_box, train.get_window_extent(renderer))
+    # Constrained layout keeps the legend on the canvas.
+    assert fig.bbox.y0 <= legend_box.y0
+
+
+def test_curves_of_a_reward_keep_their_range():
+    records = [{"step": 0, "val-core/src/reward/mean@1": -2.0},
+               {"step": 1, "val-core/src/reward/mean@1": 3.0}]
+    (ax,) = metrics.curves_figure(records).axes
+    assert ax.get_ylabel() == "validation reward (val-core)"
+    low, high = ax.get_ylim()
+    assert low < -2.0 and high > 3.0
+
+
+def test_plot_curves_writes_the_png(tmp_path):
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    png = metrics.plot_curves(str(jsonl), str(tmp_path / "curves.png"), val_key=VAL)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,135 @@
+"""Bad input stops before anything compiles, with one readable line: every data row is
+checked at load, misspelled keys name the nearest valid key, and the command-line entry
+points print config / data / run-directory errors without a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jrl import train
+from jrl.errors import DataError
+
+from .tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _row(prompt="1+2=", source="synthetic/arithmetic", truth="3"):
+    row = {"prompt": prompt, "data_source": source}
+    if truth is not ...:
+        row["reward_model"] = {"ground_truth": truth, "style": "rule"}
+    return row
+
+
+def _files(tmp_path, bad_row, bad_index=2):
+    good = [_row() for _ in range(4)]
+    train_rows = good[:bad_index] + [bad_row] + good[bad_index:]
+    paths = {}
+    for split, rows in (("train", train_rows), ("val", good)):
+        paths[split] = str(tmp_path / f"{split}.jsonl")
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return paths
+
+
+def _config(paths, **kw):
+    return tiny_config(**{"data.train_files": paths["train"], "data.val_files": paths["val"],
+                          "data.max_prompt_length": 8, **kw})
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if the run gets as far as building (and compiling) a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the input error was not found before the model was built")
+    monkeypatch.setattr(train, "build_model", refuse)
+
+
+@pytest.mark.parametrize("bad_row, message", [
+    (_row(prompt=""), r"train.jsonl: row 2: field 'prompt' must be .*; it is empty"),
+    (_row(prompt=[{"role": "user", "content": "  "}]), r"row 2: field 'prompt' .* it is empty"),
+    (_row(source="my_task"), r"train.jsonl: row 2: field 'data_source' is 'my_task', which has "
+     r"no reward function; known: \[.*'synthetic/arithmetic'.*\]\. Set reward.custom_fn"),
+    (_row(truth=...), r"train.jsonl: row 2: field 'reward_model.ground_truth' must be a "
+     r"non-empty string or a number .*; got nothing"),
+    (_row(truth={"answer": "3"}), r"row 2: field 'reward_model.ground_truth' .* got dict"),
+    (_row(truth=""), r"row 2: field 'reward_model.ground_truth' .* got str ''"),
+    (_row(prompt="123456789+1="), r"train.jsonl: row 2: the prompt '123456789\+1=' has 12 "
+     r"tokens, more than data.max_prompt_length=8"),
+])
+def test_bad_row_stops_before_the_model_is_built(tmp_path, no_model, bad_row, message):
+    with pytest.raises(DataError, match=message):
+        train.run(_config(_files(tmp_path, bad_row)), str(tmp_path / "run"))
+
+
+def test_rows_a_custom_reward_scores_are_not_held_to_the_built_in_rewards(tmp_path):
+    rows = _files(tmp_path, _row(source="my_task", truth=...))
+    config = _config(rows, **{"reward.custom_fn": "x.py:score"})
+    train_rows, _ = train.build_data(config, train.build_tokenizer(config))
+    assert len(train_rows) == 5
+    # A numeric ground truth is fine for the built-in scorers (they compare str(truth)).
+    rows = _files(tmp_path, _row(truth=3))
+    assert len(train.build_data(_config(rows), train.build_tokenizer(_config(rows)))[0]) == 5
+
+
+def test_too_long_synthetic_prompt_stops_before_the_warm_start(tmp_path, no_model):
+    config = tiny_config(**{"data.digits": 2, "data.max_prompt_length": 3, "sft.steps": 5})
+    with pytest.raises(DataError, match=r"data.task='arithmetic' \(train\): row 0: the prompt "
+                       r"'\d\d\+\d\d=' has 6 tokens, more than data.max_prompt_length=3"):
+        train.run(config, str(tmp_path))
+
+
+def _cli(module, *args, cwd=REPO):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_misspelled_key_names_its_path_and_the_nearest_key(tmp_path):
+    done = _cli("jrl.train", "--config=configs/grpo_arith.py", "--config.actor.optim.lrr=1e-5",
+                f"--workdir={tmp_path}")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --config.actor.optim.lrr: the config has no key "
+                                   "actor.optim.lrr; the nearest valid key is actor.optim.lr")
+    assert not os.listdir(tmp_path)
+
+
+def test_cli_prints_a_data_error_as_one_line_and_the_traceback_with_debug(tmp_path):
+    paths = _files(tmp_path, _row(prompt=""))
+    args = ["--config=configs/grpo_arith.py", f"--config.data.train_files={paths['train']}",
+            f"--config.data.val_files={paths['val']}", f"--workdir={tmp_path / 'run'}"]
+    done = _cli("jrl.train", *args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: {paths['train']}: row 2: field 'prompt' must be")
+    assert not any("Traceback" in line for line in lines)
+    debug = _cli("jrl.train", *args, "--debug")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_cli_run_directory_error_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"seed": 7}))
+    done = _cli("jrl.train", "--config=configs/grpo_arith.py", f"--workdir={tmp_path}")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: {tmp_path} holds a run started with another config")
+    assert "  seed: 7 -> 0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sft_cli_reuses_or_refuses_a_warm_start(tmp_path):
+    args = ["--config=configs/grpo_arith.py", "--config.sft.steps=2", "--config.sft.batch_size=4",
+            "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+            "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+            "--config.model.head_dim=16", f"--workdir={tmp_path}"]
+    first = _cli("jrl.sft", *args)
+    assert first.returncode == 0, first.stderr
+    assert f"saved the warm-started parameters under {tmp_path}/sft" in first.stdout
+    again = _cli("jrl.sft", *args)
+    assert again.returncode == 0, again.stderr
+    assert f"{tmp_path}/sft already holds this warm start; nothing to train" in again.stdout
+    changed = _cli("jrl.sft", *args, "--config.sft.steps=3")
+    assert changed.returncode == 2
+    assert "  sft.steps: 2 -> 3" in changed.stderr and "Traceback" not in changed.stderr

@@ -3,7 +3,7 @@
 The main job's task (`configs/grpo_arith.py`, read when the comparison starts): a tiny
 decoder learns two-digit addition with the character tokenizer. Per seed:
 
-1. `warm`: jrl's supervised warm start (`jrl.train.warm_start`, exactly as `python -m
+1. `warm`: jrl's supervised warm start (`jrl.sft.warm_start`, exactly as `python -m
    jrl.train` runs it), exported as a Hugging Face checkpoint (`jrl.models.hf.
    save_pretrained`) with a `tokenizers` character-level tokenizer whose ids equal
    `CharTokenizer`'s. Checked: every held-out and training prompt and answer encodes
@@ -57,7 +57,7 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jrl import rollout, settings, sharding, train  # noqa: E402
+from jrl import experiment, rollout, settings, sft, sharding  # noqa: E402
 from jrl.data.dataset import BatchIterator, encode_prompts, ground_truth  # noqa: E402
 from jrl.data.tokenizers import CHAR_ALPHABET, CHAR_SPECIAL_TOKENS, CharTokenizer  # noqa: E402
 from jrl.models import forward_logits, hf, positions_from_mask  # noqa: E402
@@ -369,7 +369,7 @@ def setup(args) -> Setup:
     if config.tokenizer.name != "char" or config.model.path:
         raise ValueError("the comparison exports the char-tokenizer warm start of the config")
     tokenizer = CharTokenizer()
-    train_rows, val_rows = train.build_data(config, tokenizer)
+    train_rows, val_rows = experiment.build_data(config, tokenizer)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
     model, params = hf.load_pretrained(hf_dir(args), dtype=config.model.param_dtype,
@@ -401,12 +401,12 @@ def run_warm(args) -> None:
     config.seed = args.seed
     # warm_start would restore an earlier checkpoint, perhaps of another config.
     shutil.rmtree(seed_dir(args), ignore_errors=True)
-    tokenizer = train.build_tokenizer(config)
-    train_rows, val_rows = train.build_data(config, tokenizer)
+    tokenizer = experiment.build_tokenizer(config)
+    train_rows, val_rows = experiment.build_data(config, tokenizer)
     sharder = sharding.from_config(config)
-    model, params = train.build_model(config, tokenizer, sharder)
+    model, params = experiment.build_model(config, tokenizer, sharder)
     start = time.perf_counter()
-    params = train.warm_start(config, seed_dir(args), model, params, tokenizer, train_rows,
+    params = sft.warm_start(config, seed_dir(args), model, params, tokenizer, train_rows,
                               sharder)
     seconds = time.perf_counter() - start
     params = jax.tree.map(sharding.host_array, params)
@@ -433,7 +433,7 @@ def run_jrl(args) -> None:
     config = st.config
     workdir = os.path.join(seed_dir(args), run_name(args, "jrl"))
     shutil.rmtree(workdir, ignore_errors=True)
-    scorer, _ = train.build_reward(config, st.s)
+    scorer, _ = experiment.build_reward(config, st.s)
     trainer = RLTrainer(st.s, st.model, st.params, st.tokenizer, st.train_rows, st.val_rows,
                         scorer, workdir, config.seed, config.trainer,
                         apply_chat_template=config.data.apply_chat_template,

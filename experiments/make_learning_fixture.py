@@ -19,7 +19,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import grpo_arith  # noqa: E402
-from jrl import train  # noqa: E402
+from jrl import experiment, sft  # noqa: E402
 from jrl.models import hf  # noqa: E402
 
 
@@ -28,11 +28,11 @@ def main() -> None:
     parser.add_argument("--out", default="tests/data/arith_warm_start")
     args = parser.parse_args()
     config = grpo_arith.get_config()
-    tokenizer = train.build_tokenizer(config)
-    train_rows, _ = train.build_data(config, tokenizer)
-    model, params = train.build_model(config, tokenizer)
+    tokenizer = experiment.build_tokenizer(config)
+    train_rows, _ = experiment.build_data(config, tokenizer)
+    model, params = experiment.build_model(config, tokenizer)
     with tempfile.TemporaryDirectory() as workdir:
-        params = train.warm_start(config, workdir, model, params, tokenizer, train_rows)
+        params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows)
     hf.save_pretrained(args.out, model, params, dtype="bfloat16")
     print(f"wrote {args.out}")
 

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jrl import logprobs, masks, update
+from jrl import experiment, logprobs, masks, rundir, update
 from jrl import sharding as sharding_lib
+from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import Row, encode_prompts, ground_truth
-from jrl.errors import ConfigError
+from jrl.errors import ConfigError, RunDirError
 from jrl.models.config import ModelConfig
 
 
@@ -109,13 +110,54 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
     return state.params
 
 
+def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=None):
+    """Runs the supervised warm start of `config.sft`, or restores the workdir's.
+
+    A stored warm start is reused only when the settings it was made with (the
+    `rundir.WARM_START_KEYS` of its config: seed, tokenizer, model, sft, data) equal
+    this config's; otherwise this stops with the changed keys.
+    """
+    directory = os.path.join(workdir, "sft")
+    ckpt = Checkpointer(directory)
+    wanted = rundir.warm_start_settings(config)
+    try:
+        step = ckpt.latest_step()
+        if step is not None:
+            meta = ckpt.read_meta(step)
+            # Warm starts saved before their settings were recorded carry only `steps`.
+            stored = meta.get("settings") or {"sft.steps": meta.get("steps")}
+            current = wanted if "settings" in meta else {k: wanted.get(k) for k in stored}
+            changes = rundir.changed_keys(stored, current, ignore=())
+            if changes:
+                raise RunDirError(
+                    f"{directory} holds a warm start made with other settings; changed keys, "
+                    f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
+                    "--config.trainer.resume_mode=disable to replace it.")
+            if jax.process_index() == 0:
+                print(f"sft: reusing the warm start in {directory} ({meta.get('steps')} steps)",
+                      flush=True)
+            return ckpt.restore(step, params)[0]
+        if jax.process_index() == 0:
+            print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
+        params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
+                           batch_size=config.sft.batch_size, lr=config.sft.lr,
+                           max_prompt_length=config.data.max_prompt_length,
+                           max_response_length=config.rollout.response_length,
+                           seed=config.seed, lr_warmup_steps=config.sft.lr_warmup_steps,
+                           apply_chat_template=config.data.apply_chat_template,
+                           log_every=max(config.sft.steps // 5, 1), sharder=sharder)
+        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
+        return params
+    finally:
+        ckpt.close()
+
+
 def main(argv):
     """`python -m jrl.sft --config=configs/x.py --workdir=...`: the warm start alone."""
     del argv
     from absl import app, logging
 
-    from jrl import cli, rundir, train
-    from jrl.checkpoint import Checkpointer
+    from jrl import cli
 
     logging.set_verbosity(logging.WARNING)
     config = cli.CONFIG.value
@@ -125,14 +167,14 @@ def main(argv):
         raise ConfigError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
     workdir = cli.WORKDIR.value or "runs/sft"
     with rundir.locked(workdir):
-        tokenizer = train.build_tokenizer(config)
-        train_rows, _ = train.build_data(config, tokenizer)
-        model, params = train.build_model(config, tokenizer)
+        tokenizer = experiment.build_tokenizer(config)
+        train_rows, _ = experiment.build_data(config, tokenizer)
+        model, params = experiment.build_model(config, tokenizer)
         checkpointer = Checkpointer(os.path.join(workdir, "sft"))
         existing = checkpointer.latest_step()
         checkpointer.close()
         # An existing warm start is checked against this config (an error if it differs).
-        train.warm_start(config, workdir, model, params, tokenizer, train_rows)
+        warm_start(config, workdir, model, params, tokenizer, train_rows)
     if existing is None:
         print(f"saved the warm-started parameters under {workdir}/sft")
     else:

@@ -8,207 +8,15 @@ reward curves to `workdir/curves.png`.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
 import ml_collections
 from absl import app, logging
 
-from jrl import cli, distributed, metrics, rewards, rundir, settings, sharding
-from jrl.checkpoint import Checkpointer
-from jrl.data import files, synthetic
-from jrl.data.dataset import prompt_token_ids
-from jrl.data.tokenizers import CharTokenizer, HFTokenizer
-from jrl.errors import ConfigError, DataError, RunDirError
+from jrl import cli, distributed, experiment, metrics, rundir, settings, sft, sharding
 from jrl.models import hf
-from jrl.models.config import ModelConfig
-from jrl.models.transformer import init_params, param_logical_axes
-from jrl.rewards import scoring
-from jrl.sft import train_sft
 from jrl.trainer import RLTrainer
-
-_MODEL_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim")
-
-
-def build_tokenizer(config):
-    name = config.tokenizer.name
-    if name == "char":
-        return CharTokenizer()
-    if name == "hf":
-        path = os.path.expanduser(config.tokenizer.path or config.model.path or "")
-        if not path:
-            raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
-        return HFTokenizer.from_pretrained(path)
-    raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
-
-
-def build_data(config, tokenizer=None, reward_fn=None):
-    """(train rows, validation rows): from `data.train_files` / `val_files` when given,
-    else the synthetic `data.task`.
-
-    Every row is checked here, before any compilation: its schema, a non-empty prompt,
-    its prompt's length against `data.max_prompt_length` (with a tokenizer), and, when
-    the built-in rule rewards score it (no `reward_fn`, `reward.custom_fn` or reward
-    model), a known `data_source` and a usable `reward_model.ground_truth`. An error
-    names the file, the row's index in it and the field.
-    """
-    rule_reward = (reward_fn is None and not config.reward.custom_fn
-                   and not config.reward_model.enable)
-    if config.data.train_files:
-        return (_file_rows(config, tokenizer, "train", rule_reward),
-                _file_rows(config, tokenizer, "val", rule_reward))
-    if config.data.val_files:
-        raise ConfigError("data.val_files is set without data.train_files; give both, or "
-                          "neither for the synthetic data.task")
-    if config.data.task != "arithmetic":
-        raise ConfigError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
-    train_rows, val_rows = synthetic.arithmetic(
-        config.data.digits, config.data.ops, config.data.num_val, config.data.num_train,
-        seed=config.data.seed, reverse=config.data.reverse_answer,
-        carry_slip_rate=config.data.carry_slip_rate)
-    if tokenizer is not None:
-        where = f"data.task={config.data.task!r}"
-        for split, rows in (("train", train_rows), ("val", val_rows)):
-            for index, row in enumerate(rows):
-                _check_prompt_length(config, tokenizer, row, f"{where} ({split}): row {index}",
-                                     hint="raise data.max_prompt_length")
-    return train_rows, val_rows
-
-
-def _check_prompt_length(config, tokenizer, row, where: str, hint: str) -> None:
-    limit = config.data.max_prompt_length
-    length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
-    if length > limit:
-        prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
-        shown = repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")
-        raise DataError(f"{where}: the prompt {shown} has {length} tokens, more than "
-                        f"data.max_prompt_length={limit}; {hint}")
-
-
-def param_shardings(sharder: sharding.Sharder, model: ModelConfig, head: str = "lm"):
-    """Shardings of a model's parameters on `sharder`'s mesh (from shapes alone)."""
-    shapes = jax.eval_shape(functools.partial(init_params, model, head=head), jax.random.key(0))
-    return sharder.params(param_logical_axes(model, head), shapes)
-
-
-def _file_rows(config, tokenizer, split: str, rule_reward: bool) -> list:
-    """Rows of `data.<split>_files`, checked (see `build_data`), with overlong prompts
-    dropped or reported."""
-    key = f"data.{split}_files"
-    paths = config.data[f"{split}_files"]
-    if not paths:
-        return []
-    limit, chat = config.data.max_prompt_length, config.data.apply_chat_template
-    filter_overlong = config.data.filter_overlong_prompts
-
-    def check(row, where):
-        if rule_reward:
-            rewards.check_row(row, where)
-        if tokenizer is not None and not filter_overlong:
-            _check_prompt_length(config, tokenizer, row, where,
-                                 hint="raise the limit or set data.filter_overlong_prompts="
-                                 "True to drop such rows")
-
-    rows = files.load_rows(paths, prompt_key=config.data.prompt_key, check=check)
-    if tokenizer is not None and filter_overlong:
-        rows, dropped = files.filter_overlong_prompts(rows, tokenizer, limit, chat)
-        if jax.process_index() == 0:
-            print(f"{key}: dropped {dropped} rows with prompts over data.max_prompt_length="
-                  f"{limit} tokens; {len(rows)} remain", flush=True)
-        if not rows:
-            raise DataError(f"{key}: every prompt is longer than data.max_prompt_length={limit}")
-    return rows
-
-
-def build_reward(config, s: settings.Settings, reward_fn=None):
-    """(rule scorer, reward model or None) of the `reward` / `reward_model` sections."""
-    r = s.reward
-    # With a reward model the rule scorer is never called: no worker processes for it.
-    scorer = scoring.RewardScorer(reward_fn or r.custom_fn,
-                                  num_workers=0 if r.model_path else r.num_workers,
-                                  on_error=r.on_error, error_score=r.error_score)
-    model = None
-    if r.model_path:
-        from jrl.rewards.reward_model import RewardModel
-
-        model = RewardModel.from_pretrained(
-            r.model_path, r.model_max_length, dtype=config.model.dtype,
-            truncation=r.model_truncation, micro_batch_size=r.model_micro_batch_size)
-    return scorer, model
-
-
-def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
-                ) -> tuple[ModelConfig, dict]:
-    """(architecture, initial actor params) from model.path or a preset.
-
-    With a `sharder`, parameters are created (or read) directly into their shardings;
-    no device ever holds a full copy it does not need.
-    """
-    dtypes = {"dtype": config.model.dtype, "remat": config.model.remat}
-    if config.model.path:
-        shardings = None
-        if sharder is not None:
-            shardings = lambda model, head: param_shardings(sharder, model, head)
-        return hf.load_pretrained(os.path.expanduser(config.model.path),
-                                  dtype=config.model.param_dtype,
-                                  config_overrides=dtypes, shardings=shardings)
-    overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
-    # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
-    # never sample an id the tokenizer cannot decode.
-    model = ModelConfig.preset(
-        config.model.preset, param_dtype=config.model.param_dtype, vocab_size=tokenizer.vocab_size,
-        pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
-        **dtypes, **overrides)
-    key = jax.random.key(config.seed)
-    if sharder is None:
-        return model, init_params(model, key)
-    init = jax.jit(functools.partial(init_params, model),
-                   out_shardings=param_shardings(sharder, model))
-    return model, init(key)
-
-
-def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=None):
-    """Runs the supervised warm start of `config.sft`, or restores the workdir's.
-
-    A stored warm start is reused only when the settings it was made with (the
-    `rundir.WARM_START_KEYS` of its config: seed, tokenizer, model, sft, data) equal
-    this config's; otherwise this stops with the changed keys.
-    """
-    directory = os.path.join(workdir, "sft")
-    ckpt = Checkpointer(directory)
-    wanted = rundir.warm_start_settings(config)
-    try:
-        step = ckpt.latest_step()
-        if step is not None:
-            meta = ckpt.read_meta(step)
-            # Warm starts saved before their settings were recorded carry only `steps`.
-            stored = meta.get("settings") or {"sft.steps": meta.get("steps")}
-            current = wanted if "settings" in meta else {k: wanted.get(k) for k in stored}
-            changes = rundir.changed_keys(stored, current, ignore=())
-            if changes:
-                raise RunDirError(
-                    f"{directory} holds a warm start made with other settings; changed keys, "
-                    f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
-                    "--config.trainer.resume_mode=disable to replace it.")
-            if jax.process_index() == 0:
-                print(f"sft: reusing the warm start in {directory} ({meta.get('steps')} steps)",
-                      flush=True)
-            return ckpt.restore(step, params)[0]
-        if jax.process_index() == 0:
-            print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
-        params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
-                           batch_size=config.sft.batch_size, lr=config.sft.lr,
-                           max_prompt_length=config.data.max_prompt_length,
-                           max_response_length=config.rollout.response_length,
-                           seed=config.seed, lr_warmup_steps=config.sft.lr_warmup_steps,
-                           apply_chat_template=config.data.apply_chat_template,
-                           log_every=max(config.sft.steps // 5, 1), sharder=sharder)
-        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
-        return params
-    finally:
-        ckpt.close()
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None,
@@ -234,8 +42,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
 
 def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
     lead = jax.process_index() == 0
-    tokenizer = build_tokenizer(config)
-    train_rows, val_rows = build_data(config, tokenizer, reward_fn)
+    tokenizer = experiment.build_tokenizer(config)
+    train_rows, val_rows = experiment.build_data(config, tokenizer, reward_fn)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
     start = rundir.check_config(workdir, config, has_checkpoint=_has_checkpoint(workdir),
@@ -257,13 +65,14 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
         return {"resumed": False, "finished": True, "step": done["step"],
                 **_results(config, workdir, final={})}
     sharder = sharder or sharding.from_config(config)
-    scorer, reward_model = build_reward(config, s, reward_fn)
+    scorer, reward_model = experiment.build_reward(config, s, reward_fn)
     trainer = None
     try:  # reward workers and the checkpointer are closed however the run ends
-        model, params = build_model(config, tokenizer, sharder)
+        model, params = experiment.build_model(config, tokenizer, sharder)
         os.makedirs(workdir, exist_ok=True)
         if config.sft.steps > 0:
-            params = warm_start(config, workdir, model, params, tokenizer, train_rows, sharder)
+            params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows,
+                                      sharder)
         trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
                             scorer, workdir, config.seed, config.trainer,
                             apply_chat_template=config.data.apply_chat_template,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jrl import train
+from jrl import experiment, train
 from jrl.errors import DataError
 
 from .tiny import tiny_config
@@ -45,7 +45,7 @@ def no_model(monkeypatch):
     """Fails the test if the run gets as far as building (and compiling) a model."""
     def refuse(*args, **kwargs):
         raise AssertionError("the input error was not found before the model was built")
-    monkeypatch.setattr(train, "build_model", refuse)
+    monkeypatch.setattr(experiment, "build_model", refuse)
 
 
 @pytest.mark.parametrize("bad_row, message", [
@@ -68,11 +68,12 @@ def test_bad_row_stops_before_the_model_is_built(tmp_path, no_model, bad_row, me
 def test_rows_a_custom_reward_scores_are_not_held_to_the_built_in_rewards(tmp_path):
     rows = _files(tmp_path, _row(source="my_task", truth=...))
     config = _config(rows, **{"reward.custom_fn": "x.py:score"})
-    train_rows, _ = train.build_data(config, train.build_tokenizer(config))
+    train_rows, _ = experiment.build_data(config, experiment.build_tokenizer(config))
     assert len(train_rows) == 5
     # A numeric ground truth is fine for the built-in scorers (they compare str(truth)).
     rows = _files(tmp_path, _row(truth=3))
-    assert len(train.build_data(_config(rows), train.build_tokenizer(_config(rows)))[0]) == 5
+    config = _config(rows)
+    assert len(experiment.build_data(config, experiment.build_tokenizer(config))[0]) == 5
 
 
 def test_too_long_synthetic_prompt_stops_before_the_warm_start(tmp_path, no_model):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jrl import rundir, train
+from jrl import experiment, rundir, sft, train
 from jrl.checkpoint import Checkpointer
 from jrl.errors import RunDirError
 from jrl.metrics import read_jsonl
@@ -181,10 +181,10 @@ def test_lock_is_exclusive_within_one_host(tmp_path):
 
 
 def _warm_start(config, workdir):
-    tokenizer = train.build_tokenizer(config)
-    rows, _ = train.build_data(config, tokenizer)
-    model, params = train.build_model(config, tokenizer)
-    return train.warm_start(config, workdir, model, params, tokenizer, rows)
+    tokenizer = experiment.build_tokenizer(config)
+    rows, _ = experiment.build_data(config, tokenizer)
+    model, params = experiment.build_model(config, tokenizer)
+    return sft.warm_start(config, workdir, model, params, tokenizer, rows)
 
 
 def test_warm_start_is_reused_only_with_its_own_settings(tmp_path, capsys):
@@ -202,8 +202,8 @@ def test_warm_start_is_reused_only_with_its_own_settings(tmp_path, capsys):
 
 def test_warm_start_saved_without_settings_is_checked_by_its_steps(tmp_path):
     config = _config(**{"sft.steps": 2, "sft.batch_size": 4})
-    tokenizer = train.build_tokenizer(config)
-    model, params = train.build_model(config, tokenizer)
+    tokenizer = experiment.build_tokenizer(config)
+    model, params = experiment.build_model(config, tokenizer)
     ckpt = Checkpointer(os.path.join(tmp_path, "sft"))
     ckpt.save(25, params, {"steps": 25})
     ckpt.close()

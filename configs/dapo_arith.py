@@ -6,9 +6,14 @@ Dynamic sampling and overlong shaping are off here; turn them on with
 `--config.reward_model.overlong_buffer.enable=True` (and `.len`).
 
     python -m jrl.train --config=configs/dapo_arith.py
+
+Takes grpo_arith's variants: `--config=configs/dapo_arith.py:n=16,seed=1`.
 """
 
 from configs import grpo_arith
+
+# The variants `get_config(arg)` accepts (passed on to grpo_arith), with their defaults.
+ARG_DEFAULTS = grpo_arith.ARG_DEFAULTS
 
 
 def get_config(arg: str | None = None):

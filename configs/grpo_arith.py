@@ -9,14 +9,30 @@ prompt, exact-match reward against the true sum) then closes that gap. Validatio
 greedy accuracy on 256 held-out problems. docs/learning.md explains the choices.
 
     python -m jrl.train --config=configs/grpo_arith.py
+
+Variants go after a colon, e.g. `--config=configs/grpo_arith.py:n=16,lr=3e-4`
+(the default workdir names the variant: `runs/grpo_arith-n=16_lr=3e-4`);
+dapo_arith, rloo_arith and reinforce_pp_arith take the same ones:
+
+    n      samples per prompt, rollout.n (8; the micro-batch follows to divide
+           the mini-batch of 16 x n sequences)
+    lr     actor learning rate, actor.optim.lr (1e-4)
+    steps  RL steps, trainer.total_training_steps (100)
+    seed   root seed of init, sampling and shuffling, seed (0)
 """
 
-from jrl.config_defaults import base_config
+import math
+
+from jrl.config_defaults import base_config, parse_arg
+
+# The variants `get_config(arg)` accepts, with their values when not given.
+ARG_DEFAULTS = dict(n=8, lr=1e-4, steps=100, seed=0)
 
 
 def get_config(arg: str | None = None):
-    del arg
+    a = parse_arg(arg, **ARG_DEFAULTS)
     c = base_config()
+    c.seed = a.seed
     c.model.preset = "tiny"
     # Width 256: the warm start leaves its loss plateau within a few hundred steps on
     # every seed (at width 128 some seeds stay on it for over 1,000 steps).
@@ -30,7 +46,7 @@ def get_config(arg: str | None = None):
     c.data.carry_slip_rate = 0.8
     c.data.train_batch_size = 32
     c.data.max_prompt_length = 8
-    c.rollout.n = 8
+    c.rollout.n = a.n
     c.rollout.response_length = 5
     # A warm start run to convergence on the noisy demonstrations (the starting accuracy
     # is set by the teacher's slip rate, not by where SFT happens to stop).
@@ -41,15 +57,17 @@ def get_config(arg: str | None = None):
     c.sft.lr = 1e-3
     c.sft.lr_warmup_steps = 100
     # 3e-4 let one seed of five drift away from a good policy at width 256.
-    c.actor.optim.lr = 1e-4
+    c.actor.optim.lr = a.lr
     c.actor.ppo_mini_batch_size = 16
-    c.actor.ppo_micro_batch_size = 128
+    # 128 sequences per forward/backward, or fewer where that does not divide the
+    # mini-batch of 16 x n sequences.
+    c.actor.ppo_micro_batch_size = math.gcd(128, 16 * a.n)
     # Reshuffle the two mini-batches of a step each epoch (the runs in README used it).
     c.actor.shuffle = True
     c.critic.shuffle = True
     c.algorithm.adv_estimator = "grpo"
     # Held-out accuracy is above 0.85 by step 25 and near 1 by step 100 on every seed.
-    c.trainer.total_training_steps = 100
+    c.trainer.total_training_steps = a.steps
     c.trainer.test_freq = 25
     c.trainer.save_freq = 50
     return c

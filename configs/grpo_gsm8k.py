@@ -21,14 +21,14 @@ Other locations: `--config.model.path=/path/to/Qwen2.5-0.5B-Instruct
 
 import os
 
-from jrl.config_defaults import base_config
+from jrl.config_defaults import base_config, parse_arg
 
 MODEL_PATH = "~/models/Qwen2.5-0.5B-Instruct"
 DATA_DIR = "~/data/gsm8k"
 
 
 def get_config(arg: str | None = None):
-    del arg
+    parse_arg(arg)  # no variants: a `:name=value` arg is refused, not ignored
     c = base_config()
     c.model.path = MODEL_PATH
     c.tokenizer.name = "hf"

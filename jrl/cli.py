@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 import signal
 import sys
 import traceback
@@ -29,10 +30,15 @@ WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (
 DEBUG = flags.DEFINE_bool("debug", False, "Print the full traceback of config, data and "
                           "checkpoint errors too.")
 EXIT_USER_ERROR = 2
+_UNSAFE = re.compile(r"[^\w.=+-]+")  # characters kept out of workdir names
 
 
 def config_name() -> str:
-    return os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
+    """The config file's name without `.py`, with its `:arg` variant if any:
+    `configs/grpo_arith.py:n=16,lr=3e-4` -> `grpo_arith-n=16_lr=3e-4`."""
+    path, _, arg = flags.FLAGS["config"].config_filename.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return f"{name}-{_UNSAFE.sub('_', arg)}" if arg else name
 
 
 def _config_file_arg(argv: Sequence[str]) -> str | None:
@@ -77,7 +83,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         spec = _config_file_arg(argv[1:])
         keys = [a[len("--config."):].split("=", 1)[0] for a in argv[1:]
                 if a.startswith("--config.")]
-        if spec and keys:
+        if spec:  # a bad file, variant or key is reported here, not by absl
             check_override_keys(_load_config(spec), keys)
     except JrlError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,13 +1,19 @@
 """The full experiment configuration with its defaults; configs/*.py override parts of it.
 
 Keys follow verl's names where verl has the concept. Every key is commented; the
-comment above a key is its documentation.
+comment above a key is its documentation. `parse_arg` reads the variant string of
+`--config=configs/<name>.py:k=v,...` for the config files.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
+
 import ml_collections
 from ml_collections import config_dict
+
+from jrl.errors import ConfigError
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -341,3 +347,69 @@ def _optim(lr: float) -> ml_collections.ConfigDict:
     # Cosine floor as a fraction of lr.
     o.min_lr_ratio = 0.0
     return o
+
+
+# How a bool variant may be written (any case).
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.FrozenConfigDict:
+    """The variant a config file was asked for: `"n=16,lr=3e-4"` over `defaults`.
+
+    `--config=configs/grpo_arith.py:n=16,lr=3e-4` passes the text after the colon to
+    `get_config(arg)` (ml_collections' config flags), as in big_vision; the config file
+    reads it with `parse_arg(arg, n=8, lr=1e-4)`. Each value takes the type of its
+    default: int, float (finite), bool (true/false, 1/0, yes/no) or str.
+
+    Args:
+      arg: comma-separated `name=value` pairs; None or "" gives the defaults.
+      **defaults: every name the config file accepts, with its value when not given.
+
+    Returns:
+      A frozen ConfigDict of every name in `defaults` (`a.n`, `a.lr`).
+
+    Raises:
+      ConfigError: an unknown name (the valid ones listed), a name given twice, an
+        item without `=`, or a value that does not read as its default's type.
+    """
+    for name, default in defaults.items():
+        if not isinstance(default, (bool, int, float, str)):
+            raise TypeError(f"parse_arg: the default of {name} must be a bool, int, float or "
+                            f"str, got {default!r}")
+    valid = f"valid names: {', '.join(defaults)}" if defaults else "this config takes no arg"
+    values, given = dict(defaults), set()
+    for item in (arg or "").split(","):
+        if not item.strip():
+            continue
+        name, eq, text = (part.strip() for part in item.partition("="))
+        where = f"config arg {item.strip()!r}"
+        if not eq or not name:
+            raise ConfigError(f"{where}: expected name=value pairs separated by commas, e.g. "
+                              f"'n=16,lr=3e-4'; {valid}")
+        if name not in defaults:
+            nearest = difflib.get_close_matches(name, list(defaults), n=1)
+            hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+            raise ConfigError(f"{where}: unknown name {name!r}{hint}; {valid}")
+        if name in given:
+            raise ConfigError(f"{where}: {name} is given twice")
+        given.add(name)
+        values[name] = _parse_value(where, name, text, defaults[name])
+    return ml_collections.FrozenConfigDict(values)
+
+
+def _parse_value(where: str, name: str, text: str, default):
+    if isinstance(default, str):
+        return text
+    if isinstance(default, bool):
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        kind = "true or false"
+    else:
+        kind = "an integer" if isinstance(default, int) else "a finite number"
+        try:
+            value = type(default)(text)
+            if math.isfinite(value):
+                return value
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: {name} must be {kind} (default {default!r}), got {text!r}")

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import masks
+from jrl.errors import ConfigError
 from jrl.masks import LossNormalizer, agg_loss, masked_mean
 
 Array = jax.Array
@@ -82,29 +83,29 @@ class PolicyLossConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     def validate(self, prefix: str = "actor") -> None:
-        """Raises a ValueError naming the first invalid key."""
+        """Raises a `ConfigError` (a ValueError) naming the first invalid key."""
         if self.loss_mode not in POLICY_LOSSES:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.policy_loss.loss_mode={self.loss_mode!r} is not known; "
                 f"valid: {sorted(POLICY_LOSSES)}"
             )
         if self.loss_agg_mode not in masks.LOSS_AGG_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.loss_agg_mode={self.loss_agg_mode!r} is not known; "
                 f"valid: {list(masks.LOSS_AGG_MODES)}"
             )
         for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, key)
             if value is not None and not value > 0:
-                raise ValueError(f"{prefix}.{key} must be > 0, got {value}")
+                raise ConfigError(f"{prefix}.{key} must be > 0, got {value}")
         if not self.clip_ratio_c > 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.clip_ratio_c must be > 1 (dual-clip), got {self.clip_ratio_c}"
             )
         for key in ("clip_cov_ratio", "kl_cov_ratio", "tau_pos", "tau_neg"):
             value = getattr(self, key)
             if not value > 0:
-                raise ValueError(f"{prefix}.policy_loss.{key} must be > 0, got {value}")
+                raise ConfigError(f"{prefix}.policy_loss.{key} must be > 0, got {value}")
 
 
 def _abs(x: Array) -> Array:
@@ -310,7 +311,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
-        raise ValueError(
+        raise ConfigError(
             f"actor.policy_loss.loss_mode={name!r} is not known; valid: {sorted(POLICY_LOSSES)}"
         )
     return POLICY_LOSSES[name]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import optax
 
-from jrl.settings import OptimSettings
+if TYPE_CHECKING:  # jrl.settings checks lr_scheduler_type against LR_SCHEDULERS
+    from jrl.settings import OptimSettings
+
+# `*.optim.lr_scheduler_type`: the decay after the warmup.
+LR_SCHEDULERS = ("constant", "cosine")
 
 
 def learning_rate_schedule(s: OptimSettings) -> optax.Schedule:

@@ -52,7 +52,8 @@ from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
 
-# verl's `rollout.val_kwargs`: the sampling keys validation may override.
+# The sampling keys of the config: set under `rollout.*` for training, and under verl's
+# `rollout.val_kwargs.*` for validation.
 VAL_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "n")
 
 # Probes per pass of the top-k / top-p threshold search: 7 probes split the

@@ -147,13 +147,10 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
     old = _read_json(config_path)
     notes: list[str] = []
     if mode == "disable":
-        present = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
-        if present and write:
-            for name in present:
-                path = os.path.join(workdir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        removed = clear_run(workdir) if write else []
+        if removed:
             notes.append(f"trainer.resume_mode=disable: removed the previous run's "
-                         f"{', '.join(present)} from {workdir}")
+                         f"{', '.join(removed)} from {workdir}")
         old, has_checkpoint = None, False
     resume_from = None
     if mode == "resume_path":
@@ -186,6 +183,15 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
     if finished is not None:
         return Start("finished", notes=tuple(notes))
     return Start("resume" if has_checkpoint else "new", notes=tuple(notes))
+
+
+def clear_run(workdir: str) -> list[str]:
+    """Removes what an earlier run left in `workdir` (`RUN_OUTPUTS`); returns their names."""
+    present = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
+    for name in present:
+        path = os.path.join(workdir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return present
 
 
 def checkpoint_step_dir(path: str | None) -> str:

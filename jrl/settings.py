@@ -12,16 +12,16 @@ import os
 
 import ml_collections
 
-from jrl import advantages, kl_control, losses, masks
+from jrl import advantages, kl_control, losses, masks, optim, rollout
 from jrl.errors import ConfigError
-from jrl.rewards import custom
+from jrl.models import config as model_config
+from jrl.rewards import custom, reward_model, scoring
 from jrl.rollout import SamplingConfig
 
-LR_SCHEDULERS = ("constant", "cosine")
+# The lists of valid values below are the ones this module owns; every other choice key
+# is checked against the list of the module that implements it (losses.POLICY_LOSSES,
+# kl_control.KL_CONTROLLERS, model_config.DTYPES, ...), never a copy.
 NAN_POLICIES = ("skip", "raise")
-ON_ERROR = ("raise", "score")
-REMAT = ("none", "full", "dots_saveable")
-DTYPES = ("float32", "bfloat16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
@@ -87,7 +87,7 @@ class RewardSettings:
 
     custom_fn: str | None  # "path.py:name"; None: the scorer of each data_source
     num_workers: int
-    on_error: str  # "raise" or "score"
+    on_error: str  # one of scoring.ON_ERROR
     error_score: float
     model_path: str | None  # reward model checkpoint; None: rule scoring
     model_max_length: int
@@ -171,7 +171,8 @@ def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
         weight_decay=_positive(config, f"{prefix}.optim.weight_decay", allow_zero=True),
         betas=betas,
         warmup_steps=int(_positive(config, f"{prefix}.optim.lr_warmup_steps", allow_zero=True)),
-        lr_scheduler_type=_choice(config, f"{prefix}.optim.lr_scheduler_type", LR_SCHEDULERS),
+        lr_scheduler_type=_choice(config, f"{prefix}.optim.lr_scheduler_type",
+                                  optim.LR_SCHEDULERS),
         min_lr_ratio=ratio,
         grad_clip=_positive(config, f"{prefix}.grad_clip", allow_zero=True),
         total_steps=total_steps,
@@ -202,7 +203,9 @@ def _update(config, prefix: str, batch_sequences: int, n: int, nan_policy: str) 
     )
 
 
-def _sampling(config, key: str, overrides: dict, stop_ids, pad_id) -> SamplingConfig:
+def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
+    """`rollout.*` or `rollout.val_kwargs.*`: the keys of `rollout.VAL_KWARGS` under `key`."""
+    overrides = {name: _get(config, f"{key}.{name}") for name in rollout.VAL_KWARGS}
     sampling = SamplingConfig(
         n=int(overrides["n"]),
         max_new_tokens=int(_get(config, "rollout.response_length")),
@@ -214,11 +217,14 @@ def _sampling(config, key: str, overrides: dict, stop_ids, pad_id) -> SamplingCo
         pad_token_id=int(pad_id),
         ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
     )
-    return sampling.validate(prefix=key)
+    try:
+        return sampling.validate(prefix=key)
+    except ValueError as err:  # the sampler's own ValueError; the CLI prints a ConfigError
+        raise ConfigError(str(err)) from None  # as one line
 
 
 def _reward(config, response_length: int) -> RewardSettings:
-    on_error = _choice(config, "reward.on_error", ON_ERROR)
+    on_error = _choice(config, "reward.on_error", scoring.ON_ERROR)
     num_workers = int(_positive(config, "reward.num_workers", allow_zero=True))
     custom_fn = _get(config, "reward.custom_fn")
     if custom_fn is not None:
@@ -251,7 +257,7 @@ def _reward(config, response_length: int) -> RewardSettings:
         custom_fn=custom_fn, num_workers=num_workers, on_error=on_error,
         error_score=float(_get(config, "reward.error_score")), model_path=model_path,
         model_max_length=int(_positive(config, "reward_model.max_length")),
-        model_truncation=_choice(config, "reward_model.truncation", ("left", "right", "error")),
+        model_truncation=_choice(config, "reward_model.truncation", reward_model.TRUNCATION),
         model_micro_batch_size=micro, overlong_buffer_len=buffer_len,
         overlong_penalty_factor=factor)
 
@@ -292,10 +298,7 @@ def _filter_groups(config, batch: int, n: int, estimator,
 
 
 def _algorithm(config) -> AlgorithmSettings:
-    estimator = _get(config, "algorithm.adv_estimator")
-    if estimator not in advantages.ESTIMATORS:
-        _fail("algorithm.adv_estimator",
-              f"{estimator!r} is not known; choose one of {sorted(advantages.ESTIMATORS)}")
+    estimator = _choice(config, "algorithm.adv_estimator", advantages.ESTIMATORS)
     for key in ("algorithm.gamma", "algorithm.lam"):
         if not 0 <= _get(config, key) <= 1:
             _fail(key, f"must be in [0, 1], got {_get(config, key)}")
@@ -320,7 +323,7 @@ def _algorithm(config) -> AlgorithmSettings:
 def _policy_loss(config) -> losses.PolicyLossConfig:
     pl = _get(config, "actor.policy_loss")
     cfg = losses.PolicyLossConfig(
-        loss_mode=_get(config, "actor.policy_loss.loss_mode"),
+        loss_mode=_choice(config, "actor.policy_loss.loss_mode", losses.POLICY_LOSSES),
         loss_agg_mode=_choice(config, "actor.loss_agg_mode", masks.LOSS_AGG_MODES),
         clip_ratio=float(_get(config, "actor.clip_ratio")),
         clip_ratio_low=_get(config, "actor.clip_ratio_low"),
@@ -367,10 +370,6 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
     steps = total_steps(config, num_train_rows)
     if _get(config, "trainer.save_freq") < 0 or _get(config, "trainer.test_freq") < 0:
         _fail("trainer.save_freq", "save_freq and test_freq must be >= 0 (0 = never)")
-    rollout_overrides = {k: _get(config, f"rollout.{k}")
-                         for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
-    val_overrides = {k: _get(config, f"rollout.val_kwargs.{k}")
-                     for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
     actor = ActorSettings(
         update=_update(config, "actor", batch * n, n, nan_policy),
         loss=_policy_loss(config),
@@ -392,12 +391,11 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
               "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
               "bfloat16 compute")
-    if _get(config, "model.remat") not in REMAT:
-        _fail("model.remat", f"{_get(config, 'model.remat')!r} is not valid; choose one of "
-              f"{list(REMAT)}")
-    for key in ("model.dtype", "model.param_dtype"):
-        if _get(config, key) not in DTYPES:
-            _fail(key, f"{_get(config, key)!r} is not valid; choose one of {list(DTYPES)}")
+    _choice(config, "model.remat", model_config.REMAT_POLICIES)
+    if _get(config, "model.dtype") == "float16":
+        _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
+              "'bfloat16'")
+    _choice(config, "model.dtype", model_config.DTYPES)
     model_path = _get(config, "model.path")
     if model_path and not os.path.isdir(os.path.expanduser(model_path)):
         _fail("model.path", f"{model_path!r} is not a directory")
@@ -405,9 +403,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         actor=actor,
         critic=critic,
         algorithm=algorithm,
-        rollout=_sampling(config, "rollout", rollout_overrides, stop_token_ids, pad_token_id),
-        validation=_sampling(config, "rollout.val_kwargs", val_overrides, stop_token_ids,
-                             pad_token_id),
+        rollout=_sampling(config, "rollout", stop_token_ids, pad_token_id),
+        validation=_sampling(config, "rollout.val_kwargs", stop_token_ids, pad_token_id),
         train_batch_size=batch,
         max_prompt_length=int(_get(config, "data.max_prompt_length")),
         total_steps=steps,

@@ -56,14 +56,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
         for note in start.notes:
             print(note, flush=True)
     if start.kind == "finished":
-        done = rundir.read_finished(workdir)
-        if lead:
-            print(f"{workdir} holds a finished run (step {done['step']} of "
-                  f"{done['total_steps']}, same config); its results follow. For a new run "
-                  "pass a new --workdir, or --config.trainer.resume_mode=disable to start this "
-                  "one over.", flush=True)
-        return {"resumed": False, "finished": True, "step": done["step"],
-                **_results(config, workdir, final={})}
+        return _finished(config, workdir)
     sharder = sharder or sharding.from_config(config)
     scorer, reward_model = experiment.build_reward(config, s, reward_fn)
     trainer = None
@@ -104,6 +97,17 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
             hf.save_pretrained(export, model, params)
         summary["hf_export"] = export
     return summary
+
+
+def _finished(config, workdir: str) -> dict:
+    """The summary of the finished run in `workdir`, which is not run again."""
+    done = rundir.read_finished(workdir)
+    if jax.process_index() == 0:
+        print(f"{workdir} holds a finished run (step {done['step']} of {done['total_steps']}, "
+              "same config); its results follow. For a new run pass a new --workdir, or "
+              "--config.trainer.resume_mode=disable to start this one over.", flush=True)
+    return {"resumed": False, "finished": True, "step": done["step"],
+            **_results(config, workdir, final={})}
 
 
 def _has_checkpoint(workdir: str) -> bool:

@@ -473,73 +473,10 @@ class RLTrainer:
         del rollout_params
         timing["gen"] = time.perf_counter() - t
 
-        seq = (batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
-               batch["response_mask"])
-        t = time.perf_counter()
-        old_log_probs, entropy = self._log_probs(compute_params, *seq)
-        batch["old_log_probs"] = jax.block_until_ready(old_log_probs)
-        timing["old_log_prob"] = time.perf_counter() - t
+        entropy = self._forward(batch, compute_params, timing)
         del compute_params
-        if self.ref_params is not None:
-            t = time.perf_counter()
-            ref_log_probs, _ = self._log_probs(self.ref_params, *seq)
-            batch["ref_log_probs"] = jax.block_until_ready(ref_log_probs)
-            timing["ref"] = time.perf_counter() - t
-        if st.critic is not None:
-            t = time.perf_counter()
-            batch["values"] = jax.block_until_ready(self._values(st.critic.params, *seq))
-            timing["values"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        n = s.rollout.n
-        scores, extras, num_errors, _ = collect_scores()
-        host = {"token_level_scores": place_scores(
-            scores, sharding_lib.host_array(batch["response_mask"]))}
-        if self.estimator.needs_baseline:
-            greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
-            base_params = self._rollout_params(self._compute_params(st.actor.params))
-            base_out = self._generate(base_params, rows, greedy, gen_key)
-            host["reward_baselines"] = np.repeat(self._submit_scores(rows, base_out, 1)()[0], n)
-        timing["reward"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        host["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
-        batch.update(self.sharder.put_batch(host))
-        rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
-        batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
-        jax.block_until_ready(advantages)
-        timing["adv"] = time.perf_counter() - t
-
-        step_metrics.update({f"reward_extra/{k}/mean": float(np.mean(v))
-                             for k, v in extras.items()})
-        if s.reward.on_error == "score":
-            step_metrics["reward/num_errors"] = float(num_errors)
-        if s.algorithm.use_kl_in_reward:
-            step_metrics["actor/reward_kl_penalty"] = float(current_kl)
-            step_metrics["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
-            st.kl = self._replicated(kl_control.update_kl_controller(
-                st.kl, current_kl, self.batch_sequences, s.algorithm.kl_ctrl_type,
-                s.algorithm.target_kl, s.algorithm.horizon))
-        update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                       "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
-        train_batch = {k: batch[k] for k in update_keys if k in batch}
-        if st.critic is not None:
-            t = time.perf_counter()
-            critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
-            lr = self._lr(s.critic.optim, st.step)
-            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key, lr)
-            step_metrics.update(self._update_metrics("critic", m, lr))
-            timing["update_critic"] = time.perf_counter() - t
-        # verl counts steps from 1 and updates the actor once critic_warmup <= step.
-        first_actor_step = max(self.cfg.critic_warmup - 1, 0)
-        if st.step >= first_actor_step:
-            t = time.perf_counter()
-            lr = self._lr(s.actor.optim, st.step - first_actor_step)
-            st.actor, m = self._update_actor(st.actor, train_batch, actor_key, lr)
-            step_metrics.update(self._update_metrics("actor", m, lr))
-            if s.actor.use_kl_loss:
-                step_metrics["actor/kl_coef"] = s.actor.kl_loss_coef
-            timing["update_actor"] = time.perf_counter() - t
+        step_metrics.update(self._rewards(rows, batch, collect_scores, gen_key, timing))
+        step_metrics.update(self._update(batch, actor_key, critic_key, timing))
         step_metrics["actor/entropy"] = float(
             masks.agg_loss(entropy, batch["response_mask"], s.actor.loss.loss_agg_mode))
         st.step += 1
@@ -551,6 +488,84 @@ class RLTrainer:
         step_metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         step_metrics.update(self._perf_metrics(host_batch, timing))
         return step_metrics
+
+    def _forward(self, batch: dict, compute_params, timing: dict):
+        """Old log-probs (and their entropy), reference log-probs and values into `batch`;
+        returns the entropy."""
+        seq = (batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
+               batch["response_mask"])
+        t = time.perf_counter()
+        old_log_probs, entropy = self._log_probs(compute_params, *seq)
+        batch["old_log_probs"] = jax.block_until_ready(old_log_probs)
+        timing["old_log_prob"] = time.perf_counter() - t
+        if self.ref_params is not None:
+            t = time.perf_counter()
+            ref_log_probs, _ = self._log_probs(self.ref_params, *seq)
+            batch["ref_log_probs"] = jax.block_until_ready(ref_log_probs)
+            timing["ref"] = time.perf_counter() - t
+        if self.state.critic is not None:
+            t = time.perf_counter()
+            batch["values"] = jax.block_until_ready(self._values(self.state.critic.params, *seq))
+            timing["values"] = time.perf_counter() - t
+        return entropy
+
+    def _rewards(self, rows, batch: dict, collect_scores, gen_key, timing: dict) -> dict:
+        """Waits for the scores; puts token-level scores, baselines and group ids into
+        `batch`; returns the reward metrics."""
+        s, n = self.s, self.s.rollout.n
+        t = time.perf_counter()
+        scores, extras, num_errors, _ = collect_scores()
+        host = {"token_level_scores": place_scores(
+            scores, sharding_lib.host_array(batch["response_mask"]))}
+        if self.estimator.needs_baseline:
+            greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
+            base_params = self._rollout_params(self._compute_params(self.state.actor.params))
+            base_out = self._generate(base_params, rows, greedy, gen_key)
+            host["reward_baselines"] = np.repeat(self._submit_scores(rows, base_out, 1)()[0], n)
+        timing["reward"] = time.perf_counter() - t
+        host["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
+        batch.update(self.sharder.put_batch(host))
+        out = {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+        if s.reward.on_error == "score":
+            out["reward/num_errors"] = float(num_errors)
+        return out
+
+    def _update(self, batch: dict, actor_key, critic_key, timing: dict) -> dict:
+        """Advantages (and the KL controller), then the critic's and the actor's updates."""
+        s, st = self.s, self.state
+        out = {}
+        t = time.perf_counter()
+        rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
+        batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+        jax.block_until_ready(advantages)
+        timing["adv"] = time.perf_counter() - t
+        if s.algorithm.use_kl_in_reward:
+            out["actor/reward_kl_penalty"] = float(current_kl)
+            out["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
+            st.kl = self._replicated(kl_control.update_kl_controller(
+                st.kl, current_kl, self.batch_sequences, s.algorithm.kl_ctrl_type,
+                s.algorithm.target_kl, s.algorithm.horizon))
+        update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                       "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
+        train_batch = {k: batch[k] for k in update_keys if k in batch}
+        if st.critic is not None:
+            t = time.perf_counter()
+            critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
+            lr = self._lr(s.critic.optim, st.step)
+            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key, lr)
+            out.update(self._update_metrics("critic", m, lr))
+            timing["update_critic"] = time.perf_counter() - t
+        # verl counts steps from 1 and updates the actor once critic_warmup <= step.
+        first_actor_step = max(self.cfg.critic_warmup - 1, 0)
+        if st.step >= first_actor_step:
+            t = time.perf_counter()
+            lr = self._lr(s.actor.optim, st.step - first_actor_step)
+            st.actor, m = self._update_actor(st.actor, train_batch, actor_key, lr)
+            out.update(self._update_metrics("actor", m, lr))
+            if s.actor.use_kl_loss:
+                out["actor/kl_coef"] = s.actor.kl_loss_coef
+            timing["update_actor"] = time.perf_counter() - t
+        return out
 
     def _update_metrics(self, role: str, m: dict, lr: float) -> dict[str, float]:
         m = {k: float(v) for k, v in jax.device_get(m).items()}

@@ -134,3 +134,22 @@ def test_sft_cli_reuses_or_refuses_a_warm_start(tmp_path):
     changed = _cli("jrl.sft", *args, "--config.sft.steps=3")
     assert changed.returncode == 2
     assert "  sft.steps: 2 -> 3" in changed.stderr and "Traceback" not in changed.stderr
+
+
+def test_bad_config_variant_is_one_line(tmp_path):
+    done = _cli("jrl.train", "--config=configs/grpo_arith.py:n=16,lrr=3", f"--workdir={tmp_path}")
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: config arg 'lrr=3': unknown name 'lrr'")
+    assert "Traceback" not in done.stderr
+
+
+def test_default_workdir_names_the_variant():
+    from absl import flags
+
+    from jrl import cli
+
+    try:
+        flags.FLAGS(["prog", "--config=configs/grpo_arith.py:n=16,lr=3e-4"], known_only=True)
+        assert cli.config_name() == "grpo_arith-n=16_lr=3e-4"
+    finally:
+        flags.FLAGS.unparse_flags()

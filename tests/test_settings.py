@@ -1,0 +1,117 @@
+"""Each choice key is checked against the one list of the module that owns the concept."""
+
+import ast
+import inspect
+import itertools
+
+import pytest
+
+from jrl import advantages, kl_control, losses, masks, optim, rollout, settings
+from jrl.config_defaults import base_config
+from jrl.data.tokenizers import CharTokenizer
+from jrl.errors import ConfigError
+from jrl.models import config as model_config
+from jrl.rewards import reward_model, scoring
+from tests.trainer.tiny import tiny_config
+
+_GAE = {"algorithm.adv_estimator": "gae"}  # critic keys are checked only with a critic
+
+# Config key -> (the owning module's list, overrides under which the key is checked).
+_CHOICES = {
+    "actor.policy_loss.loss_mode": (losses.POLICY_LOSSES, {}),
+    "actor.loss_agg_mode": (masks.LOSS_AGG_MODES, {}),
+    "critic.loss_agg_mode": (masks.LOSS_AGG_MODES, _GAE),
+    "actor.kl_loss_type": (losses.KL_PENALTIES, {}),
+    "algorithm.kl_penalty": (losses.KL_PENALTIES, {}),
+    "algorithm.kl_ctrl.type": (kl_control.KL_CONTROLLERS, {}),
+    "algorithm.adv_estimator": (advantages.ESTIMATORS, {}),
+    "actor.optim.lr_scheduler_type": (optim.LR_SCHEDULERS, {}),
+    "critic.optim.lr_scheduler_type": (optim.LR_SCHEDULERS, _GAE),
+    "reward.on_error": (scoring.ON_ERROR, {}),
+    "reward_model.truncation": (reward_model.TRUNCATION, {}),
+    "model.remat": (model_config.REMAT_POLICIES, {}),
+    "trainer.nan_policy": (settings.NAN_POLICIES, {}),
+}
+
+_OWNERS = (advantages, kl_control, losses, masks, optim, rollout, settings, model_config,
+           reward_model, scoring)
+
+
+def _settings(**overrides):
+    tok = CharTokenizer()
+    return settings.from_config(tiny_config(**overrides), stop_token_ids=tok.eos_token_ids,
+                                pad_token_id=tok.pad_token_id, num_train_rows=90)
+
+
+@pytest.mark.parametrize("key", sorted(_CHOICES))
+def test_choice_key_accepts_exactly_the_owners_list(key):
+    choices, extra = _CHOICES[key]
+    for value in choices:
+        _settings(**extra, **{key: value})
+    with pytest.raises(ConfigError) as err:
+        _settings(**extra, **{key: "no-such-choice"})
+    assert str(err.value) == (f"{key}: 'no-such-choice' is not valid; "
+                              f"choose one of {list(choices)}")
+
+
+def test_model_dtype_is_a_model_dtype_but_float16():
+    for dtype in model_config.DTYPES:
+        if dtype != "float16":
+            _settings(**{"model.dtype": dtype})
+    with pytest.raises(ConfigError, match=r"^model\.dtype: float16 compute needs loss scaling"):
+        _settings(**{"model.dtype": "float16"})
+    with pytest.raises(ConfigError, match=r"^model\.dtype: 'float8' is not valid"):
+        _settings(**{"model.dtype": "float8"})
+
+
+def test_loggers():
+    _settings(**{"trainer.logger": settings.LOGGERS})
+
+
+def test_sampling_keys_are_the_rollouts():
+    """`rollout.*` and `rollout.val_kwargs.*` are read by the names in rollout.VAL_KWARGS."""
+    config = base_config()
+    assert set(config.rollout.val_kwargs) == set(rollout.VAL_KWARGS)
+    assert set(rollout.VAL_KWARGS) <= set(config.rollout)
+    values = {"n": 4, "temperature": 0.5, "top_k": 5, "top_p": 0.9, "do_sample": False}
+    assert set(values) == set(rollout.VAL_KWARGS)
+    s = _settings(**{f"rollout.{k}": v for k, v in values.items()},
+                  **{f"rollout.val_kwargs.{k}": v for k, v in values.items()})
+    for key, value in values.items():
+        assert getattr(s.rollout, key) == value and getattr(s.validation, key) == value, key
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"actor.clip_ratio_c": 1.0}, "actor.clip_ratio_c"),
+    ({"actor.policy_loss.tau_pos": 0.0}, "actor.policy_loss.tau_pos"),
+    ({"rollout.top_p": 1.5}, "rollout.top_p"),
+    ({"rollout.val_kwargs.top_k": -5}, "rollout.val_kwargs.top_k"),
+])
+def test_library_checks_are_config_errors(overrides, key):
+    """What the losses and the sampler check comes out as the one-line CLI kind of error."""
+    with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.")):
+        _settings(**overrides)
+
+
+def test_no_choice_list_is_defined_twice():
+    """Module-level lists of the same names (tuples, or the keys of a registry such as
+    losses.POLICY_LOSSES) are one object, imported from the owner."""
+    lists = []
+    for module in _OWNERS:
+        for name, value in vars(module).items():
+            names = value if isinstance(value, tuple) else ()
+            if isinstance(value, dict) and not any(isinstance(v, str) for v in value.values()):
+                names = tuple(value)  # a registry; {str: str} maps names, it lists none
+            if name.isupper() and len(names) > 1 and all(isinstance(v, str) for v in names):
+                lists.append((f"{module.__name__}.{name}", value))
+    for (name_a, a), (name_b, b) in itertools.combinations(lists, 2):
+        if set(a) == set(b):
+            assert a is b, f"{name_a} and {name_b} are two definitions of one list"
+
+
+def test_settings_checks_choices_against_named_lists():
+    """No copy of a list written inline where settings checks a choice."""
+    for node in ast.walk(ast.parse(inspect.getsource(settings))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_choice":
+            choices = node.args[2]
+            assert not isinstance(choices, (ast.Tuple, ast.List, ast.Set)), ast.unparse(node)

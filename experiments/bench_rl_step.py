@@ -51,11 +51,14 @@ from jrl import metrics, settings, sharding  # noqa: E402
 from jrl.config_defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
 from jrl.models import ModelConfig  # noqa: E402
-from jrl.train import build_model  # noqa: E402
+from jrl.experiment import build_model  # noqa: E402
 from jrl.trainer import RLTrainer  # noqa: E402
 
-PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
-          "update_actor", "step")
+# The trainer's phases: the rollout, `step.forward` (old and reference log-probs,
+# values), waiting for the rewards, `step.learn` (advantages, critic and actor updates).
+# Results written before the step became two programs name the finer phases
+# (old_log_prob, ref, values, adv, update_critic, update_actor).
+PHASES = ("gen", "forward", "reward", "learn", "step")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -270,8 +273,9 @@ def run_algo(args, algo: str) -> dict:
     tokens = mean([m["perf/total_num_tokens"] for m in timed])
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     epochs = args.ppo_epochs
-    mfu = (6.0 * num_params * tokens * epochs / phases["update_actor"] / (peak * devices)
-           if peak and "update_actor" in phases else None)
+    # `learn` holds the critic's update too (PPO): a lower bound on the actor's MFU then.
+    mfu = (6.0 * num_params * tokens * epochs / phases["learn"] / (peak * devices)
+           if peak and "learn" in phases else None)
     return dict(
         algo=algo, setup_s=setup_s, warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
         timed_wall_s=[m["wall_s"] for m in timed], phases_s=phases,

@@ -27,14 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import kl_control, logprobs, masks, metrics, rollout, update
+from jrl import kl_control, metrics, rollout, types, update
 from jrl import sharding as sharding_lib
+from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.models import CACHE_LOGICAL_AXES, heads, param_logical_axes
 from jrl.models.config import ModelConfig
-from jrl.optim import learning_rate_schedule, make_optimizer
+from jrl.optim import make_optimizer
 from jrl.rewards import overlong, scoring
 from jrl.settings import Settings
 
@@ -63,26 +64,6 @@ def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
     last = np.maximum(response_mask.sum(-1).astype(np.int64) - 1, 0)
     out[np.arange(len(scores)), last] = scores
     return out
-
-
-# ----------------------------------------------------------------------------- jitted stages
-
-
-def _advantage_stage(batch: dict, beta, *, s: Settings):
-    """KL in reward (optional) and the advantage estimator, as one program."""
-    mask = batch["response_mask"].astype(jnp.float32)
-    rewards = batch["token_level_scores"]
-    current_kl = jnp.float32(0.0)
-    if s.algorithm.use_kl_in_reward:
-        rewards, current_kl = kl_control.apply_kl_penalty(
-            rewards, batch["old_log_probs"], batch["ref_log_probs"], mask, beta,
-            s.algorithm.kl_penalty)
-    advantages, returns = adv_lib.compute_advantages(
-        s.algorithm.adv_estimator, rewards, mask, values=batch.get("values"),
-        group_ids=batch["uid"], reward_baselines=batch.get("reward_baselines"),
-        gamma=s.algorithm.gamma, lam=s.algorithm.lam,
-        norm_adv_by_std_in_grpo=s.algorithm.norm_adv_by_std_in_grpo)
-    return rewards, advantages, returns, current_kl
 
 
 @dataclasses.dataclass
@@ -213,36 +194,25 @@ class RLTrainer:
                 sh.opt_state(self.critic_opt, self.critic_shapes, self.critic_shardings))
 
     def _build_stages(self):
-        s, model, rep, b = self.s, self.model, self.sharder.replicated, self.batch_sharding
-        actor_loss = functools.partial(update.actor_loss, model=model, actor=s.actor,
-                                       temperature=s.rollout.temperature,
-                                       chunk_size=s.logprob_chunk_size)
-        state_sh = self.actor_state_shardings
-        self._update_actor = jax.jit(
-            functools.partial(update.run_updates, loss_fn=actor_loss, optimizer=self.actor_opt,
-                              update=s.actor.update),
-            in_shardings=(state_sh, b, rep, rep), out_shardings=(state_sh, rep),
+        """`step.forward` and `step.learn` jitted with the mesh's shardings (the state
+        donated to `learn`); the rollout programs are compiled per sampling setting."""
+        s, b, rep = self.s, self.batch_sharding, self.sharder.replicated
+        critic = s.critic is not None
+        self._forward = jax.jit(
+            functools.partial(step_lib.forward, s=s, model=self.model),
+            in_shardings=(self.actor_shardings,
+                          self.actor_shardings if self.ref_params is not None else None,
+                          self.critic_shardings if critic else None, b),
+            out_shardings=b)
+        state_shardings = types.TrainState(
+            step=rep, actor=self.actor_state_shardings,
+            critic=self.critic_state_shardings if critic else None, kl=rep)
+        self._learn = jax.jit(
+            functools.partial(step_lib.learn, s=s, model=self.model, actor_opt=self.actor_opt,
+                              critic_opt=self.critic_opt if critic else None,
+                              critic_warmup=self.cfg.critic_warmup),
+            in_shardings=(state_shardings, b, rep), out_shardings=(state_shardings, rep),
             donate_argnums=0)
-        if s.critic is not None:
-            critic_loss = functools.partial(update.critic_loss, model=model, critic=s.critic)
-            state_sh = self.critic_state_shardings
-            self._update_critic = jax.jit(
-                functools.partial(update.run_updates, loss_fn=critic_loss,
-                                  optimizer=self.critic_opt, update=s.critic.update),
-                in_shardings=(state_sh, b, rep, rep), out_shardings=(state_sh, rep),
-                donate_argnums=0)
-            values = functools.partial(logprobs.response_values, config=model)
-            self._values = jax.jit(logprobs.in_micro_batches(values, s.log_prob_micro_batch),
-                                   in_shardings=(self.critic_shardings, b, b, b, b),
-                                   out_shardings=b)
-        log_probs = functools.partial(
-            logprobs.response_log_probs, config=model, temperature=s.rollout.temperature,
-            chunk_size=s.logprob_chunk_size, with_entropy=True)
-        self._log_probs = jax.jit(logprobs.in_micro_batches(log_probs, s.log_prob_micro_batch),
-                                  in_shardings=(self.actor_shardings, b, b, b, b),
-                                  out_shardings=(b, b))
-        self._advantages = jax.jit(functools.partial(_advantage_stage, s=s),
-                                   in_shardings=(b, rep), out_shardings=(b, b, b, rep))
         self._generators: dict[rollout.SamplingConfig, Callable] = {}
 
     def _compute_params(self, params):
@@ -458,65 +428,51 @@ class RLTrainer:
             return self._train_step(iterator)
 
     def _train_step(self, iterator: BatchIterator) -> dict[str, float]:
-        s, st = self.s, self.state
+        """rollout -> forward (while the host scores) -> rewards -> learn -> metrics."""
+        st = self.state
         timing = {}
         t_step = time.perf_counter()
         key = jax.random.fold_in(self.root_key, st.step)
-        gen_key, actor_key, critic_key = jax.random.split(key, 3)
+        gen_key = jax.random.split(key, 3)[0]  # learn splits the same key for its updates
 
         t = time.perf_counter()
         compute_params = self._compute_params(st.actor.params)
-        rollout_params = self._rollout_params(compute_params)
-        rows, batch, collect_scores, step_metrics = self._rollout(iterator, rollout_params,
-                                                                  gen_key)
-        jax.block_until_ready(batch)
-        del rollout_params
+        rows, batch, collect_scores, step_metrics = self._rollout(
+            iterator, self._rollout_params(compute_params), gen_key)
+        out = jax.block_until_ready(types.Rollout(**batch))
         timing["gen"] = time.perf_counter() - t
 
-        entropy = self._forward(batch, compute_params, timing)
+        t = time.perf_counter()
+        critic_params = None if st.critic is None else st.critic.params
+        exp = jax.block_until_ready(
+            self._forward(compute_params, self.ref_params, critic_params, out))
+        timing["forward"] = time.perf_counter() - t
         del compute_params
-        step_metrics.update(self._rewards(rows, batch, collect_scores, gen_key, timing))
-        step_metrics.update(self._update(batch, actor_key, critic_key, timing))
-        step_metrics["actor/entropy"] = float(
-            masks.agg_loss(entropy, batch["response_mask"], s.actor.loss.loss_agg_mode))
+        exp, reward_metrics = self._rewards(rows, exp, collect_scores, gen_key, timing)
+        step_metrics.update(reward_metrics)
+
+        t = time.perf_counter()
+        state = types.TrainState(step=np.int32(st.step), actor=st.actor, critic=st.critic,
+                                 kl=st.kl)
+        state, learn_metrics = self._learn(state, exp, key)
+        step_metrics.update(self._learn_metrics(jax.device_get(learn_metrics)))
+        timing["learn"] = time.perf_counter() - t
+        st.actor, st.critic, st.kl = state.actor, state.critic, state.kl
         st.step += 1
         st.data = iterator.state
         timing["step"] = time.perf_counter() - t_step
-        host_batch = jax.tree.map(sharding_lib.host_array, batch)
-        step_metrics.update(metrics.data_metrics(host_batch, s.rollout.max_new_tokens,
-                                                 s.max_prompt_length))
         step_metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-        step_metrics.update(self._perf_metrics(host_batch, timing))
+        step_metrics.update(self._perf_metrics(step_metrics, timing))
         return step_metrics
 
-    def _forward(self, batch: dict, compute_params, timing: dict):
-        """Old log-probs (and their entropy), reference log-probs and values into `batch`;
-        returns the entropy."""
-        seq = (batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
-               batch["response_mask"])
-        t = time.perf_counter()
-        old_log_probs, entropy = self._log_probs(compute_params, *seq)
-        batch["old_log_probs"] = jax.block_until_ready(old_log_probs)
-        timing["old_log_prob"] = time.perf_counter() - t
-        if self.ref_params is not None:
-            t = time.perf_counter()
-            ref_log_probs, _ = self._log_probs(self.ref_params, *seq)
-            batch["ref_log_probs"] = jax.block_until_ready(ref_log_probs)
-            timing["ref"] = time.perf_counter() - t
-        if self.state.critic is not None:
-            t = time.perf_counter()
-            batch["values"] = jax.block_until_ready(self._values(self.state.critic.params, *seq))
-            timing["values"] = time.perf_counter() - t
-        return entropy
-
-    def _rewards(self, rows, batch: dict, collect_scores, gen_key, timing: dict) -> dict:
-        """Waits for the scores; puts token-level scores, baselines and group ids into
-        `batch`; returns the reward metrics."""
+    def _rewards(self, rows, exp: types.Experience, collect_scores, gen_key, timing: dict):
+        """Waits for the scores; returns the experience with token-level scores, group ids
+        (and ReMax's baselines), and the reward metrics."""
         s, n = self.s, self.s.rollout.n
         t = time.perf_counter()
         scores, extras, num_errors, _ = collect_scores()
         host = {"token_level_scores": place_scores(
-            scores, sharding_lib.host_array(batch["response_mask"]))}
+            scores, sharding_lib.host_array(exp.response_mask))}
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
             base_params = self._rollout_params(self._compute_params(self.state.actor.params))
@@ -524,74 +480,44 @@ class RLTrainer:
             host["reward_baselines"] = np.repeat(self._submit_scores(rows, base_out, 1)()[0], n)
         timing["reward"] = time.perf_counter() - t
         host["uid"] = np.repeat(np.arange(len(rows)), n).astype(np.int32)
-        batch.update(self.sharder.put_batch(host))
+        exp = exp.replace(**self.sharder.put_batch(host))
         out = {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
         if s.reward.on_error == "score":
             out["reward/num_errors"] = float(num_errors)
-        return out
+        return exp, out
 
-    def _update(self, batch: dict, actor_key, critic_key, timing: dict) -> dict:
-        """Advantages (and the KL controller), then the critic's and the actor's updates."""
-        s, st = self.s, self.state
-        out = {}
-        t = time.perf_counter()
-        rewards, advantages, returns, current_kl = self._advantages(batch, st.kl.value)
-        batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
-        jax.block_until_ready(advantages)
-        timing["adv"] = time.perf_counter() - t
-        if s.algorithm.use_kl_in_reward:
-            out["actor/reward_kl_penalty"] = float(current_kl)
-            out["actor/reward_kl_penalty_coeff"] = float(st.kl.value)
-            st.kl = self._replicated(kl_control.update_kl_controller(
-                st.kl, current_kl, self.batch_sequences, s.algorithm.kl_ctrl_type,
-                s.algorithm.target_kl, s.algorithm.horizon))
-        update_keys = ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                       "old_log_probs", "advantages", "ref_log_probs", "values", "returns")
-        train_batch = {k: batch[k] for k in update_keys if k in batch}
-        if st.critic is not None:
-            t = time.perf_counter()
-            critic_batch = {k: v for k, v in train_batch.items() if k != "ref_log_probs"}
-            lr = self._lr(s.critic.optim, st.step)
-            st.critic, m = self._update_critic(st.critic, critic_batch, critic_key, lr)
-            out.update(self._update_metrics("critic", m, lr))
-            timing["update_critic"] = time.perf_counter() - t
-        # verl counts steps from 1 and updates the actor once critic_warmup <= step.
-        first_actor_step = max(self.cfg.critic_warmup - 1, 0)
-        if st.step >= first_actor_step:
-            t = time.perf_counter()
-            lr = self._lr(s.actor.optim, st.step - first_actor_step)
-            st.actor, m = self._update_actor(st.actor, train_batch, actor_key, lr)
-            out.update(self._update_metrics("actor", m, lr))
-            if s.actor.use_kl_loss:
-                out["actor/kl_coef"] = s.actor.kl_loss_coef
-            timing["update_actor"] = time.perf_counter() - t
-        return out
+    # Metrics of `step.learn` that are not the actor's update (kept during critic warm-up).
+    _NOT_ACTOR_UPDATE = ("actor/entropy", "actor/reward_kl_penalty",
+                         "actor/reward_kl_penalty_coeff")
 
-    def _update_metrics(self, role: str, m: dict, lr: float) -> dict[str, float]:
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
-        if m["nan_skipped"] and self.s.actor.update.nan_policy == "raise":
-            raise NonFiniteUpdateError(
-                f"step {self.state.step}: non-finite {role} loss or gradient in "
-                f"{int(m['nan_skipped'])} update(s); parameters were left unchanged")
-        names = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
-        out = {f"{role}/{names.get(k, k)}": v for k, v in m.items()}
-        out[f"{role}/lr"] = lr
-        return out
+    def _learn_metrics(self, m: dict) -> dict[str, float]:
+        """`learn`'s metrics as floats, without the actor's while it waits out the critic
+        warm-up; raises under `trainer.nan_policy='raise'` after a skipped update."""
+        # A data statistic over an empty selection (no response tokens at all) is NaN: left out.
+        m = {k: float(v) for k, v in m.items()
+             if not (np.isnan(v) and k.startswith(step_lib.DATA_METRICS))}
+        if not m.pop("actor/updated"):
+            m = {k: v for k, v in m.items()
+                 if not k.startswith("actor/") or k in self._NOT_ACTOR_UPDATE}
+        for role in ("critic", "actor"):
+            skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
+            if skipped and self.s.actor.update.nan_policy == "raise":
+                raise NonFiniteUpdateError(
+                    f"step {self.state.step}: non-finite {role} loss or gradient in "
+                    f"{int(skipped)} update(s); parameters were left unchanged")
+        return m
 
-    @staticmethod
-    def _lr(optim, scheduler_step: int) -> float:
-        """The rate of this step: the schedule advances once per update of the model."""
-        return float(learning_rate_schedule(optim)(scheduler_step))
-
-    def _perf_metrics(self, batch, timing) -> dict[str, float]:
-        tokens = float(np.sum(batch["prompt_mask"]) + np.sum(batch["response_mask"]))
+    def _perf_metrics(self, m: dict, timing) -> dict[str, float]:
+        sequences = self.batch_sequences
+        tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * sequences
         devices = jax.device_count()
         out = {"perf/total_num_tokens": tokens, "perf/time_per_step": timing["step"],
                "perf/throughput": tokens / timing["step"] / devices}
         peak = metrics.peak_flops(jax.devices()[0].device_kind)
-        if peak and "update_actor" in timing:
+        if peak and "learn" in timing:
+            # The critic's update (PPO) shares `learn` with the actor's: a lower bound then.
             flops = 6.0 * self.num_params * tokens * self.s.actor.update.ppo_epochs
-            out["perf/mfu/actor"] = flops / timing["update_actor"] / (peak * devices)
+            out["perf/mfu/actor"] = flops / timing["learn"] / (peak * devices)
         return out
 
     @functools.cached_property

@@ -1,0 +1,179 @@
+"""The device side of one RL step as two pure functions, each one jitted program.
+
+    rollout --forward--> experience (+ host scores) --learn--> new state, metrics
+
+`forward` computes what the update needs from the current models: the actor's
+log-probs and entropy, the reference's log-probs, the critic's values. `learn` does
+the rest of verl's step on the devices: KL in the reward and the advantage
+estimator, the KL controller, the critic's update and the actor's (the actor waits
+out `trainer.critic_warmup` as data, not Python control flow), learning rates from
+the schedules at `state.step`, and the step's scalar metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jrl import advantages as adv_lib
+from jrl import kl_control, logprobs, masks, update
+from jrl.models.config import ModelConfig
+from jrl.optim import learning_rate_schedule
+from jrl.settings import Settings
+from jrl.types import Experience, Rollout, TrainState
+
+# The batch fields each model's update reads.
+_ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "old_log_probs",
+                 "advantages", "ref_log_probs")
+_CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "values",
+                  "returns")
+# The prefixes of `data_metrics`' keys.
+DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "critic/returns/",
+                "critic/values/", "critic/vf_explained_var", "response_length/",
+                "prompt_length/")
+# Update metrics whose verl names differ from `update.run_updates`'s.
+_METRIC_NAMES = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
+
+
+def forward(actor_params, ref_params, critic_params, rollout: Rollout, *, s: Settings,
+            model: ModelConfig) -> Experience:
+    """Old log-probs and entropy (actor), reference log-probs (when `ref_params`) and
+    values (when `critic_params`) of a rollout, in micro-batches of
+    `rollout.log_prob_micro_batch_size` sequences."""
+    seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
+    log_probs = logprobs.in_micro_batches(
+        lambda params, *xs: logprobs.response_log_probs(
+            params, *xs, config=model, temperature=s.rollout.temperature,
+            chunk_size=s.logprob_chunk_size, with_entropy=True),
+        s.log_prob_micro_batch)
+    old_log_probs, entropy = log_probs(actor_params, *seq)
+    ref_log_probs = None if ref_params is None else log_probs(ref_params, *seq)[0]
+    values = None
+    if critic_params is not None:
+        values = logprobs.in_micro_batches(
+            lambda params, *xs: logprobs.response_values(params, *xs, config=model),
+            s.log_prob_micro_batch)(critic_params, *seq)
+    return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
+                         ref_log_probs=ref_log_probs, values=values)
+
+
+def advantages(exp: Experience, beta, *, s: Settings):
+    """(token rewards, advantages, returns, current KL): the KL penalty in the reward
+    when `algorithm.use_kl_in_reward`, then the advantage estimator."""
+    mask = exp.response_mask.astype(jnp.float32)
+    rewards, current_kl = exp.token_level_scores, jnp.float32(0.0)
+    if s.algorithm.use_kl_in_reward:
+        rewards, current_kl = kl_control.apply_kl_penalty(
+            rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta, s.algorithm.kl_penalty)
+    adv, returns = adv_lib.compute_advantages(
+        s.algorithm.adv_estimator, rewards, mask, values=exp.values, group_ids=exp.uid,
+        reward_baselines=exp.reward_baselines, gamma=s.algorithm.gamma, lam=s.algorithm.lam,
+        norm_adv_by_std_in_grpo=s.algorithm.norm_adv_by_std_in_grpo)
+    return rewards, adv, returns, current_kl
+
+
+def _stats(prefix: str, values, mask=None) -> dict:
+    """Mean, max and min of `values` (where `mask`); NaN when nothing is selected."""
+    values = values.astype(jnp.float32)
+    mask = jnp.ones(values.shape, bool) if mask is None else mask
+    count = mask.sum()
+    empty = jnp.where(count > 0, 0.0, jnp.nan)
+    return {f"{prefix}/mean": jnp.where(mask, values, 0).sum() / jnp.maximum(count, 1) + empty,
+            f"{prefix}/max": jnp.where(mask, values, -jnp.inf).max() + empty,
+            f"{prefix}/min": jnp.where(mask, values, jnp.inf).min() + empty}
+
+
+def _var(x, mask):
+    """Population variance of `x` where `mask` (numpy's `x[mask].var()`)."""
+    count = jnp.maximum(mask.sum(), 1)
+    mean = jnp.where(mask, x, 0).sum() / count
+    return jnp.where(mask, (x - mean) ** 2, 0).sum() / count
+
+
+def data_metrics(exp: Experience, rewards, adv, returns, *, s: Settings) -> dict:
+    """verl's `compute_data_metrics` as device reductions: scores, rewards, advantages,
+    returns, values and lengths of the batch."""
+    mask = exp.response_mask > 0
+    out = {**_stats("critic/score", exp.token_level_scores.sum(-1)),
+           **_stats("critic/rewards", rewards.sum(-1)),
+           **_stats("critic/advantages", adv, mask), **_stats("critic/returns", returns, mask)}
+    if exp.values is not None:
+        out.update(_stats("critic/values", exp.values, mask))
+        out["critic/vf_explained_var"] = 1.0 - _var(returns - exp.values, mask) / (
+            _var(returns, mask) + 1e-5)
+    response_length = mask.sum(-1).astype(jnp.float32)
+    prompt_length = exp.prompt_mask.sum(-1).astype(jnp.float32)
+    return {**out, **_stats("response_length", response_length),
+            "response_length/clip_ratio": jnp.mean(response_length >= s.rollout.max_new_tokens),
+            **_stats("prompt_length", prompt_length),
+            "prompt_length/clip_ratio": jnp.mean(prompt_length >= s.max_prompt_length)}
+
+
+def _named(role: str, m: dict, lr) -> dict:
+    return {**{f"{role}/{_METRIC_NAMES.get(k, k)}": v for k, v in m.items()}, f"{role}/lr": lr}
+
+
+def learn(state: TrainState, exp: Experience, key, *, s: Settings, model: ModelConfig,
+          actor_opt: optax.GradientTransformation,
+          critic_opt: optax.GradientTransformation | None, critic_warmup: int = 0
+          ) -> tuple[TrainState, dict]:
+    """One step's update from its experience; `key` is the step's key (`fold_in(seed, step)`).
+
+    Returns the new state and the step's scalar metrics (verl's names: the update's, the
+    entropy, the batch's data metrics), among them `actor/updated` (1 once the critic
+    warm-up is over: the actor's update metrics count only then).
+    """
+    _, actor_key, critic_key = jax.random.split(key, 3)
+    rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
+    batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
+             "advantages": adv, "returns": returns}
+    metrics = {"actor/entropy": masks.agg_loss(exp.entropy, exp.response_mask,
+                                               s.actor.loss.loss_agg_mode),
+               **data_metrics(exp, rewards, adv, returns, s=s)}
+    kl = state.kl
+    if s.algorithm.use_kl_in_reward:
+        metrics.update({"actor/reward_kl_penalty": current_kl,
+                        "actor/reward_kl_penalty_coeff": kl.value})
+        kl = kl_control.update_kl_controller(
+            kl, current_kl, s.train_batch_size * s.rollout.n, s.algorithm.kl_ctrl_type,
+            s.algorithm.target_kl, s.algorithm.horizon)
+    critic = state.critic
+    if critic is not None:
+        lr = learning_rate_schedule(s.critic.optim)(state.step)
+        critic_loss = lambda *a: update.critic_loss(*a, model=model, critic=s.critic)
+        critic, m = update.run_updates(
+            critic, {k: batch[k] for k in _CRITIC_FIELDS}, critic_key, lr,
+            loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)
+        metrics.update(_named("critic", m, lr))
+    actor, m = _actor_update(state, batch, actor_key, s=s, model=model, actor_opt=actor_opt,
+                             critic_warmup=critic_warmup)
+    metrics.update(m)
+    if s.actor.use_kl_loss:
+        metrics["actor/kl_coef"] = jnp.float32(s.actor.kl_loss_coef)
+    return TrainState(step=state.step + 1, actor=actor, critic=critic, kl=kl), metrics
+
+
+def _actor_update(state: TrainState, batch: dict, key, *, s: Settings, model: ModelConfig,
+                  actor_opt, critic_warmup: int):
+    """The actor's update, from the step where verl's does (it counts steps from 1 and
+    updates the actor once `critic_warmup <= step`); before it, the actor unchanged."""
+    first = max(critic_warmup - 1, 0)
+    lr = learning_rate_schedule(s.actor.optim)(jnp.maximum(state.step - first, 0))
+    actor_loss = lambda *a: update.actor_loss(
+        *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
+        chunk_size=s.logprob_chunk_size)
+    fields = {k: batch[k] for k in _ACTOR_FIELDS if batch.get(k) is not None}
+
+    def run(actor):
+        actor, m = update.run_updates(actor, fields, key, lr, loss_fn=actor_loss,
+                                      optimizer=actor_opt, update=s.actor.update)
+        return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}
+
+    if first == 0:
+        return run(state.actor)
+    shapes = jax.eval_shape(run, state.actor)[1]
+    skip = lambda actor: (actor, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    return jax.lax.cond(state.step >= first, run, skip, state.actor)

@@ -1,0 +1,61 @@
+"""The data of one RL step, as pytrees: what the rollout produces, what the update
+learns from, and the state the update carries from step to step.
+
+Every array of a `Rollout` or an `Experience` has the batch (`N` sequences) as its
+leading axis, so one sharding (the batch split over the mesh's data axes) is a
+prefix of the whole structure. Optional fields are None when the run does not need
+them (no reference without a KL term, no values without a critic).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from jrl.kl_control import KLControlState
+from jrl.update import ModelState
+
+Array = jax.Array
+
+
+@struct.dataclass
+class Rollout:
+    """Sampled responses to a batch of prompts (`N` = prompts x samples per prompt)."""
+
+    prompt_ids: Array  # [N, P] int32, left-padded
+    prompt_mask: Array  # [N, P] int32, 1 on prompt tokens
+    responses: Array  # [N, R] int32, right-padded
+    response_mask: Array  # [N, R] int32, 1 up to and including the stop token
+
+
+@struct.dataclass
+class Experience:
+    """A rollout with what the update needs: log-probs and values from `step.forward`,
+    then rewards and group ids from the host."""
+
+    prompt_ids: Array  # [N, P]
+    prompt_mask: Array  # [N, P]
+    responses: Array  # [N, R]
+    response_mask: Array  # [N, R]
+    old_log_probs: Array  # [N, R] float32, the actor's before the update
+    entropy: Array  # [N, R] float32, of the actor's token distributions
+    ref_log_probs: Array | None = None  # [N, R] float32, the reference's (a KL term)
+    values: Array | None = None  # [N, R] float32, the critic's (GAE)
+    token_level_scores: Array | None = None  # [N, R] float32, each score at the last token
+    uid: Array | None = None  # [N] int32, the prompt (group) of each sequence
+    reward_baselines: Array | None = None  # [N] float32, greedy rewards (ReMax)
+
+    @classmethod
+    def of(cls, rollout: Rollout, **fields) -> Experience:
+        return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
+                   responses=rollout.responses, response_mask=rollout.response_mask, **fields)
+
+
+@struct.dataclass
+class TrainState:
+    """What `step.learn` carries from one RL step to the next (all on the devices)."""
+
+    step: Array  # [] int32, RL steps done
+    actor: ModelState
+    critic: ModelState | None
+    kl: KLControlState  # the in-reward KL coefficient

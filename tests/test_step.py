@@ -1,0 +1,161 @@
+"""`step.forward` and `step.learn` on hand-made batches: the numbers `learn` reports
+(advantages, rewards with the KL penalty, the adaptive KL coefficient, lengths, the
+learning rate) are worked by hand below; `forward` equals the log-prob functions it
+fuses; the actor waits out the critic warm-up as data."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import experiment, logprobs, settings, step, update
+from jrl.kl_control import init_kl_controller
+from jrl.models.heads import init_critic_params
+from jrl.optim import make_optimizer
+from jrl.types import Experience, Rollout, TrainState
+from tests.trainer.tiny import tiny_config
+
+# 4 prompts x 2 samples; prompts of 4 tokens (left-padded), responses of 3 (right-padded).
+PROMPT_LENGTHS = [4, 4, 3, 3, 2, 2, 4, 4]
+RESPONSE_LENGTHS = [3, 2, 3, 1, 3, 3, 2, 3]
+# Group scores: (1, 0), (1, 1), (0, 0), (0, 1).
+SCORES = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def _setup(**overrides):
+    config = tiny_config(**overrides)
+    tokenizer = experiment.build_tokenizer(config)
+    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
+                             pad_token_id=tokenizer.pad_token_id, num_train_rows=64)
+    model, params = experiment.build_model(config, tokenizer)
+    return config, s, model, params
+
+
+def _rollout() -> Rollout:
+    rng = np.random.default_rng(0)
+    n, p, r = len(PROMPT_LENGTHS), 4, 3
+    prompt_mask = np.array([[0] * (p - k) + [1] * k for k in PROMPT_LENGTHS], np.int32)
+    response_mask = np.array([[1] * k + [0] * (r - k) for k in RESPONSE_LENGTHS], np.int32)
+    return Rollout(prompt_ids=jnp.asarray(rng.integers(3, 20, (n, p)) * prompt_mask, jnp.int32),
+                   prompt_mask=jnp.asarray(prompt_mask),
+                   responses=jnp.asarray(rng.integers(3, 20, (n, r)) * response_mask, jnp.int32),
+                   response_mask=jnp.asarray(response_mask))
+
+
+def _experience(rollout: Rollout, **fields) -> Experience:
+    r = rollout.responses.shape[1]
+    last = np.array(RESPONSE_LENGTHS) - 1
+    scores = np.zeros((len(SCORES), r), np.float32)
+    scores[np.arange(len(SCORES)), last] = SCORES
+    zeros = jnp.zeros(rollout.responses.shape, jnp.float32)
+    defaults = dict(old_log_probs=zeros - 1.0, entropy=zeros + 2.0,
+                    token_level_scores=jnp.asarray(scores),
+                    uid=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 2))
+    return Experience.of(rollout, **{**defaults, **fields})
+
+
+def _state(s, params, critic_params=None, step_=0, beta=0.001) -> TrainState:
+    actor_opt = make_optimizer(s.actor.optim)
+    critic = None
+    if critic_params is not None:
+        critic_opt = make_optimizer(s.critic.optim)
+        critic = update.ModelState(critic_params, critic_opt.init(critic_params))
+    actor = update.ModelState(params, actor_opt.init(params))
+    return TrainState(step=jnp.int32(step_), actor=actor, critic=critic,
+                      kl=init_kl_controller(beta))
+
+
+def _learn(s, model, state, exp, critic_warmup=0):
+    critic_opt = None if s.critic is None else make_optimizer(s.critic.optim)
+    fn = jax.jit(lambda st, e, k: step.learn(
+        st, e, k, s=s, model=model, actor_opt=make_optimizer(s.actor.optim),
+        critic_opt=critic_opt, critic_warmup=critic_warmup))
+    new, metrics = fn(state, exp, jax.random.key(0))
+    return new, {k: float(v) for k, v in metrics.items()}
+
+
+def test_grpo_metrics_worked_by_hand():
+    _, s, model, params = _setup()
+    exp = _experience(_rollout())
+    new, m = _learn(s, model, _state(s, params), exp)
+    # Group (1, 0): mean 0.5, unbiased std sqrt(0.5) -> advantages +-0.5 / 0.70711 = +-0.70711
+    # on every response token of the row; groups (1, 1) and (0, 0): 0.
+    assert m["critic/advantages/max"] == pytest.approx(0.70711, abs=1e-4)
+    assert m["critic/advantages/min"] == pytest.approx(-0.70711, abs=1e-4)
+    # Token mean over the 20 response tokens: rows 0/1 give 3 x 0.70711 - 2 x 0.70711, rows
+    # 6/7 give -2 x 0.70711 + 3 x 0.70711: 2 x 0.70711 / 20.
+    assert m["critic/advantages/mean"] == pytest.approx(2 * 0.70711 / 20, abs=1e-5)
+    assert m["critic/score/mean"] == 0.5 and m["critic/rewards/mean"] == 0.5
+    assert m["response_length/mean"] == 2.5 and m["response_length/min"] == 1.0
+    assert m["response_length/clip_ratio"] == 5 / 8  # rows that reached 3 tokens
+    assert m["prompt_length/mean"] == 3.25 and m["prompt_length/clip_ratio"] == 0.5
+    # token-mean of the entropy, 2.0 everywhere.
+    assert m["actor/entropy"] == pytest.approx(2.0)
+    assert m["actor/lr"] == pytest.approx(1e-3) and m["actor/updated"] == 1.0
+    assert int(new.step) == 1
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new.actor.params, params)
+    assert any(jax.tree.leaves(changed))
+
+
+def test_adaptive_kl_in_reward_worked_by_hand():
+    overrides = {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive",
+                 "algorithm.kl_ctrl.kl_coef": 0.1, "algorithm.kl_ctrl.target_kl": 0.1,
+                 "algorithm.kl_ctrl.horizon": 10.0}
+    _, s, model, params = _setup(**overrides)
+    rollout = _rollout()
+    zeros = jnp.zeros(rollout.responses.shape, jnp.float32)
+    exp = _experience(rollout, old_log_probs=zeros, ref_log_probs=zeros - 0.5)
+    new, m = _learn(s, model, _state(s, params, beta=0.1), exp)
+    # kl = old - ref = 0.5 on every token: the batch's KL is 0.5.
+    assert m["actor/reward_kl_penalty"] == pytest.approx(0.5)
+    assert m["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    # Rewards: score - 0.1 x 0.5 per response token: (4 - 0.05 x 20) / 8 rows.
+    assert m["critic/rewards/mean"] == pytest.approx(0.375, abs=1e-6)
+    # beta x (1 + clip(0.5 / 0.1 - 1, +-0.2) x 8 sequences / horizon 10) = 0.1 x 1.16.
+    assert float(new.kl.value) == pytest.approx(0.116, rel=1e-6)
+
+
+def test_learning_rate_follows_the_schedule_at_state_step():
+    _, s, model, params = _setup(**{"actor.optim.lr_warmup_steps": 4})
+    _, m = _learn(s, model, _state(s, params, step_=3), _experience(_rollout()))
+    assert m["actor/lr"] == pytest.approx(1e-3 * 3 / 4)
+
+
+def test_actor_waits_out_the_critic_warmup_as_data():
+    _, s, model, params = _setup(**{"algorithm.adv_estimator": "gae"})
+    critic_params = init_critic_params(params, jax.random.key(1))
+    rollout = _rollout()
+    exp = _experience(rollout, values=jnp.zeros(rollout.responses.shape, jnp.float32))
+    # verl counts steps from 1: with critic_warmup=2 the actor first updates at step 2,
+    # i.e. state.step == 1. The same compiled program decides from state.step.
+    for step_, updated in ((0, False), (1, True)):
+        state = _state(s, params, critic_params, step_=step_)
+        new, m = _learn(s, model, state, exp, critic_warmup=2)
+        assert m["actor/updated"] == float(updated)
+        same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), new.actor.params, params)
+        assert all(jax.tree.leaves(same)) != updated
+        assert "critic/vf_loss" in m
+        moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new.critic.params,
+                             critic_params)
+        assert any(jax.tree.leaves(moved))
+
+
+def test_forward_equals_the_log_prob_functions():
+    _, s, model, params = _setup(**{"algorithm.adv_estimator": "gae"})
+    critic_params = init_critic_params(params, jax.random.key(1))
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)
+    rollout = _rollout()
+    fn = jax.jit(lambda a, r, c, ro: step.forward(a, r, c, ro, s=s, model=model))
+    exp = fn(params, ref_params, critic_params, rollout)
+    seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
+    kw = dict(config=model, temperature=s.rollout.temperature, chunk_size=s.logprob_chunk_size)
+    old, entropy = logprobs.response_log_probs(params, *seq, with_entropy=True, **kw)
+    ref, _ = logprobs.response_log_probs(ref_params, *seq, **kw)
+    values = logprobs.response_values(critic_params, *seq, config=model)
+    chex.assert_trees_all_close((exp.old_log_probs, exp.entropy, exp.ref_log_probs, exp.values),
+                                (old, entropy, ref, values), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(exp.ref_log_probs, exp.old_log_probs)
+    assert exp.token_level_scores is None and exp.uid is None
+    without = fn(params, None, None, rollout)
+    assert without.ref_log_probs is None and without.values is None

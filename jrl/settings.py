@@ -351,6 +351,22 @@ def total_steps(config, num_train_rows: int) -> int:
     return epochs * (num_train_rows // int(per_step))
 
 
+def _check_model(config) -> None:
+    """The `model` keys the trainer reads: float32 parameters, a compute dtype, remat."""
+    if _get(config, "model.param_dtype") != "float32":
+        _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
+              "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
+              "bfloat16 compute")
+    _choice(config, "model.remat", model_config.REMAT_POLICIES)
+    if _get(config, "model.dtype") == "float16":
+        _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
+              "'bfloat16'")
+    _choice(config, "model.dtype", model_config.DTYPES)
+    model_path = _get(config, "model.path")
+    if model_path and not os.path.isdir(os.path.expanduser(model_path)):
+        _fail("model.path", f"{model_path!r} is not a directory")
+
+
 def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
                 num_train_rows: int) -> Settings:
     """Validates `config` and derives the static settings of the run."""
@@ -387,18 +403,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
             loss_agg_mode=_choice(config, "critic.loss_agg_mode", masks.LOSS_AGG_MODES),
             optim=_optim(config, "critic", steps),
         )
-    if _get(config, "model.param_dtype") != "float32":
-        _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
-              "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
-              "bfloat16 compute")
-    _choice(config, "model.remat", model_config.REMAT_POLICIES)
-    if _get(config, "model.dtype") == "float16":
-        _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
-              "'bfloat16'")
-    _choice(config, "model.dtype", model_config.DTYPES)
-    model_path = _get(config, "model.path")
-    if model_path and not os.path.isdir(os.path.expanduser(model_path)):
-        _fail("model.path", f"{model_path!r} is not a directory")
+    _check_model(config)
     return Settings(
         actor=actor,
         critic=critic,

@@ -51,6 +51,26 @@ def _all_finite(tree) -> Array:
     return jnp.stack(leaves).all()
 
 
+def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int):
+    """Float32 gradients and loss terms summed over the micro-batches of one mini-batch
+    (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts."""
+    mask = mini["response_mask"]
+    normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
+    micro0 = jax.tree.map(lambda x: x[0], mini)
+    _, (sums0, means0) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
+
+    def micro_step(carry, xs):
+        micro, micro_rng = xs
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, (sums, means)), grads = grad_fn(params, micro, normalizer, micro_rng)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return jax.tree.map(jnp.add, carry, (grads, sums, means)), None
+
+    rngs = jax.random.split(rng, num_micros)
+    return jax.lax.scan(micro_step, zeros, (mini, rngs))[0]
+
+
 def run_updates(
     state: ModelState,
     batch: Batch,
@@ -76,24 +96,9 @@ def run_updates(
     num_minis = n // update.mini_batch
     num_micros = update.mini_batch // update.micro_batch
 
-    def micro_step(params, normalizer, carry, xs):
-        micro, micro_rng = xs
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (sums, means)), grads = grad_fn(params, micro, normalizer, micro_rng)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return jax.tree.map(jnp.add, carry, (grads, sums, means)), None
-
     def mini_step(state: ModelState, xs):
         mini, mini_rng = xs
-        mask = mini["response_mask"]
-        normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
-        micro0 = jax.tree.map(lambda x: x[0], mini)
-        _, (sums0, means0) = jax.eval_shape(loss_fn, state.params, micro0, normalizer, mini_rng)
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                             (state.params, sums0, means0))
-        body = lambda c, x: micro_step(state.params, normalizer, c, x)
-        rngs = jax.random.split(mini_rng, num_micros)
-        (grads, sums, means), _ = jax.lax.scan(body, zeros, (mini, rngs))
+        grads, sums, means = _accumulate_grads(loss_fn, state.params, mini, mini_rng, num_micros)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -50,8 +50,8 @@ import numpy as np  # noqa: E402
 from jrl import metrics, settings, sharding  # noqa: E402
 from jrl.config_defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
-from jrl.models import ModelConfig  # noqa: E402
 from jrl.experiment import build_model  # noqa: E402
+from jrl.models import ModelConfig  # noqa: E402
 from jrl.trainer import RLTrainer  # noqa: E402
 
 # The trainer's phases: the rollout, `step.forward` (old and reference log-probs,
@@ -224,7 +224,7 @@ def build_trainer(args, algo: str, workdir: str):
     s = settings.from_config(config, stop_token_ids=stops, pad_token_id=pad_id,
                              num_train_rows=len(rows))
     trainer = RLTrainer(s, model, params, tokenizer, rows, [], hash_reward, workdir,
-                        args.seed, config.trainer, sharder=sharder)
+                        args.seed, sharder=sharder)
     iterator = BatchIterator(rows, args.batch, seed=args.seed, shuffle=True)
     info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
                 ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,

@@ -435,7 +435,7 @@ def run_jrl(args) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     scorer, _ = experiment.build_reward(config, st.s)
     trainer = RLTrainer(st.s, st.model, st.params, st.tokenizer, st.train_rows, st.val_rows,
-                        scorer, workdir, config.seed, config.trainer,
+                        scorer, workdir, config.seed,
                         apply_chat_template=config.data.apply_chat_template,
                         data_seed=config.data.seed, sharder=sharding.from_config(config))
     iterator = BatchIterator(st.train_rows, st.s.train_batch_size, config.data.seed,

@@ -107,6 +107,17 @@ class FilterGroupsSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """The loop's schedule: validation, checkpoints, the critic's warm-up."""
+
+    test_freq: int  # validate every this many steps (0: never; always after the last)
+    save_freq: int  # checkpoint every this many steps (0: never; also after the last)
+    val_before_train: bool
+    critic_warmup: int  # verl's: the actor first updates at step critic_warmup (from 1)
+    max_ckpt_to_keep: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything static about a run, derived once from the config."""
 
@@ -122,6 +133,7 @@ class Settings:
     reward: RewardSettings
     filter_groups: FilterGroupsSettings | None
     log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
+    trainer: TrainerSettings = TrainerSettings(0, 0, True, 0, None)
 
     @property
     def needs_reference(self) -> bool:
@@ -351,6 +363,18 @@ def total_steps(config, num_train_rows: int) -> int:
     return epochs * (num_train_rows // int(per_step))
 
 
+def _trainer(config) -> TrainerSettings:
+    keep = _get(config, "trainer.max_actor_ckpt_to_keep")
+    if keep is not None and keep < 1:
+        _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got {keep}")
+    return TrainerSettings(
+        test_freq=int(_positive(config, "trainer.test_freq", allow_zero=True)),
+        save_freq=int(_positive(config, "trainer.save_freq", allow_zero=True)),
+        val_before_train=bool(_get(config, "trainer.val_before_train")),
+        critic_warmup=int(_positive(config, "trainer.critic_warmup", allow_zero=True)),
+        max_ckpt_to_keep=keep)
+
+
 def _check_model(config) -> None:
     """The `model` keys the trainer reads: float32 parameters, a compute dtype, remat."""
     if _get(config, "model.param_dtype") != "float32":
@@ -384,8 +408,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         if logger not in LOGGERS:
             _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
     steps = total_steps(config, num_train_rows)
-    if _get(config, "trainer.save_freq") < 0 or _get(config, "trainer.test_freq") < 0:
-        _fail("trainer.save_freq", "save_freq and test_freq must be >= 0 (0 = never)")
+    trainer = _trainer(config)
     actor = ActorSettings(
         update=_update(config, "actor", batch * n, n, nan_policy),
         loss=_policy_loss(config),
@@ -417,6 +440,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         reward=_reward(config, int(_get(config, "rollout.response_length"))),
         filter_groups=_filter_groups(config, batch, n, estimator, num_train_rows),
         log_prob_micro_batch=_log_prob_micro_batch(config, batch * n),
+        trainer=trainer,
     )
 
 

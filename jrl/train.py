@@ -67,7 +67,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
             params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows,
                                       sharder)
         trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
-                            scorer, workdir, config.seed, config.trainer,
+                            scorer, workdir, config.seed,
                             apply_chat_template=config.data.apply_chat_template,
                             data_seed=config.data.seed, sharder=sharder,
                             reward_model=reward_model)

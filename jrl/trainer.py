@@ -96,7 +96,6 @@ class RLTrainer:
         `jrl.rewards.scoring.RewardScorer` (parallel workers, error policy).
       workdir: checkpoints, metrics, plots.
       seed: root of all randomness.
-      trainer_config: the `trainer` section (frequencies, loggers, ...).
       apply_chat_template: encode prompts through the tokenizer's chat template.
       data_seed: seed of the per-epoch shuffling of the training rows.
       sharder: the mesh and its rules (default: every device on the `data` axis).
@@ -105,7 +104,7 @@ class RLTrainer:
     """
 
     def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,
-                 train_rows, val_rows, reward_fn, workdir: str, seed: int, trainer_config,
+                 train_rows, val_rows, reward_fn, workdir: str, seed: int,
                  apply_chat_template: bool = False, data_seed: int = 0,
                  sharder: sharding_lib.Sharder | None = None, reward_model=None):
         self.s = settings
@@ -123,7 +122,7 @@ class RLTrainer:
         # Rule scoring runs beside the device stages; workers (if any) are the scorer's.
         self._score_thread = concurrent.futures.ThreadPoolExecutor(1, "jrl-reward")
         self.workdir = workdir
-        self.cfg = trainer_config
+        self.cfg = settings.trainer
         self.chat = apply_chat_template
         self.data_seed = data_seed
         self.root_key = jax.random.key(seed)
@@ -141,7 +140,7 @@ class RLTrainer:
         self._build_stages()
         self.state = self._initial_state(actor_params, seed)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                         max_to_keep=trainer_config.max_actor_ckpt_to_keep)
+                                         max_to_keep=settings.trainer.max_ckpt_to_keep)
 
     # -- construction --------------------------------------------------------------------------
 

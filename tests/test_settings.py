@@ -115,3 +115,16 @@ def test_settings_checks_choices_against_named_lists():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_choice":
             choices = node.args[2]
             assert not isinstance(choices, (ast.Tuple, ast.List, ast.Set)), ast.unparse(node)
+
+
+def test_trainer_schedule_is_settings_not_a_config_dict():
+    t = _settings(**{"trainer.test_freq": 5, "trainer.save_freq": 10,
+                     "trainer.critic_warmup": 2, "trainer.max_actor_ckpt_to_keep": 3}).trainer
+    assert t == settings.TrainerSettings(test_freq=5, save_freq=10, val_before_train=False,
+                                         critic_warmup=2, max_ckpt_to_keep=3)
+    for key, value, message in (("trainer.save_freq", -1, "must be a non-negative number"),
+                                ("trainer.test_freq", -2, "must be a non-negative number"),
+                                ("trainer.critic_warmup", -1, "must be a non-negative number"),
+                                ("trainer.max_actor_ckpt_to_keep", 0, "must be >= 1")):
+        with pytest.raises(ConfigError, match=f"{key}: .*{message}"):
+            _settings(**{key: value})

@@ -1,5 +1,6 @@
-"""The device side of one RL step as two pure functions, each one jitted program.
+"""The device side of RL as pure functions, each one jitted program.
 
+    init(params) -> state
     rollout --forward--> experience (+ host scores) --learn--> new state, metrics
 
 `forward` computes what the update needs from the current models: the actor's
@@ -20,6 +21,7 @@ import optax
 
 from jrl import advantages as adv_lib
 from jrl import kl_control, logprobs, masks, update
+from jrl.models import heads
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
 from jrl.settings import Settings
@@ -36,6 +38,20 @@ DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "criti
                 "prompt_length/")
 # Update metrics whose verl names differ from `update.run_updates`'s.
 _METRIC_NAMES = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
+
+
+def init(actor_params, key, *, s: Settings, actor_opt: optax.GradientTransformation,
+         critic_opt: optax.GradientTransformation | None = None) -> TrainState:
+    """The state before the first step: the actor with its optimizer state, a critic
+    (when the estimator needs one: the actor's backbone and a value head seeded by
+    `key`) with its own, the initial KL coefficient, step 0."""
+    actor = update.ModelState(actor_params, actor_opt.init(actor_params))
+    critic = None
+    if s.critic is not None:
+        critic_params = heads.init_critic_params(actor_params, key)
+        critic = update.ModelState(critic_params, critic_opt.init(critic_params))
+    return TrainState(step=jnp.int32(0), actor=actor, critic=critic,
+                      kl=kl_control.init_kl_controller(s.algorithm.kl_coef))
 
 
 def forward(actor_params, ref_params, critic_params, rollout: Rollout, *, s: Settings,

@@ -238,28 +238,20 @@ class RLTrainer:
         return self.s.train_batch_size * self.s.rollout.n
 
     def _initial_state(self, actor_params, seed) -> TrainState:
-        """Optimizer states and the critic are created directly in their shardings."""
-        init_opt = lambda opt, sh: jax.jit(opt.init, in_shardings=(sh.params,),
-                                           out_shardings=sh.opt_state)
-        actor = update.ModelState(
-            actor_params, init_opt(self.actor_opt, self.actor_state_shardings)(actor_params))
-        critic = None
-        if self.s.critic is not None:
-            key = jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
-            critic_params = jax.jit(heads.init_critic_params,
-                                    in_shardings=(self.actor_shardings, self.sharder.replicated),
-                                    out_shardings=self.critic_shardings)(actor_params, key)
-            critic = update.ModelState(
-                critic_params,
-                init_opt(self.critic_opt, self.critic_state_shardings)(critic_params))
-        return TrainState(step=0, actor=actor, critic=critic,
-                          kl=self._replicated(
-                              kl_control.init_kl_controller(self.s.algorithm.kl_coef)),
+        """`step.init` as one jit that writes every part straight into its sharding (the
+        actor's parameters are donated: they become the state's)."""
+        s, rep = self.s, self.sharder.replicated
+        critic = s.critic is not None
+        shardings = types.TrainState(
+            step=rep, actor=self.actor_state_shardings,
+            critic=self.critic_state_shardings if critic else None, kl=rep)
+        init = jax.jit(functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,
+                                         critic_opt=self.critic_opt if critic else None),
+                       in_shardings=(self.actor_shardings, rep), out_shardings=shardings,
+                       donate_argnums=0)
+        state = init(actor_params, jax.random.fold_in(jax.random.key(seed), 2**31 - 1))
+        return TrainState(step=0, actor=state.actor, critic=state.critic, kl=state.kl,
                           data=IteratorState())
-
-    def _replicated(self, tree):
-        """Small state (the KL controller) as global arrays, so every process saves it."""
-        return jax.device_put(tree, self.sharder.replicated)
 
     def close(self) -> None:
         """Stops reward workers and closes the checkpointer."""

@@ -159,3 +159,20 @@ def test_forward_equals_the_log_prob_functions():
     assert exp.token_level_scores is None and exp.uid is None
     without = fn(params, None, None, rollout)
     assert without.ref_log_probs is None and without.values is None
+
+
+def test_init_builds_the_first_state():
+    _, s, model, params = _setup(**{"algorithm.adv_estimator": "gae",
+                                    "algorithm.kl_ctrl.kl_coef": 0.05})
+    key = jax.random.key(7)
+    state = jax.jit(lambda p, k: step.init(
+        p, k, s=s, actor_opt=make_optimizer(s.actor.optim),
+        critic_opt=make_optimizer(s.critic.optim)))(params, key)
+    assert int(state.step) == 0 and float(state.kl.value) == pytest.approx(0.05)
+    chex.assert_trees_all_equal(state.actor.params, params)
+    chex.assert_trees_all_close(state.critic.params, init_critic_params(params, key), rtol=1e-6)
+    adam = jax.tree.leaves(state.actor.opt_state)
+    assert adam and all(not np.any(np.asarray(x)) for x in adam)  # count 0, moments 0
+    grpo = _setup()[1]
+    no_critic = step.init(params, key, s=grpo, actor_opt=make_optimizer(grpo.actor.optim))
+    assert no_critic.critic is None

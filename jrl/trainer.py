@@ -1,13 +1,15 @@
-"""The RL trainer: verl's `fit()` loop in JAX.
+"""The RL trainer: verl's `fit()` loop in JAX, around the pure functions of `jrl.step`.
 
 One step:
 
-    rollout -> old log-probs -> reference log-probs (if a KL term is configured)
-    -> critic values (if the estimator needs them) -> rule rewards at the last token
-    -> KL in reward (fixed / adaptive controller) -> advantages
-    -> critic update (after `critic_warmup`) -> actor update -> metrics
+    rollout (one jit)
+    -> step.forward: old log-probs, reference log-probs (if a KL term is configured),
+       critic values (if the estimator needs them)          (one jit; the host scores)
+    -> rule rewards at the last token, group ids            (host)
+    -> step.learn: KL in reward, advantages, KL controller, critic update, actor
+       update (after `critic_warmup`), metrics              (one jit, state donated)
 
-Each arrow is a jitted program; the host only decodes responses and scores them.
+The host only decodes responses, scores them and logs the step's scalars.
 Randomness is `fold_in(key(seed), step)`, split by purpose, so a resumed run
 repeats exactly what an uninterrupted one would have done.
 """

@@ -205,14 +205,17 @@ class Sharder:
     def put_batch(self, tree):
         """Host arrays (the same on every process) -> global arrays split over the batch axes.
 
-        Each process transfers only the rows its devices hold.
+        Each process transfers only the rows its devices hold. This is one of the step's
+        designed host-to-device transfers (prompts, scores): allowed under a
+        `jax.transfer_guard("disallow")` that catches the others.
         """
         def put(x):
             x = np.asarray(x)
             sharding = self.batch(x.ndim)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-        return jax.tree.map(put, tree)
+        with jax.transfer_guard_host_to_device("allow"):
+            return jax.tree.map(put, tree)
 
     def check_batch(self, size: int, what: str) -> None:
         multiple = self.batch_size_multiple

@@ -215,6 +215,10 @@ class RLTrainer:
             in_shardings=(state_shardings, b, rep), out_shardings=(state_shardings, rep),
             donate_argnums=0)
         self._generators: dict[rollout.SamplingConfig, Callable] = {}
+        # The step's key and the rollout's part of it (learn splits the same key).
+        self._step_keys = jax.jit(lambda root, step: (
+            jax.random.fold_in(root, step),
+            jax.random.split(jax.random.fold_in(root, step), 3)[0]))
 
     def _compute_params(self, params):
         """`params` in the compute dtype, same shardings (the same array when equal)."""
@@ -425,8 +429,8 @@ class RLTrainer:
         st = self.state
         timing = {}
         t_step = time.perf_counter()
-        key = jax.random.fold_in(self.root_key, st.step)
-        gen_key = jax.random.split(key, 3)[0]  # learn splits the same key for its updates
+        step = jax.device_put(np.uint32(st.step), self.sharder.replicated)
+        key, gen_key = self._step_keys(self.root_key, step)
 
         t = time.perf_counter()
         compute_params = self._compute_params(st.actor.params)
@@ -445,7 +449,7 @@ class RLTrainer:
         step_metrics.update(reward_metrics)
 
         t = time.perf_counter()
-        state = types.TrainState(step=np.int32(st.step), actor=st.actor, critic=st.critic,
+        state = types.TrainState(step=step.astype(jnp.int32), actor=st.actor, critic=st.critic,
                                  kl=st.kl)
         state, learn_metrics = self._learn(state, exp, key)
         step_metrics.update(self._learn_metrics(jax.device_get(learn_metrics)))

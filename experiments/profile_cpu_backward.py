@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,21 +26,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.profile_decode import median_ms  # noqa: E402
 from jrl.logprobs import response_log_probs  # noqa: E402
 from jrl.models import hf  # noqa: E402
 
 WARM_START = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "tests", "data", "arith_warm_start")
-
-
-def median_ms(fn, *args, repeats: int = 15) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def kind_of(thunk: str) -> str:

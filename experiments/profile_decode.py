@@ -24,7 +24,8 @@ from jrl.models.heads import unembed
 from jrl.models.transformer import forward, init_params
 
 
-def _median_ms(fn, *args, repeats):
+def median_ms(fn, *args, repeats: int = 15) -> float:
+    """Milliseconds of `fn(*args)`, median of `repeats` calls after one untimed call."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
@@ -59,7 +60,7 @@ def main():
                                     config=config)
             return unembed(params, hidden[:, 0]), cache
 
-        ms = _median_ms(step, params, cache, repeats=args.repeats)
+        ms = median_ms(step, params, cache, repeats=args.repeats)
         rows.append((f"decode forward+unembed, layers {'unrolled' if unrolled else 'scanned'}",
                      f"{ms:.3f} ms"))
     logits = jax.random.normal(jax.random.key(2), (b, base.vocab_size), jnp.float32)
@@ -68,7 +69,7 @@ def main():
                            ("sample, top_p=0.9", rollout.SamplingConfig(top_p=0.9)),
                            ("greedy", rollout.SamplingConfig(do_sample=False))):
         fn = jax.jit(functools.partial(rollout.sample_tokens, sampling=sampling))
-        rows.append((name, f"{_median_ms(fn, logits, keys, repeats=args.repeats):.3f} ms"))
+        rows.append((name, f"{median_ms(fn, logits, keys, repeats=args.repeats):.3f} ms"))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_bytes = 2 * base.num_layers * b * s * base.num_kv_heads * base.head_dim * 2
     rows.append(("weights + full cache read at 3350 GB/s",

@@ -36,38 +36,6 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
-def _stats(prefix: str, values, mask=None) -> dict[str, float]:
-    values = np.asarray(values, np.float64)
-    if mask is not None:
-        values = values[np.asarray(mask) > 0]
-    if values.size == 0:
-        return {}
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
-
-
-def data_metrics(batch: dict, max_response_length: int, max_prompt_length: int) -> dict:
-    """verl's `compute_data_metrics`: scores, rewards, advantages, returns, values, lengths."""
-    mask = np.asarray(batch["response_mask"], np.float64)
-    out = {}
-    out.update(_stats("critic/score", np.sum(batch["token_level_scores"], -1)))
-    out.update(_stats("critic/rewards", np.sum(batch["token_level_rewards"], -1)))
-    out.update(_stats("critic/advantages", batch["advantages"], mask))
-    out.update(_stats("critic/returns", batch["returns"], mask))
-    if "values" in batch:
-        out.update(_stats("critic/values", batch["values"], mask))
-        returns = np.asarray(batch["returns"])[mask > 0]
-        residual = returns - np.asarray(batch["values"])[mask > 0]
-        out["critic/vf_explained_var"] = float(1.0 - residual.var() / (returns.var() + 1e-5))
-    response_length = mask.sum(-1)
-    prompt_length = np.asarray(batch["prompt_mask"], np.float64).sum(-1)
-    out.update(_stats("response_length", response_length))
-    out["response_length/clip_ratio"] = float(np.mean(response_length >= max_response_length))
-    out.update(_stats("prompt_length", prompt_length))
-    out["prompt_length/clip_ratio"] = float(np.mean(prompt_length >= max_prompt_length))
-    return out
-
-
 def validation_metrics(data_sources: Sequence[str], prompt_index: Sequence[int],
                        values: dict[str, Sequence[float]], answers: Sequence[str], n: int) -> dict:
     """verl's validation metrics per data source and variable.

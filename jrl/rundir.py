@@ -28,6 +28,7 @@ from typing import Any
 
 import ml_collections
 
+from jrl import config_docs
 from jrl.errors import CheckpointError, ConfigError, RunDirError
 
 CONFIG_FILE = "config.json"
@@ -49,21 +50,11 @@ _RL_ONLY_DATA_KEYS = ("data.train_batch_size", "data.val_batch_size", "data.gen_
 ABSENT = "<absent>"
 
 
-def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
-    """`{"actor.optim.lr": 1e-6, ...}` with JSON values (tuples become lists)."""
-    tree = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
-    tree = json.loads(json.dumps(tree, default=str))
-    out = {}
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-            else:
-                out[f"{prefix}{key}"] = value
-
-    walk(tree, "")
-    return out
+def flatten(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`{"actor.optim.lr": 1e-6, ...}` (`config_docs.flatten`) with JSON values (tuples
+    become lists), as `config.json` stores them."""
+    return {key: json.loads(json.dumps(value, default=str))
+            for key, value in config_docs.flatten(config).items()}
 
 
 def _matches(key: str, prefixes) -> bool:

@@ -68,6 +68,13 @@ def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
     return out
 
 
+def _step_keys(root, step):
+    """The step's key, `fold_in(root, step)`, and the rollout's part of it (`learn`
+    splits the same key for the updates)."""
+    key = jax.random.fold_in(root, step)
+    return key, jax.random.split(key, 3)[0]
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything a checkpoint must hold to continue a run exactly."""
@@ -124,7 +131,6 @@ class RLTrainer:
         # Rule scoring runs beside the device stages; workers (if any) are the scorer's.
         self._score_thread = concurrent.futures.ThreadPoolExecutor(1, "jrl-reward")
         self.workdir = workdir
-        self.cfg = settings.trainer
         self.chat = apply_chat_template
         self.data_seed = data_seed
         self.root_key = jax.random.key(seed)
@@ -211,14 +217,11 @@ class RLTrainer:
         self._learn = jax.jit(
             functools.partial(step_lib.learn, s=s, model=self.model, actor_opt=self.actor_opt,
                               critic_opt=self.critic_opt if critic else None,
-                              critic_warmup=self.cfg.critic_warmup),
+                              critic_warmup=s.trainer.critic_warmup),
             in_shardings=(state_shardings, b, rep), out_shardings=(state_shardings, rep),
             donate_argnums=0)
         self._generators: dict[rollout.SamplingConfig, Callable] = {}
-        # The step's key and the rollout's part of it (learn splits the same key).
-        self._step_keys = jax.jit(lambda root, step: (
-            jax.random.fold_in(root, step),
-            jax.random.split(jax.random.fold_in(root, step), 3)[0]))
+        self._step_keys = jax.jit(_step_keys)
 
     def _compute_params(self, params):
         """`params` in the compute dtype, same shardings (the same array when equal)."""
@@ -557,7 +560,7 @@ class RLTrainer:
     def fit(self, val_batch_size: int, writer: metrics.MetricsWriter | None = None,
             exit_after_steps: int | None = None) -> dict[str, float]:
         """Runs until `total_steps`; returns the last validation metrics."""
-        cfg = self.cfg
+        cfg = self.s.trainer
         fg = self.s.filter_groups
         batch_size = self.s.train_batch_size if fg is None else fg.gen_batch_size
         iterator = BatchIterator(self.train_rows, batch_size, self.data_seed,

@@ -439,7 +439,7 @@ def run_jrl(args) -> None:
                         apply_chat_template=config.data.apply_chat_template,
                         data_seed=config.data.seed, sharder=sharding.from_config(config))
     iterator = BatchIterator(st.train_rows, st.s.train_batch_size, config.data.seed,
-                             shuffle=True, state=trainer.state.data)
+                             shuffle=True, state=trainer.data)
     clock, step_seconds, per_step = TrainClock(), [], []
     evals = [{"step": 0, **clock.record(), "acc": st.evaluator(trainer.state.actor.params)}]
     print(f"jrl seed {args.seed}: step 0 acc {evals[0]['acc']:.3f}", flush=True)

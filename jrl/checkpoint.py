@@ -7,10 +7,15 @@ the latest complete one; `latest_step` never returns a partial save.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from jrl.data.dataset import IteratorState
+from jrl.types import TrainState
 
 
 class Checkpointer:
@@ -45,5 +50,28 @@ class Checkpointer:
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         return dict(self.manager.restore(step, args=args).meta)
 
+    def save_train_state(self, step: int, state: TrainState, data: IteratorState) -> None:
+        """Saves a run after `step` RL steps: the models, optimizer states and KL
+        coefficient as arrays, the step and the data iterator's position as metadata."""
+        self.save(step, _tree(state), {"step": step, "data": dataclasses.asdict(data)})
+
+    def restore_train_state(self, step: int, like: TrainState, replicated
+                            ) -> tuple[TrainState, int, IteratorState]:
+        """(state, step, data position) of checkpoint `step`, in the structure, shapes
+        and shardings of `like` (the step counter placed with `replicated`)."""
+        tree, meta = self.restore(step, _tree(like))
+        count = jax.device_put(np.int32(meta["step"]), replicated)
+        state = TrainState(step=count, actor=tree["actor"], critic=tree.get("critic"),
+                           kl=tree["kl"])
+        return state, int(meta["step"]), IteratorState(**meta["data"])
+
     def close(self) -> None:
         self.manager.close()
+
+
+def _tree(state: TrainState) -> dict:
+    """What a checkpoint holds of the state (the step is in the metadata)."""
+    tree = {"actor": state.actor, "kl": state.kl}
+    if state.critic is not None:
+        tree["critic"] = state.critic
+    return tree

@@ -25,6 +25,37 @@ NAN_POLICIES = ("skip", "raise")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
+def _fail(key: str, message: str):
+    raise ConfigError(f"{key}: {message}")
+
+
+def _number(key: str, value, *, allow_zero: bool = False, integer: bool = False):
+    """`value` if it is a positive (or, `allow_zero`, non-negative) number."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+        value == 0 and not allow_zero
+    ):
+        kind = "non-negative" if allow_zero else "positive"
+        _fail(key, f"must be a {kind} number, got {value!r}")
+    return int(value) if integer else value
+
+
+def _choice(key: str, value, choices) -> str:
+    if value not in choices:
+        _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
+    return value
+
+
+def _set(settings, **values) -> None:
+    """Normalised field values (e.g. ints) on a frozen dataclass, in `__post_init__`."""
+    for name, value in values.items():
+        object.__setattr__(settings, name, value)
+
+
+# Each settings dataclass checks its own fields in `__post_init__`, naming the config key
+# (`prefix` says whose keys they are: "actor" or "critic"); checks across sections are
+# `Settings`'. `from_config` only reads the keys.
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimSettings:
     lr: float
@@ -35,6 +66,22 @@ class OptimSettings:
     min_lr_ratio: float
     grad_clip: float
     total_steps: int
+    prefix: str = dataclasses.field(default="actor", compare=False, repr=False)
+
+    def __post_init__(self):
+        p = f"{self.prefix}.optim"
+        _number(f"{p}.lr", self.lr, allow_zero=True)
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            _fail(f"{p}.betas", f"must be two numbers in [0, 1), got {betas}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail(f"{p}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _set(self, betas=betas,
+             weight_decay=_number(f"{p}.weight_decay", self.weight_decay, allow_zero=True),
+             warmup_steps=_number(f"{p}.lr_warmup_steps", self.warmup_steps, allow_zero=True,
+                                  integer=True),
+             grad_clip=_number(f"{self.prefix}.grad_clip", self.grad_clip, allow_zero=True))
+        _choice(f"{p}.lr_scheduler_type", self.lr_scheduler_type, optim.LR_SCHEDULERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +93,18 @@ class UpdateSettings:
     micro_batch: int  # sequences per forward/backward
     shuffle: bool
     nan_policy: str
+    prefix: str = dataclasses.field(default="actor", compare=False, repr=False)
+
+    def __post_init__(self):
+        p = self.prefix
+        _set(self, ppo_epochs=_number(f"{p}.ppo_epochs", self.ppo_epochs, integer=True),
+             mini_batch=_number(f"{p}.ppo_mini_batch_size", self.mini_batch, integer=True),
+             micro_batch=_number(f"{p}.ppo_micro_batch_size", self.micro_batch, integer=True),
+             shuffle=bool(self.shuffle))
+        if self.mini_batch % self.micro_batch:
+            _fail(f"{p}.ppo_micro_batch_size", f"{self.micro_batch} sequences must divide "
+                  f"the mini-batch of {self.mini_batch} sequences")
+        _choice("trainer.nan_policy", self.nan_policy, NAN_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +117,13 @@ class ActorSettings:
     kl_loss_type: str
     optim: OptimSettings
 
+    def __post_init__(self):
+        self.loss.validate("actor")
+        _set(self, entropy_coeff=float(self.entropy_coeff), use_kl_loss=bool(self.use_kl_loss),
+             kl_loss_coef=float(_number("actor.kl_loss_coef", self.kl_loss_coef,
+                                        allow_zero=True)))
+        _choice("actor.kl_loss_type", self.kl_loss_type, losses.KL_PENALTIES)
+
 
 @dataclasses.dataclass(frozen=True)
 class CriticSettings:
@@ -65,6 +131,11 @@ class CriticSettings:
     cliprange_value: float
     loss_agg_mode: str
     optim: OptimSettings
+
+    def __post_init__(self):
+        _set(self, cliprange_value=float(_number("critic.cliprange_value",
+                                                 self.cliprange_value)))
+        _choice("critic.loss_agg_mode", self.loss_agg_mode, masks.LOSS_AGG_MODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +150,22 @@ class AlgorithmSettings:
     kl_coef: float
     target_kl: float
     horizon: float
+
+    def __post_init__(self):
+        _choice("algorithm.adv_estimator", self.adv_estimator, advantages.ESTIMATORS)
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                _fail(f"algorithm.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+        _choice("algorithm.kl_ctrl.type", self.kl_ctrl_type, kl_control.KL_CONTROLLERS)
+        if self.kl_ctrl_type == "adaptive":
+            _number("algorithm.kl_ctrl.horizon", self.horizon)
+            _number("algorithm.kl_ctrl.target_kl", self.target_kl)
+        _choice("algorithm.kl_penalty", self.kl_penalty, losses.KL_PENALTIES)
+        _set(self, gamma=float(self.gamma), lam=float(self.lam),
+             norm_adv_by_std_in_grpo=bool(self.norm_adv_by_std_in_grpo),
+             use_kl_in_reward=bool(self.use_kl_in_reward),
+             kl_coef=float(_number("algorithm.kl_ctrl.kl_coef", self.kl_coef, allow_zero=True)),
+             target_kl=float(self.target_kl), horizon=float(self.horizon))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +183,32 @@ class RewardSettings:
     overlong_buffer_len: int  # 0: no overlong shaping
     overlong_penalty_factor: float
 
+    def __post_init__(self):
+        _choice("reward.on_error", self.on_error, scoring.ON_ERROR)
+        if self.custom_fn is not None:
+            # The loader's own parser, so `~` and the spec rules are the same here and there.
+            try:
+                path, _ = custom.parse_spec(self.custom_fn)
+            except ValueError as err:
+                _fail("reward.custom_fn", str(err))
+            if not path.is_file():
+                _fail("reward.custom_fn", f"file {str(path)!r} does not exist")
+        if self.model_path is not None and not os.path.isdir(self.model_path):
+            _fail("reward_model.model.path", f"{self.model_path!r} is not a directory; "
+                  "reward_model.enable=True needs a local HF sequence-classification checkpoint")
+        micro = self.model_micro_batch_size
+        _set(self, num_workers=_number("reward.num_workers", self.num_workers, allow_zero=True,
+                                       integer=True),
+             error_score=float(self.error_score),
+             model_max_length=_number("reward_model.max_length", self.model_max_length,
+                                      integer=True),
+             model_micro_batch_size=None if micro is None else _number(
+                 "reward_model.micro_batch_size", micro, integer=True),
+             overlong_penalty_factor=float(_number(
+                 "reward_model.overlong_buffer.penalty_factor", self.overlong_penalty_factor,
+                 allow_zero=True)))
+        _choice("reward_model.truncation", self.model_truncation, reward_model.TRUNCATION)
+
 
 @dataclasses.dataclass(frozen=True)
 class FilterGroupsSettings:
@@ -104,6 +217,15 @@ class FilterGroupsSettings:
     metric: str
     max_num_gen_batches: int  # 0: no limit
     gen_batch_size: int  # prompts per generation round
+
+    def __post_init__(self):
+        if not isinstance(self.metric, str) or not self.metric:
+            _fail("algorithm.filter_groups.metric", f"{self.metric!r} must name a reward "
+                  "field, e.g. 'acc' or 'score'")
+        _set(self, max_num_gen_batches=_number("algorithm.filter_groups.max_num_gen_batches",
+                                               self.max_num_gen_batches, allow_zero=True,
+                                               integer=True),
+             gen_batch_size=_number("data.gen_batch_size", self.gen_batch_size, integer=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +237,16 @@ class TrainerSettings:
     val_before_train: bool
     critic_warmup: int  # verl's: the actor first updates at step critic_warmup (from 1)
     max_ckpt_to_keep: int | None
+
+    def __post_init__(self):
+        keep = self.max_ckpt_to_keep
+        if keep is not None and keep < 1:
+            _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got "
+                  f"{keep}")
+        _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), allow_zero=True,
+                                    integer=True)
+                      for name in ("test_freq", "save_freq", "critic_warmup")},
+             val_before_train=bool(self.val_before_train))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,26 +271,50 @@ class Settings:
     def needs_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    def __post_init__(self):
+        _set(self, train_batch_size=_number("data.train_batch_size", self.train_batch_size,
+                                            integer=True),
+             max_prompt_length=_number("data.max_prompt_length", self.max_prompt_length,
+                                       integer=True),
+             logprob_chunk_size=_number("actor.logprob_chunk_size", self.logprob_chunk_size,
+                                        integer=True))
+        n, batch = self.rollout.n, self.train_batch_size * self.rollout.n
+        estimator = advantages.get_estimator(self.algorithm.adv_estimator)
+        if estimator.needs_groups and n < max(2, estimator.min_group_size):
+            _fail("rollout.n", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  f"compares the samples of a prompt and needs rollout.n >= 2, got {n}")
+        for role in ("actor", "critic"):
+            update = getattr(self, role) and getattr(self, role).update
+            if update is not None and batch % update.mini_batch:
+                _fail(f"{role}.ppo_mini_batch_size",
+                      f"{update.mini_batch // n} prompts x rollout.n={n} = {update.mini_batch} "
+                      f"sequences must divide the batch of {batch} sequences "
+                      "(data.train_batch_size x rollout.n)")
+        micro = self.log_prob_micro_batch
+        if micro is not None and batch % _number("rollout.log_prob_micro_batch_size", micro):
+            _fail("rollout.log_prob_micro_batch_size", f"{micro} must divide the batch of "
+                  f"{batch} sequences (data.train_batch_size x rollout.n)")
+        if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
+            _fail("reward_model.overlong_buffer.len", f"{self.reward.overlong_buffer_len} "
+                  f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
+        if self.filter_groups is not None:
+            self._check_filter_groups()
 
-def _fail(key: str, message: str):
-    raise ConfigError(f"{key}: {message}")
-
-
-def _positive(config, key: str, allow_zero: bool = False):
-    value = _get(config, key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-        value == 0 and not allow_zero
-    ):
-        kind = "non-negative" if allow_zero else "positive"
-        _fail(key, f"must be a {kind} number, got {value!r}")
-    return value
-
-
-def _choice(config, key: str, choices) -> str:
-    value = _get(config, key)
-    if value not in choices:
-        _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
-    return value
+    def _check_filter_groups(self) -> None:
+        metric = self.filter_groups.metric
+        if self.rollout.n < 2:
+            _fail("algorithm.filter_groups.enable", "drops groups whose samples all score the "
+                  f"same, which needs rollout.n >= 2, got {self.rollout.n}")
+        if advantages.get_estimator(self.algorithm.adv_estimator).needs_baseline:
+            _fail("algorithm.filter_groups.enable", "cannot be combined with an estimator "
+                  "that needs a greedy baseline rollout (remax)")
+        if metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            _fail("algorithm.filter_groups.metric", "'seq_final_reward' with "
+                  "algorithm.use_kl_in_reward=True is not supported (the groups are filtered "
+                  "before the KL penalty); use 'seq_reward'")
+        if metric not in ("score", "seq_reward", "seq_final_reward") and self.reward.model_path:
+            _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
+                  "'score'")
 
 
 def _get(config, key: str):
@@ -171,48 +327,23 @@ def _get(config, key: str):
 
 
 def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
-    lr = _positive(config, f"{prefix}.optim.lr", allow_zero=True)
-    betas = tuple(_get(config, f"{prefix}.optim.betas"))
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        _fail(f"{prefix}.optim.betas", f"must be two numbers in [0, 1), got {betas}")
-    ratio = _get(config, f"{prefix}.optim.min_lr_ratio")
-    if not 0 <= ratio <= 1:
-        _fail(f"{prefix}.optim.min_lr_ratio", f"must be in [0, 1], got {ratio}")
+    o = _get(config, f"{prefix}.optim")
     return OptimSettings(
-        lr=lr,
-        weight_decay=_positive(config, f"{prefix}.optim.weight_decay", allow_zero=True),
-        betas=betas,
-        warmup_steps=int(_positive(config, f"{prefix}.optim.lr_warmup_steps", allow_zero=True)),
-        lr_scheduler_type=_choice(config, f"{prefix}.optim.lr_scheduler_type",
-                                  optim.LR_SCHEDULERS),
-        min_lr_ratio=ratio,
-        grad_clip=_positive(config, f"{prefix}.grad_clip", allow_zero=True),
-        total_steps=total_steps,
-    )
+        lr=_get(config, f"{prefix}.optim.lr"), weight_decay=o.weight_decay, betas=o.betas,
+        warmup_steps=o.lr_warmup_steps, lr_scheduler_type=o.lr_scheduler_type,
+        min_lr_ratio=o.min_lr_ratio, grad_clip=_get(config, f"{prefix}.grad_clip"),
+        total_steps=total_steps, prefix=prefix)
 
 
-def _update(config, prefix: str, batch_sequences: int, n: int, nan_policy: str) -> UpdateSettings:
-    mini_prompts = int(_positive(config, f"{prefix}.ppo_mini_batch_size"))
-    mini = mini_prompts * n  # verl: mini-batch size is in prompts, times rollout.n
-    if batch_sequences % mini:
-        _fail(
-            f"{prefix}.ppo_mini_batch_size",
-            f"{mini_prompts} prompts x rollout.n={n} = {mini} sequences must divide the batch "
-            f"of {batch_sequences} sequences (data.train_batch_size x rollout.n)",
-        )
-    micro = int(_positive(config, f"{prefix}.ppo_micro_batch_size"))
-    if mini % micro:
-        _fail(
-            f"{prefix}.ppo_micro_batch_size",
-            f"{micro} sequences must divide the mini-batch of {mini} sequences",
-        )
+def _update(config, prefix: str, n: int) -> UpdateSettings:
+    # verl's mini-batch size is in prompts: times rollout.n sequences.
+    mini = _number(f"{prefix}.ppo_mini_batch_size",
+                   _get(config, f"{prefix}.ppo_mini_batch_size"), integer=True)
     return UpdateSettings(
-        ppo_epochs=int(_positive(config, f"{prefix}.ppo_epochs")),
-        mini_batch=mini,
-        micro_batch=micro,
-        shuffle=bool(_get(config, f"{prefix}.shuffle")),
-        nan_policy=nan_policy,
-    )
+        ppo_epochs=_get(config, f"{prefix}.ppo_epochs"), mini_batch=mini * n,
+        micro_batch=_get(config, f"{prefix}.ppo_micro_batch_size"),
+        shuffle=_get(config, f"{prefix}.shuffle"), nan_policy=_get(config, "trainer.nan_policy"),
+        prefix=prefix)
 
 
 def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
@@ -220,7 +351,8 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
     overrides = {name: _get(config, f"{key}.{name}") for name in rollout.VAL_KWARGS}
     sampling = SamplingConfig(
         n=int(overrides["n"]),
-        max_new_tokens=int(_get(config, "rollout.response_length")),
+        max_new_tokens=int(_number("rollout.response_length",
+                                   _get(config, "rollout.response_length"))),
         temperature=float(overrides["temperature"]),
         top_k=int(overrides["top_k"]),
         top_p=float(overrides["top_p"]),
@@ -235,108 +367,61 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
         raise ConfigError(str(err)) from None  # as one line
 
 
-def _reward(config, response_length: int) -> RewardSettings:
-    on_error = _choice(config, "reward.on_error", scoring.ON_ERROR)
-    num_workers = int(_positive(config, "reward.num_workers", allow_zero=True))
-    custom_fn = _get(config, "reward.custom_fn")
-    if custom_fn is not None:
-        # The loader's own parser, so `~` and the spec rules are the same here and there.
-        try:
-            path, _ = custom.parse_spec(custom_fn)
-        except ValueError as err:
-            _fail("reward.custom_fn", str(err))
-        if not path.is_file():
-            _fail("reward.custom_fn", f"file {str(path)!r} does not exist")
+def _reward(config) -> RewardSettings:
     model_path = None
     if _get(config, "reward_model.enable"):
         model_path = _get(config, "reward_model.model.path")
-        model_path = model_path and os.path.expanduser(model_path)
-        if not model_path or not os.path.isdir(model_path):
+        if not model_path:
             _fail("reward_model.model.path", f"{model_path!r} is not a directory; "
                   "reward_model.enable=True needs a local HF sequence-classification checkpoint")
-    micro = _get(config, "reward_model.micro_batch_size")
-    if micro is not None:
-        micro = int(_positive(config, "reward_model.micro_batch_size"))
-    buffer_len, factor = 0, 0.0
-    if _get(config, "reward_model.overlong_buffer.enable"):
-        buffer_len = int(_positive(config, "reward_model.overlong_buffer.len"))
-        if buffer_len > response_length:
-            _fail("reward_model.overlong_buffer.len", f"{buffer_len} exceeds "
-                  f"rollout.response_length={response_length}")
-        factor = float(_positive(config, "reward_model.overlong_buffer.penalty_factor",
-                                 allow_zero=True))
+        model_path = os.path.expanduser(model_path)
+    overlong = _get(config, "reward_model.overlong_buffer")
+    on = bool(overlong.enable)
     return RewardSettings(
-        custom_fn=custom_fn, num_workers=num_workers, on_error=on_error,
-        error_score=float(_get(config, "reward.error_score")), model_path=model_path,
-        model_max_length=int(_positive(config, "reward_model.max_length")),
-        model_truncation=_choice(config, "reward_model.truncation", reward_model.TRUNCATION),
-        model_micro_batch_size=micro, overlong_buffer_len=buffer_len,
-        overlong_penalty_factor=factor)
+        custom_fn=_get(config, "reward.custom_fn"),
+        num_workers=_get(config, "reward.num_workers"), on_error=_get(config, "reward.on_error"),
+        error_score=_get(config, "reward.error_score"), model_path=model_path,
+        model_max_length=_get(config, "reward_model.max_length"),
+        model_truncation=_get(config, "reward_model.truncation"),
+        model_micro_batch_size=_get(config, "reward_model.micro_batch_size"),
+        overlong_buffer_len=(_number("reward_model.overlong_buffer.len", overlong.len,
+                                     integer=True) if on else 0),
+        overlong_penalty_factor=overlong.penalty_factor if on else 0.0)
 
 
-def _filter_groups(config, batch: int, n: int, estimator,
-                   num_train_rows: int) -> FilterGroupsSettings | None:
+def _filter_groups(config, num_train_rows: int) -> FilterGroupsSettings | None:
     if not _get(config, "algorithm.filter_groups.enable"):
         return None
-    if n < 2:
-        _fail("algorithm.filter_groups.enable", f"drops groups whose samples all score the "
-              f"same, which needs rollout.n >= 2, got {n}")
-    if estimator.needs_baseline:
-        _fail("algorithm.filter_groups.enable", "cannot be combined with an estimator that "
-              "needs a greedy baseline rollout (remax)")
     gen_batch = _get(config, "data.gen_batch_size")
-    gen_batch = batch if gen_batch is None else int(_positive(config, "data.gen_batch_size"))
-    metric = _get(config, "algorithm.filter_groups.metric")
-    if not isinstance(metric, str) or not metric:
-        _fail("algorithm.filter_groups.metric", f"{metric!r} must name a reward field, e.g. "
-              "'acc' or 'score'")
-    if metric == "seq_final_reward" and _get(config, "algorithm.use_kl_in_reward"):
-        _fail("algorithm.filter_groups.metric", "'seq_final_reward' with "
-              "algorithm.use_kl_in_reward=True is not supported (the groups are filtered "
-              "before the KL penalty); use 'seq_reward'")
-    if gen_batch > num_train_rows:
+    if gen_batch is None:
+        gen_batch = _get(config, "data.train_batch_size")
+    fg = FilterGroupsSettings(
+        metric=_get(config, "algorithm.filter_groups.metric"), gen_batch_size=gen_batch,
+        max_num_gen_batches=_get(config, "algorithm.filter_groups.max_num_gen_batches"))
+    if fg.gen_batch_size > num_train_rows:
         _fail("data.gen_batch_size" if _get(config, "data.gen_batch_size") is not None
               else "data.train_batch_size",
-              f"{gen_batch} prompts per generation round is more than the {num_train_rows} "
-              "training rows")
-    if metric not in ("score", "seq_reward", "seq_final_reward") and _get(
-            config, "reward_model.enable"):
-        _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
-              "'score'")
-    return FilterGroupsSettings(
-        metric=metric, gen_batch_size=gen_batch,
-        max_num_gen_batches=int(_positive(config, "algorithm.filter_groups.max_num_gen_batches",
-                                          allow_zero=True)))
+              f"{fg.gen_batch_size} prompts per generation round is more than the "
+              f"{num_train_rows} training rows")
+    return fg
 
 
 def _algorithm(config) -> AlgorithmSettings:
-    estimator = _choice(config, "algorithm.adv_estimator", advantages.ESTIMATORS)
-    for key in ("algorithm.gamma", "algorithm.lam"):
-        if not 0 <= _get(config, key) <= 1:
-            _fail(key, f"must be in [0, 1], got {_get(config, key)}")
-    kl_ctrl = _choice(config, "algorithm.kl_ctrl.type", kl_control.KL_CONTROLLERS)
-    if kl_ctrl == "adaptive":
-        _positive(config, "algorithm.kl_ctrl.horizon")
-        _positive(config, "algorithm.kl_ctrl.target_kl")
+    a = _get(config, "algorithm")
     return AlgorithmSettings(
-        adv_estimator=estimator,
-        gamma=float(_get(config, "algorithm.gamma")),
-        lam=float(_get(config, "algorithm.lam")),
-        norm_adv_by_std_in_grpo=bool(_get(config, "algorithm.norm_adv_by_std_in_grpo")),
-        use_kl_in_reward=bool(_get(config, "algorithm.use_kl_in_reward")),
-        kl_penalty=_choice(config, "algorithm.kl_penalty", losses.KL_PENALTIES),
-        kl_ctrl_type=kl_ctrl,
-        kl_coef=float(_positive(config, "algorithm.kl_ctrl.kl_coef", allow_zero=True)),
-        target_kl=float(_get(config, "algorithm.kl_ctrl.target_kl")),
-        horizon=float(_get(config, "algorithm.kl_ctrl.horizon")),
-    )
+        adv_estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam,
+        norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, use_kl_in_reward=a.use_kl_in_reward,
+        kl_penalty=a.kl_penalty, kl_ctrl_type=_get(config, "algorithm.kl_ctrl.type"),
+        kl_coef=a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon)
 
 
 def _policy_loss(config) -> losses.PolicyLossConfig:
+    """`actor.*` policy-loss keys (checked by `ActorSettings`, with `PolicyLossConfig.validate`)."""
     pl = _get(config, "actor.policy_loss")
-    cfg = losses.PolicyLossConfig(
-        loss_mode=_choice(config, "actor.policy_loss.loss_mode", losses.POLICY_LOSSES),
-        loss_agg_mode=_choice(config, "actor.loss_agg_mode", masks.LOSS_AGG_MODES),
+    return losses.PolicyLossConfig(
+        loss_mode=_choice("actor.policy_loss.loss_mode", pl.loss_mode, losses.POLICY_LOSSES),
+        loss_agg_mode=_choice("actor.loss_agg_mode", _get(config, "actor.loss_agg_mode"),
+                              masks.LOSS_AGG_MODES),
         clip_ratio=float(_get(config, "actor.clip_ratio")),
         clip_ratio_low=_get(config, "actor.clip_ratio_low"),
         clip_ratio_high=_get(config, "actor.clip_ratio_high"),
@@ -346,33 +431,26 @@ def _policy_loss(config) -> losses.PolicyLossConfig:
         kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
         tau_pos=pl.tau_pos, tau_neg=pl.tau_neg,
     )
-    cfg.validate("actor")
-    return cfg
 
 
 def total_steps(config, num_train_rows: int) -> int:
     """`trainer.total_training_steps` if set, else epochs x batches per epoch."""
     steps = _get(config, "trainer.total_training_steps")
     if steps:
-        return int(_positive(config, "trainer.total_training_steps"))
-    epochs = int(_positive(config, "trainer.total_epochs"))
+        return _number("trainer.total_training_steps", steps, integer=True)
+    epochs = _number("trainer.total_epochs", _get(config, "trainer.total_epochs"), integer=True)
     # With dynamic sampling a step reads at least one round of gen_batch_size prompts.
     per_step = _get(config, "data.train_batch_size")
     if _get(config, "algorithm.filter_groups.enable") and _get(config, "data.gen_batch_size"):
         per_step = _get(config, "data.gen_batch_size")
-    return epochs * (num_train_rows // int(per_step))
+    return epochs * (num_train_rows // _number("data.train_batch_size", per_step, integer=True))
 
 
 def _trainer(config) -> TrainerSettings:
-    keep = _get(config, "trainer.max_actor_ckpt_to_keep")
-    if keep is not None and keep < 1:
-        _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got {keep}")
-    return TrainerSettings(
-        test_freq=int(_positive(config, "trainer.test_freq", allow_zero=True)),
-        save_freq=int(_positive(config, "trainer.save_freq", allow_zero=True)),
-        val_before_train=bool(_get(config, "trainer.val_before_train")),
-        critic_warmup=int(_positive(config, "trainer.critic_warmup", allow_zero=True)),
-        max_ckpt_to_keep=keep)
+    t = _get(config, "trainer")
+    return TrainerSettings(test_freq=t.test_freq, save_freq=t.save_freq,
+                           val_before_train=t.val_before_train, critic_warmup=t.critic_warmup,
+                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep)
 
 
 def _check_model(config) -> None:
@@ -381,11 +459,11 @@ def _check_model(config) -> None:
         _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
               "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
               "bfloat16 compute")
-    _choice(config, "model.remat", model_config.REMAT_POLICIES)
+    _choice("model.remat", _get(config, "model.remat"), model_config.REMAT_POLICIES)
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")
-    _choice(config, "model.dtype", model_config.DTYPES)
+    _choice("model.dtype", _get(config, "model.dtype"), model_config.DTYPES)
     model_path = _get(config, "model.path")
     if model_path and not os.path.isdir(os.path.expanduser(model_path)):
         _fail("model.path", f"{model_path!r} is not a directory")
@@ -393,64 +471,36 @@ def _check_model(config) -> None:
 
 def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
                 num_train_rows: int) -> Settings:
-    """Validates `config` and derives the static settings of the run."""
-    batch = int(_positive(config, "data.train_batch_size"))
-    _positive(config, "data.max_prompt_length")
-    _positive(config, "rollout.response_length")
-    algorithm = _algorithm(config)
-    estimator = advantages.get_estimator(algorithm.adv_estimator)
-    n = int(_positive(config, "rollout.n"))
-    if estimator.needs_groups and n < max(2, estimator.min_group_size):
-        _fail("rollout.n", f"algorithm.adv_estimator={algorithm.adv_estimator!r} compares the "
-              f"samples of a prompt and needs rollout.n >= 2, got {n}")
-    nan_policy = _choice(config, "trainer.nan_policy", NAN_POLICIES)
+    """Reads the run's settings from `config`; each part checks itself (each error names
+    its key), before any model is built."""
     for logger in _get(config, "trainer.logger"):
         if logger not in LOGGERS:
             _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
+    algorithm = _algorithm(config)
+    n = _number("rollout.n", _get(config, "rollout.n"), integer=True)
     steps = total_steps(config, num_train_rows)
     trainer = _trainer(config)
     actor = ActorSettings(
-        update=_update(config, "actor", batch * n, n, nan_policy),
-        loss=_policy_loss(config),
-        entropy_coeff=float(_get(config, "actor.entropy_coeff")),
-        use_kl_loss=bool(_get(config, "actor.use_kl_loss")),
-        kl_loss_coef=float(_positive(config, "actor.kl_loss_coef", allow_zero=True)),
-        kl_loss_type=_choice(config, "actor.kl_loss_type", losses.KL_PENALTIES),
-        optim=_optim(config, "actor", steps),
-    )
+        update=_update(config, "actor", n), loss=_policy_loss(config),
+        entropy_coeff=_get(config, "actor.entropy_coeff"),
+        use_kl_loss=_get(config, "actor.use_kl_loss"),
+        kl_loss_coef=_get(config, "actor.kl_loss_coef"),
+        kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps))
     critic = None
-    if estimator.needs_values:
+    if advantages.get_estimator(algorithm.adv_estimator).needs_values:
         critic = CriticSettings(
-            update=_update(config, "critic", batch * n, n, nan_policy),
-            cliprange_value=float(_positive(config, "critic.cliprange_value")),
-            loss_agg_mode=_choice(config, "critic.loss_agg_mode", masks.LOSS_AGG_MODES),
-            optim=_optim(config, "critic", steps),
-        )
+            update=_update(config, "critic", n),
+            cliprange_value=_get(config, "critic.cliprange_value"),
+            loss_agg_mode=_get(config, "critic.loss_agg_mode"),
+            optim=_optim(config, "critic", steps))
     _check_model(config)
     return Settings(
-        actor=actor,
-        critic=critic,
-        algorithm=algorithm,
+        actor=actor, critic=critic, algorithm=algorithm,
         rollout=_sampling(config, "rollout", stop_token_ids, pad_token_id),
         validation=_sampling(config, "rollout.val_kwargs", stop_token_ids, pad_token_id),
-        train_batch_size=batch,
-        max_prompt_length=int(_get(config, "data.max_prompt_length")),
-        total_steps=steps,
-        logprob_chunk_size=int(_positive(config, "actor.logprob_chunk_size")),
-        reward=_reward(config, int(_get(config, "rollout.response_length"))),
-        filter_groups=_filter_groups(config, batch, n, estimator, num_train_rows),
-        log_prob_micro_batch=_log_prob_micro_batch(config, batch * n),
-        trainer=trainer,
-    )
-
-
-def _log_prob_micro_batch(config, batch_sequences: int) -> int | None:
-    key = "rollout.log_prob_micro_batch_size"
-    micro = _get(config, key)
-    if micro is None:
-        return None
-    micro = int(_positive(config, key))
-    if batch_sequences % micro:
-        _fail(key, f"{micro} must divide the batch of {batch_sequences} sequences "
-              "(data.train_batch_size x rollout.n)")
-    return micro
+        train_batch_size=_get(config, "data.train_batch_size"),
+        max_prompt_length=_get(config, "data.max_prompt_length"), total_steps=steps,
+        logprob_chunk_size=_get(config, "actor.logprob_chunk_size"),
+        reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
+        log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
+        trainer=trainer)

@@ -1,14 +1,17 @@
 """The device side of RL as pure functions, each one jitted program.
 
-    init(params) -> state
-    rollout --forward--> experience (+ host scores) --learn--> new state, metrics
+    init(params, key) -> state
+    generate(state, prompts, key) -> rollout
+    forward(state, reference, rollout) -> experience   (+ host scores)
+    learn(state, experience, key) -> new state, metrics
 
-`forward` computes what the update needs from the current models: the actor's
-log-probs and entropy, the reference's log-probs, the critic's values. `learn` does
-the rest of verl's step on the devices: KL in the reward and the advantage
-estimator, the KL controller, the critic's update and the actor's (the actor waits
-out `trainer.critic_warmup` as data, not Python control flow), learning rates from
-the schedules at `state.step`, and the step's scalar metrics.
+`generate` samples from the actor in the compute dtype. `forward` computes what the
+update needs from the current models: the actor's log-probs and entropy, the
+reference's log-probs, the critic's values. `learn` does the rest of verl's step on
+the devices: KL in the reward and the advantage estimator, the KL controller, the
+critic's update and the actor's (the actor waits out `trainer.critic_warmup` as
+data, not Python control flow), learning rates from the schedules at `state.step`,
+and the step's scalar metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from jrl import kl_control, logprobs, masks, update
 from jrl.models import heads
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
+from jrl.rollout import SamplingConfig, generate_program
 from jrl.settings import Settings
 from jrl.types import Experience, Rollout, TrainState
 
@@ -54,11 +58,38 @@ def init(actor_params, key, *, s: Settings, actor_opt: optax.GradientTransformat
                       kl=kl_control.init_kl_controller(s.algorithm.kl_coef))
 
 
-def forward(actor_params, ref_params, critic_params, rollout: Rollout, *, s: Settings,
+def compute_params(params, model: ModelConfig):
+    """`params` in the model's compute dtype (the layers cast to it anyway: the same
+    numbers, half the bytes to read in bfloat16)."""
+    dtype = jnp.dtype(model.dtype)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def generate(state: TrainState, prompt_ids, prompt_mask, key, *,
+             sampling: SamplingConfig, model: ModelConfig,
+             param_shardings=None) -> Rollout:
+    """`sampling.n` responses to each prompt (`[B, P]`, left-padded) from the actor.
+
+    `param_shardings`: where the decoding loop reads the weights (e.g. gathered over
+    `fsdp` once here rather than once per token); None: as they are.
+    """
+    params = compute_params(state.actor.params, model)
+    if param_shardings is not None:
+        params = jax.lax.with_sharding_constraint(params, param_shardings)
+    out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
+                                   config=model)
+    return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
+                   responses=out.responses, response_mask=out.response_mask)
+
+
+def forward(state: TrainState, ref_params, rollout: Rollout, *, s: Settings,
             model: ModelConfig) -> Experience:
-    """Old log-probs and entropy (actor), reference log-probs (when `ref_params`) and
-    values (when `critic_params`) of a rollout, in micro-batches of
+    """Old log-probs and entropy (the actor), reference log-probs (when `ref_params`)
+    and values (when the state has a critic) of a rollout, in micro-batches of
     `rollout.log_prob_micro_batch_size` sequences."""
+    actor_params = compute_params(state.actor.params, model)
+    critic_params = None if state.critic is None else state.critic.params
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
     log_probs = logprobs.in_micro_batches(
         lambda params, *xs: logprobs.response_log_probs(

@@ -75,7 +75,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
             print(trainer.memory_report(), flush=True)
         resumed = trainer.maybe_restore(start.resume_from)
         writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
-                                       config.to_dict(), start_step=trainer.state.step,
+                                       config.to_dict(), start_step=trainer.step,
                                        enabled=lead)
         try:
             final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
@@ -85,7 +85,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
         if trainer is not None:
             trainer.close()
         scorer.close()
-    step = trainer.state.step
+    step = trainer.step
     if step == s.total_steps and lead:
         rundir.mark_finished(workdir, step, s.total_steps)
     summary = {"resumed": resumed, "step": step, **_results(config, workdir, final)}

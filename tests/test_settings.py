@@ -1,6 +1,7 @@
 """Each choice key is checked against the one list of the module that owns the concept."""
 
 import ast
+import dataclasses
 import inspect
 import itertools
 
@@ -128,3 +129,23 @@ def test_trainer_schedule_is_settings_not_a_config_dict():
                                 ("trainer.max_actor_ckpt_to_keep", 0, "must be >= 1")):
         with pytest.raises(ConfigError, match=f"{key}: .*{message}"):
             _settings(**{key: value})
+
+
+def test_settings_dataclasses_check_themselves():
+    """Built directly (not from a config), each part still names the key it came from."""
+    good = _settings(**_GAE)
+    optim = good.critic.optim
+    with pytest.raises(ConfigError, match=r"^critic\.optim\.lr: must be a non-negative"):
+        settings.OptimSettings(**{**dataclasses.asdict(optim), "lr": -1.0, "prefix": "critic"})
+    update = good.actor.update
+    with pytest.raises(ConfigError, match=r"^actor\.ppo_micro_batch_size: 3 sequences must "
+                                          r"divide the mini-batch of 4"):
+        dataclasses.replace(update, micro_batch=3)
+    with pytest.raises(ConfigError, match=r"^trainer\.critic_warmup: must be a non-negative"):
+        dataclasses.replace(good.trainer, critic_warmup=-1)
+    with pytest.raises(ConfigError, match=r"^actor\.ppo_mini_batch_size: .* must divide the "
+                                          r"batch of"):  # a check across sections
+        dataclasses.replace(good, actor=dataclasses.replace(
+            good.actor, update=dataclasses.replace(update, mini_batch=good.train_batch_size *
+                                                   good.rollout.n * 2)))
+    assert dataclasses.replace(good.trainer, test_freq=3.0).test_freq == 3  # normalised

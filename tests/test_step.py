@@ -1,7 +1,7 @@
-"""`step.forward` and `step.learn` on hand-made batches: the numbers `learn` reports
-(advantages, rewards with the KL penalty, the adaptive KL coefficient, lengths, the
-learning rate) are worked by hand below; `forward` equals the log-prob functions it
-fuses; the actor waits out the critic warm-up as data."""
+"""`step.generate`, `step.forward` and `step.learn` on hand-made batches: the numbers
+`learn` reports (advantages, rewards with the KL penalty, the adaptive KL
+coefficient, lengths, the learning rate) are worked by hand below; `forward` equals
+the log-prob functions it fuses; the actor waits out the critic warm-up as data."""
 
 import chex
 import jax
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import experiment, logprobs, settings, step, update
+from jrl import experiment, logprobs, rollout, settings, step, update
 from jrl.kl_control import init_kl_controller
 from jrl.models.heads import init_critic_params
 from jrl.optim import make_optimizer
@@ -146,8 +146,8 @@ def test_forward_equals_the_log_prob_functions():
     critic_params = init_critic_params(params, jax.random.key(1))
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
     rollout = _rollout()
-    fn = jax.jit(lambda a, r, c, ro: step.forward(a, r, c, ro, s=s, model=model))
-    exp = fn(params, ref_params, critic_params, rollout)
+    fn = jax.jit(lambda st, r, ro: step.forward(st, r, ro, s=s, model=model))
+    exp = fn(_state(s, params, critic_params), ref_params, rollout)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
     kw = dict(config=model, temperature=s.rollout.temperature, chunk_size=s.logprob_chunk_size)
     old, entropy = logprobs.response_log_probs(params, *seq, with_entropy=True, **kw)
@@ -157,8 +157,26 @@ def test_forward_equals_the_log_prob_functions():
                                 (old, entropy, ref, values), rtol=1e-5, atol=1e-6)
     assert not np.allclose(exp.ref_log_probs, exp.old_log_probs)
     assert exp.token_level_scores is None and exp.uid is None
-    without = fn(params, None, None, rollout)
+    without = fn(_state(s, params), None, rollout)
     assert without.ref_log_probs is None and without.values is None
+
+
+def test_generate_samples_from_the_actor_in_the_compute_dtype():
+    _, s, model, params = _setup(**{"model.dtype": "bfloat16"})
+    prompt_mask = np.array([[0, 1, 1], [1, 1, 1]], np.int32)
+    prompt_ids = np.array([[0, 5, 6], [7, 8, 9]], np.int32)
+    key = jax.random.key(3)
+    out = jax.jit(lambda st, i, m, k: step.generate(st, i, m, k, sampling=s.rollout,
+                                                    model=model))(
+        _state(s, params), prompt_ids, prompt_mask, key)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    want = rollout.generate(bf16, prompt_ids, prompt_mask, key, s.rollout, config=model)
+    n = s.rollout.n
+    assert out.responses.shape == (2 * n, s.rollout.max_new_tokens)
+    chex.assert_trees_all_equal(
+        (out.prompt_ids, out.prompt_mask, out.responses, out.response_mask),
+        (want.prompt_ids, want.prompt_mask, want.responses, want.response_mask))
+    np.testing.assert_array_equal(out.prompt_ids[:n], np.repeat(prompt_ids[:1], n, 0))
 
 
 def test_init_builds_the_first_state():

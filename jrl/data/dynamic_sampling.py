@@ -6,20 +6,12 @@ such groups and generates more batches until `target_groups` groups with varying
 rewards are collected; the batch is then cut to exactly `target_groups` groups,
 the earliest first (verl's `algorithm.filter_groups`).
 
-Typical trainer loop::
-
-    acc = GroupAccumulator(target_groups=train_batch_size, n=n)
-    while not acc.is_full:
-        arrays, rows = generate_and_score(...)          # arrays: {name: [B·n, ...]}
-        acc.add(arrays, rows, groups_with_variance(arrays["seq_reward"], n))
-        check_gen_batches(acc.num_gen_batches, max_num_gen_batches,
-                          acc.num_groups, acc.target_groups, n)
-    batch = acc.take()       # FilledBatch; logs batch.num_gen_batches
+`fill_batch` is the loop; `GroupAccumulator` holds the kept groups between rounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -167,3 +159,26 @@ def check_gen_batches(num_gen_batches: int, max_num_gen_batches: int, num_groups
         f"round (data.gen_batch_size) or more samples per prompt (rollout.n={n}) so that more "
         "groups vary, or lower data.train_batch_size."
     )
+
+
+# sample(rows, round) -> (arrays {name: [B·n, ...]}, metric [B·n]): one generation round's
+# host arrays and the per-sample values that must vary within a kept group.
+Sample = Callable[[list[Row], int], tuple[Mapping[str, np.ndarray], np.ndarray]]
+
+
+def fill_batch(next_rows: Callable[[], list[Row]], sample: Sample, *, target_groups: int,
+               n: int, max_num_gen_batches: int) -> FilledBatch:
+    """Generation rounds of `next_rows()` prompts until `target_groups` groups whose metric
+    varies are in; the batch is the earliest `target_groups` of them.
+
+    Raises:
+      RuntimeError: `max_num_gen_batches` (> 0) rounds did not fill the batch.
+    """
+    acc = GroupAccumulator(target_groups, n)
+    while not acc.is_full:
+        rows = next_rows()
+        arrays, metric = sample(rows, acc.num_gen_batches)
+        acc.add(arrays, rows, groups_with_variance(metric, n))
+        check_gen_batches(acc.num_gen_batches, max_num_gen_batches, acc.num_groups,
+                          target_groups, n)
+    return acc.take()

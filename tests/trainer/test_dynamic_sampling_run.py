@@ -103,18 +103,3 @@ def test_constant_reward_exhausts_the_generation_bound(tmp_path):
     assert "0 of the 4" in str(err.value)
     # Exactly three rounds of train_batch_size prompts (the default gen_batch_size) x n.
     assert len(calls) == 3 * BATCH * N
-
-
-def test_filter_metric_follows_verl_names():
-    """"seq_reward" is the shaped sequence reward, "score" the reward function's own,
-    "acc" its field or (for a function returning a number) the score itself."""
-    from jrl.trainer import RLTrainer
-
-    shaped, raw = np.array([1.0, 0.5]), np.array([1.0, 1.0])
-    pick = RLTrainer._filter_metric
-    np.testing.assert_array_equal(pick("seq_reward", shaped, {"score": raw}), [1.0, 0.5])
-    np.testing.assert_array_equal(pick("score", shaped, {"score": raw}), [1.0, 1.0])
-    np.testing.assert_array_equal(pick("acc", shaped, {}), [1.0, 0.5])
-    np.testing.assert_array_equal(pick("acc", shaped, {"acc": np.array([0.0, 1.0])}), [0, 1])
-    with pytest.raises(ValueError, match="filter_groups.metric='digits'"):
-        pick("digits", shaped, {})

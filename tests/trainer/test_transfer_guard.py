@@ -38,6 +38,7 @@ def test_step_runs_under_transfer_guard(tmp_path, overrides):
                 jax.numpy.asarray(np.ones(3)) + 1
             for _ in range(2):  # the second step runs the actor update (critic warm-up)
                 m = trainer.train_step(iterator)
-        assert trainer.state.step == 3 and np.isfinite(m["actor/pg_loss"])
+        assert trainer.step == 3 and int(trainer.state.step) == 3
+        assert np.isfinite(m["actor/pg_loss"])
     finally:
         trainer.close()

@@ -1,8 +1,9 @@
-"""GSM8K and MATH rule scorers: hand-worked responses and ground truths."""
+"""The rule scorers (arithmetic, GSM8K, MATH): hand-worked responses and ground truths."""
 
 import pytest
 
-from jrl.rewards import default_compute_score, gsm8k, math_answers
+from jrl.data import synthetic
+from jrl.rewards import arithmetic, default_compute_score, gsm8k, math_answers
 
 GSM = "openai/gsm8k"
 
@@ -99,3 +100,22 @@ def test_math_last_boxed():
     assert math_answers.last_boxed("nothing") is None
     with pytest.raises(math_answers.UnparsableAnswer):
         math_answers.normalize_answer("2\\sqrt")
+
+
+@pytest.mark.parametrize(("response", "answer", "exact", "digits"), [
+    ("124", "124", 1.0, 1.0),
+    (" 124\n", "124", 1.0, 1.0),
+    ("114", "124", 0.0, 2 / 3),  # tens digit wrong
+    ("24", "124", 0.0, 2 / 3),  # hundreds digit missing
+    ("9124", "124", 0.0, 3 / 4),  # an extra digit
+    ("", "124", 0.0, 0.0),
+])
+def test_arithmetic_scorer(response, answer, exact, digits):
+    out = default_compute_score(synthetic.DATA_SOURCE, response, answer)
+    assert out == pytest.approx({"score": exact, "acc": exact, "digits": digits})
+    assert arithmetic.digit_credit("12", "12") == 1.0
+
+
+def test_unknown_data_source_is_named():
+    with pytest.raises(NotImplementedError, match="data_source='gsm9k'"):
+        default_compute_score("gsm9k", "1", "1")

@@ -14,8 +14,7 @@ from jrl.models.config import ModelConfig
 from jrl.models.transformer import init_params
 from jrl.optim import make_optimizer
 from jrl.train import run
-
-from .tiny import tiny_config
+from tests.trainer.tiny import tiny_config
 
 _MODEL = ModelConfig.preset("tiny", vocab_size=40, hidden_size=32, intermediate_size=64,
                             num_layers=1, head_dim=8)

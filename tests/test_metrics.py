@@ -1,4 +1,5 @@
-"""What the console and curves.png show: validation lines, labelled bar fields, compiling, axes."""
+"""Validation metrics (mean / best / majority @n) and what the console and curves.png
+show: validation lines, labelled bar fields, compiling, axes."""
 
 import json
 
@@ -131,3 +132,15 @@ def test_plot_curves_writes_the_png(tmp_path):
     png = metrics.plot_curves(str(jsonl), str(tmp_path / "curves.png"), val_key=VAL)
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_metrics_mean_best_maj():
+    # Two prompts, n = 3. Prompt 0 answers "7", "7", "8" scoring 0, 0, 1; prompt 1 all "5"
+    # scoring 1.
+    values = {"reward": [0.1, 0.1, 1.0, 1.0, 1.0, 1.0], "acc": [0, 0, 1, 1, 1, 1]}
+    out = metrics.validation_metrics(["s"] * 6, [0, 0, 0, 1, 1, 1], values,
+                                     ["7", "7", "8", "5", "5", "5"], n=3)
+    assert out["val-core/s/acc/mean@3"] == pytest.approx((1 / 3 + 1) / 2)
+    assert out["val-core/s/acc/best@3/mean"] == 1.0
+    assert out["val-core/s/acc/maj@3/mean"] == pytest.approx(0.5)
+    assert out["val-aux/s/reward/mean@3"] == pytest.approx((0.4 + 1) / 2)

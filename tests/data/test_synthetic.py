@@ -1,4 +1,5 @@
-"""The synthetic arithmetic task: carry slips in the warm-start demonstrations."""
+"""The synthetic arithmetic task: the split, the rows, carry slips in the warm-start
+demonstrations."""
 
 import pytest
 
@@ -47,3 +48,25 @@ def test_slip_rate_is_the_share_of_carrying_sums():
 def test_slip_rate_out_of_range_is_an_error():
     with pytest.raises(ValueError, match="data.carry_slip_rate"):
         synthetic.arithmetic(carry_slip_rate=1.5)
+
+
+def test_arithmetic_split_is_disjoint_and_well_formed():
+    train, val = synthetic.arithmetic(digits=2, ops="+-", num_val=50, seed=3)
+    assert len(train) + len(val) == 2 * 100 * 100
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    row = next(r for r in val if r["extra_info"]["op"] == "-")
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["prompt"] == f"{a:02d}-{b:02d}="
+    assert row["reward_model"]["ground_truth"] == str(a - b)
+    assert row["data_source"] == synthetic.DATA_SOURCE
+
+
+def test_arithmetic_reverse_and_errors():
+    assert synthetic.arithmetic_row(47, "+", 8, reverse=True, width=2)["reward_model"][
+        "ground_truth"] == "55"[::-1]
+    assert synthetic.arithmetic_row(3, "-", 17, reverse=True)["reward_model"][
+        "ground_truth"] == "-41"
+    with pytest.raises(ValueError, match="data.ops"):
+        synthetic.arithmetic(ops="^")
+    with pytest.raises(ValueError, match="data.num_val"):
+        synthetic.arithmetic(digits=1, num_val=100)

@@ -63,7 +63,8 @@ from jrl.data.tokenizers import CHAR_ALPHABET, CHAR_SPECIAL_TOKENS, CharTokenize
 from jrl.models import forward_logits, hf, positions_from_mask  # noqa: E402
 from jrl.models.config import ModelConfig  # noqa: E402
 from jrl.rewards import default_compute_score  # noqa: E402
-from jrl.trainer import RLTrainer, decode_responses  # noqa: E402
+from jrl.rewards.responses import decode_responses, place_scores  # noqa: E402
+from jrl.trainer import RLTrainer  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results", "learning")
 WORK = os.path.join(REPO, "runs", "compare_trl")
@@ -728,7 +729,7 @@ def _gradcheck_batch(st: Setup, noise: float) -> dict[str, np.ndarray]:
     old log-probs = current ones + Gaussian `noise` (so that some ratios are clipped)."""
     from jrl import advantages
     from jrl.logprobs import response_log_probs
-    from jrl.trainer import place_scores
+
 
     s = st.s
     rows = st.train_rows[: s.train_batch_size]

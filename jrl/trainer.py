@@ -46,9 +46,6 @@ from jrl.rollout import SamplingConfig, check_inputs
 from jrl.settings import Settings
 from jrl.update import ModelState
 
-# Kept importable from here (benchmarks and tests use them).
-decode_responses, place_scores = responses_lib.decode_responses, responses_lib.place_scores
-
 
 class NonFiniteUpdateError(FloatingPointError):
     """Raised with `trainer.nan_policy='raise'` when a loss or gradient is not finite."""
@@ -329,7 +326,7 @@ class RLTrainer:
         out = types.Rollout(**self.sharder.put_batch(
             {f.name: a[f.name] for f in dataclasses.fields(types.Rollout)}))
         extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
-        texts = decode_responses(self.tokenizer, a["responses"], a["response_mask"])
+        texts = responses_lib.decode_responses(self.tokenizer, a["responses"], a["response_mask"])
         return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), texts),
                        {"train/num_gen_batches": float(filled.num_gen_batches),
                         "train/num_filtered_groups": float(filled.num_filtered_groups)})
@@ -339,7 +336,7 @@ class RLTrainer:
         (and ReMax's greedy baselines), and the step's host metrics."""
         s, n, rows = self.s, self.s.rollout.n, sampled.rows
         scores, extras, num_errors, _ = sampled.scores()
-        host = {"token_level_scores": place_scores(
+        host = {"token_level_scores": responses_lib.place_scores(
             scores, sharding_lib.host_array(exp.response_mask)),
             "uid": np.repeat(np.arange(len(rows)), n).astype(np.int32)}
         if self.estimator.needs_baseline:

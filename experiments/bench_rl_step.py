@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
     p.add_argument("--no_ppo_kl_in_reward", action="store_true",
                    help="PPO without the KL-in-reward penalty (then it needs no reference)")
+    p.add_argument("--recompute_old_log_probs", action="store_true",
+                   help="actor.reuse_update_log_probs=False: run the old-log-prob pass even "
+                        "when the update is on-policy")
     p.add_argument("--mesh_data", type=int, default=-1)
     p.add_argument("--mesh_fsdp", type=int, default=1)
     p.add_argument("--mesh_tensor", type=int, default=1)
@@ -177,6 +180,7 @@ def make_config(args, algo: str):
         c[role].ppo_micro_batch_size = min(micro, mini * args.n)
         c[role].ppo_epochs = args.ppo_epochs
     c.actor.logprob_chunk_size = args.logprob_chunk_size
+    c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
         c.rollout.log_prob_micro_batch_size = args.log_prob_micro_batch
@@ -228,7 +232,7 @@ def build_trainer(args, algo: str, workdir: str):
     iterator = BatchIterator(rows, args.batch, seed=args.seed, shuffle=True)
     info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
                 ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,
-                micro_batch_sequences=s.actor.update.micro_batch,
+                micro_batch_sequences=s.actor.update.micro_batch, on_policy=s.actor.on_policy,
                 mesh=dict(zip(sharder.mesh.axis_names, sharder.mesh.devices.shape, strict=True)))
     return trainer, iterator, info
 

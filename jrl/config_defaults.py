@@ -125,6 +125,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.kl_loss_type = "low_var_kl"
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128
+    # When a step's update is on-policy (one mini-batch, one epoch), take the old log-probs
+    # (the current ones, detached, as verl's actor does) and the entropy metric from the
+    # update's own forward pass and skip the separate old-log-prob pass. It never applies
+    # with algorithm.use_kl_in_reward (the reward needs them first) or a critic warm-up.
+    # False: always run the pass.
+    c.actor.reuse_update_log_probs = True
     c.actor.policy_loss = ml_collections.ConfigDict()
     # vanilla, gspo, gpg, cispo, sapo, clip_cov, kl_cov or geo_mean.
     c.actor.policy_loss.loss_mode = "vanilla"

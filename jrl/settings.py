@@ -116,6 +116,9 @@ class ActorSettings:
     kl_loss_coef: float
     kl_loss_type: str
     optim: OptimSettings
+    # The update is on-policy and reads its old log-probs from its own forward pass
+    # (`actor.reuse_update_log_probs` where it applies; `Settings` checks it does).
+    on_policy: bool = False
 
     def __post_init__(self):
         self.loss.validate("actor")
@@ -299,6 +302,10 @@ class Settings:
                   f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
         if self.filter_groups is not None:
             self._check_filter_groups()
+        if self.actor.on_policy and not on_policy(self):
+            _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
+                  "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
+                  "warm-up")
 
     def _check_filter_groups(self) -> None:
         metric = self.filter_groups.metric
@@ -315,6 +322,15 @@ class Settings:
         if metric not in ("score", "seq_reward", "seq_final_reward") and self.reward.model_path:
             _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
                   "'score'")
+
+
+def on_policy(s: Settings) -> bool:
+    """Whether the actor's update is on-policy: one optimizer step from the state that
+    sampled (one mini-batch, one epoch), so its own log-probs are the old ones; and
+    nothing needs those before the update (no KL in the reward, no critic warm-up)."""
+    update = s.actor.update
+    return (update.mini_batch == s.train_batch_size * s.rollout.n and update.ppo_epochs == 1
+            and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0)
 
 
 def _get(config, key: str):
@@ -494,7 +510,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
             loss_agg_mode=_get(config, "critic.loss_agg_mode"),
             optim=_optim(config, "critic", steps))
     _check_model(config)
-    return Settings(
+    s = Settings(
         actor=actor, critic=critic, algorithm=algorithm,
         rollout=_sampling(config, "rollout", stop_token_ids, pad_token_id),
         validation=_sampling(config, "rollout.val_kwargs", stop_token_ids, pad_token_id),
@@ -504,3 +520,6 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
         log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
         trainer=trainer)
+    if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
+        s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
+    return s

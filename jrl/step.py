@@ -85,8 +85,9 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, *,
 
 def forward(state: TrainState, ref_params, rollout: Rollout, *, s: Settings,
             model: ModelConfig) -> Experience:
-    """Old log-probs and entropy (the actor), reference log-probs (when `ref_params`)
-    and values (when the state has a critic) of a rollout, in micro-batches of
+    """Old log-probs and entropy (the actor; not for an on-policy update, which takes
+    them from its own forward pass), reference log-probs (when `ref_params`) and values
+    (when the state has a critic) of a rollout, in micro-batches of
     `rollout.log_prob_micro_batch_size` sequences."""
     actor_params = compute_params(state.actor.params, model)
     critic_params = None if state.critic is None else state.critic.params
@@ -96,7 +97,9 @@ def forward(state: TrainState, ref_params, rollout: Rollout, *, s: Settings,
             params, *xs, config=model, temperature=s.rollout.temperature,
             chunk_size=s.logprob_chunk_size, with_entropy=True),
         s.log_prob_micro_batch)
-    old_log_probs, entropy = log_probs(actor_params, *seq)
+    old_log_probs, entropy = None, None
+    if not s.actor.on_policy:  # else the update's own forward pass gives them
+        old_log_probs, entropy = log_probs(actor_params, *seq)
     ref_log_probs = None if ref_params is None else log_probs(ref_params, *seq)[0]
     values = None
     if critic_params is not None:
@@ -177,9 +180,10 @@ def learn(state: TrainState, exp: Experience, key, *, s: Settings, model: ModelC
     rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
     batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
              "advantages": adv, "returns": returns}
-    metrics = {"actor/entropy": masks.agg_loss(exp.entropy, exp.response_mask,
-                                               s.actor.loss.loss_agg_mode),
-               **data_metrics(exp, rewards, adv, returns, s=s)}
+    metrics = data_metrics(exp, rewards, adv, returns, s=s)
+    if exp.entropy is not None:  # else the on-policy update reports it
+        metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
+                                                  s.actor.loss.loss_agg_mode)
     kl = state.kl
     if s.algorithm.use_kl_in_reward:
         metrics.update({"actor/reward_kl_penalty": current_kl,

@@ -37,8 +37,11 @@ class Experience:
     prompt_mask: Array  # [N, P]
     responses: Array  # [N, R]
     response_mask: Array  # [N, R]
-    old_log_probs: Array  # [N, R] float32, the actor's before the update
-    entropy: Array  # [N, R] float32, of the actor's token distributions
+    # [N, R] float32, the actor's before the update, and the entropy of its token
+    # distributions; None when the update is on-policy and computes both itself
+    # (`ActorSettings.on_policy`).
+    old_log_probs: Array | None = None
+    entropy: Array | None = None
     ref_log_probs: Array | None = None  # [N, R] float32, the reference's (a KL term)
     values: Array | None = None  # [N, R] float32, the critic's (GAE)
     token_level_scores: Array | None = None  # [N, R] float32, each score at the last token

@@ -131,13 +131,19 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     with_entropy = actor.entropy_coeff != 0
     log_probs, entropy = logprobs.token_log_probs(
         params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy)
-    pg_loss, means = losses.policy_loss(micro["old_log_probs"], log_probs, micro["advantages"],
-                                        mask, actor.loss, normalizer, rng)
+        with_entropy=with_entropy or actor.on_policy)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
+    sums = {}
+    if actor.on_policy:  # the old log-probs are these, detached; verl's on-policy actor
+        old_log_probs = jax.lax.stop_gradient(log_probs)
+        sums["entropy"] = agg(jax.lax.stop_gradient(entropy))  # the step's entropy metric
+    else:
+        old_log_probs = micro["old_log_probs"]
+    pg_loss, means = losses.policy_loss(old_log_probs, log_probs, micro["advantages"], mask,
+                                        actor.loss, normalizer, rng)
     loss = pg_loss
-    sums = {"pg_loss": pg_loss}
+    sums["pg_loss"] = pg_loss
     if with_entropy:
         sums["entropy_loss"] = agg(entropy)
         loss = loss - actor.entropy_coeff * sums["entropy_loss"]

@@ -3,6 +3,8 @@
 coefficient, lengths, the learning rate) are worked by hand below; `forward` equals
 the log-prob functions it fuses; the actor waits out the critic warm-up as data."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -194,3 +196,39 @@ def test_init_builds_the_first_state():
     grpo = _setup()[1]
     no_critic = step.init(params, key, s=grpo, actor_opt=make_optimizer(grpo.actor.optim))
     assert no_critic.critic is None
+
+
+_ON_POLICY = {"actor.ppo_mini_batch_size": 4}  # 4 prompts x n=2: the whole batch, one update
+
+
+def test_on_policy_applies_only_where_the_update_is_on_policy():
+    assert _setup(**_ON_POLICY)[1].actor.on_policy
+    assert not _setup()[1].actor.on_policy  # two mini-batches
+    for off in ({"actor.reuse_update_log_probs": False}, {"actor.ppo_epochs": 2},
+                {"algorithm.use_kl_in_reward": True}):
+        assert not _setup(**_ON_POLICY, **off)[1].actor.on_policy, off
+    s = _setup()[1]
+    with pytest.raises(ValueError, match=r"^actor\.reuse_update_log_probs: applies only"):
+        dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
+
+
+def test_on_policy_update_equals_the_update_from_recomputed_log_probs():
+    """Skipping the old-log-prob pass changes nothing but float noise: the update's own
+    log-probs, detached, are the old ones (ratio 1), and it reports the same entropy."""
+    _, s, model, params = _setup(**_ON_POLICY)
+    _, s_pass, _, _ = _setup(**_ON_POLICY, **{"actor.reuse_update_log_probs": False})
+    rollout = _rollout()
+    forward = lambda s_: jax.jit(lambda st, ro: step.forward(st, None, ro, s=s_, model=model))
+    exp = forward(s)(_state(s, params), rollout)
+    assert exp.old_log_probs is None and exp.entropy is None
+    recomputed = forward(s_pass)(_state(s_pass, params), rollout)
+    fields = dict(token_level_scores=_experience(rollout).token_level_scores,
+                  uid=_experience(rollout).uid)
+    new, m = _learn(s, model, _state(s, params), exp.replace(**fields))
+    new_pass, m_pass = _learn(s_pass, model, _state(s_pass, params),
+                              recomputed.replace(**fields))
+    assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+    assert abs(m_pass["actor/ppo_kl"]) < 1e-6
+    for key in ("actor/entropy", "actor/pg_loss", "actor/grad_norm"):
+        assert m[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7), key
+    chex.assert_trees_all_close(new.actor.params, new_pass.actor.params, rtol=1e-5, atol=1e-6)

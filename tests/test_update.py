@@ -95,9 +95,9 @@ def _nan_token_scores(scores, response_mask):
 
 
 def test_trainer_nan_policy(tmp_path, monkeypatch):
-    import jrl.trainer
+    from jrl.rewards import responses
 
-    monkeypatch.setattr(jrl.trainer, "place_scores", _nan_token_scores)
+    monkeypatch.setattr(responses, "place_scores", _nan_token_scores)
     summary = run(tiny_config(), str(tmp_path / "skip"))
     assert summary["step"] == 2
     from jrl.metrics import read_jsonl

@@ -14,8 +14,9 @@ Variants go after a colon, e.g. `--config=configs/ppo_arith.py:critic_lr=3e-4`
 
 import math
 
-from configs import grpo_arith
-from jrl.config_defaults import parse_arg
+from jrl.config_defaults import parse_arg, sibling_config
+
+grpo_arith = sibling_config(__file__, "grpo_arith")
 
 # The variants `get_config(arg)` accepts, with their values when not given.
 ARG_DEFAULTS = {**grpo_arith.ARG_DEFAULTS, "n": 4, "critic_lr": 1e-3}

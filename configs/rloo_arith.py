@@ -5,7 +5,9 @@
 Takes grpo_arith's variants: `--config=configs/rloo_arith.py:n=16,seed=1`.
 """
 
-from configs import grpo_arith
+from jrl.config_defaults import sibling_config
+
+grpo_arith = sibling_config(__file__, "grpo_arith")
 
 # The variants `get_config(arg)` accepts (passed on to grpo_arith), with their defaults.
 ARG_DEFAULTS = grpo_arith.ARG_DEFAULTS

@@ -8,7 +8,9 @@ comment above a key is its documentation. `parse_arg` reads the variant string o
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
+import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -357,6 +359,16 @@ def _optim(lr: float) -> ml_collections.ConfigDict:
 
 # How a bool variant may be written (any case).
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def sibling_config(config_file: str, name: str):
+    """The config module `name` from the directory of `config_file`, loaded by path, so a
+    config file that builds on another works from any working directory."""
+    path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"jrl_config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.FrozenConfigDict:

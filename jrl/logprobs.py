@@ -49,7 +49,7 @@ def token_log_probs(
     targets_br: Array,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 128,
+    chunk_size: int | None = 128,
     with_entropy: bool = False,
 ):
     """Log-probs (and entropy) of `targets` given the hidden states that predict them.
@@ -59,14 +59,14 @@ def token_log_probs(
       hidden_brd: `[B, R, D]`; `hidden[:, t]` is the state that predicts `targets[:, t]`.
       targets_br: int `[B, R]` token ids.
       temperature: logits are divided by it (as the sampler did).
-      chunk_size: response tokens per chunk.
+      chunk_size: response tokens per chunk (None: all of them, one chunk).
       with_entropy: also compute the entropy of each predictive distribution.
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
     """
     b, r, d = hidden_brd.shape
-    chunk = min(chunk_size, r)
+    chunk = r if chunk_size is None else min(chunk_size, r)
     pad = (-r) % chunk
     hidden_brd = jnp.pad(hidden_brd, ((0, 0), (0, pad), (0, 0)))
     targets_br = jnp.pad(targets_br, ((0, 0), (0, pad)))

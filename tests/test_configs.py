@@ -109,3 +109,17 @@ def test_every_n_gives_a_valid_config(module, n):
     s = settings.from_config(config, stop_token_ids=tok.eos_token_ids,
                              pad_token_id=tok.pad_token_id, num_train_rows=5000)
     assert s.rollout.n == n
+
+
+def test_configs_that_build_on_others_load_from_any_directory(tmp_path):
+    """`ppo_arith.py` builds on `grpo_arith.py`: it loads by path, not as `configs.*`."""
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "ppo_arith.py")
+    code = ("from jrl import cli; "
+            f"print(cli._load_config({os.path.abspath(path)!r}).algorithm.adv_estimator)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "gae"

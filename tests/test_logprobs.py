@@ -92,6 +92,7 @@ def jitted_log_probs(config, **kwargs):
         ("tied", 3, 0.7, True),  # 3 does not divide R = 7: the last chunk is padded
         ("tied", 7, 0.7, True),  # one chunk of exactly R
         ("tied", 128, 0.7, True),  # larger than R (the default): clipped to one chunk
+        ("tied", None, 0.7, True),  # None: one chunk
         ("tied", 3, 0.7, False),
         ("untied", 3, 1.0, True),  # separate lm_head kernel, no temperature
     ],

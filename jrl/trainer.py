@@ -311,12 +311,13 @@ class RLTrainer:
 
         def sample(rows, round_):
             out = self._generate(state, rows, self.s.rollout, jax.random.fold_in(key, round_))
-            scores, extras, num_errors, _ = self.scorer.submit(
+            scores, extras, num_errors, texts = self.scorer.submit(
                 rows, out.responses, out.response_mask, n)()
             errors.append(num_errors)
             arrays = {k: sharding_lib.host_array(v)[:len(rows) * n]
                       for k, v in _fields(out).items()}
-            arrays.update(score=scores, **{f"extra/{k}": v for k, v in extras.items()})
+            arrays.update(score=scores, text=np.asarray(texts, dtype=object),
+                          **{f"extra/{k}": v for k, v in extras.items()})
             return arrays, responses_lib.filter_metric(fg.metric, scores, extras)
 
         filled = dynamic_sampling.fill_batch(
@@ -326,8 +327,7 @@ class RLTrainer:
         out = types.Rollout(**self.sharder.put_batch(
             {f.name: a[f.name] for f in dataclasses.fields(types.Rollout)}))
         extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
-        texts = responses_lib.decode_responses(self.tokenizer, a["responses"], a["response_mask"])
-        return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), texts),
+        return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), list(a["text"])),
                        {"train/num_gen_batches": float(filled.num_gen_batches),
                         "train/num_filtered_groups": float(filled.num_filtered_groups)})
 

@@ -46,6 +46,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
 from jrl import metrics, settings, sharding  # noqa: E402
 from jrl.config_defaults import base_config  # noqa: E402
@@ -90,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log_prob_micro_batch", type=int, default=128,
                    help="sequences per old/ref log-prob and value forward (0: all at once)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
+    p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="model.decode_attention_impl")
     p.add_argument("--no_ppo_kl_in_reward", action="store_true",
                    help="PPO without the KL-in-reward penalty (then it needs no reference)")
     p.add_argument("--recompute_old_log_probs", action="store_true",
@@ -100,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_tensor", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--trace_dir", default=None,
+                   help="trace one more step of each algorithm here and summarise its kernels")
     return p.parse_args(argv)
 
 
@@ -165,6 +170,8 @@ def make_config(args, algo: str):
     c.model.param_dtype = "float32"
     c.model.dtype = args.dtype
     c.model.remat = args.remat
+    if "decode_attention_impl" in c.model:  # (older trees lack the key)
+        c.model.decode_attention_impl = args.decode_attention
     c.data.train_batch_size = args.batch
     c.data.max_prompt_length = args.prompt_len
     c.rollout.n = args.n
@@ -201,7 +208,7 @@ def make_config(args, algo: str):
         c.algorithm.use_kl_in_reward = not args.no_ppo_kl_in_reward
         c.algorithm.kl_penalty = "kl"
         c.algorithm.kl_ctrl.kl_coef = 0.001
-    c.trainer.total_training_steps = args.warmup + args.steps
+    c.trainer.total_training_steps = args.warmup + args.steps + 1
     c.trainer.val_before_train = False
     c.trainer.test_freq = 0
     c.trainer.save_freq = 0
@@ -265,6 +272,11 @@ def run_algo(args, algo: str) -> dict:
             timed = "timed" if i >= args.warmup else "warm-up"
             print(f"[{algo}] step {i + 1} ({timed}): {m['wall_s']:.3f} s, "
                   f"response_length/mean {m['response_length/mean']:.1f}", flush=True)
+        if args.trace_dir:
+            trace_dir = os.path.join(args.trace_dir, algo)
+            with trace_summary.maybe_trace(trace_dir):
+                trainer.train_step(iterator)
+            trace_summary.summarize(trace_dir, top=40)
         num_params = trainer.num_params
         trainer.checkpointer.close()
         del trainer

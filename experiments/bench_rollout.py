@@ -24,8 +24,10 @@ runs `transformers` `generate` with the same sampling settings and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.metadata
+import itertools
 import json
 import os
 import statistics
@@ -36,6 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
 from jrl import rollout  # noqa: E402
 from jrl.models import ModelConfig, init_params  # noqa: E402
@@ -52,9 +55,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after warm-up")
-    parser.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM: 3350")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="HBM bandwidth for the roofline (default: H100 SXM 3350, "
+                             "H200 4800, from the device name)")
+    parser.add_argument("--decode-attention", nargs="+", default=["auto"],
+                        choices=("auto", "xla", "pallas"),
+                        help="model decode_attention_impl values to run (one row each)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace_dir", default=None,
+                        help="trace one more run of each row here and summarise its kernels")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser.parse_args()
 
@@ -89,7 +99,7 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_jrl(config, params, ids, mask, sampling, repeats):
+def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
     """(compile s, steady s) of one jitted `generate`."""
     step = jax.jit(functools.partial(rollout.generate, sampling=sampling, config=config))
     key = jax.random.key(0)
@@ -100,7 +110,12 @@ def bench_jrl(config, params, ids, mask, sampling, repeats):
     run = lambda: jax.block_until_ready(compiled(params, ids, mask, key))
     out = run()  # warm-up
     assert int(np.asarray(out.response_lengths).min()) == sampling.max_new_tokens
-    return compile_s, median_seconds(run, repeats)
+    seconds = median_seconds(run, repeats)
+    if trace_dir:
+        with trace_summary.maybe_trace(trace_dir):
+            run()
+        trace_summary.summarize(trace_dir)
+    return compile_s, seconds
 
 
 def build_hf_model(config: ModelConfig, device: str):
@@ -172,18 +187,23 @@ def main() -> None:
         hf_model = build_hf_model(config, hf_device)
     print(json.dumps(info, indent=1))
 
+    if args.hbm_gbps is None:
+        args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
     results = []
-    for batch in args.batch_sizes:
+    for batch, impl in itertools.product(args.batch_sizes, args.decode_attention):
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
-        compile_s, jrl_s = bench_jrl(config, params, ids, mask, sampling, args.repeats)
+        cfg = dataclasses.replace(config, decode_attention_impl=impl)
+        trace_dir = args.trace_dir and os.path.join(args.trace_dir, f"b{batch}_{impl}")
+        compile_s, jrl_s = bench_jrl(cfg, params, ids, mask, sampling, args.repeats, trace_dir)
         step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
         tokens = batch * args.new_tokens
         row = dict(
-            batch=batch, compile_s=compile_s, jrl_s=jrl_s, jrl_tokens_per_s=tokens / jrl_s,
+            batch=batch, decode_attention=impl, compile_s=compile_s, jrl_s=jrl_s,
+            jrl_tokens_per_s=tokens / jrl_s,
             step_gbytes=step_bytes / 1e9, roofline_tokens_per_s=roof_tps,
             pct_roofline=100 * tokens / jrl_s / roof_tps,
         )
-        if hf_model is not None:
+        if hf_model is not None and impl == args.decode_attention[0]:
             hf_s = bench_hf(hf_model, ids, mask, args, pad_id, eos_ids)
             row.update(hf_s=hf_s, hf_tokens_per_s=tokens / hf_s, jrl_over_hf=hf_s / jrl_s)
         results.append(row)
@@ -200,13 +220,14 @@ def print_table(args, results) -> None:
     print(f"\n{args.preset} {args.dtype}, P={args.prompt_len}, R={args.new_tokens}, "
           f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, "
           f"HBM {args.hbm_gbps:g} GB/s\n")
-    print("| B | compile s | jrl s | jrl tok/s | GB/step | roofline tok/s | % roofline "
-          "| HF tok/s | jrl/HF |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | decode attention | compile s | jrl s | jrl tok/s | GB/step | roofline tok/s "
+          "| % roofline | HF tok/s | jrl/HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         hf = (f"{r['hf_tokens_per_s']:.0f} | {r['jrl_over_hf']:.2f}x" if "hf_s" in r
               else "- | -")
-        print(f"| {r['batch']} | {r['compile_s']:.1f} | {r['jrl_s']:.3f} | "
+        print(f"| {r['batch']} | {r['decode_attention']} | {r['compile_s']:.1f} | "
+              f"{r['jrl_s']:.3f} | "
               f"{r['jrl_tokens_per_s']:.0f} | {r['step_gbytes']:.4g} | "
               f"{r['roofline_tokens_per_s']:.0f} | {r['pct_roofline']:.1f} | {hf} |")
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 # The sibling script's timer (this folder is on the path when a script here runs).
-from profile_decode import _median_ms
+from profile_decode import median_ms
 
 from jrl import logprobs
 from jrl.models.config import ModelConfig
@@ -32,7 +32,7 @@ PEAK = 989e12
 
 
 def _median_s(fn, *args, repeats):
-    return _median_ms(fn, *args, repeats=repeats) / 1e3
+    return median_ms(fn, *args, repeats=repeats) / 1e3
 
 
 def main():

@@ -35,6 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"
     # Rematerialisation in training: none, full or dots_saveable (keep matmul outputs).
     c.model.remat = "none"
+    # Attention of decode steps: auto (a Pallas kernel over the filled cache slots on
+    # GPU, else XLA), xla or pallas.
+    c.model.decode_attention_impl = "auto"
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)
     # MLP width override.

@@ -140,7 +140,8 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     With a `sharder`, parameters are created (or read) directly into their shardings;
     no device ever holds a full copy it does not need.
     """
-    dtypes = {"dtype": config.model.dtype, "remat": config.model.remat}
+    dtypes = {"dtype": config.model.dtype, "remat": config.model.remat,
+              "decode_attention_impl": config.model.get("decode_attention_impl", "auto")}
     if config.model.path:
         shardings = None
         if sharder is not None:

@@ -2,11 +2,18 @@
 
 A `[B, T, V]` float32 logits tensor is never materialised at once: the
 unembedding, log-softmax, gather and entropy run over chunks of the response
-inside a `lax.scan`, each chunk rematerialised in the backward pass, so peak
-memory is `B * chunk * V` floats instead of `B * T * V`.
+inside a `lax.scan`, so peak memory is `B * chunk * V` floats instead of
+`B * T * V`. The backward pass has its own rule (`jax.custom_vjp`): it keeps only
+each token's log-normaliser, recomputes a chunk's logits, forms the gradient of
+the log-prob (and entropy) with respect to them in one elementwise pass, and
+multiplies that into the gradients of the hidden states and the weight. (Autodiff
+of the forward would scatter the gather's gradient into a zero `[B, C, V]` buffer
+and run the softmax's backward as several passes over it.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +37,86 @@ def sequence_inputs(prompt_ids, prompt_mask, responses, response_mask):
     return tokens, mask, cache_lib.positions_from_mask(mask)
 
 
-def _chunk_log_probs(params, hidden_bcd, targets_bc, temperature, with_entropy):
-    logits_bcv = constrain(heads.unembed(params, hidden_bcd), ("batch", None, "vocab"))
-    logits_bcv = logits_bcv / temperature
+def _unembedding(params) -> tuple[Array, bool]:
+    """The LM head's weight as stored (master dtype) and whether it is `[V, D]` (tied)."""
+    if "lm_head" in params:
+        return params["lm_head"]["kernel"], False
+    return params["embed"]["embedding"], True
+
+
+def _chunk_logits(weight, hidden_bcd, vocab_first, temperature):
+    """float32 logits `[B, C, V]` of one chunk, divided by the temperature."""
+    spec = "bcd,vd->bcv" if vocab_first else "bcd,dv->bcv"
+    logits = jnp.einsum(spec, hidden_bcd, weight.astype(hidden_bcd.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", None, "vocab")) / temperature
+
+
+def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, with_entropy):
+    """(log_probs, entropy, log_z), each float32 `[B, C]`, of one chunk."""
+    logits_bcv = _chunk_logits(weight, hidden_bcd, vocab_first, temperature)
     log_z_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     target_logit_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
     log_probs_bc = target_logit_bc - log_z_bc
     if not with_entropy:
-        return log_probs_bc, jnp.zeros_like(log_probs_bc)
+        return log_probs_bc, jnp.zeros_like(log_probs_bc), log_z_bc
     probs_bcv = jnp.exp(logits_bcv - log_z_bc[..., None])
     entropy_bc = log_z_bc - jnp.sum(probs_bcv * logits_bcv, axis=-1)
-    return log_probs_bc, entropy_bc
+    return log_probs_bc, entropy_bc, log_z_bc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
+    """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
+    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy)
+    return out
+
+
+def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
+    def body(_, xs):
+        return None, _chunk_forward(weight, *xs, vocab_first, temperature, with_entropy)
+
+    _, (lp, ent, log_z) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
+    return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
+
+
+def _fused_bwd(vocab_first, temperature, with_entropy, residuals, cotangents):
+    """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
+
+    With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
+    `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`.
+    """
+    weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
+    g_lp_nbc, g_ent_nbc = cotangents
+    vocab = weight.shape[0] if vocab_first else weight.shape[1]
+
+    def body(grad_w, xs):
+        hidden_bcd, targets_bc, log_z_bc, ent_bc, g_lp_bc, g_ent_bc = xs
+        log_p_bcv = (_chunk_logits(weight, hidden_bcd, vocab_first, temperature)
+                     - log_z_bc[..., None])
+        p_bcv = jnp.exp(log_p_bcv)
+        onehot_bcv = jnp.arange(vocab)[None, None, :] == targets_bc[..., None]
+        grad_bcv = g_lp_bc[..., None] * (onehot_bcv.astype(jnp.float32) - p_bcv)
+        if with_entropy:
+            grad_bcv -= g_ent_bc[..., None] * p_bcv * (log_p_bcv + ent_bc[..., None])
+        grad_bcv = (grad_bcv / temperature).astype(hidden_bcd.dtype)
+        w = weight.astype(hidden_bcd.dtype)
+        if vocab_first:
+            grad_h_bcd = jnp.einsum("bcv,vd->bcd", grad_bcv, w)
+            grad_w_chunk = jnp.einsum("bcv,bcd->vd", grad_bcv, hidden_bcd,
+                                      preferred_element_type=jnp.float32)
+        else:
+            grad_h_bcd = jnp.einsum("bcv,dv->bcd", grad_bcv, w)
+            grad_w_chunk = jnp.einsum("bcd,bcv->dv", hidden_bcd, grad_bcv,
+                                      preferred_element_type=jnp.float32)
+        return grad_w + grad_w_chunk, grad_h_bcd
+
+    xs = (hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc, g_lp_nbc, g_ent_nbc)
+    grad_w, grad_h_nbcd = jax.lax.scan(body, jnp.zeros(weight.shape, jnp.float32), xs)
+    return grad_w.astype(weight.dtype), grad_h_nbcd, None
+
+
+_fused_log_probs.defvjp(_fused_fwd, _fused_bwd)
 
 
 def token_log_probs(
@@ -74,11 +150,9 @@ def token_log_probs(
     hidden_nbcd = hidden_brd.reshape(b, n, chunk, d).swapaxes(0, 1)
     targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
 
-    @jax.checkpoint
-    def body(_, xs):
-        return None, _chunk_log_probs(params, *xs, temperature, with_entropy)
-
-    _, (lp_nbc, ent_nbc) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
+    weight, vocab_first = _unembedding(params)
+    lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
+                                       temperature, with_entropy)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 

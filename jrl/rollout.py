@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jrl.models import decode_attention
 from jrl.models.cache import KVCache, init_cache, positions_from_mask
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
@@ -295,11 +296,14 @@ def _prefill(params, row_prompt_ids, row_prompt_mask, num_new, config):
     """One forward over the prompts into a fresh cache of P + R slots.
 
     Returns:
-      (logits `[N, V]` float32 at the last prompt slot, cache, key_mask `[N, P+R]`).
+      (logits `[N, V]` float32 at the last prompt slot, cache, key_mask `[N, S]`), with
+      S = P + R slots, rounded up to whole blocks for the decode-attention kernel.
     """
     num_rows, prompt_len = row_prompt_ids.shape
-    cache = init_cache(config, num_rows, prompt_len + num_new)
-    key_mask = jnp.pad(row_prompt_mask, ((0, 0), (0, num_new)))
+    slots = decode_attention.cache_slots(config.decode_attention_impl, config.head_dim,
+                                         prompt_len + num_new)
+    cache = init_cache(config, num_rows, slots)
+    key_mask = jnp.pad(row_prompt_mask, ((0, 0), (0, slots - prompt_len)))
     positions = positions_from_mask(row_prompt_mask)
     hidden_npd, cache = forward(
         params, row_prompt_ids, positions, key_mask, cache, 0, config=config

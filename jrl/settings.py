@@ -476,6 +476,9 @@ def _check_model(config) -> None:
               "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
               "bfloat16 compute")
     _choice("model.remat", _get(config, "model.remat"), model_config.REMAT_POLICIES)
+    if "decode_attention_impl" in config.model:
+        _choice("model.decode_attention_impl", config.model.decode_attention_impl,
+                model_config.DECODE_ATTENTION_IMPLS)
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")

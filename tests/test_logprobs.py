@@ -130,33 +130,58 @@ def naive_token_log_probs(kernel_dv, hidden_brd, targets_br, temperature):
     return lp, -(jnp.exp(logp) * logp).sum(-1)
 
 
-def test_token_log_probs_values_and_gradients_per_chunk_size():
-    """`token_log_probs` on given hidden states: values, and gradients through the
-    checkpointed scan, against one pass over the whole `[B, R, V]` logits."""
-    config, params = CONFIGS["untied"], params_for("untied")
+@pytest.mark.parametrize("name", ["untied", "tied"])
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
+def test_token_log_probs_values_and_gradients_per_chunk_size(name, entropy_weight):
+    """`token_log_probs` on given hidden states: values, and gradients through its own
+    backward rule (hidden states and the LM head or the tied embedding), against
+    autodiff of one log-softmax over the whole `[B, R, V]` logits."""
+    config, params = CONFIGS[name], params_for(name)
     batch = make_batch(seed=1)
     tokens, hidden, _ = naive_full(params, config, *batch)
     hidden_brd, targets = hidden[:, P - 1:P + R - 1], tokens[:, P:]
     weights = jnp.asarray(batch[3], jnp.float32)
-    loss = lambda lp_ent: jnp.sum(weights * (lp_ent[0] + 0.1 * lp_ent[1]))
+    loss = lambda lp_ent: jnp.sum(weights * (lp_ent[0] + entropy_weight * lp_ent[1]))
+    path = ("lm_head", "kernel") if name == "untied" else ("embed", "embedding")
+    weight = params[path[0]][path[1]]
 
-    def naive(kernel, h):
-        return naive_token_log_probs(kernel, h, targets, 0.9)
+    def naive(w, h):
+        kernel_dv = w if name == "untied" else w.T
+        return naive_token_log_probs(kernel_dv, h, targets, 0.9)
 
-    ref_grads = jax.grad(lambda k, h: loss(naive(k, h)), argnums=(0, 1))(
-        params["lm_head"]["kernel"], hidden_brd)
-    ref_out = naive(params["lm_head"]["kernel"], hidden_brd)
-    for chunk_size in (2, 4, 6):
-        def chunked(kernel, h, chunk_size=chunk_size):
-            p = {**params, "lm_head": {"kernel": kernel}}
+    ref_grads = jax.grad(lambda w, h: loss(naive(w, h)), argnums=(0, 1))(weight, hidden_brd)
+    ref_out = naive(weight, hidden_brd)
+    assert float(jnp.abs(ref_grads[0]).max()) > 1e-3  # the check below can fail
+    for chunk_size in (2, 4, 6, None):
+        def chunked(w, h, chunk_size=chunk_size):
+            p = {**params, path[0]: {**params[path[0]], path[1]: w}}
             return logprobs.token_log_probs(p, h, targets, temperature=0.9,
                                             chunk_size=chunk_size, with_entropy=True)
 
-        out = jax.jit(chunked)(params["lm_head"]["kernel"], hidden_brd)
+        out = jax.jit(chunked)(weight, hidden_brd)
         chex.assert_trees_all_close(out, ref_out, rtol=RTOL, atol=ATOL)
-        grads = jax.jit(jax.grad(lambda k, h, f=chunked: loss(f(k, h)), argnums=(0, 1)))(
-            params["lm_head"]["kernel"], hidden_brd)
+        grads = jax.jit(jax.grad(lambda w, h, f=chunked: loss(f(w, h)), argnums=(0, 1)))(
+            weight, hidden_brd)
         chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+
+
+def test_token_log_probs_in_bfloat16_follow_the_float32_gradient():
+    """bf16 hidden states (as the trainer runs): the backward rule's bf16 logits gradient
+    gives gradients close to float32 autodiff (same direction, ~1% error)."""
+    config, params = CONFIGS["untied"], params_for("untied")
+    tokens, hidden, _ = naive_full(params, config, *make_batch(seed=2))
+    hidden_brd, targets = hidden[:, P - 1:P + R - 1], tokens[:, P:]
+    kernel = params["lm_head"]["kernel"]
+    ref = jax.grad(lambda k, h: jnp.sum(naive_token_log_probs(k, h, targets, 1.0)[0]),
+                   argnums=(0, 1))(kernel, hidden_brd)
+    got = jax.grad(lambda k, h: jnp.sum(logprobs.token_log_probs(
+        {**params, "lm_head": {"kernel": k}}, h.astype(jnp.bfloat16), targets,
+        chunk_size=3)[0]), argnums=(0, 1))(kernel, hidden_brd)
+    assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+    for g, r in zip(got, ref, strict=True):
+        cos = jnp.sum(g * r) / (jnp.linalg.norm(g) * jnp.linalg.norm(r))
+        assert float(cos) > 0.999
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.05
 
 
 def test_padding_does_not_leak_into_real_tokens():

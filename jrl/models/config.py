@@ -27,6 +27,7 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 # HF class name -> (family, head). The head says which output layer the checkpoint has.
 ARCHITECTURES = {
@@ -85,6 +86,9 @@ class ModelConfig:
         "dots_saveable" (keep matmul outputs, recompute the rest).
       attention_impl: "auto" (cuDNN flash attention on GPU when dtype and head_dim
         allow it, else XLA), "xla" or "cudnn".
+      decode_attention_impl: attention of decode steps (one token per row over a
+        cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
+        where it applies, else XLA), "xla" or "pallas".
       scan_unroll: unroll the scan over layers into straight-line code. The sampler
         sets it for decoding: each layer then reads its weights in place instead of
         through a per-iteration dynamic slice, and XLA can fuse across layers.
@@ -113,6 +117,7 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    decode_attention_impl: str = "auto"
     scan_unroll: bool = False
 
     def __post_init__(self):
@@ -125,6 +130,8 @@ class ModelConfig:
             _check_choice(name, getattr(self, name), DTYPES)
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("decode_attention_impl", self.decode_attention_impl,
+                      DECODE_ATTENTION_IMPLS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jrl.models import decode_attention as decode_lib
 from jrl.models import heads as heads_lib
 from jrl.models import rope
 from jrl.models.cache import KVCache, attention_mask
@@ -111,34 +112,6 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"
 
 
-def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):
-    """Softmax attention with the queries of a key/value head grouped, in float32.
-
-    `N = K * G` query heads share K key/value heads. The queries are viewed as
-    `[B, T, K, G, H]` so each cached key and value is read once for its G queries,
-    never repeated to N heads, and keys/values come heads-first (the cache's
-    layout), so each (row, head) is one contiguous `[S, H]` operand.
-
-    Args:
-      q_btnh: `[B, T, N, H]` queries.
-      k_bksh, v_bksh: `[B, K, S, H]` keys and values.
-      mask_b1ts: bool `[B, 1, T, S]`, True where a query may attend to a key.
-
-    Returns:
-      `[B, T, N, H]` in the queries' dtype.
-    """
-    b, t, n, h = q_btnh.shape
-    k = k_bksh.shape[1]
-    q_bkgth = q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
-    logits = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(h))
-    logits = jnp.where(mask_b1ts[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_bksh.dtype)
-    out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh,
-                           preferred_element_type=jnp.float32)
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional qkv bias and q/k norm, and a KV cache."""
 
@@ -165,8 +138,12 @@ class Attention(nn.Module):
         else:
             k_bksh, v_bksh = (jnp.swapaxes(t, 1, 2) for t in (k_btkh, v_btkh))
         impl = _attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bksh.shape[2])
-        if impl == "xla":
-            out_btnh = grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts)
+        if isinstance(mask_b1ts, tuple):  # a decode step's (start_b, end): the kernel
+            out_bnh = decode_lib.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, *mask_b1ts,
+                                                  impl="pallas")
+            out_btnh = out_bnh[:, None]
+        elif impl == "xla":
+            out_btnh = decode_lib.grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts)
         else:
             # cuDNN takes [B, S, K, H]; without a cache the fresh keys already are.
             k_bskh, v_bskh = ((k_btkh, v_btkh) if cache is None else
@@ -255,7 +232,7 @@ class Transformer(nn.Module):
         )(tokens_bt)
         x_btd = constrain(x_btd, _HIDDEN)
         sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
-        mask_b1ts = attention_mask(mask, tokens_bt.shape[1], write_index)
+        mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
         layers = jnp.arange(c.num_layers)
         (x_btd, cache), _ = _layer_stack(c)(
             (x_btd, cache), layers, sin_btk, cos_btk, mask_b1ts, write_index
@@ -274,6 +251,19 @@ class Transformer(nn.Module):
             heads_lib.Head(1, True, None, name="value_head", **kwargs)(hidden_btd)
         elif self.head == "score":
             heads_lib.Head(1, False, None, name="score", **kwargs)(hidden_btd)
+
+
+def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
+    """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by the
+    Pallas kernel, each row's filled slots `(start_b, end)` (contiguous by the cache
+    contract: left padding, then tokens up to the one being written)."""
+    if cache is not None and num_queries == 1:
+        impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
+                                      cache.max_len)
+        if impl == "pallas":
+            start_b = jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32)
+            return start_b, jnp.asarray(write_index, jnp.int32) + 1
+    return attention_mask(mask, num_queries, write_index)
 
 
 def _init_variables(config: ModelConfig, rng: jax.Array, head: str):

@@ -1,0 +1,95 @@
+"""Where a traced program's device time goes: the GPU kernels of a `jax.profiler` trace.
+
+    python experiments/trace_summary.py TRACE_DIR [--top 25]
+
+Reads the trace-viewer file (`*.trace.json.gz`) that `jax.profiler.trace(dir)`
+writes, keeps the events of the GPU devices, and prints
+the device time by kernel, by XLA op and by XLA module (total milliseconds,
+calls, share). The benchmark scripts
+take `--trace_dir` to write such a trace of one extra run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import gzip
+import json
+import os
+import re
+
+
+@contextlib.contextmanager
+def maybe_trace(trace_dir: str | None):
+    """`jax.profiler.trace(trace_dir)`, or nothing when None."""
+    if not trace_dir:
+        yield
+        return
+    import jax
+
+    with jax.profiler.trace(trace_dir):
+        yield
+
+
+def _gpu_threads(events) -> dict:
+    """{(pid, tid): thread name} of the threads of the trace's GPU devices."""
+    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and re.search(r"/device:GPU|GPU:\d", str(e.get("args", {}).get("name", "")))}
+    return {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", ""))
+            for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and e["pid"] in pids}
+
+
+def _table(title: str, totals: dict, top: int) -> list:
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    total = sum(ms for ms, _ in totals.values())
+    print(f"\n{title}: {total:.1f} ms in {sum(c for _, c in totals.values())} events")
+    print("| name | ms | calls | share |\n|---|---|---|---|")
+    for name, (ms, calls) in ranked[:top]:
+        print(f"| {name[:70]} | {ms:.2f} | {calls} | {100 * ms / max(total, 1e-9):.1f}% |")
+    return [(name, ms, calls) for name, (ms, calls) in ranked]
+
+
+def summarize(trace_dir: str, top: int = 25) -> dict:
+    """Prints and returns the device time by kernel, by XLA op and by XLA module.
+
+    A GPU device's trace has one thread per CUDA stream (the kernels, named as
+    compiled) and the lines "XLA Ops" and "XLA Modules" (the same time, attributed
+    to HLO instructions and to programs)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = _gpu_threads(events)
+    kinds = {"kernels": collections.defaultdict(lambda: [0.0, 0]),
+             "XLA Ops": collections.defaultdict(lambda: [0.0, 0]),
+             "XLA Modules": collections.defaultdict(lambda: [0.0, 0])}
+    for e in events:
+        thread = threads.get((e.get("pid"), e.get("tid")))
+        if e.get("ph") != "X" or thread is None:
+            continue
+        kind = thread if thread in kinds else ("kernels" if thread.startswith("Stream") else None)
+        if kind is None:
+            continue
+        entry = kinds[kind][e.get("name", "?")]
+        entry[0] += float(e.get("dur", 0.0)) / 1e3
+        entry[1] += 1
+    print(f"trace {files[-1]}; GPU threads: {sorted(set(threads.values()))[:12]}")
+    return {kind: _table(kind, totals, top if kind != "XLA Modules" else 8)
+            for kind, totals in kinds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace_dir")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    summarize(args.trace_dir, args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
-"""Where a decode step's time goes: model forward (scanned vs unrolled layers), sampling.
+"""Where a decode step's time goes: model forward (XLA vs Pallas decode attention), sampling.
 
     python experiments/profile_decode.py --preset qwen2.5-0.5b --batch 256 --context 384
 
 Times one jitted decode forward + unembedding over a KV cache of `--context` slots,
-with the layer loop as a scan and unrolled, and one sampling step over `[B, V]`
+with each decode-attention implementation, and one sampling step over `[B, V]`
 logits (no filter; top-p 0.9), each the median of `--repeats` runs after warm-up.
 """
 
@@ -50,8 +50,10 @@ def main():
     positions = jnp.full((b, 1), s // 2, jnp.int32)
     key_mask = (jnp.arange(s)[None, :] <= s // 2).astype(jnp.int32).repeat(b, 0)
     rows = [("device", jax.devices()[0].device_kind), ("jax", jax.__version__)]
-    for unrolled in (False, True):
-        config = dataclasses.replace(base, scan_unroll=unrolled)
+    for impl in ("xla", "pallas"):
+        if impl == "pallas" and (jax.default_backend() != "gpu" or s % 64):
+            continue
+        config = dataclasses.replace(base, decode_attention_impl=impl)
         cache = init_cache(config, b, s)
 
         @jax.jit
@@ -61,8 +63,7 @@ def main():
             return unembed(params, hidden[:, 0]), cache
 
         ms = median_ms(step, params, cache, repeats=args.repeats)
-        rows.append((f"decode forward+unembed, layers {'unrolled' if unrolled else 'scanned'}",
-                     f"{ms:.3f} ms"))
+        rows.append((f"decode forward+unembed, {impl} attention", f"{ms:.3f} ms"))
     logits = jax.random.normal(jax.random.key(2), (b, base.vocab_size), jnp.float32)
     keys = jax.random.split(jax.random.key(3), b)
     for name, sampling in (("sample, no filter", rollout.SamplingConfig()),

@@ -52,7 +52,7 @@ def _table(title: str, totals: dict, top: int) -> list:
     return [(name, ms, calls) for name, (ms, calls) in ranked]
 
 
-def summarize(trace_dir: str, top: int = 25) -> dict:
+def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
     """Prints and returns the device time by kernel, by XLA op and by XLA module.
 
     A GPU device's trace has one thread per CUDA stream (the kernels, named as
@@ -65,6 +65,7 @@ def summarize(trace_dir: str, top: int = 25) -> dict:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     threads = _gpu_threads(events)
+    examples = {}
     kinds = {"kernels": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Ops": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Modules": collections.defaultdict(lambda: [0.0, 0])}
@@ -78,17 +79,25 @@ def summarize(trace_dir: str, top: int = 25) -> dict:
         entry = kinds[kind][e.get("name", "?")]
         entry[0] += float(e.get("dur", 0.0)) / 1e3
         entry[1] += 1
+        examples.setdefault(e.get("name", "?"), e.get("args", {}))
     print(f"trace {files[-1]}; GPU threads: {sorted(set(threads.values()))[:12]}")
-    return {kind: _table(kind, totals, top if kind != "XLA Modules" else 8)
-            for kind, totals in kinds.items()}
+    tables = {kind: _table(kind, totals, top if kind != "XLA Modules" else 8)
+              for kind, totals in kinds.items() if totals}
+    if show_args:
+        print("\nan event of each of the top kernels, with the trace's arguments:")
+        for name, _, _ in tables.get("kernels", [])[:show_args]:
+            print(f"- {name[:60]}: {json.dumps(examples[name])[:400]}")
+    return tables
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace_dir")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--show_args", type=int, default=0,
+                        help="print the arguments of an event of the N top kernels")
     args = parser.parse_args()
-    summarize(args.trace_dir, args.top)
+    summarize(args.trace_dir, args.top, args.show_args)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from jrl.models import decode_attention
-from jrl.models.cache import KVCache, init_cache, positions_from_mask
+from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache, init_cache, positions_from_mask
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
@@ -197,7 +197,7 @@ class _DecodeState:
     lengths: jax.Array  # int32 [N]: response length (R until the row stops)
     responses: jax.Array  # int32 [N, R]
     log_probs: jax.Array  # float32 [N, R]
-    cache: KVCache  # [L, N, S, K, H]
+    cache: KVCache  # L buffers [N, K, S, H] each for keys and values
     key_mask: jax.Array  # int32 [N, S]: cache slots holding real tokens
 
 
@@ -248,16 +248,23 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
                      ) -> RolloutOutput:
     """The body of `generate` (arguments already checked), to be jitted by the caller
     with its own shardings; shapes as in `generate`."""
-    config = dataclasses.replace(config, scan_unroll=True)
-    repeat = lambda x: constrain(jnp.repeat(x.astype(jnp.int32), sampling.n, axis=0),
-                                 ("batch", None))
+    repeat = lambda x, axes=("batch", None): constrain(
+        jnp.repeat(x, sampling.n, axis=0), axes)
+    prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
     row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
     num_rows, prompt_len = row_prompt_ids.shape
     num_new = sampling.max_new_tokens
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
     prompt_lengths = jnp.sum(row_prompt_mask, axis=1)
 
-    logits_nv, cache, key_mask = _prefill(params, row_prompt_ids, row_prompt_mask, num_new, config)
+    # The layers' weights as separate arrays, sliced once here rather than at every step.
+    params = {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
+                                        for i in range(config.num_layers))}
+    # The n samples of a prompt share its prefill: run it once per prompt, then copy
+    # the cache to the n rows.
+    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config)
+    logits_nv, key_mask = repeat(logits_bv), repeat(key_mask)
+    cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens=jnp.zeros((num_rows,), jnp.int32),
@@ -292,25 +299,25 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
 _generate = jax.jit(generate_program, static_argnames=("sampling", "config"))
 
 
-def _prefill(params, row_prompt_ids, row_prompt_mask, num_new, config):
-    """One forward over the prompts into a fresh cache of P + R slots.
+def _prefill(params, prompt_ids, prompt_mask, num_new, config):
+    """One forward over the B prompts into a fresh cache of P + R slots.
 
     Returns:
-      (logits `[N, V]` float32 at the last prompt slot, cache, key_mask `[N, S]`), with
+      (logits `[B, V]` float32 at the last prompt slot, cache, key_mask `[B, S]`), with
       S = P + R slots, rounded up to whole blocks for the decode-attention kernel.
     """
-    num_rows, prompt_len = row_prompt_ids.shape
+    batch, prompt_len = prompt_ids.shape
     slots = decode_attention.cache_slots(config.decode_attention_impl, config.head_dim,
                                          prompt_len + num_new)
-    cache = init_cache(config, num_rows, slots)
-    key_mask = jnp.pad(row_prompt_mask, ((0, 0), (0, slots - prompt_len)))
-    positions = positions_from_mask(row_prompt_mask)
-    hidden_npd, cache = forward(
-        params, row_prompt_ids, positions, key_mask, cache, 0, config=config
+    cache = init_cache(config, batch, slots)
+    key_mask = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
+    positions = positions_from_mask(prompt_mask)
+    hidden_bpd, cache = forward(
+        params, prompt_ids, positions, key_mask, cache, 0, config=config
     )
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
-    return constrain(unembed(params, hidden_npd[:, -1]), ("batch", None)), cache, key_mask
+    return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
 
 
 def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, config):

@@ -236,11 +236,10 @@ class RLTrainer:
                        states.critic.opt_state)]
         prompts = s.train_batch_size if s.filter_groups is None else s.filter_groups.gen_batch_size
         rows, slots = prompts * s.rollout.n, s.max_prompt_length + s.rollout.max_new_tokens
-        shape = (m.num_layers, rows, m.num_kv_heads, slots, m.head_dim)
-        cache = jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))
-        cache_sharding = sh.named(CACHE_LOGICAL_AXES, shape)
-        parts.append((f"KV cache, {rows} rows x {slots} slots", (cache, cache),
-                      (cache_sharding, cache_sharding)))
+        shape = (rows, m.num_kv_heads, slots, m.head_dim)
+        cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
+        cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
+        parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
         lines = [f"mesh {dict(sh.mesh.shape)} over {sh.mesh.devices.size} devices; per device:"]
         for name, tree, shardings in parts:
             nbytes = sh.bytes_per_device(tree, shardings)

@@ -4,10 +4,13 @@ The cache contract (what `jrl.rollout` relies on)
 ------------------------------------------------
 
 The cache is a pytree (`KVCache`) that `forward` takes and returns; nothing is kept
-in Flax collections. Its buffers are stacked over layers:
-`k, v: [L, B, K, S, H]`, S = `max_len` slots (heads before slots, so a decode step
-reads each head's keys as one contiguous `[S, H]` block). Slot s of every row holds the token
-fed at step s, so all rows share one write position.
+in Flax collections. It holds one key and one value buffer per layer,
+`k[l], v[l]: [B, K, S, H]`, S = `max_len` slots (heads before slots, so a decode
+step reads each head's keys as one contiguous `[S, H]` block). Separate buffers,
+not one `[L, ...]` stack, let a decode step hand a layer's keys to an attention
+kernel in place: slicing a layer out of a stack would copy it at every step.
+Slot s of every row holds the token fed at step s, so all rows share one write
+position.
 
 Prompts are LEFT-padded to a common length P, so the last prompt token of every
 row sits in slot P-1 and decoding writes every row's next token to the same slot:
@@ -31,6 +34,10 @@ Rules:
   own slot (which only matters for padding queries, whose outputs are garbage).
 - `write_index + T <= max_len`; `lax.dynamic_update_slice` would otherwise clamp the
   write silently (checked when `write_index` is a Python int).
+- A row's real tokens fill contiguous slots: its left padding, then every token up
+  to the one being written (the sampler's layout). The decode-attention kernel
+  (`jrl.models.decode_attention`) relies on it: it reads slots
+  `[first valid slot, write_index]` of each row and no mask.
 
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.
@@ -46,8 +53,8 @@ from jax import lax
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
-# Logical axis names of the cache buffers, for `jrl.sharding`.
-CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
+# Logical axis names of each layer's cache buffer, for `jrl.sharding`.
+CACHE_LOGICAL_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 @flax.struct.dataclass
@@ -55,29 +62,27 @@ class KVCache:
     """Keys and values of every layer.
 
     Attributes:
-      k: `[L, B, K, S, H]` keys after RoPE (and q/k norm), in the cache dtype.
-      v: `[L, B, K, S, H]` values.
+      k: L buffers `[B, K, S, H]`, keys after RoPE (and q/k norm), in the cache dtype.
+      v: L buffers `[B, K, S, H]`, values.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
-    def write(self, layer: jax.Array, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
+    def write(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
         """Writes one layer's new keys/values `[B, T, K, H]` at slots write_index.. ."""
-        start = (layer, 0, 0, write_index, 0)
-        # Updating the stacked buffer in place (rather than a per-layer copy) keeps a
-        # decode step's memory traffic at one token per layer.
-        new_k = jnp.swapaxes(k_btkh, 1, 2)[None].astype(self.k.dtype)
-        new_v = jnp.swapaxes(v_btkh, 1, 2)[None].astype(self.v.dtype)
-        k = lax.dynamic_update_slice(self.k, new_k, start)
-        v = lax.dynamic_update_slice(self.v, new_v, start)
-        return KVCache(k=k, v=v)
+        start = (0, 0, write_index, 0)
+        # In place: a decode step's memory traffic is one token per layer.
+        put = lambda buffers, new_btkh: buffers[:layer] + (lax.dynamic_update_slice(
+            buffers[layer], jnp.swapaxes(new_btkh, 1, 2).astype(buffers[layer].dtype), start),
+        ) + buffers[layer + 1:]
+        return KVCache(k=put(self.k, k_btkh), v=put(self.v, v_btkh))
 
-    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """(k_bksh, v_bksh) of one layer."""
         return self.k[layer], self.v[layer]
 
@@ -94,11 +99,12 @@ def init_cache(
       dtype: buffer dtype; defaults to the compute dtype `config.dtype`.
 
     Returns:
-      `KVCache` with zero `k`, `v` of shape `[L, B, K, S, H]`.
+      `KVCache` with L zero buffers `[B, K, S, H]` each in `k` and `v`.
     """
-    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+    shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
     dtype = dtype or config.dtype
-    zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_LOGICAL_AXES)
+    zeros = lambda: tuple(constrain(jnp.zeros(shape, dtype), CACHE_LOGICAL_AXES)
+                          for _ in range(config.num_layers))
     return KVCache(k=zeros(), v=zeros())
 
 

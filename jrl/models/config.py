@@ -89,9 +89,9 @@ class ModelConfig:
       decode_attention_impl: attention of decode steps (one token per row over a
         cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
         where it applies, else XLA), "xla" or "pallas".
-      scan_unroll: unroll the scan over layers into straight-line code. The sampler
-        sets it for decoding: each layer then reads its weights in place instead of
-        through a per-iteration dynamic slice, and XLA can fuse across layers.
+      scan_unroll: unroll the scan over layers (the forward without a cache) into
+        straight-line code. (The forward with a cache, prefill and decode, applies
+        the layers one by one whatever this says.)
     """
 
     family: str

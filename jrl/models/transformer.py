@@ -25,8 +25,9 @@ H head_dim; logical axis names in brackets):
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]        untied LM only (see heads.py)
 
-`forward` serves training (no cache), prefill and decode; see `jrl.models.cache`
-for the cache contract. It returns hidden states; `heads.unembed` turns them into
+`forward` serves training (no cache; the layers as one scan), prefill and decode
+(the layers applied one by one, each on its own cache buffers); see
+`jrl.models.cache` for the cache contract. It returns hidden states; `heads.unembed` turns them into
 float32 logits, so log-probs can be computed in chunks.
 """
 
@@ -222,7 +223,7 @@ class Transformer(nn.Module):
     head: str = "lm"
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, mask, cache=None, write_index=None):
+    def __call__(self, tokens_bt, positions_bt, mask):
         c = self.config
         normal = nn.initializers.normal(c.initializer_range)
         x_btd = nn.Embed(
@@ -232,15 +233,13 @@ class Transformer(nn.Module):
         )(tokens_bt)
         x_btd = constrain(x_btd, _HIDDEN)
         sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
-        mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
+        mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
         layers = jnp.arange(c.num_layers)
-        (x_btd, cache), _ = _layer_stack(c)(
-            (x_btd, cache), layers, sin_btk, cos_btk, mask_b1ts, write_index
-        )
+        (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
         if self.is_initializing():
             self._create_head(hidden_btd)
-        return hidden_btd, cache
+        return hidden_btd
 
     def _create_head(self, hidden_btd: jax.Array) -> None:
         c = self.config
@@ -251,6 +250,31 @@ class Transformer(nn.Module):
             heads_lib.Head(1, True, None, name="value_head", **kwargs)(hidden_btd)
         elif self.head == "score":
             heads_lib.Head(1, False, None, name="score", **kwargs)(hidden_btd)
+
+
+def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config):
+    """`forward` with a cache: the same layers as `Transformer`, applied one by one.
+
+    Layer l reads its keys/values as the cache's own buffers `k[l]`, `v[l]` and its
+    weights as static slices of the stacked parameters (or, when `params["layers"]`
+    is a sequence of per-layer trees, as the sampler passes it, as element l), so a
+    decode step copies neither (as a scan over layers would, through per-iteration
+    dynamic slices).
+    """
+    c = config
+    embedding = params["embed"]["embedding"]
+    x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0).astype(c.dtype), _HIDDEN)
+    sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
+    mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
+    layer = DecoderLayer(c)
+    stacked = not isinstance(params["layers"], (list, tuple))
+    for i in range(c.num_layers):
+        layer_params = (jax.tree.map(lambda w, i=i: w[i], params["layers"]) if stacked
+                        else params["layers"][i])
+        (x_btd, cache), _ = layer.apply({"params": layer_params}, (x_btd, cache), i,
+                                        sin_btk, cos_btk, mask_b1ts, write_index)
+    final_norm = RMSNorm(c.rms_norm_eps, "embed", c.dtype, c.param_dtype)
+    return final_norm.apply({"params": params["final_norm"]}, x_btd), cache
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
@@ -321,9 +345,12 @@ def forward(
       `config.dtype`, and the updated cache (None without one).
     """
     _check_forward_args(tokens_bt, mask, cache, write_index)
-    return Transformer(config, head="none").apply(
-        {"params": params}, tokens_bt, positions_bt, mask, cache, write_index
-    )
+    if cache is not None:
+        return _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index,
+                               config)
+    hidden_btd = Transformer(config, head="none").apply(
+        {"params": params}, tokens_bt, positions_bt, mask)
+    return hidden_btd, None
 
 
 def forward_logits(

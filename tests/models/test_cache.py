@@ -84,9 +84,10 @@ def test_attention_mask_training_and_decode():
 def test_init_cache_shape(model):
     config, _, _ = model
     cache = init_cache(config, batch_size=3, max_len=20)
-    shape = (config.num_layers, 3, config.num_kv_heads, 20, config.head_dim)
-    assert cache.k.shape == cache.v.shape == shape
-    assert cache.k.dtype == jnp.float32 and cache.max_len == 20
+    shape = (3, config.num_kv_heads, 20, config.head_dim)
+    assert len(cache.k) == len(cache.v) == config.num_layers
+    assert all(b.shape == shape and b.dtype == jnp.float32 for b in cache.k + cache.v)
+    assert cache.max_len == 20
 
 
 def test_prefill_then_decode_matches_full_forward(model, ragged_batch):

@@ -257,6 +257,11 @@ def inactive() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_sharder() -> Sharder | None:
+    """The `Sharder` whose `active()` block is being traced, if any."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Pins `x` to the sharding its logical axes map to, when a `Sharder` is active."""
     sharder = _ACTIVE.get()

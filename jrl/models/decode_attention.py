@@ -16,10 +16,14 @@ not yet written after. Two implementations:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jrl import sharding
 
 # Cache slots per kernel block (a power of two, as Triton wants); a cache of S slots
 # is split into S / _BLOCK blocks, each a program of the grid.
@@ -63,13 +67,36 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end, *, impl: str = "xla",
       `[B, N, H]` in the queries' dtype.
     """
     if impl == "pallas":
-        return _pallas(q_bnh, k_bksh, v_bksh, start_b, end, interpret)
+        return _sharded(functools.partial(_pallas, interpret=interpret),
+                        q_bnh, k_bksh, v_bksh, start_b, end)
     if impl != "xla":
         raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
     slots = jnp.arange(k_bksh.shape[2])[None, :]
     mask_bs = (slots >= start_b[:, None]) & (slots < end)
     out_b1nh = grouped_attention(q_bnh[:, None], k_bksh, v_bksh, mask_bs[:, None, None])
     return out_b1nh[:, 0]
+
+
+def _sharded(kernel, q_bnh, k_bksh, v_bksh, start_b, end):
+    """Runs `kernel` on each device's rows (and heads) under the active mesh.
+
+    XLA cannot split a custom call over devices: left to itself it would gather
+    the whole cache onto every device. Under a `Sharder` the kernel runs in a
+    `shard_map` over the batch axes and, when both the query and the key/value heads
+    divide over `tensor` (so each device keeps whole query groups), over heads too.
+    """
+    sharder = sharding.active_sharder()
+    if sharder is None or sharder.mesh.size == 1:
+        return kernel(q_bnh, k_bksh, v_bksh, start_b, end)
+    batch = sharder.spec(("batch",), start_b.shape)[0]
+    heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+    kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
+    if heads != kv_heads:
+        heads = kv_heads = None
+    q_spec, kv_spec = P(batch, heads, None), P(batch, kv_heads, None, None)
+    return jax.shard_map(kernel, mesh=sharder.mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, P(batch), P()),
+                         out_specs=q_spec, check_vma=False)(q_bnh, k_bksh, v_bksh, start_b, end)
 
 
 def _pallas(q_bnh, k_bksh, v_bksh, start_b, end, interpret):

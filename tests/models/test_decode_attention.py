@@ -2,6 +2,11 @@
 and the sampler run through it against the sampler on the XLA path."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import chex
 import jax
@@ -96,3 +101,44 @@ def test_sampler_through_the_kernel_matches_the_xla_path():
     chex.assert_trees_all_close(outs["pallas"].rollout_log_probs,
                                 outs["xla"].rollout_log_probs, rtol=1e-5, atol=1e-5)
     assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.1  # not a degenerate model
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jrl import sharding
+    from jrl.models import decode_attention as da
+
+    assert jax.device_count() == 8, jax.devices()
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (8, 4, 16))
+    k = jax.random.normal(keys[1], (8, 2, 64, 16))
+    v = jax.random.normal(keys[2], (8, 2, 64, 16))
+    start = jnp.array([0, 3, 9, 20, 1, 0, 30, 40], jnp.int32)
+    want = da.decode_attention(q, k, v, start, 41, impl="xla")
+    out = {}
+    for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
+                        ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
+                        ("tensor_uneven", dict(data=2, fsdp=1, tensor=4))):
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+        def fn(q, k, v, start, sharder=sharder):
+            with sharder.active():
+                return da.decode_attention(q, k, v, start, 41, impl="pallas", interpret=True)
+        got = jax.jit(fn)(q, k, v, start)
+        out[name] = float(jnp.abs(got - want).max())
+    print(json.dumps(out))
+""")
+
+
+def test_kernel_under_a_mesh_runs_per_shard_and_matches():
+    """Under a `Sharder` the kernel runs in a shard_map: over the batch, over heads when
+    query and key/value heads both divide over `tensor`, and replicated heads when not."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"data", "data_tensor", "tensor_uneven"}
+    assert all(diff < 1e-5 for diff in result.values()), result

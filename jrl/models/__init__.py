@@ -10,6 +10,7 @@ Typical use::
 See docs/models.md for shapes, the cache contract and the options.
 """
 
+from jrl.models import lora
 from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
     KVCache,
@@ -49,6 +50,7 @@ __all__ = [
     "init_params",
     "init_value_head",
     "load_pretrained",
+    "lora",
     "param_logical_axes",
     "positions_from_mask",
     "save_pretrained",

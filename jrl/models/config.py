@@ -28,6 +28,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
+# Projections that can carry a LoRA adapter ("all-linear" is all of them).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # HF class name -> (family, head). The head says which output layer the checkpoint has.
 ARCHITECTURES = {
@@ -89,6 +91,12 @@ class ModelConfig:
       decode_attention_impl: attention of decode steps (one token per row over a
         cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
         where it applies, else XLA), "xla" or "pallas".
+      lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
+        `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
+        `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.
+      lora_alpha: the LoRA scale's numerator.
+      lora_targets: projections that get adapters, from `LORA_MODULES`; a tuple,
+        a comma-separated string or "all-linear" (the default when r > 0).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
         straight-line code. (The forward with a cache, prefill and decode, applies
         the layers one by one whatever this says.)
@@ -118,6 +126,9 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     decode_attention_impl: str = "auto"
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
     scan_unroll: bool = False
 
     def __post_init__(self):
@@ -141,6 +152,13 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         # Lists from JSON would make the config unhashable.
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be an integer >= 0 (0: no adapters), got "
+                              f"{self.lora_rank!r}")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        targets = lora_targets(self.lora_targets or "all-linear") if self.lora_rank else ()
+        object.__setattr__(self, "lora_targets", targets)
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
@@ -305,6 +323,22 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(value)
+
+
+def lora_targets(spec) -> tuple[str, ...]:
+    """The projections named by `spec`: "all-linear", "q_proj,v_proj" or a sequence.
+
+    Raises:
+      ConfigError: an unknown name (listing the valid ones) or an empty list.
+    """
+    if isinstance(spec, str):
+        spec = LORA_MODULES if spec.strip() == "all-linear" else spec.split(",")
+    names = tuple(dict.fromkeys(name.strip() for name in spec if name.strip()))
+    unknown = [name for name in names if name not in LORA_MODULES]
+    if unknown or not names:
+        raise ConfigError(f"lora_targets: {', '.join(unknown) or 'none given'}; choose "
+                          f"'all-linear' or names from {', '.join(LORA_MODULES)}")
+    return names
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -280,6 +280,12 @@ def load_pretrained(
 
 
 def _head_of(params: Mapping[str, Any], config: ModelConfig) -> str:
+    if any(key.endswith("_lora") for key in params.get("layers", {}).get("attn", {})) or any(
+            key.endswith("_lora") for key in params.get("layers", {}).get("mlp", {})):
+        raise ValueError(
+            "params have LoRA adapters; merge them first (jrl.models.lora.merge) to save a "
+            "plain checkpoint, or write them as a PEFT adapter (jrl.models.lora.save_peft)"
+        )
     if "value_head" in params:
         raise ValueError(
             "params have a value_head (PPO critic), which has no transformers class; "

@@ -33,6 +33,7 @@ float32 logits, so log-probs can be computed in chunks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +99,53 @@ def _dense(
     )
 
 
+class Lora(nn.Module):
+    """A LoRA adapter's output `(x A) B * alpha / r`, added to a projection's.
+
+    `a [in..., r]` starts uniform in `±1/sqrt(fan_in)` and `b [r, out...]` at zero
+    (PEFT's default), so a fresh adapter changes nothing. Each carries its base
+    kernel's logical axes for the dimensions they share; the rank is replicated.
+    """
+
+    features: tuple[int, ...]
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+    rank: int
+    alpha: float
+    dtype: str
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        num_in = len(self.in_axes)
+        in_shape = x.shape[x.ndim - num_in:]
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+        a = self.param("a", nn.with_logical_partitioning(uniform, (*self.in_axes, None)),
+                       (*in_shape, self.rank), self.param_dtype)
+        b = self.param("b", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                          (None, *self.out_axes)),
+                       (self.rank, *self.features), self.param_dtype)
+        x, a, b = (t.astype(self.dtype) for t in (x, a, b))
+        contract = tuple(range(x.ndim - num_in, x.ndim))
+        low = lax.dot_general(x, a, ((contract, tuple(range(num_in))), ((), ())))
+        out = lax.dot_general(low, b, (((low.ndim - 1,), (0,)), ((), ())))
+        return out * jnp.asarray(self.alpha / self.rank, self.dtype)
+
+
+def _project(config: ModelConfig, features, axes: tuple[str, ...], name: str, x: jax.Array,
+             *, axis=-1, bias=False) -> jax.Array:
+    """The projection `name` of `x` (`_dense`), plus its LoRA adapter where configured."""
+    out = _dense(config, features, axes, name, axis=axis, bias=bias)(x)
+    if not config.lora_rank or name not in config.lora_targets:
+        return out
+    num_in = 1 if isinstance(axis, int) else len(axis)
+    features = tuple(features) if isinstance(features, (tuple, list)) else (features,)
+    lora = Lora(features, axes[:num_in], axes[num_in:], config.lora_rank, config.lora_alpha,
+                config.dtype, config.param_dtype, name=f"{name}_lora")
+    return out + lora(x).astype(out.dtype)
+
+
 def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int) -> str:
     """cuDNN flash attention where it applies, else XLA.
 
@@ -123,10 +171,11 @@ class Attention(nn.Module):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         kv_heads = (c.num_kv_heads, c.head_dim)
-        q_btnh = _dense(c, heads, ("embed", "heads", "head_dim"), "q_proj", bias=c.qkv_bias)(x_btd)
+        q_btnh = _project(c, heads, ("embed", "heads", "head_dim"), "q_proj", x_btd,
+                          bias=c.qkv_bias)
         kv_axes = ("embed", "kv_heads", "head_dim")
-        k_btkh = _dense(c, kv_heads, kv_axes, "k_proj", bias=c.qkv_bias)(x_btd)
-        v_btkh = _dense(c, kv_heads, kv_axes, "v_proj", bias=c.qkv_bias)(x_btd)
+        k_btkh = _project(c, kv_heads, kv_axes, "k_proj", x_btd, bias=c.qkv_bias)
+        v_btkh = _project(c, kv_heads, kv_axes, "v_proj", x_btd, bias=c.qkv_bias)
         if c.qk_norm:
             q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
@@ -154,7 +203,7 @@ class Attention(nn.Module):
             )
         out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
-        out_btd = _dense(c, c.hidden_size, o_axes, "o_proj", axis=(-2, -1))(out_btnh)
+        out_btd = _project(c, c.hidden_size, o_axes, "o_proj", out_btnh, axis=(-2, -1))
         return out_btd, cache
 
 
@@ -166,11 +215,11 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         c = self.config
-        gate_btf = constrain(_dense(c, c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_btd),
-                             _MLP)
-        up_btf = constrain(_dense(c, c.intermediate_size, ("embed", "mlp"), "up_proj")(x_btd),
-                           _MLP)
-        return _dense(c, c.hidden_size, ("mlp", "embed"), "down_proj")(nn.silu(gate_btf) * up_btf)
+        f = c.intermediate_size
+        gate_btf = constrain(_project(c, f, ("embed", "mlp"), "gate_proj", x_btd), _MLP)
+        up_btf = constrain(_project(c, f, ("embed", "mlp"), "up_proj", x_btd), _MLP)
+        return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj",
+                        nn.silu(gate_btf) * up_btf)
 
 
 class DecoderLayer(nn.Module):

@@ -86,7 +86,7 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
     if show_args:
         print("\nan event of each of the top kernels, with the trace's arguments:")
         for name, _, _ in tables.get("kernels", [])[:show_args]:
-            print(f"- {name[:60]}: {json.dumps(examples[name])[:400]}")
+            print(f"- {name[:60]}: {json.dumps(examples[name])[:900]}")
     return tables
 
 

@@ -35,6 +35,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"
     # Rematerialisation in training: none, full or dots_saveable (keep matmul outputs).
     c.model.remat = "none"
+    # LoRA adapters (verl's names): rank (0 = off, full fine-tuning), alpha (the scale is
+    # alpha / rank) and the projections that get them: all-linear or a comma-separated
+    # list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. With a rank,
+    # only the adapters train and the reference is the frozen base.
+    c.model.lora_rank = 0
+    # LoRA scale numerator.
+    c.model.lora_alpha = 16.0
+    # Projections with adapters.
+    c.model.target_modules = "all-linear"
     # Attention of decode steps: auto (a Pallas kernel over the filled cache slots on
     # GPU, else XLA), xla or pallas.
     c.model.decode_attention_impl = "auto"

@@ -17,7 +17,7 @@ from jrl.data import files, synthetic
 from jrl.data.dataset import prompt_token_ids
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.errors import ConfigError, DataError
-from jrl.models import hf
+from jrl.models import hf, lora
 from jrl.models.config import ModelConfig
 from jrl.models.transformer import init_params, param_logical_axes
 from jrl.rewards import scoring
@@ -133,6 +133,14 @@ def build_reward(config, s: settings.Settings, reward_fn=None):
     return scorer, model
 
 
+def _lora_fields(config) -> dict:
+    """The `model.lora_*` keys as `ModelConfig` fields (none when the config lacks them)."""
+    if "lora_rank" not in config.model:
+        return {}
+    return {"lora_rank": int(config.model.lora_rank), "lora_alpha": float(config.model.lora_alpha),
+            "lora_targets": config.model.target_modules}
+
+
 def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
                 ) -> tuple[ModelConfig, dict]:
     """(architecture, initial actor params) from model.path or a preset.
@@ -141,14 +149,19 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     no device ever holds a full copy it does not need.
     """
     dtypes = {"dtype": config.model.dtype, "remat": config.model.remat,
-              "decode_attention_impl": config.model.get("decode_attention_impl", "auto")}
+              "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
+              **_lora_fields(config)}
     if config.model.path:
         shardings = None
         if sharder is not None:
             shardings = lambda model, head: param_shardings(sharder, model, head)
-        return hf.load_pretrained(os.path.expanduser(config.model.path),
-                                  dtype=config.model.param_dtype,
-                                  config_overrides=dtypes, shardings=shardings)
+        model, params = hf.load_pretrained(
+            os.path.expanduser(config.model.path), dtype=config.model.param_dtype,
+            config_overrides=dtypes, shardings=shardings)
+        if model.lora_rank:  # the checkpoint has no adapters: fresh ones (B = 0)
+            key = jax.random.fold_in(jax.random.key(config.seed), 1)
+            params = lora.combine(params, lora.init_adapters(model, key))
+        return model, params
     overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
     # never sample an id the tokenizer cannot decode.

@@ -476,6 +476,17 @@ def _check_model(config) -> None:
               "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
               "bfloat16 compute")
     _choice("model.remat", _get(config, "model.remat"), model_config.REMAT_POLICIES)
+    if "lora_rank" in config.model:
+        rank = _get(config, "model.lora_rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            _fail("model.lora_rank", f"must be an integer >= 0 (0: no LoRA), got {rank!r}")
+        if rank:
+            if not _get(config, "model.lora_alpha") > 0:
+                _fail("model.lora_alpha", "must be > 0 (the adapters' scale is alpha / rank)")
+            try:
+                model_config.lora_targets(_get(config, "model.target_modules"))
+            except ValueError as err:
+                _fail("model.target_modules", str(err).removeprefix("lora_targets: "))
     if "decode_attention_impl" in config.model:
         _choice("model.decode_attention_impl", config.model.decode_attention_impl,
                 model_config.DECODE_ATTENTION_IMPLS)

@@ -24,7 +24,7 @@ import optax
 
 from jrl import advantages as adv_lib
 from jrl import kl_control, logprobs, masks, update
-from jrl.models import heads
+from jrl.models import heads, lora
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
 from jrl.rollout import SamplingConfig, generate_program
@@ -44,18 +44,31 @@ DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "criti
 _METRIC_NAMES = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
 
 
-def init(actor_params, key, *, s: Settings, actor_opt: optax.GradientTransformation,
+def init(actor_params, key, frozen=None, *, s: Settings,
+         actor_opt: optax.GradientTransformation,
          critic_opt: optax.GradientTransformation | None = None) -> TrainState:
     """The state before the first step: the actor with its optimizer state, a critic
     (when the estimator needs one: the actor's backbone and a value head seeded by
-    `key`) with its own, the initial KL coefficient, step 0."""
+    `key`) with its own, the initial KL coefficient, step 0.
+
+    With LoRA, `actor_params` are the adapters (what trains) and `frozen` the base
+    they apply to; the critic then starts from the base backbone.
+    """
     actor = update.ModelState(actor_params, actor_opt.init(actor_params))
     critic = None
     if s.critic is not None:
-        critic_params = heads.init_critic_params(actor_params, key)
+        backbone = actor_params if frozen is None else frozen
+        critic_params = heads.init_critic_params(
+            jax.tree.map(lambda x: x.astype(jnp.float32), backbone), key)
         critic = update.ModelState(critic_params, critic_opt.init(critic_params))
     return TrainState(step=jnp.int32(0), actor=actor, critic=critic,
                       kl=kl_control.init_kl_controller(s.algorithm.kl_coef))
+
+
+def actor_params(state: TrainState, frozen=None):
+    """The actor's parameters: the state's, or with LoRA the frozen base with the
+    state's adapters."""
+    return state.actor.params if frozen is None else lora.combine(frozen, state.actor.params)
 
 
 def compute_params(params, model: ModelConfig):
@@ -66,15 +79,16 @@ def compute_params(params, model: ModelConfig):
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def generate(state: TrainState, prompt_ids, prompt_mask, key, *,
+def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
              sampling: SamplingConfig, model: ModelConfig,
              param_shardings=None) -> Rollout:
     """`sampling.n` responses to each prompt (`[B, P]`, left-padded) from the actor.
 
     `param_shardings`: where the decoding loop reads the weights (e.g. gathered over
-    `fsdp` once here rather than once per token); None: as they are.
+    `fsdp` once here rather than once per token); None: as they are. `frozen`: the
+    LoRA base (see `init`).
     """
-    params = compute_params(state.actor.params, model)
+    params = compute_params(actor_params(state, frozen), model)
     if param_shardings is not None:
         params = jax.lax.with_sharding_constraint(params, param_shardings)
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
@@ -83,28 +97,33 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, *,
                    responses=out.responses, response_mask=out.response_mask)
 
 
-def forward(state: TrainState, ref_params, rollout: Rollout, *, s: Settings,
+def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
     them from its own forward pass), reference log-probs (when `ref_params`) and values
     (when the state has a critic) of a rollout, in micro-batches of
-    `rollout.log_prob_micro_batch_size` sequences."""
-    actor_params = compute_params(state.actor.params, model)
+    `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
+    frozen base, adapters off (`ref_params` is `frozen`: no second copy)."""
     critic_params = None if state.critic is None else state.critic.params
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
-    log_probs = logprobs.in_micro_batches(
-        lambda params, *xs: logprobs.response_log_probs(
-            params, *xs, config=model, temperature=s.rollout.temperature,
-            chunk_size=s.logprob_chunk_size, with_entropy=True),
-        s.log_prob_micro_batch)
+
+    def log_probs(params, config):
+        return logprobs.in_micro_batches(
+            lambda params, *xs: logprobs.response_log_probs(
+                params, *xs, config=config, temperature=s.rollout.temperature,
+                chunk_size=s.logprob_chunk_size, with_entropy=True),
+            s.log_prob_micro_batch)(params, *seq)
+
     old_log_probs, entropy = None, None
     if not s.actor.on_policy:  # else the update's own forward pass gives them
-        old_log_probs, entropy = log_probs(actor_params, *seq)
-    ref_log_probs = None if ref_params is None else log_probs(ref_params, *seq)[0]
+        old_log_probs, entropy = log_probs(
+            compute_params(actor_params(state, frozen), model), model)
+    base_model = lora.without(model)
+    ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model)[0]
     values = None
     if critic_params is not None:
         values = logprobs.in_micro_batches(
-            lambda params, *xs: logprobs.response_values(params, *xs, config=model),
+            lambda params, *xs: logprobs.response_values(params, *xs, config=base_model),
             s.log_prob_micro_batch)(critic_params, *seq)
     return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
                          ref_log_probs=ref_log_probs, values=values)
@@ -166,7 +185,8 @@ def _named(role: str, m: dict, lr) -> dict:
     return {**{f"{role}/{_METRIC_NAMES.get(k, k)}": v for k, v in m.items()}, f"{role}/lr": lr}
 
 
-def learn(state: TrainState, exp: Experience, key, *, s: Settings, model: ModelConfig,
+def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
+          model: ModelConfig,
           actor_opt: optax.GradientTransformation,
           critic_opt: optax.GradientTransformation | None, critic_warmup: int = 0
           ) -> tuple[TrainState, dict]:
@@ -174,7 +194,8 @@ def learn(state: TrainState, exp: Experience, key, *, s: Settings, model: ModelC
 
     Returns the new state and the step's scalar metrics (verl's names: the update's, the
     entropy, the batch's data metrics), among them `actor/updated` (1 once the critic
-    warm-up is over: the actor's update metrics count only then).
+    warm-up is over: the actor's update metrics count only then). With LoRA (`frozen`,
+    the base) only the adapters in `state.actor` are updated.
     """
     _, actor_key, critic_key = jax.random.split(key, 3)
     rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
@@ -194,27 +215,30 @@ def learn(state: TrainState, exp: Experience, key, *, s: Settings, model: ModelC
     critic = state.critic
     if critic is not None:
         lr = learning_rate_schedule(s.critic.optim)(state.step)
-        critic_loss = lambda *a: update.critic_loss(*a, model=model, critic=s.critic)
+        critic_loss = lambda *a: update.critic_loss(*a, model=lora.without(model),
+                                                    critic=s.critic)
         critic, m = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS}, critic_key, lr,
             loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)
         metrics.update(_named("critic", m, lr))
-    actor, m = _actor_update(state, batch, actor_key, s=s, model=model, actor_opt=actor_opt,
-                             critic_warmup=critic_warmup)
+    actor, m = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
+                             actor_opt=actor_opt, critic_warmup=critic_warmup)
     metrics.update(m)
     if s.actor.use_kl_loss:
         metrics["actor/kl_coef"] = jnp.float32(s.actor.kl_loss_coef)
     return TrainState(step=state.step + 1, actor=actor, critic=critic, kl=kl), metrics
 
 
-def _actor_update(state: TrainState, batch: dict, key, *, s: Settings, model: ModelConfig,
-                  actor_opt, critic_warmup: int):
+def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
+                  model: ModelConfig, actor_opt, critic_warmup: int):
     """The actor's update, from the step where verl's does (it counts steps from 1 and
     updates the actor once `critic_warmup <= step`); before it, the actor unchanged."""
     first = max(critic_warmup - 1, 0)
     lr = learning_rate_schedule(s.actor.optim)(jnp.maximum(state.step - first, 0))
-    actor_loss = lambda *a: update.actor_loss(
-        *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
+    with_base = (lambda params: params) if frozen is None else (
+        lambda adapters: lora.combine(frozen, adapters))
+    actor_loss = lambda params, *a: update.actor_loss(
+        with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
         chunk_size=s.logprob_chunk_size)
     fields = {k: batch[k] for k in _ACTOR_FIELDS if batch.get(k) is not None}
 

@@ -15,7 +15,7 @@ import ml_collections
 from absl import app, logging
 
 from jrl import cli, distributed, experiment, metrics, rundir, settings, sft, sharding
-from jrl.models import hf
+from jrl.models import hf, lora
 from jrl.trainer import RLTrainer
 
 
@@ -66,6 +66,9 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
         if config.sft.steps > 0:
             params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows,
                                       sharder)
+            if model.lora_rank:  # the warm start trained everything: it becomes the base
+                params = lora.restart(params, model,
+                                      jax.random.fold_in(jax.random.key(config.seed), 2))
         trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
                             scorer, workdir, config.seed,
                             apply_chat_template=config.data.apply_chat_template,
@@ -92,9 +95,14 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
     if config.model.path and config.trainer.export_hf and step == s.total_steps:
         export = os.path.join(workdir, "hf_export")
         # Every process takes part in gathering the parameters; process 0 writes.
-        params = jax.tree.map(sharding.host_array, trainer.state.actor.params)
+        params = jax.tree.map(sharding.host_array, trainer.actor_params())
+        if model.lora_rank and lead:  # the adapters as PEFT files, then merged
+            adapter = os.path.join(workdir, "peft_adapter")
+            lora.save_peft(params, model, adapter, base_model_name_or_path=config.model.path)
+            summary["peft_adapter"] = adapter
+        export_model, params = lora.merge(params, model)
         if lead:
-            hf.save_pretrained(export, model, params)
+            hf.save_pretrained(export, export_model, params)
         summary["hf_export"] = export
     return summary
 

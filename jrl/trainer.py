@@ -37,7 +37,7 @@ from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
 from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts
-from jrl.models import CACHE_LOGICAL_AXES, heads, param_logical_axes
+from jrl.models import CACHE_LOGICAL_AXES, heads, lora, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import responses as responses_lib
@@ -131,15 +131,20 @@ class RLTrainer:
         self.estimator = adv_lib.get_estimator(settings.algorithm.adv_estimator)
         self._build_shardings(actor_params)
         self._build_programs()
-        actor_params = jax.device_put(actor_params, self.actor_shardings)
-        self.ref_params = None
-        if settings.needs_reference:
-            # The actor's parameters become the state's (donated); the reference keeps
-            # its own copy in the compute dtype.
-            copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, self.model))
+        actor_params = jax.device_put(actor_params, self.full_shardings)
+        # The reference keeps its own copy of the weights in the compute dtype (the
+        # actor's become the state's, donated). With LoRA the state holds only the
+        # adapters, and the base, frozen in the compute dtype, is also the reference.
+        copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, self.model))
+        self.frozen, self.ref_params = None, None
+        if model.lora_rank:
+            base, actor_params = lora.split(actor_params)
+            self.frozen = jax.jit(copy, out_shardings=self.frozen_shardings)(base)
+            self.ref_params = self.frozen if settings.needs_reference else None
+        elif settings.needs_reference:
             self.ref_params = jax.jit(copy, out_shardings=self.actor_shardings)(actor_params)
         key = jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
-        self.state: types.TrainState = self._init(actor_params, key)
+        self.state: types.TrainState = self._init(actor_params, key, self.frozen)
         self.step, self.data = 0, IteratorState()  # the host's part of the state
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
@@ -163,20 +168,28 @@ class RLTrainer:
         logical axes; the rollout reads the actor's weights gathered over `fsdp`."""
         sh, s = self.sharder, self.s
         self.actor_opt = make_optimizer(s.actor.optim)
-        shapes = jax.eval_shape(lambda p: p, actor_params)
-        self.actor_shardings = sh.params(param_logical_axes(self.model, "lm"), shapes)
+        full_shapes = jax.eval_shape(lambda p: p, actor_params)
+        self.full_shardings = sh.params(param_logical_axes(self.model, "lm"), full_shapes)
+        # With LoRA the state trains the adapters; the frozen base is apart.
+        base_shapes, shapes = full_shapes, full_shapes
+        self.frozen_shardings, self.actor_shardings = None, self.full_shardings
+        if self.model.lora_rank:
+            base_shapes, shapes = lora.split(full_shapes)
+            self.frozen_shardings, self.actor_shardings = lora.split(self.full_shardings)
         actor = ModelState(self.actor_shardings,
                            sh.opt_state(self.actor_opt, shapes, self.actor_shardings))
         self.rollout_shardings = None
         if sh.mesh.shape["fsdp"] > 1:
             gathered = sharding_lib.Sharder(sh.mesh, sh.rules_without("fsdp"))
             self.rollout_shardings = gathered.params(param_logical_axes(self.model, "lm"),
-                                                     shapes)
+                                                     full_shapes)
         critic, self.critic_opt = None, None
         if s.critic is not None:
             self.critic_opt = make_optimizer(s.critic.optim)
-            critic_shapes = jax.eval_shape(heads.init_critic_params, shapes, jax.random.key(0))
-            critic_shardings = sh.params(param_logical_axes(self.model, "value"), critic_shapes)
+            critic_shapes = jax.eval_shape(heads.init_critic_params, base_shapes,
+                                           jax.random.key(0))
+            critic_shardings = sh.params(param_logical_axes(lora.without(self.model), "value"),
+                                         critic_shapes)
             critic = ModelState(critic_shardings,
                                 sh.opt_state(self.critic_opt, critic_shapes, critic_shardings))
         self.state_shardings = types.TrainState(step=sh.replicated, actor=actor, critic=critic,
@@ -189,17 +202,19 @@ class RLTrainer:
         s, b, rep, states = self.s, self.sharder.batch(), self.sharder.replicated, \
             self.state_shardings
         fns = dict(s=s, actor_opt=self.actor_opt, critic_opt=self.critic_opt)
+        frozen = self.frozen_shardings
+        ref = (frozen or self.actor_shardings) if s.needs_reference else None
         self._init = jax.jit(functools.partial(step_lib.init, **fns),
-                             in_shardings=(self.actor_shardings, rep), out_shardings=states,
-                             donate_argnums=0)
+                             in_shardings=(self.actor_shardings, rep, frozen),
+                             out_shardings=states, donate_argnums=0)
         self._forward = jax.jit(
             functools.partial(step_lib.forward, s=s, model=self.model),
-            in_shardings=(states, self.actor_shardings if s.needs_reference else None, b),
-            out_shardings=b)
+            in_shardings=(states, ref, b, frozen), out_shardings=b)
         self._learn = jax.jit(
             functools.partial(step_lib.learn, **fns, model=self.model,
                               critic_warmup=s.trainer.critic_warmup),
-            in_shardings=(states, b, rep), out_shardings=(states, rep), donate_argnums=0)
+            in_shardings=(states, b, rep, frozen), out_shardings=(states, rep),
+            donate_argnums=0)
         self._generators: dict[SamplingConfig, Callable] = {}
         self._step_keys = jax.jit(_step_keys)
 
@@ -210,7 +225,8 @@ class RLTrainer:
             self._generators[sampling] = jax.jit(
                 functools.partial(step_lib.generate, sampling=sampling, model=self.model,
                                   param_shardings=self.rollout_shardings),
-                in_shardings=(self.state_shardings, b, b, self.sharder.replicated),
+                in_shardings=(self.state_shardings, b, b, self.sharder.replicated,
+                              self.frozen_shardings),
                 out_shardings=b)
         return self._generators[sampling]
 
@@ -228,7 +244,10 @@ class RLTrainer:
         sh, s, m, states = self.sharder, self.s, self.model, self.state_shardings
         parts = [("actor params", self.state.actor.params, states.actor.params),
                  ("actor optimizer", self.state.actor.opt_state, states.actor.opt_state)]
-        if self.ref_params is not None:
+        if self.frozen is not None:
+            parts.append(("frozen base (LoRA; the reference)", self.frozen,
+                          self.frozen_shardings))
+        elif self.ref_params is not None:
             parts.append(("reference params", self.ref_params, self.actor_shardings))
         if self.state.critic is not None:
             parts += [("critic params", self.state.critic.params, states.critic.params),
@@ -280,9 +299,10 @@ class RLTrainer:
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
             sampled = timer("gen", self._sample, state, iterator, gen_key)
-            exp = timer("forward", self._forward, state, self.ref_params, sampled.rollout)
+            exp = timer("forward", self._forward, state, self.ref_params, sampled.rollout,
+                        self.frozen)
             exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)
-            state, learned = timer("learn", self._learn, state, exp, key)
+            state, learned = timer("learn", self._learn, state, exp, key, self.frozen)
             step_metrics.update(self._learn_metrics(jax.device_get(learned)))
         self.state, self.step, self.data = state, self.step + 1, iterator.state
         timing = timer.done()
@@ -295,7 +315,7 @@ class RLTrainer:
                                                  self.chat)
         check_inputs(prompt_ids, prompt_mask, sampling, self.model)
         prompt_ids, prompt_mask = self.sharder.put_batch((prompt_ids, prompt_mask))
-        return self._generator(sampling)(state, prompt_ids, prompt_mask, key)
+        return self._generator(sampling)(state, prompt_ids, prompt_mask, key, self.frozen)
 
     def _sample(self, state, iterator: BatchIterator, key) -> Sampled:
         """The step's rollout, its scoring started; with `algorithm.filter_groups`, DAPO's
@@ -382,9 +402,13 @@ class RLTrainer:
             out["perf/mfu/actor"] = flops / seconds["learn"] / (peak * devices)
         return out
 
+    def actor_params(self):
+        """The actor's parameters on the devices (with LoRA: the base and the adapters)."""
+        return step_lib.actor_params(self.state, self.frozen)
+
     @functools.cached_property
     def num_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.state.actor.params))
+        return sum(x.size for x in jax.tree.leaves((self.state.actor.params, self.frozen)))
 
     # -- validation and the loop ---------------------------------------------------------------
 

@@ -54,6 +54,13 @@ def shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, .
     return {name: table[name] for name in c.lora_targets}
 
 
+def without(config: ModelConfig) -> ModelConfig:
+    """`config` with no adapters: the base model (the reference, the critic)."""
+    if not config.lora_rank:
+        return config
+    return dataclasses.replace(config, lora_rank=0, lora_targets=())
+
+
 def is_adapter(key: str) -> bool:
     return key.endswith(_SUFFIX)
 
@@ -125,7 +132,17 @@ def merge(params: Mapping[str, Any], config: ModelConfig) -> tuple[ModelConfig, 
         merged["layers"][group][name] = {
             **merged["layers"][group][name],
             "kernel": (kernel.astype(jnp.float32) + update).astype(kernel.dtype)}
-    return dataclasses.replace(config, lora_rank=0, lora_targets=()), merged
+    return without(config), merged
+
+
+def restart(params: Mapping[str, Any], config: ModelConfig, rng: jax.Array) -> dict:
+    """Adapters folded into the base (`merge`) and fresh ones (`init_adapters`) in their
+    place: the same function, with adapters that start from zero again. After a warm
+    start that trained the whole model, this makes the frozen base (the reference) the
+    warm-started model itself."""
+    _, merged = merge(params, config)
+    dtype = jax.tree.leaves(split(params)[1])[0].dtype
+    return combine(merged, init_adapters(config, rng, dtype))
 
 
 def _peft_name(layer: int, name: str, which: str) -> str:

@@ -143,3 +143,18 @@ def test_bad_peft_directories_and_unmerged_saves_are_refused(tiny, tmp_path):
         lora.load_peft(tmp_path / "a", config)
     with pytest.raises(ValueError, match="LoRA adapters; merge them"):
         hf_lib.save_pretrained(tmp_path / "hf", config, params)
+
+
+def test_restart_folds_the_adapters_in_and_starts_fresh_ones(tiny, ragged_batch):
+    """After a warm start that trained adapters too, `restart` keeps the function and
+    zeroes the adapters, so the frozen base (the reference) is the warm-started model."""
+    config, params = tiny
+    trained = _randomise_b(params, seed=4)
+    restarted = lora.restart(trained, config, jax.random.key(5))
+    np.testing.assert_allclose(_logits(restarted, config, ragged_batch),
+                               _logits(trained, config, ragged_batch), rtol=1e-5, atol=1e-5)
+    base, adapters = lora.split(restarted)
+    assert all(float(jnp.abs(v["b"]).max()) == 0
+               for group in adapters["layers"].values() for v in group.values())
+    np.testing.assert_allclose(_logits(base, lora.without(config), ragged_batch),
+                               _logits(trained, config, ragged_batch), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,103 @@
+"""RL with LoRA: only the adapters train, the reference is the frozen base with adapters
+off (no second copy), checkpoints hold the adapters alone, resume is bit-identical, and
+the config keys are checked before anything is built."""
+
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import experiment, logprobs, settings, sharding
+from jrl.errors import ConfigError
+from jrl.models import lora
+from jrl.train import run
+from jrl.trainer import RLTrainer
+
+from .test_resume import _final_state, _metrics
+from .tiny import tiny_config
+
+_LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "actor.optim.lr": 1e-2,
+         "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.01}
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base(tmp_path):
+    config = tiny_config(**_LORA, **{"trainer.total_training_steps": 3, "trainer.save_freq": 3})
+    summary = run(config, str(tmp_path))
+    assert summary["step"] == 3
+    state = _final_state(str(tmp_path), 3)
+    # The checkpoint holds the adapters (and their optimizer state), no base weights.
+    actor = state["actor"]["params"]
+    assert set(actor) == {"layers"}
+    assert set(actor["layers"]["attn"]) == {"q_proj_lora", "k_proj_lora", "v_proj_lora",
+                                            "o_proj_lora"}
+    leaves = jax.tree.leaves(actor)
+    assert all(k.endswith("_lora") for group in actor["layers"].values() for k in group)
+    # b started at zero; after three updates the adapters moved.
+    b = np.asarray(actor["layers"]["attn"]["q_proj_lora"]["b"])
+    assert np.abs(b).max() > 0
+    assert len(leaves) == 2 * 7
+    records = _metrics(str(tmp_path))
+    assert all(np.isfinite(r["actor/pg_loss"]) and np.isfinite(r["actor/kl_loss"])
+               for r in records)
+
+
+def test_trainer_keeps_one_base_and_its_reference_log_probs_are_the_base_models(tmp_path):
+    config = tiny_config(**_LORA)
+    s, model, params, tokenizer, sharder = _build(config)
+    trainer = RLTrainer(s, model, params, tokenizer, [], [], lambda *a, **k: 0.0,
+                        str(tmp_path), 0, sharder=sharder)
+    try:
+        base, adapters = lora.split(params)
+        assert trainer.ref_params is trainer.frozen  # one copy
+        chex.assert_trees_all_equal_structs(trainer.frozen, base)
+        chex.assert_trees_all_equal_structs(trainer.state.actor.params, adapters)
+        # The reference log-probs are those of the base model without adapters.
+        rng = np.random.default_rng(0)
+        ids = jnp.asarray(rng.integers(3, model.vocab_size, (2, 4)), jnp.int32)
+        resp = jnp.asarray(rng.integers(3, model.vocab_size, (2, 3)), jnp.int32)
+        ones4, ones3 = jnp.ones((2, 4), jnp.int32), jnp.ones((2, 3), jnp.int32)
+        plain = lora.without(model)
+        want, _ = logprobs.response_log_probs(base, ids, ones4, resp, ones3, config=plain)
+        got, _ = logprobs.response_log_probs(trainer.ref_params, ids, ones4, resp, ones3,
+                                             config=plain)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # Fresh adapters: the actor is the base.
+        actor, _ = logprobs.response_log_probs(trainer.actor_params(), ids, ones4, resp,
+                                               ones3, config=model)
+        np.testing.assert_allclose(actor, want, rtol=1e-5, atol=1e-5)
+    finally:
+        trainer.close()
+
+
+def _build(config):
+    tokenizer = experiment.build_tokenizer(config)
+    train_rows, _ = experiment.build_data(config, tokenizer)
+    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
+                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
+    sharder = sharding.from_config(config)
+    model, params = experiment.build_model(config, tokenizer, sharder)
+    return s, model, params, tokenizer, sharder
+
+
+def test_resume_with_lora_is_bit_identical(tmp_path):
+    config = tiny_config(**_LORA, **{"trainer.total_training_steps": 4,
+                                     "trainer.save_freq": 2, "trainer.test_freq": 2})
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run(config, straight)
+    assert run(config, resumed, exit_after_steps=2)["step"] == 2
+    assert run(config, resumed)["step"] == 4
+    chex.assert_trees_all_equal(_final_state(straight, 4), _final_state(resumed, 4))
+    assert _metrics(straight) == _metrics(resumed)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("model.lora_rank", -2, "model.lora_rank: must be an integer >= 0"),
+    ("model.lora_alpha", 0.0, "model.lora_alpha: must be > 0"),
+    ("model.target_modules", "q_proj,attn", "model.target_modules: attn; choose"),
+])
+def test_bad_lora_keys_are_named(tmp_path, key, value, message):
+    config = tiny_config(**{**_LORA, key: value})
+    with pytest.raises(ConfigError, match=message):
+        _build(config)

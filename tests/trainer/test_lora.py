@@ -101,3 +101,31 @@ def test_bad_lora_keys_are_named(tmp_path, key, value, message):
     config = tiny_config(**{**_LORA, key: value})
     with pytest.raises(ConfigError, match=message):
         _build(config)
+
+
+def test_lora_run_from_a_hf_checkpoint_exports_merged_weights_and_a_peft_adapter(tmp_path):
+    """From a HF checkpoint (no adapters in it: fresh ones, B = 0) a LoRA run exports the
+    merged model and the adapters; the merged weights equal base + A B alpha / r."""
+    from jrl.data.tokenizers import CharTokenizer
+    from jrl.models import hf
+    from jrl.models.config import ModelConfig
+    from jrl.models.transformer import init_params
+
+    tok = CharTokenizer()
+    model = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, hidden_size=32,
+                               intermediate_size=64, num_layers=1, head_dim=8,
+                               pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_ids)
+    params = init_params(model, jax.random.key(3))
+    source = tmp_path / "source"
+    hf.save_pretrained(source, model, params)
+    summary = run(tiny_config(**_LORA, **{"model.path": str(source)}), str(tmp_path / "run"))
+    _, exported = hf.load_pretrained(summary["hf_export"])
+    adapter_config, adapters = lora.load_peft(summary["peft_adapter"], model)
+    assert adapter_config.lora_rank == 4 and adapter_config.lora_alpha == 8.0
+    up = adapters["layers"]["mlp"]["up_proj_lora"]
+    delta = np.einsum("ldr,lrf->ldf", np.asarray(up["a"]), np.asarray(up["b"])) * 8.0 / 4
+    assert np.abs(delta).max() > 1e-4  # the adapters trained
+    before = np.asarray(params["layers"]["mlp"]["up_proj"]["kernel"])
+    after = np.asarray(exported["layers"]["mlp"]["up_proj"]["kernel"])
+    # The base is kept in the compute dtype (float32 here), so the merge is exact to rounding.
+    np.testing.assert_allclose(after, before + delta, rtol=1e-5, atol=1e-6)

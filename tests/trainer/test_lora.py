@@ -16,7 +16,7 @@ from jrl.train import run
 from jrl.trainer import RLTrainer
 
 from .test_resume import _final_state, _metrics
-from .tiny import tiny_config
+from .tiny import tiny_config, tiny_hf_checkpoint
 
 _LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "actor.optim.lr": 1e-2,
          "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.01}
@@ -106,18 +106,10 @@ def test_bad_lora_keys_are_named(tmp_path, key, value, message):
 def test_lora_run_from_a_hf_checkpoint_exports_merged_weights_and_a_peft_adapter(tmp_path):
     """From a HF checkpoint (no adapters in it: fresh ones, B = 0) a LoRA run exports the
     merged model and the adapters; the merged weights equal base + A B alpha / r."""
-    from jrl.data.tokenizers import CharTokenizer
     from jrl.models import hf
-    from jrl.models.config import ModelConfig
-    from jrl.models.transformer import init_params
 
-    tok = CharTokenizer()
-    model = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, hidden_size=32,
-                               intermediate_size=64, num_layers=1, head_dim=8,
-                               pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_ids)
-    params = init_params(model, jax.random.key(3))
     source = tmp_path / "source"
-    hf.save_pretrained(source, model, params)
+    model, params = tiny_hf_checkpoint(source)
     summary = run(tiny_config(**_LORA, **{"model.path": str(source)}), str(tmp_path / "run"))
     _, exported = hf.load_pretrained(summary["hf_export"])
     adapter_config, adapters = lora.load_peft(summary["peft_adapter"], model)

@@ -8,7 +8,7 @@ from jrl import advantages, losses
 from jrl.metrics import read_jsonl
 from jrl.train import run
 
-from .tiny import tiny_config
+from .tiny import tiny_config, tiny_hf_checkpoint
 
 
 def _run(tmp_path, **overrides):
@@ -46,21 +46,12 @@ def test_kl_terms_and_adaptive_controller(tmp_path):
 
 def test_hf_checkpoint_in_and_out(tmp_path):
     """A run from a HF-format checkpoint exports the trained actor back to HF format."""
-    import jax
     import numpy as np
 
-    from jrl.data.tokenizers import CharTokenizer
     from jrl.models import hf
-    from jrl.models.config import ModelConfig
-    from jrl.models.transformer import init_params
 
-    tok = CharTokenizer()
-    model = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, hidden_size=32,
-                               intermediate_size=64, num_layers=1, head_dim=8,
-                               pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_ids)
-    params = init_params(model, jax.random.key(3))
     source = tmp_path / "source"
-    hf.save_pretrained(source, model, params)
+    _, params = tiny_hf_checkpoint(source)
     summary = run(tiny_config(**{"model.path": str(source)}), str(tmp_path / "run"))
     _, exported = hf.load_pretrained(summary["hf_export"])
     before = params["layers"]["mlp"]["up_proj"]["kernel"]

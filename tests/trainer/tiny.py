@@ -28,6 +28,25 @@ def tiny_config(**overrides):
     return apply_overrides(c, overrides)
 
 
+def tiny_hf_checkpoint(path):
+    """A random tiny model of the char tokenizer's vocabulary saved in HF format at
+    `path`; returns `(model config, params)`."""
+    import jax
+
+    from jrl.data.tokenizers import CharTokenizer
+    from jrl.models import hf
+    from jrl.models.config import ModelConfig
+    from jrl.models.transformer import init_params
+
+    tok = CharTokenizer()
+    model = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, hidden_size=32,
+                               intermediate_size=64, num_layers=1, head_dim=8,
+                               pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_ids)
+    params = init_params(model, jax.random.key(3))
+    hf.save_pretrained(path, model, params)
+    return model, params
+
+
 def apply_overrides(c, overrides: dict):
     """Sets dotted keys (`"actor.optim.lr": 1e-3`) on a config; returns it."""
     for key, value in overrides.items():

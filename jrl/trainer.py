@@ -37,7 +37,7 @@ from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
 from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts
-from jrl.models import CACHE_LOGICAL_AXES, heads, lora, param_logical_axes
+from jrl.models import CACHE_LOGICAL_AXES, decode_attention, heads, lora, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import responses as responses_lib
@@ -254,7 +254,9 @@ class RLTrainer:
                       ("critic optimizer", self.state.critic.opt_state,
                        states.critic.opt_state)]
         prompts = s.train_batch_size if s.filter_groups is None else s.filter_groups.gen_batch_size
-        rows, slots = prompts * s.rollout.n, s.max_prompt_length + s.rollout.max_new_tokens
+        rows = prompts * s.rollout.n
+        slots = decode_attention.cache_slots(m.decode_attention_impl, m.head_dim,
+                                             s.max_prompt_length + s.rollout.max_new_tokens)
         shape = (rows, m.num_kv_heads, slots, m.head_dim)
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
         cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)

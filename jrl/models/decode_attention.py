@@ -28,7 +28,6 @@ from jrl import sharding
 # Cache slots per kernel block (a power of two, as Triton wants); a cache of S slots
 # is split into S / _BLOCK blocks, each a program of the grid.
 _BLOCK = 64
-IMPLS = ("auto", "xla", "pallas")
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jrl import errors
+from jrl.models import lora
 from jrl.models.config import ModelConfig, hf_family_and_head
 
 CONFIG_NAME = "config.json"
@@ -280,8 +281,7 @@ def load_pretrained(
 
 
 def _head_of(params: Mapping[str, Any], config: ModelConfig) -> str:
-    if any(key.endswith("_lora") for key in params.get("layers", {}).get("attn", {})) or any(
-            key.endswith("_lora") for key in params.get("layers", {}).get("mlp", {})):
+    if lora.split(params)[1]:
         raise ValueError(
             "params have LoRA adapters; merge them first (jrl.models.lora.merge) to save a "
             "plain checkpoint, or write them as a PEFT adapter (jrl.models.lora.save_peft)"

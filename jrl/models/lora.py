@@ -94,8 +94,8 @@ def init_adapters(config: ModelConfig, rng: jax.Array, dtype: str | None = None)
     the base does. For a loaded checkpoint, whose files have no adapters."""
     dtype = dtype or config.param_dtype
     adapters: dict = {}
-    keys = jax.random.split(rng, max(len(config.lora_targets), 1))
-    for key, (name, (in_dims, out_dims)) in zip(keys, shapes(config).items(), strict=False):
+    keys = jax.random.split(rng, len(config.lora_targets))
+    for key, (name, (in_dims, out_dims)) in zip(keys, shapes(config).items(), strict=True):
         bound = 1.0 / math.sqrt(math.prod(in_dims))
         a = jax.random.uniform(key, (config.num_layers, *in_dims, config.lora_rank),
                                jnp.float32, -bound, bound).astype(dtype)

@@ -93,6 +93,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="model.lora_rank (0: full fine-tuning); the base is then frozen in "
+                        "the compute dtype and only the adapters train")
+    p.add_argument("--lora_alpha", type=float, default=None, help="default: 2 x rank")
+    p.add_argument("--target_modules", default="all-linear")
+    p.add_argument("--lora_rollout", default="unmerged", choices=("unmerged", "merged"),
+                   help="model.lora_rollout")
+    p.add_argument("--critic_lora_rank", type=int, default=0,
+                   help="critic.model.lora_rank (PPO; needs --lora_rank)")
     p.add_argument("--no_ppo_kl_in_reward", action="store_true",
                    help="PPO without the KL-in-reward penalty (then it needs no reference)")
     p.add_argument("--recompute_old_log_probs", action="store_true",
@@ -172,6 +181,13 @@ def make_config(args, algo: str):
     c.model.remat = args.remat
     if "decode_attention_impl" in c.model:  # (older trees lack the key)
         c.model.decode_attention_impl = args.decode_attention
+    if args.lora_rank:
+        c.model.lora_rank = args.lora_rank
+        c.model.lora_alpha = args.lora_alpha or 2.0 * args.lora_rank
+        c.model.target_modules = args.target_modules
+        c.model.lora_rollout = args.lora_rollout
+        c.critic.model.lora_rank = args.critic_lora_rank
+        c.critic.model.lora_alpha = 2.0 * args.critic_lora_rank
     c.data.train_batch_size = args.batch
     c.data.max_prompt_length = args.prompt_len
     c.rollout.n = args.n
@@ -278,6 +294,10 @@ def run_algo(args, algo: str) -> dict:
                 trainer.train_step(iterator)
             trace_summary.summarize(trace_dir, top=40)
         num_params = trainer.num_params
+        # Model FLOPs per token of the update (6N in full; less with LoRA's frozen base).
+        flops_per_token = getattr(trainer, "train_flops_per_token", 6.0 * num_params)
+        memory = trainer.memory_report()
+        print(memory, flush=True)
         trainer.checkpointer.close()
         del trainer
         gc.collect()
@@ -290,7 +310,7 @@ def run_algo(args, algo: str) -> dict:
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     epochs = args.ppo_epochs
     # `learn` holds the critic's update too (PPO): a lower bound on the actor's MFU then.
-    mfu = (6.0 * num_params * tokens * epochs / phases["learn"] / (peak * devices)
+    mfu = (flops_per_token * tokens * epochs / phases["learn"] / (peak * devices)
            if peak and "learn" in phases else None)
     return dict(
         algo=algo, setup_s=setup_s, warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
@@ -303,7 +323,8 @@ def run_algo(args, algo: str) -> dict:
         trainer_perf_throughput=mean([m["perf/throughput"] for m in timed]),
         mfu_actor=mfu, trainer_perf_mfu_actor=mean([m.get("perf/mfu/actor") for m in timed
                                                     if m.get("perf/mfu/actor") is not None]),
-        num_params=num_params, peak_memory_bytes_process=peak_memory_bytes(),
+        num_params=num_params, flops_per_token=flops_per_token, memory_report=memory,
+        peak_memory_bytes_process=peak_memory_bytes(),
         last_metrics={k: v for k, v in timed[-1].items() if isinstance(v, (int, float))},
         **info,
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.metadata
 import itertools
 import json
@@ -40,7 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl import rollout  # noqa: E402
+from jrl import rollout, step  # noqa: E402
 from jrl.models import ModelConfig, init_params  # noqa: E402
 
 
@@ -61,6 +60,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
                         choices=("auto", "xla", "pallas"),
                         help="model decode_attention_impl values to run (one row each)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="LoRA adapters of this rank on every linear layer (0: none)")
+    parser.add_argument("--lora-rollout", nargs="+", default=["unmerged"],
+                        choices=("unmerged", "merged"),
+                        help="with --lora-rank: model lora_rollout values to run (one row "
+                             "each); merged includes forming W + A B in the timed program")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -101,10 +106,13 @@ def median_seconds(fn, repeats: int) -> float:
 
 def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
     """(compile s, steady s) of one jitted `generate`."""
-    step = jax.jit(functools.partial(rollout.generate, sampling=sampling, config=config))
+    def generate(params, ids, mask, key):
+        sampler_config, params = step.sampling_params(params, config)
+        return rollout.generate(params, ids, mask, key, sampling=sampling, config=sampler_config)
+
     key = jax.random.key(0)
     start = time.perf_counter()
-    compiled = step.lower(params, ids, mask, key).compile()
+    compiled = jax.jit(generate).lower(params, ids, mask, key).compile()
     compile_s = time.perf_counter() - start
     ids, mask = jax.device_put(ids), jax.device_put(mask)
     run = lambda: jax.block_until_ready(compiled(params, ids, mask, key))
@@ -169,7 +177,8 @@ def versions() -> dict:
 
 def main() -> None:
     args = parse_args()
-    config = ModelConfig.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
+    config = ModelConfig.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype,
+                                lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(args.seed))
     eos_ids = config.eos_token_ids
     pad_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids or (0,))[0]
@@ -190,20 +199,25 @@ def main() -> None:
     if args.hbm_gbps is None:
         args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
     results = []
-    for batch, impl in itertools.product(args.batch_sizes, args.decode_attention):
+    lora_rollouts = args.lora_rollout if args.lora_rank else ["unmerged"]
+    for batch, impl, lora_rollout in itertools.product(args.batch_sizes, args.decode_attention,
+                                                       lora_rollouts):
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
-        cfg = dataclasses.replace(config, decode_attention_impl=impl)
-        trace_dir = args.trace_dir and os.path.join(args.trace_dir, f"b{batch}_{impl}")
+        cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout)
+        trace_dir = args.trace_dir and os.path.join(args.trace_dir,
+                                                    f"b{batch}_{impl}_{lora_rollout}")
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask, sampling, args.repeats, trace_dir)
         step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
         tokens = batch * args.new_tokens
         row = dict(
-            batch=batch, decode_attention=impl, compile_s=compile_s, jrl_s=jrl_s,
+            batch=batch, decode_attention=impl, lora_rank=args.lora_rank,
+            lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
             jrl_tokens_per_s=tokens / jrl_s,
             step_gbytes=step_bytes / 1e9, roofline_tokens_per_s=roof_tps,
             pct_roofline=100 * tokens / jrl_s / roof_tps,
         )
-        if hf_model is not None and impl == args.decode_attention[0]:
+        first = impl == args.decode_attention[0] and lora_rollout == lora_rollouts[0]
+        if hf_model is not None and first:
             hf_s = bench_hf(hf_model, ids, mask, args, pad_id, eos_ids)
             row.update(hf_s=hf_s, hf_tokens_per_s=tokens / hf_s, jrl_over_hf=hf_s / jrl_s)
         results.append(row)
@@ -220,13 +234,14 @@ def print_table(args, results) -> None:
     print(f"\n{args.preset} {args.dtype}, P={args.prompt_len}, R={args.new_tokens}, "
           f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, "
           f"HBM {args.hbm_gbps:g} GB/s\n")
-    print("| B | decode attention | compile s | jrl s | jrl tok/s | GB/step | roofline tok/s "
-          "| % roofline | HF tok/s | jrl/HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | decode attention | LoRA | compile s | jrl s | jrl tok/s | GB/step "
+          "| roofline tok/s | % roofline | HF tok/s | jrl/HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         hf = (f"{r['hf_tokens_per_s']:.0f} | {r['jrl_over_hf']:.2f}x" if "hf_s" in r
               else "- | -")
-        print(f"| {r['batch']} | {r['decode_attention']} | {r['compile_s']:.1f} | "
+        lora_cell = f"r{r['lora_rank']} {r['lora_rollout']}" if r.get("lora_rank") else "-"
+        print(f"| {r['batch']} | {r['decode_attention']} | {lora_cell} | {r['compile_s']:.1f} | "
               f"{r['jrl_s']:.3f} | "
               f"{r['jrl_tokens_per_s']:.0f} | {r['step_gbytes']:.4g} | "
               f"{r['roofline_tokens_per_s']:.0f} | {r['pct_roofline']:.1f} | {hf} |")

@@ -44,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora_alpha = 16.0
     # Projections with adapters.
     c.model.target_modules = "all-linear"
+    # How rollouts apply the adapters: unmerged (x W + (x A) B at every decode step) or
+    # merged (W + A B formed once per rollout; a second copy of those kernels meanwhile).
+    c.model.lora_rollout = "unmerged"
     # Attention of decode steps: auto (a Pallas kernel over the filled cache slots on
     # GPU, else XLA), xla or pallas.
     c.model.decode_attention_impl = "auto"
@@ -169,6 +172,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.cliprange_value = 0.5
     # Aggregation of the value loss.
     c.critic.loss_agg_mode = "token-mean"
+    c.critic.model = ml_collections.ConfigDict()
+    # LoRA on the critic (verl's names; needs model.lora_rank > 0): adapters of its own
+    # on the actor's frozen base, and a fully trained value head. 0: the critic trains
+    # a full copy of the backbone.
+    c.critic.model.lora_rank = 0
+    # The critic's LoRA scale numerator.
+    c.critic.model.lora_alpha = 16.0
+    # Projections with critic adapters.
+    c.critic.model.target_modules = "all-linear"
 
     c.rollout = ml_collections.ConfigDict()
     # Samples per prompt (GRPO's group size).

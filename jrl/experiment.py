@@ -138,7 +138,8 @@ def _lora_fields(config) -> dict:
     if "lora_rank" not in config.model:
         return {}
     return {"lora_rank": int(config.model.lora_rank), "lora_alpha": float(config.model.lora_alpha),
-            "lora_targets": config.model.target_modules}
+            "lora_targets": config.model.target_modules,
+            "lora_rollout": config.model.get("lora_rollout", "unmerged")}
 
 
 def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
@@ -146,8 +147,13 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     """(architecture, initial actor params) from model.path or a preset.
 
     With a `sharder`, parameters are created (or read) directly into their shardings;
-    no device ever holds a full copy it does not need.
+    no device ever holds a full copy it does not need. With LoRA the base, which stays
+    frozen, is created (or read) in the compute dtype, never as float32 (unless an SFT
+    warm start will train all of it first); the adapters are float32.
     """
+    lora_base = bool(_lora_fields(config).get("lora_rank")) and not (
+        "sft" in config and config.sft.steps > 0)
+    base_dtype = config.model.dtype if lora_base else config.model.param_dtype
     dtypes = {"dtype": config.model.dtype, "remat": config.model.remat,
               "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
               **_lora_fields(config)}
@@ -156,8 +162,9 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
         if sharder is not None:
             shardings = lambda model, head: param_shardings(sharder, model, head)
         model, params = hf.load_pretrained(
-            os.path.expanduser(config.model.path), dtype=config.model.param_dtype,
-            config_overrides=dtypes, shardings=shardings)
+            os.path.expanduser(config.model.path), dtype=base_dtype,
+            config_overrides={**dtypes, "param_dtype": config.model.param_dtype},
+            shardings=shardings)
         if model.lora_rank:  # the checkpoint has no adapters: fresh ones (B = 0)
             key = jax.random.fold_in(jax.random.key(config.seed), 1)
             params = lora.combine(params, lora.init_adapters(model, key))
@@ -170,8 +177,13 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
         pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
         **dtypes, **overrides)
     key = jax.random.key(config.seed)
-    if sharder is None:
-        return model, init_params(model, key)
-    init = jax.jit(functools.partial(init_params, model),
-                   out_shardings=param_shardings(sharder, model))
-    return model, init(key)
+
+    def init(key):
+        params = init_params(model, key)
+        if not lora_base:
+            return params
+        base, adapters = lora.split(params)
+        return lora.combine(jax.tree.map(lambda x: x.astype(base_dtype), base), adapters)
+
+    shardings = None if sharder is None else param_shardings(sharder, model)
+    return model, jax.jit(init, out_shardings=shardings)(key)

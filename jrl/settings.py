@@ -134,6 +134,10 @@ class CriticSettings:
     cliprange_value: float
     loss_agg_mode: str
     optim: OptimSettings
+    # LoRA on the critic (`critic.model.*`): its own adapters on the actor's frozen base.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         _set(self, cliprange_value=float(_number("critic.cliprange_value",
@@ -469,6 +473,38 @@ def _trainer(config) -> TrainerSettings:
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep)
 
 
+def _lora(config, prefix: str) -> dict:
+    """`<prefix>.lora_rank`, `lora_alpha` and `target_modules`, checked, as `lora_*` fields."""
+    rank = _get(config, f"{prefix}.lora_rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        _fail(f"{prefix}.lora_rank", f"must be an integer >= 0 (0: no LoRA), got {rank!r}")
+    if not rank:
+        return {}
+    alpha = _get(config, f"{prefix}.lora_alpha")
+    if not (isinstance(alpha, (int, float)) and alpha > 0):
+        _fail(f"{prefix}.lora_alpha", f"must be > 0 (the adapters' scale is alpha / rank), "
+              f"got {alpha!r}")
+    try:
+        targets = model_config.lora_targets(_get(config, f"{prefix}.target_modules"))
+    except ValueError as err:
+        _fail(f"{prefix}.target_modules", str(err).removeprefix("lora_targets: "))
+    return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_targets": targets}
+
+
+def _critic_lora(config) -> dict:
+    """The critic's LoRA keys; adapters on the critic apply to the actor's frozen base,
+    so they need LoRA on the actor."""
+    if "model" not in config.critic or "lora_rank" not in config.critic.model:
+        return {}
+    fields = _lora(config, "critic.model")
+    if fields and not _get(config, "model.lora_rank"):
+        _fail("critic.model.lora_rank", f"is {fields['lora_rank']} but model.lora_rank is 0: "
+              "the critic's adapters apply to the actor's frozen base, so they need LoRA on "
+              "the actor (set model.lora_rank > 0, or critic.model.lora_rank=0 for a fully "
+              "trained critic)")
+    return fields
+
+
 def _check_model(config) -> None:
     """The `model` keys the trainer reads: float32 parameters, a compute dtype, remat."""
     if _get(config, "model.param_dtype") != "float32":
@@ -477,16 +513,9 @@ def _check_model(config) -> None:
               "bfloat16 compute")
     _choice("model.remat", _get(config, "model.remat"), model_config.REMAT_POLICIES)
     if "lora_rank" in config.model:
-        rank = _get(config, "model.lora_rank")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            _fail("model.lora_rank", f"must be an integer >= 0 (0: no LoRA), got {rank!r}")
-        if rank:
-            if not _get(config, "model.lora_alpha") > 0:
-                _fail("model.lora_alpha", "must be > 0 (the adapters' scale is alpha / rank)")
-            try:
-                model_config.lora_targets(_get(config, "model.target_modules"))
-            except ValueError as err:
-                _fail("model.target_modules", str(err).removeprefix("lora_targets: "))
+        _lora(config, "model")
+        _choice("model.lora_rollout", _get(config, "model.lora_rollout"),
+                model_config.LORA_ROLLOUTS)
     if "decode_attention_impl" in config.model:
         _choice("model.decode_attention_impl", config.model.decode_attention_impl,
                 model_config.DECODE_ATTENTION_IMPLS)
@@ -522,7 +551,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
             update=_update(config, "critic", n),
             cliprange_value=_get(config, "critic.cliprange_value"),
             loss_agg_mode=_get(config, "critic.loss_agg_mode"),
-            optim=_optim(config, "critic", steps))
+            optim=_optim(config, "critic", steps), **_critic_lora(config))
     _check_model(config)
     s = Settings(
         actor=actor, critic=critic, algorithm=algorithm,

@@ -46,29 +46,58 @@ _METRIC_NAMES = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_upd
 
 def init(actor_params, key, frozen=None, *, s: Settings,
          actor_opt: optax.GradientTransformation,
-         critic_opt: optax.GradientTransformation | None = None) -> TrainState:
+         critic_opt: optax.GradientTransformation | None = None,
+         model: ModelConfig | None = None) -> TrainState:
     """The state before the first step: the actor with its optimizer state, a critic
-    (when the estimator needs one: the actor's backbone and a value head seeded by
-    `key`) with its own, the initial KL coefficient, step 0.
+    (when the estimator needs one) with its own, the initial KL coefficient, step 0.
 
     With LoRA, `actor_params` are the adapters (what trains) and `frozen` the base
-    they apply to; the critic then starts from the base backbone.
+    they apply to. The critic is the actor's backbone (the base with LoRA) with a value
+    head seeded by `key`; with `critic.model.lora_rank` (needs `model`) it is the
+    frozen base too, and trains adapters of its own and the value head.
     """
     actor = update.ModelState(actor_params, actor_opt.init(actor_params))
     critic = None
     if s.critic is not None:
-        backbone = actor_params if frozen is None else frozen
-        critic_params = heads.init_critic_params(
-            jax.tree.map(lambda x: x.astype(jnp.float32), backbone), key)
+        critic_params = init_critic(actor_params if frozen is None else frozen, key,
+                                    critic_model(model, s) if s.critic.lora_rank else None)
         critic = update.ModelState(critic_params, critic_opt.init(critic_params))
     return TrainState(step=jnp.int32(0), actor=actor, critic=critic,
                       kl=kl_control.init_kl_controller(s.algorithm.kl_coef))
+
+
+def critic_model(model: ModelConfig, s: Settings) -> ModelConfig:
+    """The critic's architecture: the actor's, with the critic's adapters (if any)."""
+    base = lora.without(model)
+    c = s.critic
+    if c is None or not c.lora_rank:
+        return base
+    return dataclasses.replace(base, lora_rank=c.lora_rank, lora_alpha=c.lora_alpha,
+                               lora_targets=c.lora_targets)
+
+
+def init_critic(backbone, key, lora_model: ModelConfig | None = None) -> dict:
+    """A fresh critic in float32: a copy of `backbone` and a value head or, with
+    `lora_model` (the critic's architecture with adapters), only fresh adapters and a
+    value head (the backbone stays the frozen base)."""
+    if lora_model is None:
+        return heads.init_critic_params(
+            jax.tree.map(lambda x: x.astype(jnp.float32), backbone), key)
+    adapter_key, head_key = jax.random.split(key)
+    return {**lora.init_adapters(lora_model, adapter_key, "float32"),
+            "value_head": heads.init_value_head(head_key, lora_model.hidden_size, jnp.float32)}
 
 
 def actor_params(state: TrainState, frozen=None):
     """The actor's parameters: the state's, or with LoRA the frozen base with the
     state's adapters."""
     return state.actor.params if frozen is None else lora.combine(frozen, state.actor.params)
+
+
+def with_frozen(params, frozen, config: ModelConfig):
+    """A trained part with the frozen base under it: `params` alone for a full model,
+    the base with `params` (adapters, and a head) combined for a LoRA one."""
+    return lora.combine(frozen, params) if config.lora_rank else params
 
 
 def compute_params(params, model: ModelConfig):
@@ -79,6 +108,14 @@ def compute_params(params, model: ModelConfig):
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
+def sampling_params(params, model: ModelConfig) -> tuple[ModelConfig, dict]:
+    """(config, params) the sampler runs: the compute dtype, and with LoRA the adapters
+    as `model.lora_rollout` says (merged: `W + A B` formed once, for every decode step)."""
+    if model.lora_rank and model.lora_rollout == "merged":
+        model, params = lora.merge(params, model)
+    return model, compute_params(params, model)
+
+
 def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
              sampling: SamplingConfig, model: ModelConfig,
              param_shardings=None) -> Rollout:
@@ -86,13 +123,14 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
 
     `param_shardings`: where the decoding loop reads the weights (e.g. gathered over
     `fsdp` once here rather than once per token); None: as they are. `frozen`: the
-    LoRA base (see `init`).
+    LoRA base (see `init`); its adapters apply as `model.lora_rollout` says.
     """
-    params = compute_params(actor_params(state, frozen), model)
+    config, params = sampling_params(actor_params(state, frozen), model)
     if param_shardings is not None:
-        params = jax.lax.with_sharding_constraint(params, param_shardings)
+        params = jax.lax.with_sharding_constraint(
+            params, lora.split(param_shardings)[0] if config is not model else param_shardings)
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
-                                   config=model)
+                           config=config)
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    responses=out.responses, response_mask=out.response_mask)
 
@@ -104,7 +142,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     (when the state has a critic) of a rollout, in micro-batches of
     `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
     frozen base, adapters off (`ref_params` is `frozen`: no second copy)."""
-    critic_params = None if state.critic is None else state.critic.params
+    critic = None if state.critic is None else critic_model(model, s)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
 
     def log_probs(params, config):
@@ -121,10 +159,10 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     base_model = lora.without(model)
     ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model)[0]
     values = None
-    if critic_params is not None:
+    if critic is not None:
         values = logprobs.in_micro_batches(
-            lambda params, *xs: logprobs.response_values(params, *xs, config=base_model),
-            s.log_prob_micro_batch)(critic_params, *seq)
+            lambda params, *xs: logprobs.response_values(params, *xs, config=critic),
+            s.log_prob_micro_batch)(with_frozen(state.critic.params, frozen, critic), *seq)
     return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
                          ref_log_probs=ref_log_probs, values=values)
 
@@ -215,8 +253,9 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     critic = state.critic
     if critic is not None:
         lr = learning_rate_schedule(s.critic.optim)(state.step)
-        critic_loss = lambda *a: update.critic_loss(*a, model=lora.without(model),
-                                                    critic=s.critic)
+        config = critic_model(model, s)
+        critic_loss = lambda params, *a: update.critic_loss(
+            with_frozen(params, frozen, config), *a, model=config, critic=s.critic)
         critic, m = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS}, critic_key, lr,
             loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)

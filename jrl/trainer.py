@@ -37,7 +37,7 @@ from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
 from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts
-from jrl.models import CACHE_LOGICAL_AXES, decode_attention, heads, lora, param_logical_axes
+from jrl.models import CACHE_LOGICAL_AXES, decode_attention, lora, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import responses as responses_lib
@@ -139,7 +139,10 @@ class RLTrainer:
         self.frozen, self.ref_params = None, None
         if model.lora_rank:
             base, actor_params = lora.split(actor_params)
-            self.frozen = jax.jit(copy, out_shardings=self.frozen_shardings)(base)
+            # Never donated nor written: a base built in the compute dtype is kept as is.
+            in_dtype = {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(model.dtype)}
+            self.frozen = base if in_dtype else jax.jit(
+                copy, out_shardings=self.frozen_shardings)(base)
             self.ref_params = self.frozen if settings.needs_reference else None
         elif settings.needs_reference:
             self.ref_params = jax.jit(copy, out_shardings=self.actor_shardings)(actor_params)
@@ -186,10 +189,15 @@ class RLTrainer:
         critic, self.critic_opt = None, None
         if s.critic is not None:
             self.critic_opt = make_optimizer(s.critic.optim)
-            critic_shapes = jax.eval_shape(heads.init_critic_params, base_shapes,
-                                           jax.random.key(0))
-            critic_shardings = sh.params(param_logical_axes(lora.without(self.model), "value"),
-                                         critic_shapes)
+            critic_model = step_lib.critic_model(self.model, s)
+            lora_model = critic_model if critic_model.lora_rank else None
+            critic_shapes = jax.eval_shape(
+                functools.partial(step_lib.init_critic, lora_model=lora_model), base_shapes,
+                jax.random.key(0))
+            axes = param_logical_axes(critic_model, "value")
+            if lora_model is not None:  # the trained part: adapters and the value head
+                axes = {**lora.split(axes)[1], "value_head": axes["value_head"]}
+            critic_shardings = sh.params(axes, critic_shapes)
             critic = ModelState(critic_shardings,
                                 sh.opt_state(self.critic_opt, critic_shapes, critic_shardings))
         self.state_shardings = types.TrainState(step=sh.replicated, actor=actor, critic=critic,
@@ -204,7 +212,7 @@ class RLTrainer:
         fns = dict(s=s, actor_opt=self.actor_opt, critic_opt=self.critic_opt)
         frozen = self.frozen_shardings
         ref = (frozen or self.actor_shardings) if s.needs_reference else None
-        self._init = jax.jit(functools.partial(step_lib.init, **fns),
+        self._init = jax.jit(functools.partial(step_lib.init, **fns, model=self.model),
                              in_shardings=(self.actor_shardings, rep, frozen),
                              out_shardings=states, donate_argnums=0)
         self._forward = jax.jit(
@@ -247,6 +255,12 @@ class RLTrainer:
         if self.frozen is not None:
             parts.append(("frozen base (LoRA; the reference)", self.frozen,
                           self.frozen_shardings))
+            if m.lora_rollout == "merged":
+                kernels = lambda tree: {g: {n: tree["layers"][g][n] for n in tree["layers"][g]
+                                            if n in m.lora_targets}
+                                        for g in ("attn", "mlp")}
+                parts.append(("merged kernels (during rollouts)", kernels(self.frozen),
+                              kernels(self.frozen_shardings)))
         elif self.ref_params is not None:
             parts.append(("reference params", self.ref_params, self.actor_shardings))
         if self.state.critic is not None:
@@ -400,7 +414,7 @@ class RLTrainer:
         peak = metrics.peak_flops(jax.devices()[0].device_kind)
         if peak:
             # The critic's update (PPO) shares `learn` with the actor's: a lower bound then.
-            flops = 6.0 * self.num_params * tokens * self.s.actor.update.ppo_epochs
+            flops = self.train_flops_per_token * tokens * self.s.actor.update.ppo_epochs
             out["perf/mfu/actor"] = flops / seconds["learn"] / (peak * devices)
         return out
 
@@ -411,6 +425,15 @@ class RLTrainer:
     @functools.cached_property
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves((self.state.actor.params, self.frozen)))
+
+    @functools.cached_property
+    def train_flops_per_token(self) -> float:
+        """Model FLOPs of one token's forward and backward pass in the actor's update:
+        2 per weight forward and 2 backward (the input's gradient), plus 2 for the
+        gradient of each weight that trains (6N in full; 4N + 2 x adapters with LoRA,
+        whose frozen base needs no weight gradient)."""
+        trained = sum(x.size for x in jax.tree.leaves(self.state.actor.params))
+        return 4.0 * self.num_params + 2.0 * trained
 
     # -- validation and the loop ---------------------------------------------------------------
 

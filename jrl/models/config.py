@@ -30,6 +30,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ROLLOUTS = ("unmerged", "merged")
 
 # HF class name -> (family, head). The head says which output layer the checkpoint has.
 ARCHITECTURES = {
@@ -97,6 +98,9 @@ class ModelConfig:
       lora_alpha: the LoRA scale's numerator.
       lora_targets: projections that get adapters, from `LORA_MODULES`; a tuple,
         a comma-separated string or "all-linear" (the default when r > 0).
+      lora_rollout: how the sampler applies the adapters: "unmerged" (`x W + (x A) B`
+        at every projection of every decode step) or "merged" (`W + A B` formed
+        once per rollout: a second copy of the targeted kernels while it runs).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
         straight-line code. (The forward with a cache, prefill and decode, applies
         the layers one by one whatever this says.)
@@ -129,6 +133,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    lora_rollout: str = "unmerged"
     scan_unroll: bool = False
 
     def __post_init__(self):
@@ -157,6 +162,7 @@ class ModelConfig:
                               f"{self.lora_rank!r}")
         if self.lora_rank and not self.lora_alpha > 0:
             raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        _check_choice("lora_rollout", self.lora_rollout, LORA_ROLLOUTS)
         targets = lora_targets(self.lora_targets or "all-linear") if self.lora_rank else ()
         object.__setattr__(self, "lora_targets", targets)
 
@@ -370,6 +376,12 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(
         family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True,
+        max_position_embeddings=131072, bos_token_id=151643, eos_token_ids=(151643,),
+    ),
+    "qwen2.5-32b": ModelConfig(
+        family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+        num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True,
         max_position_embeddings=131072, bos_token_id=151643, eos_token_ids=(151643,),
     ),

@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the compute dtype and only the adapters train")
     p.add_argument("--lora_alpha", type=float, default=None, help="default: 2 x rank")
     p.add_argument("--target_modules", default="all-linear")
-    p.add_argument("--lora_rollout", default="unmerged", choices=("unmerged", "merged"),
+    p.add_argument("--lora_rollout", default="merged", choices=("merged", "unmerged"),
                    help="model.lora_rollout")
     p.add_argument("--critic_lora_rank", type=int, default=0,
                    help="critic.model.lora_rank (PPO; needs --lora_rank)")
@@ -342,7 +342,11 @@ def versions() -> dict:
 
 def print_table(args, results) -> None:
     stops = "natural stops" if args.natural_stops else "forced full length (ignore_stop)"
-    print(f"\n{args.preset}, fp32 params / {args.dtype} compute, {args.batch} prompts x "
+    params = "fp32 params"
+    if args.lora_rank:
+        params = (f"LoRA r{args.lora_rank} ({args.lora_rollout} rollout): "
+                  f"{args.dtype} base + fp32 adapters")
+    print(f"\n{args.preset}, {params} / {args.dtype} compute, {args.batch} prompts x "
           f"n={args.n}, P={args.prompt_len}, R<={args.response_len}, {stops}; "
           f"{args.steps} timed steps after {args.warmup} warm-up; "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}\n")

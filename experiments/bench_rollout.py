@@ -62,8 +62,8 @@ def parse_args() -> argparse.Namespace:
                         help="model decode_attention_impl values to run (one row each)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="LoRA adapters of this rank on every linear layer (0: none)")
-    parser.add_argument("--lora-rollout", nargs="+", default=["unmerged"],
-                        choices=("unmerged", "merged"),
+    parser.add_argument("--lora-rollout", nargs="+", default=["merged"],
+                        choices=("merged", "unmerged"),
                         help="with --lora-rank: model lora_rollout values to run (one row "
                              "each); merged includes forming W + A B in the timed program")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")

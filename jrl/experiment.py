@@ -139,7 +139,7 @@ def _lora_fields(config) -> dict:
         return {}
     return {"lora_rank": int(config.model.lora_rank), "lora_alpha": float(config.model.lora_alpha),
             "lora_targets": config.model.target_modules,
-            "lora_rollout": config.model.get("lora_rollout", "unmerged")}
+            "lora_rollout": config.model.get("lora_rollout", "merged")}
 
 
 def build_model(config, tokenizer, sharder: sharding.Sharder | None = None

@@ -30,7 +30,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_ROLLOUTS = ("unmerged", "merged")
+LORA_ROLLOUTS = ("merged", "unmerged")
 
 # HF class name -> (family, head). The head says which output layer the checkpoint has.
 ARCHITECTURES = {
@@ -98,9 +98,10 @@ class ModelConfig:
       lora_alpha: the LoRA scale's numerator.
       lora_targets: projections that get adapters, from `LORA_MODULES`; a tuple,
         a comma-separated string or "all-linear" (the default when r > 0).
-      lora_rollout: how the sampler applies the adapters: "unmerged" (`x W + (x A) B`
-        at every projection of every decode step) or "merged" (`W + A B` formed
-        once per rollout: a second copy of the targeted kernels while it runs).
+      lora_rollout: how the sampler applies the adapters: "merged" (`W + A B` formed
+        once per rollout: faster decoding, but a second copy of the targeted kernels
+        while it runs) or "unmerged" (`x W + (x A) B` at every projection of every
+        decode step; no extra copy).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
         straight-line code. (The forward with a cache, prefill and decode, applies
         the layers one by one whatever this says.)
@@ -133,7 +134,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
-    lora_rollout: str = "unmerged"
+    lora_rollout: str = "merged"
     scan_unroll: bool = False
 
     def __post_init__(self):

@@ -41,6 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jrl.models import decode_attention as decode_lib
 from jrl.models import heads as heads_lib
@@ -57,6 +58,11 @@ _HEADS = ("batch", None, "heads", None)
 _KV_HEADS = ("batch", None, "kv_heads", None)
 _MLP = ("batch", None, "mlp")
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+# With LoRA, `dots_saveable` would keep both halves of every adapted projection (`x W`
+# and `(x A) B`, each as wide as the output). Saving by name instead keeps what the
+# plain model keeps (each projection's output, here the sum) plus the rank-r `x A`.
+_PROJ_OUT, _LORA_LOW = "proj_out", "lora_low"
+_LORA_DOTS_SAVEABLE = jax.checkpoint_policies.save_only_these_names(_PROJ_OUT, _LORA_LOW)
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +135,7 @@ class Lora(nn.Module):
         x, a, b = (t.astype(self.dtype) for t in (x, a, b))
         contract = tuple(range(x.ndim - num_in, x.ndim))
         low = lax.dot_general(x, a, ((contract, tuple(range(num_in))), ((), ())))
+        low = checkpoint_name(low, _LORA_LOW)
         out = lax.dot_general(low, b, (((low.ndim - 1,), (0,)), ((), ())))
         return out * jnp.asarray(self.alpha / self.rank, self.dtype)
 
@@ -137,13 +144,15 @@ def _project(config: ModelConfig, features, axes: tuple[str, ...], name: str, x:
              *, axis=-1, bias=False) -> jax.Array:
     """The projection `name` of `x` (`_dense`), plus its LoRA adapter where configured."""
     out = _dense(config, features, axes, name, axis=axis, bias=bias)(x)
-    if not config.lora_rank or name not in config.lora_targets:
+    if not config.lora_rank:
         return out
+    if name not in config.lora_targets:
+        return checkpoint_name(out, _PROJ_OUT)
     num_in = 1 if isinstance(axis, int) else len(axis)
     features = tuple(features) if isinstance(features, (tuple, list)) else (features,)
     lora = Lora(features, axes[:num_in], axes[num_in:], config.lora_rank, config.lora_alpha,
                 config.dtype, config.param_dtype, name=f"{name}_lora")
-    return out + lora(x).astype(out.dtype)
+    return checkpoint_name(out + lora(x).astype(out.dtype), _PROJ_OUT)
 
 
 def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int) -> str:
@@ -245,9 +254,10 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
     layer_cls = DecoderLayer
     if config.remat != "none":
         # prevent_cse=False is safe (and faster) inside scan.
-        layer_cls = nn.remat(
-            DecoderLayer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False
-        )
+        policy = _REMAT_POLICIES[config.remat]
+        if config.lora_rank and config.remat == "dots_saveable":
+            policy = _LORA_DOTS_SAVEABLE
+        layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
     return nn.scan(
         layer_cls,
         variable_axes={"params": 0},

@@ -83,7 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.filter_overlong_prompts = False
     # Prompts per generation round when algorithm.filter_groups is on (None: train_batch_size).
     c.data.gen_batch_size = config_dict.placeholder(int)
-    # Synthetic dataset when no train_files are given: "arithmetic".
+    # Synthetic dataset when no train_files are given: "arithmetic", or
+    # "tool_multiplication" (a*b answered with a calculator tool; multi-turn rollouts).
     c.data.task = "arithmetic"
     # Arithmetic: operand digits.
     c.data.digits = 2
@@ -94,6 +95,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Arithmetic: share of the carrying training sums whose warm-start demonstration drops
     # the carries (a noisy teacher; the reward still checks the true sum). 0: none.
     c.data.carry_slip_rate = 0.0
+    # Tool multiplication: share of the warm-start demonstrations that call the calculator
+    # (the rest guess).
+    c.data.tool_rate = 0.3
     # Held-out problems for validation.
     c.data.num_val = 256
     # Cap on training problems (None: all that are not held out).
@@ -201,6 +205,32 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)
     # Most response tokens (verl's data.max_response_length).
     c.rollout.response_length = 8
+    c.rollout.multi_turn = ml_collections.ConfigDict()
+    # Multi-turn rollouts with tools: the model calls tools between its turns; the
+    # response budget (response_length) covers every turn and tool output.
+    c.rollout.multi_turn.enable = False
+    # verl's tool config file (YAML or JSON): `tools: [{class_name, config, tool_schema}]`.
+    c.rollout.multi_turn.tool_config_path = config_dict.placeholder(str)
+    # A row ends after this many model turns ...
+    c.rollout.multi_turn.max_assistant_turns = 4
+    # ... or this many tool responses.
+    c.rollout.multi_turn.max_user_turns = 4
+    # How the model writes tool calls: hermes (Qwen: <tool_call>{json}</tool_call>) or
+    # llama3 (a JSON object {"name", "parameters"}).
+    c.rollout.multi_turn.format = "hermes"
+    # Tool calls run at once (threads).
+    c.rollout.multi_turn.max_parallel_calls = 16
+    # A tool call taking longer is answered with a timeout error (seconds).
+    c.rollout.multi_turn.tool_timeout_s = 5.0
+    # A tool's text is cut to this many characters ...
+    c.rollout.multi_turn.max_tool_response_length = 256
+    # ... keeping its left, right or middle (both ends).
+    c.rollout.multi_turn.tool_response_truncate_side = "middle"
+    # Most tokens of one tool block (the tool messages with the chat template's markup);
+    # a longer one ends the row.
+    c.rollout.multi_turn.max_tool_response_tokens = 64
+    # Token ids that end a turn besides the EOS ids (e.g. a tool-call closing token).
+    c.rollout.multi_turn.turn_stop_ids = ()
     c.rollout.val_kwargs = ml_collections.ConfigDict()
     # Validation samples per prompt.
     c.rollout.val_kwargs.n = 1

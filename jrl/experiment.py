@@ -56,12 +56,18 @@ def build_data(config, tokenizer=None, reward_fn=None):
     if config.data.val_files:
         raise ConfigError("data.val_files is set without data.train_files; give both, or "
                           "neither for the synthetic data.task")
-    if config.data.task != "arithmetic":
-        raise ConfigError(f"data.task: {config.data.task!r} is not valid; choose 'arithmetic'")
-    train_rows, val_rows = synthetic.arithmetic(
-        config.data.digits, config.data.ops, config.data.num_val, config.data.num_train,
-        seed=config.data.seed, reverse=config.data.reverse_answer,
-        carry_slip_rate=config.data.carry_slip_rate)
+    if config.data.task not in synthetic.TASKS:
+        raise ConfigError(f"data.task: {config.data.task!r} is not valid; choose one of "
+                          f"{list(synthetic.TASKS)}")
+    if config.data.task == "tool_multiplication":
+        train_rows, val_rows = synthetic.tool_multiplication(
+            config.data.digits, config.data.num_val, config.data.num_train or 4096,
+            seed=config.data.seed, tool_rate=config.data.tool_rate)
+    else:
+        train_rows, val_rows = synthetic.arithmetic(
+            config.data.digits, config.data.ops, config.data.num_val, config.data.num_train,
+            seed=config.data.seed, reverse=config.data.reverse_answer,
+            carry_slip_rate=config.data.carry_slip_rate)
     if tokenizer is not None:
         where = f"data.task={config.data.task!r}"
         for split, rows in (("train", train_rows), ("val", val_rows)):

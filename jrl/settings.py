@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from jrl import advantages, kl_control, losses, masks, optim, rollout
+from jrl import advantages, kl_control, losses, masks, multi_turn, optim, rollout
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
 from jrl.rewards import custom, reward_model, scoring
@@ -257,6 +257,42 @@ class TrainerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiTurnSettings:
+    """`rollout.multi_turn.*` with tools: the loop's settings and the tool config file."""
+
+    config: multi_turn.MultiTurnConfig
+    tool_config_path: str
+
+
+def _multi_turn(config) -> MultiTurnSettings | None:
+    key = "rollout.multi_turn"
+    if "multi_turn" not in config.rollout or not _get(config, f"{key}.enable"):
+        return None
+    get = lambda name: _get(config, f"{key}.{name}")
+    path = get("tool_config_path")
+    if not path:
+        _fail(f"{key}.tool_config_path", "is needed with rollout.multi_turn.enable=True: a "
+              "YAML or JSON file listing the tools")
+    if not os.path.isfile(os.path.expanduser(path)):
+        _fail(f"{key}.tool_config_path", f"{path!r} is not a file")
+    ints = {name: int(_number(f"{key}.{name}", get(name), integer=True)) for name in (
+        "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+        "max_tool_response_length", "max_tool_response_tokens")}
+    stops = get("turn_stop_ids")
+    stops = (stops,) if isinstance(stops, int) else tuple(stops)
+    if not all(isinstance(t, int) and t >= 0 for t in stops):
+        _fail(f"{key}.turn_stop_ids", f"must be token ids (integers >= 0), got {stops!r}")
+    mt = multi_turn.MultiTurnConfig(
+        **ints, format=_choice(f"{key}.format", get("format"), multi_turn.TOOL_CALL_FORMATS),
+        tool_response_truncate_side=_choice(f"{key}.tool_response_truncate_side",
+                                            get("tool_response_truncate_side"),
+                                            multi_turn.TRUNCATE_SIDES),
+        tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
+        turn_stop_ids=stops)
+    return MultiTurnSettings(mt, os.path.expanduser(path))
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything static about a run, derived once from the config."""
 
@@ -273,6 +309,7 @@ class Settings:
     filter_groups: FilterGroupsSettings | None
     log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
     trainer: TrainerSettings = TrainerSettings(0, 0, True, 0, None)
+    multi_turn: MultiTurnSettings | None = None  # None: single-turn rollouts
 
     @property
     def needs_reference(self) -> bool:
@@ -562,7 +599,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         logprob_chunk_size=_get(config, "actor.logprob_chunk_size"),
         reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
         log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
-        trainer=trainer)
+        trainer=trainer, multi_turn=_multi_turn(config))
     if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
     return s

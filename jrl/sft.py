@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jrl import experiment, logprobs, masks, rundir, update
+from jrl import experiment, logprobs, masks, multi_turn, rundir, update
 from jrl import sharding as sharding_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import Row, encode_prompts, ground_truth
@@ -26,31 +26,48 @@ from jrl.models.config import ModelConfig
 
 def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length: int,
                     apply_chat_template: bool = False):
-    """Left-padded prompts and right-padded `answer + eos` responses, as numpy arrays."""
+    """Left-padded prompts and right-padded responses, as numpy arrays: `(prompt_ids,
+    prompt_mask, responses, response_mask, attention_mask)`.
+
+    A response is `answer + eos`, or for a multi-turn demonstration (a list of assistant
+    and tool messages) the rollout's layout (`multi_turn.demonstration_tokens`): the
+    loss (`response_mask`) covers the assistant turns, the attention every token.
+    """
     prompt_ids, prompt_mask = encode_prompts(tokenizer, rows, max_prompt_length,
                                              apply_chat_template)
     responses = np.full((len(rows), max_response_length), tokenizer.pad_token_id, np.int32)
     response_mask = np.zeros_like(responses)
+    attention_mask = np.zeros_like(responses)
+    template = None
     for i, row in enumerate(rows):
-        ids = tokenizer.encode(demonstration(row)) + [tokenizer.eos_token_id]
+        shown = demonstration(row)
+        if isinstance(shown, str):
+            ids = tokenizer.encode(shown) + [tokenizer.eos_token_id]
+            trained = [1] * len(ids)
+        else:
+            template = template or multi_turn.TurnTemplate(tokenizer)
+            ids, trained = multi_turn.demonstration_tokens(tokenizer, shown, template)
         if len(ids) > max_response_length:
             raise ConfigError(f"answer of row {i} needs {len(ids)} tokens, more than "
                               f"rollout.response_length={max_response_length}")
         responses[i, : len(ids)] = ids
-        response_mask[i, : len(ids)] = 1
-    return prompt_ids, prompt_mask, responses, response_mask
+        response_mask[i, : len(ids)] = trained
+        attention_mask[i, : len(ids)] = 1
+    return prompt_ids, prompt_mask, responses, response_mask, attention_mask
 
 
-def demonstration(row: Row) -> str:
-    """The response SFT imitates: `extra_info["demonstration"]` if set, else the ground truth."""
-    return str((row.get("extra_info") or {}).get("demonstration", ground_truth(row)))
+def demonstration(row: Row) -> str | list:
+    """The response SFT imitates: `extra_info["demonstration"]` if set (a string, or a
+    multi-turn list of assistant and tool messages), else the ground truth."""
+    shown = (row.get("extra_info") or {}).get("demonstration", ground_truth(row))
+    return shown if isinstance(shown, list) else str(shown)
 
 
 def sft_loss(params, batch, *, model: ModelConfig):
-    """Token-mean negative log-likelihood of the responses."""
+    """Token-mean negative log-likelihood of the responses' trained tokens."""
     log_probs, _ = logprobs.response_log_probs(
         params, batch["prompt_ids"], batch["prompt_mask"], batch["responses"],
-        batch["response_mask"], config=model)
+        batch["attention_mask"], config=model)
     return -masks.masked_mean(log_probs, batch["response_mask"])
 
 
@@ -102,8 +119,8 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
     rng = np.random.default_rng(seed)
     for step in range(steps):
         pick = rng.choice(len(rows), size=batch_size, replace=False)
-        batch = put(dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask"),
-                             (x[pick] for x in examples), strict=True)))
+        batch = put(dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask",
+                              "attention_mask"), (x[pick] for x in examples), strict=True)))
         state, loss = sft_step(state, batch, model=model, optimizer=optimizer)
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)

@@ -32,10 +32,10 @@ from jrl.settings import Settings
 from jrl.types import Experience, Rollout, TrainState
 
 # The batch fields each model's update reads.
-_ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "old_log_probs",
-                 "advantages", "ref_log_probs")
-_CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "values",
-                  "returns")
+_ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                 "response_attention_mask", "old_log_probs", "advantages", "ref_log_probs")
+_CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                  "response_attention_mask", "values", "returns")
 # The prefixes of `data_metrics`' keys.
 DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "critic/returns/",
                 "critic/values/", "critic/vf_explained_var", "response_length/",
@@ -108,10 +108,15 @@ def compute_params(params, model: ModelConfig):
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
+def sampling_model(model: ModelConfig) -> ModelConfig:
+    """The architecture the sampler runs (`sampling_params`' config)."""
+    return lora.without(model) if model.lora_rank and model.lora_rollout == "merged" else model
+
+
 def sampling_params(params, model: ModelConfig) -> tuple[ModelConfig, dict]:
     """(config, params) the sampler runs: the compute dtype, and with LoRA the adapters
     as `model.lora_rollout` says (merged: `W + A B` formed once, for every decode step)."""
-    if model.lora_rank and model.lora_rollout == "merged":
+    if sampling_model(model) is not model:
         model, params = lora.merge(params, model)
     return model, compute_params(params, model)
 
@@ -125,14 +130,22 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
     `fsdp` once here rather than once per token); None: as they are. `frozen`: the
     LoRA base (see `init`); its adapters apply as `model.lora_rollout` says.
     """
-    config, params = sampling_params(actor_params(state, frozen), model)
-    if param_shardings is not None:
-        params = jax.lax.with_sharding_constraint(
-            params, lora.split(param_shardings)[0] if config is not model else param_shardings)
+    params = rollout_params(state, frozen, model=model, param_shardings=param_shardings)
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
-                           config=config)
+                           config=sampling_model(model))
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    responses=out.responses, response_mask=out.response_mask)
+
+
+def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
+                   param_shardings=None):
+    """The weights the sampler reads (`sampling_params`), placed by `param_shardings`
+    (see `generate`)."""
+    config, params = sampling_params(actor_params(state, frozen), model)
+    if param_shardings is None:
+        return params
+    return jax.lax.with_sharding_constraint(
+        params, lora.split(param_shardings)[0] if config is not model else param_shardings)
 
 
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
@@ -143,7 +156,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
     frozen base, adapters off (`ref_params` is `frozen`: no second copy)."""
     critic = None if state.critic is None else critic_model(model, s)
-    seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
+    seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.attention_mask())
 
     def log_probs(params, config):
         return logprobs.in_micro_batches(
@@ -211,7 +224,7 @@ def data_metrics(exp: Experience, rewards, adv, returns, *, s: Settings) -> dict
         out.update(_stats("critic/values", exp.values, mask))
         out["critic/vf_explained_var"] = 1.0 - _var(returns - exp.values, mask) / (
             _var(returns, mask) + 1e-5)
-    response_length = mask.sum(-1).astype(jnp.float32)
+    response_length = exp.attention_mask().sum(-1).astype(jnp.float32)
     prompt_length = exp.prompt_mask.sum(-1).astype(jnp.float32)
     return {**out, **_stats("response_length", response_length),
             "response_length/clip_ratio": jnp.mean(response_length >= s.rollout.max_new_tokens),
@@ -257,7 +270,8 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
         critic_loss = lambda params, *a: update.critic_loss(
             with_frozen(params, frozen, config), *a, model=config, critic=s.critic)
         critic, m = update.run_updates(
-            critic, {k: batch[k] for k in _CRITIC_FIELDS}, critic_key, lr,
+            critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
+            critic_key, lr,
             loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)
         metrics.update(_named("critic", m, lr))
     actor, m = _actor_update(state, batch, actor_key, frozen, s=s, model=model,

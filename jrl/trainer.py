@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import evaluate, metrics, types
+from jrl import evaluate, metrics, multi_turn, types
 from jrl import sharding as sharding_lib
 from jrl import step as step_lib
+from jrl import tools as tools_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
 from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts
@@ -127,6 +128,10 @@ class RLTrainer:
                                                    settings.reward,
                                                    settings.rollout.max_new_tokens)
         self.chat, self.data_seed = apply_chat_template, data_seed
+        self.tools, self.turn_template, self._rollout_metrics = {}, None, {}
+        if settings.multi_turn is not None:
+            self.tools = tools_lib.load_tools(settings.multi_turn.tool_config_path)
+            self.turn_template = multi_turn.TurnTemplate(tokenizer)
         self.root_key = jax.random.key(seed)
         self.estimator = adv_lib.get_estimator(settings.algorithm.adv_estimator)
         self._build_shardings(actor_params)
@@ -224,6 +229,10 @@ class RLTrainer:
             in_shardings=(states, b, rep, frozen), out_shardings=(states, rep),
             donate_argnums=0)
         self._generators: dict[SamplingConfig, Callable] = {}
+        self._rollout_params = jax.jit(
+            functools.partial(step_lib.rollout_params, model=self.model,
+                              param_shardings=self.rollout_shardings),
+            in_shardings=(states, frozen))
         self._step_keys = jax.jit(_step_keys)
 
     def _generator(self, sampling: SamplingConfig) -> Callable:
@@ -330,8 +339,24 @@ class RLTrainer:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
                                                  self.chat)
         check_inputs(prompt_ids, prompt_mask, sampling, self.model)
+        if self.s.multi_turn is not None:
+            return self._generate_turns(state, rows, prompt_ids, prompt_mask, sampling, key)
         prompt_ids, prompt_mask = self.sharder.put_batch((prompt_ids, prompt_mask))
         return self._generator(sampling)(state, prompt_ids, prompt_mask, key, self.frozen)
+
+    def _generate_turns(self, state, rows, prompt_ids, prompt_mask, sampling, key):
+        """A multi-turn rollout with tools (`jrl.multi_turn`): the device decodes, the
+        host runs the tools between turns. Its metrics go to `_rollout_metrics`."""
+        out = multi_turn.generate(
+            self._rollout_params(state, self.frozen), prompt_ids, prompt_mask, key,
+            sampling=sampling, config=step_lib.sampling_model(self.model),
+            tokenizer=self.tokenizer, tools=self.tools, mt=self.s.multi_turn.config,
+            tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs") for row in rows],
+            put=self.sharder.put_batch, template=self.turn_template)
+        self._rollout_metrics = out.metrics
+        return types.Rollout(**self.sharder.put_batch(dict(
+            prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
+            response_mask=out.response_mask, response_attention_mask=out.attention_mask)))
 
     def _sample(self, state, iterator: BatchIterator, key) -> Sampled:
         """The step's rollout, its scoring started; with `algorithm.filter_groups`, DAPO's
@@ -341,16 +366,17 @@ class RLTrainer:
             rows = iterator.next_batch()
             out = self._generate(state, rows, self.s.rollout, key)
             return Sampled(rows, out, self.scorer.submit(rows, out.responses,
-                                                         out.response_mask, n), {})
+                                                         out.attention_mask(), n),
+                           dict(self._rollout_metrics))
         errors = []
 
         def sample(rows, round_):
             out = self._generate(state, rows, self.s.rollout, jax.random.fold_in(key, round_))
             scores, extras, num_errors, texts = self.scorer.submit(
-                rows, out.responses, out.response_mask, n)()
+                rows, out.responses, out.attention_mask(), n)()
             errors.append(num_errors)
             arrays = {k: sharding_lib.host_array(v)[:len(rows) * n]
-                      for k, v in _fields(out).items()}
+                      for k, v in _fields(out).items() if v is not None}
             arrays.update(score=scores, text=np.asarray(texts, dtype=object),
                           **{f"extra/{k}": v for k, v in extras.items()})
             return arrays, responses_lib.filter_metric(fg.metric, scores, extras)
@@ -360,7 +386,7 @@ class RLTrainer:
             max_num_gen_batches=fg.max_num_gen_batches)
         a = filled.arrays
         out = types.Rollout(**self.sharder.put_batch(
-            {f.name: a[f.name] for f in dataclasses.fields(types.Rollout)}))
+            {f.name: a.get(f.name) for f in dataclasses.fields(types.Rollout)}))
         extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
         return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), list(a["text"])),
                        {"train/num_gen_batches": float(filled.num_gen_batches),
@@ -377,7 +403,7 @@ class RLTrainer:
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
             base = self._generate(state, rows, greedy, gen_key)
-            base_scores = self.scorer.submit(rows, base.responses, base.response_mask, 1)()[0]
+            base_scores = self.scorer.submit(rows, base.responses, base.attention_mask(), 1)()[0]
             host["reward_baselines"] = np.repeat(base_scores, n)
         out = {**sampled.metrics,
                **{f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}}
@@ -444,7 +470,7 @@ class RLTrainer:
 
         def respond(rows, padded, start):
             out = self._generate(state, padded, sampling, jax.random.fold_in(key, start))
-            return self.scorer.submit(rows, out.responses, out.response_mask, sampling.n)()
+            return self.scorer.submit(rows, out.responses, out.attention_mask(), sampling.n)()
 
         with self.sharder.active():
             return evaluate.evaluate(self.val_rows, respond, batch_size=batch_size,

@@ -25,7 +25,14 @@ class Rollout:
     prompt_ids: Array  # [N, P] int32, left-padded
     prompt_mask: Array  # [N, P] int32, 1 on prompt tokens
     responses: Array  # [N, R] int32, right-padded
-    response_mask: Array  # [N, R] int32, 1 up to and including the stop token
+    response_mask: Array  # [N, R] int32, 1 on the tokens the model wrote (the loss mask)
+    # [N, R] int32, 1 on every response token, the tools' outputs of a multi-turn rollout
+    # too (what the model attends to); None: `response_mask`.
+    response_attention_mask: Array | None = None
+
+    def attention_mask(self) -> Array:
+        return self.response_mask if self.response_attention_mask is None else \
+            self.response_attention_mask
 
 
 @struct.dataclass
@@ -47,11 +54,15 @@ class Experience:
     token_level_scores: Array | None = None  # [N, R] float32, each score at the last token
     uid: Array | None = None  # [N] int32, the prompt (group) of each sequence
     reward_baselines: Array | None = None  # [N] float32, greedy rewards (ReMax)
+    response_attention_mask: Array | None = None  # [N, R] (`Rollout`'s)
+
+    attention_mask = Rollout.attention_mask
 
     @classmethod
     def of(cls, rollout: Rollout, **fields) -> Experience:
         return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
-                   responses=rollout.responses, response_mask=rollout.response_mask, **fields)
+                   responses=rollout.responses, response_mask=rollout.response_mask,
+                   response_attention_mask=rollout.response_attention_mask, **fields)
 
 
 @struct.dataclass

@@ -122,12 +122,17 @@ def run_updates(
     return state, {**metrics, "nan_skipped": skipped}
 
 
+def _attention(micro: Batch):
+    """The response tokens attended to: all of a multi-turn row's, tool outputs too."""
+    return micro.get("response_attention_mask", micro["response_mask"])
+
+
 def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
                actor: ActorSettings, temperature: float, chunk_size: int):
     """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective)."""
     mask = micro["response_mask"]
     hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], mask, config=model)
+                                      micro["responses"], _attention(micro), config=model)
     with_entropy = actor.entropy_coeff != 0
     log_probs, entropy = logprobs.token_log_probs(
         params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
@@ -161,7 +166,7 @@ def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     del rng
     mask = micro["response_mask"]
     vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], mask, config=model)
+                                      micro["responses"], _attention(micro), config=model)
     vf_loss, clipfrac = losses.value_loss(vpreds, micro["returns"], micro["values"], mask,
                                           critic.cliprange_value, critic.loss_agg_mode,
                                           normalizer)

@@ -7,6 +7,7 @@ held-out problems never appear in the training split.
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 
@@ -14,6 +15,8 @@ from jrl.data.dataset import Row
 from jrl.errors import ConfigError
 
 DATA_SOURCE = "synthetic/arithmetic"
+# The synthetic `data.task`s.
+TASKS = ("arithmetic", "tool_multiplication")
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -104,3 +107,56 @@ def arithmetic(digits: int = 2, ops: str = "+", num_val: int = 256, num_train: i
     if carry_slip_rate:
         train = with_carry_slips(train, carry_slip_rate, seed)
     return train, val
+
+
+TOOL_DATA_SOURCE = "synthetic/tool_multiplication"
+
+
+def calculator_call(expression: str) -> str:
+    """A calculator call in the hermes format (`<tool_call>{json}</tool_call>`)."""
+    payload = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(payload, separators=(',', ':'))}</tool_call>"
+
+
+def tool_multiplication(digits: int = 3, num_val: int = 256, num_train: int = 4096,
+                        seed: int = 0, tool_rate: float = 0.3) -> tuple[list[Row], list[Row]]:
+    """`a*b` of two `digits`-digit numbers as a chat prompt, answered with a calculator.
+
+    A small model cannot multiply three-digit numbers in its head; with the calculator
+    tool (`jrl.tools.Calculator`) it only has to copy. The warm-start demonstrations
+    (`extra_info["demonstration"]`, a multi-turn message list) call the calculator and
+    copy its answer for a share `tool_rate` of the training rows, and answer "The
+    answer is <a guess of the right length>." for the rest: the warm-started model
+    mostly guesses when decoding greedily (every guess starts alike, every call with
+    `<tool_call>`) but calls the tool now and then when sampling, the gap RL closes.
+
+    Returns:
+      `(train_rows, val_rows)`, disjoint, in verl's schema (the prompt a message list).
+    """
+    if not 0.0 <= tool_rate <= 1.0:
+        raise ConfigError(f"data.tool_rate must be in [0, 1], got {tool_rate}")
+    low, high = 10 ** (digits - 1), 10**digits
+    rng = np.random.default_rng(seed)
+    count = num_val + num_train
+    if count > (high - low) ** 2:
+        raise ConfigError(f"data.num_val + data.num_train = {count} exceeds the "
+                          f"{(high - low) ** 2} problems of {digits} digits")
+    chosen = rng.choice((high - low) ** 2, size=count, replace=False)
+    rows = []
+    for i, index in enumerate(chosen):
+        a, b = int(low + index // (high - low)), int(low + index % (high - low))
+        product = str(a * b)
+        if i >= num_val and rng.random() < tool_rate:
+            shown = [{"role": "assistant", "content": calculator_call(f"{a}*{b}")},
+                     {"role": "tool", "content": product},
+                     {"role": "assistant", "content": product}]
+        else:
+            guess = rng.integers(10 ** (len(product) - 1), 10 ** len(product))
+            shown = [{"role": "assistant", "content": f"The answer is {guess}."}]
+        rows.append({
+            "prompt": [{"role": "user", "content": f"{a}*{b}"}],
+            "data_source": TOOL_DATA_SOURCE,
+            "reward_model": {"ground_truth": product, "style": "rule"},
+            "extra_info": {"a": a, "b": b, "demonstration": shown},
+        })
+    return rows[num_val:], rows[:num_val]

@@ -71,7 +71,7 @@ CHAR_ALPHABET = (
     string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n"
     + "+-*/=()#.,:?!'\"<>%$;_[]{}&|^~@\\`"
 )
-_CHAR_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+_CHAR_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 
 
 class CharTokenizer(Tokenizer):

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jrl.errors import DataError
-from jrl.rewards import arithmetic, gsm8k, math_answers
+from jrl.rewards import arithmetic, gsm8k, math_answers, tool_arithmetic
 
 RewardFn = Callable[..., "float | dict"]
 
 _BY_SOURCE: dict[str, RewardFn] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score,
+    tool_arithmetic.TOOL_DATA_SOURCE: tool_arithmetic.compute_score,
     gsm8k.DATA_SOURCE: gsm8k.compute_score,
     **{source: math_answers.compute_score for source in math_answers.DATA_SOURCES},
 }

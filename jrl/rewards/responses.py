@@ -34,9 +34,11 @@ def decode_responses(tokenizer, responses: np.ndarray, response_mask: np.ndarray
 
 
 def place_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """Token-level scores `[N, R]`: each score at its row's last valid response token."""
+    """Token-level scores `[N, R]`: each score at its row's last valid response token
+    (the last the model wrote, where a multi-turn loss mask has gaps; 0 in an empty row)."""
     out = np.zeros(response_mask.shape, np.float32)
-    last = np.maximum(response_mask.sum(-1).astype(np.int64) - 1, 0)
+    valid = np.asarray(response_mask) > 0
+    last = np.where(valid.any(-1), valid.shape[-1] - 1 - np.argmax(valid[:, ::-1], axis=-1), 0)
     out[np.arange(len(scores)), last] = scores
     return out
 

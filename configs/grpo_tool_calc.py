@@ -9,10 +9,11 @@ ends its turn at the newline, runs the calculator on the host and appends its an
 its final answer. Only the model's tokens are trained; the reward is the exact match
 of the last turn.
 
-The warm start imitates a teacher that calls the calculator for 25% of the problems
-and guesses the rest ("The answer is 123456."), so the warm-started model mostly guesses when decoding greedily
-(held-out accuracy near 0) while sampling a tool call now and then; GRPO turns those
-into its policy. docs/guide.md ("Multi-turn rollouts with tools") explains the keys.
+The warm start imitates a teacher that calls the calculator for 40% of the problems
+and guesses the rest ("The answer is 123456."), so the warm-started model mostly
+guesses when decoding greedily (held-out accuracy near 0) while sampling a tool call
+now and then; GRPO turns those into its policy. docs/guide.md ("Multi-turn rollouts
+with tools") explains the keys.
 
     python -m jrl.train --config=configs/grpo_tool_calc.py
 
@@ -38,7 +39,7 @@ def get_config(arg: str | None = None):
     c.model.head_dim = 32
     c.data.task = "tool_multiplication"
     c.data.digits = 3
-    c.data.tool_rate = 0.25
+    c.data.tool_rate = 0.4
     c.data.num_train = 4096
     c.data.num_val = 256
     c.data.apply_chat_template = True
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None):
     c.rollout.n = a.n
     # The whole two-turn response: an 81-token call, its newline, the 24-token tool
     # block and the answer.
-    c.rollout.response_length = 128
+    c.rollout.response_length = 116
     c.rollout.multi_turn.enable = True
     c.rollout.multi_turn.tool_config_path = "configs/tools/calculator.yaml"
     c.rollout.multi_turn.max_assistant_turns = 2
@@ -55,7 +56,7 @@ def get_config(arg: str | None = None):
     c.rollout.multi_turn.max_tool_response_tokens = 32
     # The character chat template ends every turn with a newline.
     c.rollout.multi_turn.turn_stop_ids = tuple(CharTokenizer().encode("\n"))
-    c.sft.steps = 400
+    c.sft.steps = 600
     c.sft.batch_size = 64
     c.sft.lr = 1e-3
     c.sft.lr_warmup_steps = 50

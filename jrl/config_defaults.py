@@ -231,6 +231,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.multi_turn.max_tool_response_tokens = 64
     # Token ids that end a turn besides the EOS ids (e.g. a tool-call closing token).
     c.rollout.multi_turn.turn_stop_ids = ()
+    # Decoding returns to the host (to run tools) once this share of the rows have
+    # ended their turn; the rest resume where they stopped (1.0: wait for every row).
+    c.rollout.multi_turn.segment_end_fraction = 0.5
     c.rollout.val_kwargs = ml_collections.ConfigDict()
     # Validation samples per prompt.
     c.rollout.val_kwargs.n = 1

@@ -114,12 +114,17 @@ def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budge
 
 
 def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_stop_ids,
-                    config: ModelConfig) -> TurnState:
-    """Decodes until no row is active or the cache is full."""
+                    config: ModelConfig, end_fraction: float) -> TurnState:
+    """Decodes until no row is active, the cache is full, or `end_fraction` of the rows
+    that started the segment have ended their turn (their tools can run meanwhile; the
+    rows still decoding go on in the next segment)."""
     num_slots_ = state.key_mask.shape[1]
+    started = jnp.sum(state.active | state.turn_ended)
+    enough = jnp.ceil(end_fraction * started).astype(jnp.int32)
 
     def going(state):
-        return jnp.any(state.active) & (state.slot < num_slots_)
+        return (jnp.any(state.active) & (state.slot < num_slots_)
+                & (jnp.sum(state.turn_ended) < jnp.maximum(enough, 1)))
 
     def step(state):
         feed = state.active
@@ -163,9 +168,10 @@ def _new_segment(state: TurnState) -> TurnState:
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "block_len", "turn_stop_ids",
-                                             "config"))
+                                             "config", "end_fraction"))
 def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, block_len: int,
-          turn_stop_ids: tuple[int, ...], config: ModelConfig) -> TurnState:
+          turn_stop_ids: tuple[int, ...], config: ModelConfig,
+          end_fraction: float = 1.0) -> TurnState:
     """Prefill of the `[B, P]` left-padded prompts (each repeated `sampling.n` times),
     then the first segment. `sampling.max_new_tokens` is the response budget R;
     `block_len` the width of `resume`'s blocks (pending token + the most tool tokens)."""
@@ -193,14 +199,15 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
     )
     row_keys = _row_keys(rng, num_rows)
     state = _emit(state, logits, row_keys, sampling, budget, turn_stop_ids)
-    return _decode_segment(params, state, row_keys, sampling, budget, turn_stop_ids, config)
+    return _decode_segment(params, state, row_keys, sampling, budget, turn_stop_ids, config,
+                           end_fraction)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "turn_stop_ids", "config"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("sampling", "turn_stop_ids", "config",
+                                             "end_fraction"), donate_argnames=("state",))
 def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
-           sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig
-           ) -> TurnState:
+           sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
+           end_fraction: float = 1.0) -> TurnState:
     """Appends each row's block (`[N, T]` int32, LEFT-padded: `block_mask` 1 on its real
     tokens; T = `start`'s `block_len`) and decodes the next segment for the rows with a
     non-empty block. A block starts with the row's pending token (sampled, already
@@ -224,7 +231,7 @@ def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
     state = _compact(state)
     state = _emit(state, logits, _row_keys(rng, num_rows), sampling, budget, turn_stop_ids)
     return _decode_segment(params, state, _row_keys(rng, num_rows), sampling, budget,
-                           turn_stop_ids, config)
+                           turn_stop_ids, config, end_fraction)
 
 
 def _per_layer(params, config: ModelConfig):
@@ -258,6 +265,9 @@ class MultiTurnConfig:
       max_parallel_calls: tool calls run at once (threads).
       turn_stop_ids: tokens that end a turn besides the end-of-turn (EOS) ids, e.g. a
         tool-call closing token.
+      segment_end_fraction: a decoding segment returns to the host once this share of
+        its rows have ended their turn (1.0: when all have), so their tools run while
+        fewer rows sit idle; the others resume where they stopped.
     """
 
     max_assistant_turns: int = 4
@@ -269,6 +279,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = 5.0
     max_parallel_calls: int = 16
     turn_stop_ids: tuple[int, ...] = ()
+    segment_end_fraction: float = 0.5
 
 
 @dataclasses.dataclass
@@ -403,7 +414,8 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     block_len = mt.max_tool_response_tokens + 1
     stop_ids = () if sampling.ignore_stop else tuple(
         dict.fromkeys((*sampling.stop_token_ids, *mt.turn_stop_ids)))
-    program = dict(sampling=sampling, turn_stop_ids=stop_ids, config=config)
+    program = dict(sampling=sampling, turn_stop_ids=stop_ids, config=config,
+                   end_fraction=mt.segment_end_fraction)
     ids_d, mask_d = put((prompt_ids, prompt_mask))
     state = start(params, ids_d, mask_d, rng, block_len=block_len, **program)
 
@@ -437,8 +449,9 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                 blocks[row] = ([int(last[row])], 0)
                 cache_cuts += 1
                 continue
-            if not ended[row]:  # out of budget
+            if not ended[row]:  # out of budget, mid-turn
                 finished[row] = True
+                assistant_turns[row] += bool(turn[row])
                 continue
             assistant_turns[row] += 1
             text = tokenizer.decode(turn[row], skip_special_tokens=False)

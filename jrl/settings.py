@@ -264,6 +264,14 @@ class MultiTurnSettings:
     tool_config_path: str
 
 
+def _fraction(config) -> float:
+    key = "rollout.multi_turn.segment_end_fraction"
+    value = _get(config, key) if "segment_end_fraction" in config.rollout.multi_turn else 0.5
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        _fail(key, f"must be in (0, 1], got {value!r}")
+    return float(value)
+
+
 def _multi_turn(config) -> MultiTurnSettings | None:
     key = "rollout.multi_turn"
     if "multi_turn" not in config.rollout or not _get(config, f"{key}.enable"):
@@ -288,7 +296,7 @@ def _multi_turn(config) -> MultiTurnSettings | None:
                                             get("tool_response_truncate_side"),
                                             multi_turn.TRUNCATE_SIDES),
         tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
-        turn_stop_ids=stops)
+        turn_stop_ids=stops, segment_end_fraction=_fraction(config))
     return MultiTurnSettings(mt, os.path.expanduser(path))
 
 

@@ -278,8 +278,11 @@ class RLTrainer:
                        states.critic.opt_state)]
         prompts = s.train_batch_size if s.filter_groups is None else s.filter_groups.gen_batch_size
         rows = prompts * s.rollout.n
-        slots = decode_attention.cache_slots(m.decode_attention_impl, m.head_dim,
-                                             s.max_prompt_length + s.rollout.max_new_tokens)
+        # A multi-turn rollout's cache also holds one tool block (`jrl.multi_turn`).
+        block = 0 if s.multi_turn is None else s.multi_turn.config.max_tool_response_tokens + 1
+        slots = decode_attention.cache_slots(
+            m.decode_attention_impl, m.head_dim,
+            s.max_prompt_length + s.rollout.max_new_tokens + block)
         shape = (rows, m.num_kv_heads, slots, m.head_dim)
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
         cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
@@ -389,7 +392,8 @@ class RLTrainer:
             {f.name: a.get(f.name) for f in dataclasses.fields(types.Rollout)}))
         extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
         return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), list(a["text"])),
-                       {"train/num_gen_batches": float(filled.num_gen_batches),
+                       {**self._rollout_metrics,  # multi-turn: the last round's
+                        "train/num_gen_batches": float(filled.num_gen_batches),
                         "train/num_filtered_groups": float(filled.num_filtered_groups)})
 
     def _rewards(self, state, sampled: Sampled, exp: types.Experience, gen_key):

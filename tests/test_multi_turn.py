@@ -1,7 +1,6 @@
 """Multi-turn rollouts: the kept cache gives the log-probs of the whole row, and the
 rows' tokens and masks are the chat template applied to the whole conversation."""
 
-import dataclasses
 import json
 import re
 import string
@@ -67,8 +66,8 @@ def test_log_probs_of_the_whole_row_equal_the_samplers_turn_by_turn(monkeypatch,
                                     max_tool_response_tokens=24, turn_stop_ids=stops)
     ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: "], 24)
     out = multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling,
-                              config=config, tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)},
-                              mt=mt)
+                              config=config, tokenizer=CHAR,
+                              tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
     m = out.metrics
     assert m["num_turns/max"] >= 3 and m["multi_turn/segments"] >= 3
     if stop_chars == "a\n":  # long turns: some rows are cut by the cache's end and go on
@@ -236,7 +235,7 @@ def test_rows_equal_the_template_applied_to_the_whole_conversation(monkeypatch, 
         pieces = _by_hand(whole, _SPECIAL if kind == "hf" else [])
         trained = np.zeros(len(pieces), np.int32)
         offset, position = 0, 0
-        for k, turn in enumerate(conv):
+        for turn in conv:
             text = turn + turn_end
             at = whole.index(text, offset)
             first = len(_by_hand(whole[:at], _SPECIAL if kind == "hf" else []))

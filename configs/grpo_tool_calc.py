@@ -23,7 +23,7 @@ Variants: `--config=configs/grpo_tool_calc.py:seed=1,steps=30` (n, lr, steps, se
 from jrl.config_defaults import base_config, parse_arg
 from jrl.data.tokenizers import CharTokenizer
 
-ARG_DEFAULTS = dict(n=8, lr=2e-4, steps=40, seed=0)
+ARG_DEFAULTS = dict(n=8, lr=2e-4, steps=20, seed=0)
 
 
 def get_config(arg: str | None = None):

@@ -173,5 +173,8 @@ def test_char_tokenizer_chat_template_and_errors():
     assert not tok.apply_chat_template(MESSAGES[:2], add_generation_prompt=False).endswith(" ")
     with pytest.raises(ValueError, match=r"cannot encode 'é' \(U\+00E9\)"):
         tok.encode("café")
-    with pytest.raises(ValueError, match="unknown chat role 'tool'"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    # Tool results (multi-turn rollouts) have a role of their own.
+    assert tok.apply_chat_template([{"role": "tool", "content": "42"}],
+                                   add_generation_prompt=False) == "Tool: 42\n"
+    with pytest.raises(ValueError, match="unknown chat role 'narrator'"):
+        tok.apply_chat_template([{"role": "narrator", "content": "x"}])

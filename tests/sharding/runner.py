@@ -28,8 +28,43 @@ def varied_reward(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": digits / 3.0, "acc": float(digits == 3)}
 
 
+def _always_call(tools_lib):
+    """Reads a turn without tool-call markup as the call `6*7` (a tiny model does not
+    write well-formed calls), so every row makes a second turn after a tool block."""
+    parse = tools_lib.parse_tool_calls
+
+    def parse_or_call(text, fmt):
+        calls, errors = parse(text, fmt)
+        if not calls and not errors:
+            calls = [tools_lib.ToolCall("calculator", {"expression": "6*7"})]
+        return calls, errors
+
+    tools_lib.parse_tool_calls = parse_or_call
+
+
 def tiny_mesh_config(algo: str, steps: int):
     from tests.trainer.tiny import tiny_config
+
+    if algo == "multi_turn":
+        from jrl import tools as tools_lib
+        from jrl.data.tokenizers import CharTokenizer
+
+        _always_call(tools_lib)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return tiny_config(**{
+            "data.task": "tool_multiplication", "data.digits": 2, "data.num_train": 64,
+            "data.apply_chat_template": True, "data.max_prompt_length": 24,
+            "data.train_batch_size": 8, "data.val_batch_size": 8,
+            "rollout.response_length": 48, "rollout.multi_turn.enable": True,
+            "rollout.multi_turn.tool_config_path": os.path.join(
+                root, "configs", "tools", "calculator.yaml"),
+            "rollout.multi_turn.max_assistant_turns": 3,
+            "rollout.multi_turn.max_tool_response_tokens": 24,
+            # Turns end at frequent characters, so rows take turns of different lengths.
+            "rollout.multi_turn.turn_stop_ids": tuple(CharTokenizer().encode("\n0123")),
+            "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8,
+            "actor.optim.lr": 1e-2, "trainer.total_training_steps": steps,
+            "algorithm.adv_estimator": "grpo"})
 
     overrides = {
         "data.train_batch_size": 8, "data.val_batch_size": 8,
@@ -48,7 +83,7 @@ def tiny_mesh_config(algo: str, steps: int):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
+    parser.add_argument("--algo", choices=("grpo", "ppo", "multi_turn"), default="grpo")
     parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)

@@ -21,7 +21,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTOL, ATOL = 2e-3, 1e-5
 # Wall-clock metrics differ between runs by nature.
-_SKIP = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/mfu")
+_SKIP = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/mfu",
+         "multi_turn/tool_latency_s")
 
 
 def _env(devices_per_process: int) -> dict:
@@ -92,6 +93,17 @@ def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list
             p.kill()
     assert codes == [0, 0]
     return json.loads(out.read_text())["8,1,1"]
+
+
+def test_multi_turn_meshes_match_one_device(tmp_path):
+    """Multi-turn rollouts with a calculator (every turn ending at a newline or a digit
+    calls it) on (data=8) and (data=2, fsdp=2, tensor=2) vs one device."""
+    runs = _run(tmp_path, "multi_turn", "1,1,1 8,1,1 2,2,2", steps=2)
+    expected = runs["1,1,1"]
+    assert all(r["multi_turn/tool_calls/total"] > 0 for r in expected)
+    assert max(r["multi_turn/segments"] for r in expected) >= 2
+    for mesh in ("8,1,1", "2,2,2"):
+        assert_same_metrics(expected, runs[mesh])
 
 
 def test_two_processes_match_one_process(tmp_path):

@@ -47,11 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jrl import tools as tools_lib
 from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
-from jrl.rollout import SamplingConfig, _prefill, sample_tokens
+from jrl.rollout import SamplingConfig, _prefill, per_layer, row_keys, sample_tokens
 from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
@@ -76,10 +77,6 @@ class TurnState:
     seg_len: jax.Array  # int32 [N]
     cache: KVCache
     key_mask: jax.Array  # int32 [N, S]
-
-
-def _row_keys(rng, num_rows):
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
 
 
 def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budget: int,
@@ -178,7 +175,7 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
     budget = sampling.max_new_tokens
     repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, sampling.n, axis=0), axes)
     prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
-    params = _per_layer(params, config)
+    params = per_layer(params, config)
     logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask,
                                           budget + block_len, config)
     logits, key_mask = repeat(logits_bv), repeat(key_mask)
@@ -197,9 +194,9 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
         cache=cache,
         key_mask=key_mask,
     )
-    row_keys = _row_keys(rng, num_rows)
-    state = _emit(state, logits, row_keys, sampling, budget, turn_stop_ids)
-    return _decode_segment(params, state, row_keys, sampling, budget, turn_stop_ids, config,
+    keys = row_keys(rng, num_rows)
+    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
                            end_fraction)
 
 
@@ -214,7 +211,7 @@ def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
     counted); `added [N]` is how many of its tokens are new to the response (the tool
     block's), which count against the budget."""
     budget = sampling.max_new_tokens
-    params = _per_layer(params, config)
+    params = per_layer(params, config)
     state = _compact(_new_segment(state))
     block_mask = block_mask.astype(jnp.int32)
     num_rows, block_len = block_ids.shape
@@ -229,20 +226,14 @@ def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
                           positions=state.positions + lengths, active=going,
                           used=state.used + added.astype(jnp.int32))
     state = _compact(state)
-    state = _emit(state, logits, _row_keys(rng, num_rows), sampling, budget, turn_stop_ids)
-    return _decode_segment(params, state, _row_keys(rng, num_rows), sampling, budget,
-                           turn_stop_ids, config, end_fraction)
-
-
-def _per_layer(params, config: ModelConfig):
-    """The layers' weights as separate arrays, sliced once rather than at every step."""
-    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
-                                      for i in range(config.num_layers))}
+    keys = row_keys(rng, num_rows)
+    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
+                           end_fraction)
 
 
 # ----------------------------------------------------------------------------- the host loop
 
-TOOL_CALL_FORMATS = ("hermes", "llama3")
 TRUNCATE_SIDES = ("left", "right", "middle")
 # Stand-in assistant content, to find what a chat template writes after it.
 _MARK = "MARK7"
@@ -404,8 +395,6 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     Returns:
       `MultiTurnOutput`.
     """
-    from jrl import tools as tools_lib  # the tools import nothing from here
-
     put = put or (lambda xs: jax.tree.map(jnp.asarray, xs))
     template = template or TurnTemplate(tokenizer)
     prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -432,7 +421,7 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     user_turns = np.zeros(num_rows, np.int32)
     calls_per_row = np.zeros(num_rows, np.int32)
     tool_rewards = np.zeros(num_rows, np.float32)
-    num_errors, latencies, cut_blocks, cache_cuts, segments = 0, [], 0, 0, 0
+    all_results, parse_errors, cut_blocks, cache_cuts, segments = [], 0, 0, 0, 0
     while True:
         segments += 1
         seg_tokens, seg_lp, seg_len, ended, active, used, last = jax.device_get(
@@ -470,12 +459,11 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
         by_row: dict[int, list] = {}
         for (row, _), result in zip(flat, results, strict=True):
             by_row.setdefault(row, []).append(result)
-            latencies.append(result.latency_s)
-            num_errors += result.error is not None
+            all_results.append(result)
             tool_rewards[row] += result.reward
         for row, calls, errors in pending_calls:
             calls_per_row[row] += len(calls)
-            num_errors += len(errors)
+            parse_errors += len(errors)
             messages = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
             messages += tools_lib.tool_messages(by_row.get(row, []))
             messages = [{**m, "content": truncate(m["content"], mt.max_tool_response_length,
@@ -507,17 +495,18 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
         tool_rewards[row] += sum(tools_lib.release_instances(tools, row_id).values())
     out = _assemble(tokens, trained, log_probs, budget, sampling.pad_token_id)
     turns = assistant_turns + user_turns
+    calls = tools_lib.call_metrics(all_results)
     metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
                "num_turns/min": float(turns.min()),
                "multi_turn/assistant_turns/mean": float(assistant_turns.mean()),
                "multi_turn/tool_calls/mean": float(calls_per_row.mean()),
                "multi_turn/tool_calls/total": float(calls_per_row.sum()),
-               "multi_turn/tool_errors": float(num_errors),
+               "multi_turn/tool_errors": calls["tools/errors"] + parse_errors,
                "multi_turn/tool_blocks_cut": float(cut_blocks),
                "multi_turn/segments": float(segments),
                "multi_turn/cache_cuts": float(cache_cuts),
-               "multi_turn/tool_latency_s/mean": float(np.mean(latencies)) if latencies else 0.0,
-               "multi_turn/tool_latency_s/max": float(np.max(latencies)) if latencies else 0.0}
+               "multi_turn/tool_latency_s/mean": calls["tools/latency_mean_s"],
+               "multi_turn/tool_latency_s/max": calls["tools/latency_max_s"]}
     return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
                            np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
                            tool_rewards=tool_rewards, tool_calls=calls_per_row,

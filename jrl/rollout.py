@@ -254,12 +254,9 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
     num_rows, prompt_len = row_prompt_ids.shape
     num_new = sampling.max_new_tokens
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
+    keys = row_keys(rng, num_rows)
     prompt_lengths = jnp.sum(row_prompt_mask, axis=1)
-
-    # The layers' weights as separate arrays, sliced once here rather than at every step.
-    params = {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
-                                        for i in range(config.num_layers))}
+    params = per_layer(params, config)
     # The n samples of a prompt share its prefill: run it once per prompt, then copy
     # the cache to the n rows.
     logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config)
@@ -275,14 +272,14 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
         cache=cache,
         key_mask=key_mask,
     )
-    state = _emit(state, logits_nv, row_keys, sampling)
+    state = _emit(state, logits_nv, keys, sampling)
 
     def not_finished(state: _DecodeState) -> jax.Array:
         return (state.step < num_new) & ~jnp.all(state.done)
 
     def decode(state: _DecodeState) -> _DecodeState:
         logits_nv, state = _decode_step(params, state, prompt_len, prompt_lengths, config)
-        return _emit(state, logits_nv, row_keys, sampling)
+        return _emit(state, logits_nv, keys, sampling)
 
     state = lax.while_loop(not_finished, decode, state)
     response_mask = jnp.arange(num_new)[None, :] < state.lengths[:, None]
@@ -297,6 +294,18 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
 
 
 _generate = jax.jit(generate_program, static_argnames=("sampling", "config"))
+
+
+def row_keys(rng, num_rows: int) -> jax.Array:
+    """`[num_rows]` keys, `fold_in(rng, r)` for row r (see the module docstring)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
+
+
+def per_layer(params, config: ModelConfig):
+    """`params` with the layers' weights as separate arrays, sliced once per program
+    rather than at every decode step."""
+    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
+                                      for i in range(config.num_layers))}
 
 
 def _prefill(params, prompt_ids, prompt_mask, num_new, config):

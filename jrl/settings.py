@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from jrl import advantages, kl_control, losses, masks, multi_turn, optim, rollout
+from jrl import advantages, kl_control, losses, masks, multi_turn, optim, rollout, tools
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
 from jrl.rewards import custom, reward_model, scoring
@@ -291,7 +291,7 @@ def _multi_turn(config) -> MultiTurnSettings | None:
     if not all(isinstance(t, int) and t >= 0 for t in stops):
         _fail(f"{key}.turn_stop_ids", f"must be token ids (integers >= 0), got {stops!r}")
     mt = multi_turn.MultiTurnConfig(
-        **ints, format=_choice(f"{key}.format", get("format"), multi_turn.TOOL_CALL_FORMATS),
+        **ints, format=_choice(f"{key}.format", get("format"), tools.FORMATS),
         tool_response_truncate_side=_choice(f"{key}.tool_response_truncate_side",
                                             get("tool_response_truncate_side"),
                                             multi_turn.TRUNCATE_SIDES),

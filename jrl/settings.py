@@ -264,14 +264,6 @@ class MultiTurnSettings:
     tool_config_path: str
 
 
-def _fraction(config) -> float:
-    key = "rollout.multi_turn.segment_end_fraction"
-    value = _get(config, key) if "segment_end_fraction" in config.rollout.multi_turn else 0.5
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        _fail(key, f"must be in (0, 1], got {value!r}")
-    return float(value)
-
-
 def _multi_turn(config) -> MultiTurnSettings | None:
     key = "rollout.multi_turn"
     if "multi_turn" not in config.rollout or not _get(config, f"{key}.enable"):
@@ -290,13 +282,17 @@ def _multi_turn(config) -> MultiTurnSettings | None:
     stops = (stops,) if isinstance(stops, int) else tuple(stops)
     if not all(isinstance(t, int) and t >= 0 for t in stops):
         _fail(f"{key}.turn_stop_ids", f"must be token ids (integers >= 0), got {stops!r}")
+    fraction = get("segment_end_fraction")
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not (
+            0 < fraction <= 1):
+        _fail(f"{key}.segment_end_fraction", f"must be in (0, 1], got {fraction!r}")
     mt = multi_turn.MultiTurnConfig(
         **ints, format=_choice(f"{key}.format", get("format"), tools.FORMATS),
         tool_response_truncate_side=_choice(f"{key}.tool_response_truncate_side",
                                             get("tool_response_truncate_side"),
                                             multi_turn.TRUNCATE_SIDES),
         tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
-        turn_stop_ids=stops, segment_end_fraction=_fraction(config))
+        turn_stop_ids=stops, segment_end_fraction=float(fraction))
     return MultiTurnSettings(mt, os.path.expanduser(path))
 
 

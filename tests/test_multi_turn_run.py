@@ -280,6 +280,11 @@ def test_multi_turn_settings_errors(tmp_path):
         "rollout.multi_turn.turn_stop_ids: must be token ids")
     assert _error(**{"rollout.multi_turn.tool_timeout_s": 0.0}).startswith(
         "rollout.multi_turn.tool_timeout_s: must be a positive number")
+    for fraction in (0.0, 1.5, -0.5):
+        assert _error(**{"rollout.multi_turn.segment_end_fraction": fraction}) == (
+            f"rollout.multi_turn.segment_end_fraction: must be in (0, 1], got {fraction!r}")
+    assert _settings(**_ON, **{"rollout.multi_turn.segment_end_fraction": 1}
+                     ).multi_turn.config.segment_end_fraction == 1.0
 
 
 @pytest.mark.parametrize("name", ["max_assistant_turns", "max_user_turns", "max_parallel_calls",

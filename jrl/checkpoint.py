@@ -32,8 +32,11 @@ class Checkpointer:
         self.manager.reload()
         return self.manager.latest_step()
 
-    def save(self, step: int, state, meta: dict) -> None:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    def save(self, step: int, state, meta: dict, **extra) -> None:
+        """Saves `state` and `meta`, and each `extra` pytree as an item of its own."""
+        items = {name: ocp.args.StandardSave(tree) for name, tree in extra.items()}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(meta), **items)
         self.manager.save(step, args=args, force=True)
         self.manager.wait_until_finished()
 
@@ -45,15 +48,27 @@ class Checkpointer:
         restored = self.manager.restore(step, args=args)
         return restored.state, restored.meta
 
+    def has_item(self, step: int, name: str) -> bool:
+        return os.path.isdir(os.path.join(self.directory, str(step), name))
+
+    def restore_item(self, step: int, name: str, like):
+        """One extra item of checkpoint `step` in the shapes and shardings of `like`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        args = ocp.args.Composite(**{name: ocp.args.StandardRestore(abstract)})
+        return self.manager.restore(step, args=args)[name]
+
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of step `step`, without reading its arrays."""
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         return dict(self.manager.restore(step, args=args).meta)
 
-    def save_train_state(self, step: int, state: TrainState, data: IteratorState) -> None:
+    def save_train_state(self, step: int, state: TrainState, data: IteratorState,
+                         **extra) -> None:
         """Saves a run after `step` RL steps: the models, optimizer states and KL
-        coefficient as arrays, the step and the data iterator's position as metadata."""
-        self.save(step, _tree(state), {"step": step, "data": dataclasses.asdict(data)})
+        coefficient as arrays, the step and the data iterator's position as metadata
+        (and `extra` items: a one-step asynchronous run's sampling weights)."""
+        self.save(step, _tree(state), {"step": step, "data": dataclasses.asdict(data)},
+                  **extra)
 
     def restore_train_state(self, step: int, like: TrainState, replicated
                             ) -> tuple[TrainState, int, IteratorState]:

@@ -205,6 +205,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)
     # Most response tokens (verl's data.max_response_length).
     c.rollout.response_length = 8
+    # One-step asynchronous training: the first this many devices (of each host) form
+    # a sampling group and the others train (the `mesh` keys then describe the training
+    # group); step t+1's rollout runs on the sampling group with the weights of step t
+    # while the training group learns from step t's. 0: one group (synchronous).
+    c.rollout.devices = 0
+    # The sampling group's tensor-parallel size (its data axis takes the rest).
+    c.rollout.tensor_model_parallel_size = 1
+    # Steps the sampling group's weights lag the update: 1 (one-step off-policy,
+    # sampling overlaps training) or 0 (wait for the new weights: no overlap).
+    c.rollout.staleness = 1
     c.rollout.multi_turn = ml_collections.ConfigDict()
     # Multi-turn rollouts with tools: the model calls tools between its turns; the
     # response budget (response_length) covers every turn and tool output.
@@ -277,6 +287,30 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.filter_groups.metric = "acc"
     # Most generation rounds per step before stopping with an error (0: no limit).
     c.algorithm.filter_groups.max_num_gen_batches = 10
+
+    c.algorithm.rollout_correction = ml_collections.ConfigDict()
+    # Correct the rollout/training mismatch (the sampler's log-probs vs the trainer's)
+    # by truncated importance sampling: None (off), "token" or "sequence".
+    c.algorithm.rollout_correction.rollout_is = config_dict.placeholder(str)
+    # The IS weights' truncation.
+    c.algorithm.rollout_correction.rollout_is_threshold = 2.0
+    # Divide the IS weights by their batch mean.
+    c.algorithm.rollout_correction.rollout_is_batch_normalize = False
+    # Rejection sampling: tokens ("token") or rows ("sequence": the product of the
+    # ratios; "geometric": their geometric mean) outside the bounds leave the loss.
+    c.algorithm.rollout_correction.rollout_rs = config_dict.placeholder(str)
+    # Rejection's upper bound on the ratio (needed with rollout_rs).
+    c.algorithm.rollout_correction.rollout_rs_threshold = config_dict.placeholder(float)
+    # Rejection's lower bound (None: 1 / rollout_rs_threshold).
+    c.algorithm.rollout_correction.rollout_rs_threshold_lower = config_dict.placeholder(float)
+    # Reject a whole row when a token's ratio is below this (None: off).
+    c.algorithm.rollout_correction.rollout_token_veto_threshold = config_dict.placeholder(
+        float)
+    # The rollout's log-probs are the old ones (no old-log-prob pass).
+    c.algorithm.rollout_correction.bypass_mode = False
+    # With bypass_mode: ppo_clip (the policy loss, its ratio to the rollout policy) or
+    # reinforce (-w A log pi with the IS weights w).
+    c.algorithm.rollout_correction.loss_type = "ppo_clip"
 
     c.mesh = ml_collections.ConfigDict()
     # Devices on the data-parallel axis (parameters replicated); -1: all the others leave.

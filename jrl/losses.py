@@ -130,14 +130,20 @@ def _metrics(clipfrac, ppo_kl, clipfrac_lower=0.0) -> dict[str, Array]:
     }
 
 
-def _agg(loss_bt, mask, cfg: PolicyLossConfig, normalizer, mode: str | None = None):
+def _agg(loss_bt, mask, cfg: PolicyLossConfig, normalizer, mode: str | None = None,
+         weights=None):
+    """Aggregates per-token losses, each first multiplied by its rollout-correction
+    weight (`weights`, detached; None: 1)."""
+    if weights is not None:
+        loss_bt = loss_bt * weights
     return agg_loss(loss_bt, mask, mode or cfg.loss_agg_mode, normalizer, cfg.loss_scale_factor)
 
 
 # ----------------------------------------------------------------------------- policy losses
 
 
-def vanilla(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def vanilla(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+            weights=None):
     """PPO clipped surrogate with asymmetric clipping and dual-clip.
 
     r = exp(clamp(logp - logp_old, ±20));
@@ -158,10 +164,11 @@ def vanilla(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer
         masked_mean(-log_ratio, response_mask),
         masked_mean(((clipped > loss3) & negative).astype(jnp.float32), response_mask),
     )
-    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def gspo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def gspo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+         weights=None):
     """GSPO: per-token ratio `sg(s_i) * pi / sg(pi)` with `s_i` the length-normalised
     sequence ratio; clipped like PPO; the per-token losses are aggregated by the configured
     `loss_agg_mode`, as verl 0.9's `compute_policy_loss_gspo` does (the GSPO paper's
@@ -180,17 +187,19 @@ def gspo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=No
         masked_mean((loss2 > loss1).astype(jnp.float32), response_mask),
         masked_mean(-log_ratio, response_mask),
     )
-    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def gpg(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def gpg(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+        weights=None):
     """GPG: plain policy gradient `-A * log pi` (no ratio, no clip)."""
     del rng
     metrics = _metrics(0.0, masked_mean(old_log_probs - log_probs, response_mask))
-    return _agg(-log_probs * advantages, response_mask, cfg, normalizer), metrics
+    return _agg(-log_probs * advantages, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def cispo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def cispo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+          weights=None):
     """CISPO: `-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi`."""
     del rng
     log_ratio = _log_ratio(log_probs, old_log_probs)
@@ -201,10 +210,11 @@ def cispo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=N
         masked_mean((ratio != clipped_ratio).astype(jnp.float32), response_mask),
         masked_mean(-log_ratio, response_mask),
     )
-    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def sapo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def sapo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+         weights=None):
     """SAPO: `-(4 / tau) * sigmoid(tau * (r - 1)) * A`, tau = tau_pos if A > 0 else
     tau_neg; always aggregated `seq-mean-token-mean`."""
     del rng
@@ -214,7 +224,8 @@ def sapo(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=No
     gates = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     metrics = _metrics(0.0, masked_mean(-log_ratio, response_mask))
     pg_losses = -gates * advantages
-    return _agg(pg_losses, response_mask, cfg, normalizer, "seq-mean-token-mean"), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, "seq-mean-token-mean",
+                weights), metrics
 
 
 def _ranked_first(score_n: Array, eligible_n: Array, k: Array) -> Array:
@@ -224,7 +235,8 @@ def _ranked_first(score_n: Array, eligible_n: Array, k: Array) -> Array:
     return eligible_n & (rank < k)
 
 
-def clip_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def clip_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+             weights=None):
     """Clip-Cov: PPO clip, and a random `clip_cov_ratio` share (at least one) of
     the unclipped tokens whose centred covariance `(A - mean A)(logp - mean logp)`
     lies in `(clip_cov_lb, clip_cov_ub)` is dropped from the loss."""
@@ -247,10 +259,11 @@ def clip_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalize
         masked_mean(detached.astype(jnp.float32), response_mask),
         masked_mean(old_log_probs - log_probs, response_mask),
     )
-    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def kl_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def kl_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+           weights=None):
     """KL-Cov: unclipped `-A r`, plus `ppo_kl_coef * |log r|` on the `kl_cov_ratio`
     share of valid tokens with the largest centred covariance of A and logp.
 
@@ -268,10 +281,11 @@ def kl_cov(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=
     top = _ranked_first(cov.reshape(-1), valid.reshape(-1), k).reshape(valid.shape)
     pg_losses = -advantages * ratio + jnp.where(top, cfg.ppo_kl_coef * abs_kl, 0.0)
     metrics = _metrics(0.0, masked_mean(abs_kl, response_mask))
-    return _agg(pg_losses, response_mask, cfg, normalizer), metrics
+    return _agg(pg_losses, response_mask, cfg, normalizer, weights=weights), metrics
 
 
-def geo_mean(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None):
+def geo_mean(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer=None, rng=None,
+             weights=None):
     """GMPO: per sequence, `-A_seq * exp(mean_t clip_sgn(log r_t))`, with the
     token log-ratio clipped to `[-eps_low, eps_high]` on the side the advantage's
     sign makes pessimistic; mean over sequences (`loss_agg_mode` is not used)."""
@@ -318,10 +332,22 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 def policy_loss(old_log_probs, log_probs, advantages, response_mask, cfg: PolicyLossConfig,
-                normalizer: LossNormalizer | None = None, rng=None):
-    """Dispatches to the loss named by `cfg.loss_mode`."""
+                normalizer: LossNormalizer | None = None, rng=None, weights=None):
+    """Dispatches to the loss named by `cfg.loss_mode`; `weights` (`[B, T]`, detached)
+    multiply each token's loss before aggregation (rollout correction's IS weights)."""
     fn = get_policy_loss(cfg.loss_mode)
-    return fn(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer, rng)
+    return fn(old_log_probs, log_probs, advantages, response_mask, cfg, normalizer, rng,
+              weights=weights)
+
+
+def reinforce(rollout_log_probs, log_probs, advantages, response_mask, cfg: PolicyLossConfig,
+              normalizer: LossNormalizer | None = None, weights=None):
+    """REINFORCE with IS weights, `-w A log pi` (rollout correction's bypass mode with
+    `loss_type='reinforce'`): no ratio, no clip; `actor/ppo_kl` is the mean of
+    `rollout - log pi`."""
+    metrics = _metrics(0.0, masked_mean(rollout_log_probs - log_probs, response_mask))
+    return _agg(-advantages * log_probs, response_mask, cfg, normalizer,
+                weights=weights), metrics
 
 
 # ----------------------------------------------------------------------------- value, entropy

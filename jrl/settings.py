@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from jrl import advantages, kl_control, losses, masks, multi_turn, optim, rollout, tools
+from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
 from jrl.rewards import custom, reward_model, scoring
@@ -119,9 +120,23 @@ class ActorSettings:
     # The update is on-policy and reads its old log-probs from its own forward pass
     # (`actor.reuse_update_log_probs` where it applies; `Settings` checks it does).
     on_policy: bool = False
+    # `algorithm.rollout_correction.*`: the rollout/training mismatch's correction.
+    correction: rollout_correction.RolloutCorrectionConfig = (
+        rollout_correction.RolloutCorrectionConfig())
+
+    @property
+    def skips_old_pass(self) -> bool:
+        """No separate old-log-prob pass: the update's own log-probs (on-policy) or the
+        rollout's (bypass mode) are the old ones; the update reports the entropy."""
+        return self.on_policy or self.correction.bypass_mode
 
     def __post_init__(self):
         self.loss.validate("actor")
+        self.correction.validate()
+        if self.correction.rollout_is is not None and self.loss.loss_mode == "geo_mean":
+            _fail("algorithm.rollout_correction.rollout_is", "per-token IS weights do not "
+                  "apply to actor.policy_loss.loss_mode='geo_mean' (one ratio per sequence); "
+                  "use rollout_rs, or another loss_mode")
         _set(self, entropy_coeff=float(self.entropy_coeff), use_kl_loss=bool(self.use_kl_loss),
              kl_loss_coef=float(_number("actor.kl_loss_coef", self.kl_loss_coef,
                                         allow_zero=True)))
@@ -314,6 +329,10 @@ class Settings:
     log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
     trainer: TrainerSettings = TrainerSettings(0, 0, True, 0, None)
     multi_turn: MultiTurnSettings | None = None  # None: single-turn rollouts
+    # One-step asynchronous training: devices of the sampling group (`rollout.devices`;
+    # 0: none) and how many steps its weights lag the update (`rollout.staleness`).
+    sampling_devices: int = 0
+    staleness: int = 1
 
     @property
     def needs_reference(self) -> bool:
@@ -347,6 +366,18 @@ class Settings:
                   f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
         if self.filter_groups is not None:
             self._check_filter_groups()
+        _set(self, sampling_devices=_number("rollout.devices", self.sampling_devices,
+                                            allow_zero=True, integer=True))
+        if self.staleness not in (0, 1):
+            _fail("rollout.staleness", f"must be 0 or 1 (steps the sampling group's weights "
+                  f"lag the update), got {self.staleness!r}")
+        if self.sampling_devices and estimator.needs_baseline:
+            _fail("rollout.devices", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  "decodes a greedy baseline with the current weights, which one-step "
+                  "asynchronous training does not support; use rollout.devices=0")
+        if self.actor.correction.enabled and not self.rollout.do_sample:
+            _fail("algorithm.rollout_correction", "needs the sampler's log-probs, which a "
+                  "greedy rollout (rollout.do_sample=False) does not have")
         if self.actor.on_policy and not on_policy(self):
             _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
                   "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
@@ -372,10 +403,13 @@ class Settings:
 def on_policy(s: Settings) -> bool:
     """Whether the actor's update is on-policy: one optimizer step from the state that
     sampled (one mini-batch, one epoch), so its own log-probs are the old ones; and
-    nothing needs those before the update (no KL in the reward, no critic warm-up)."""
-    update = s.actor.update
+    nothing needs those before the update (no KL in the reward, no critic warm-up, no
+    rollout correction that rejects or normalises over the whole batch, not bypass mode,
+    whose old log-probs are the rollout's)."""
+    update, c = s.actor.update, s.actor.correction
     return (update.mini_batch == s.train_batch_size * s.rollout.n and update.ppo_epochs == 1
-            and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0)
+            and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0
+            and not (c.bypass_mode or c.rejects or c.rollout_is_batch_normalize))
 
 
 def _get(config, key: str):
@@ -474,6 +508,14 @@ def _algorithm(config) -> AlgorithmSettings:
         norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, use_kl_in_reward=a.use_kl_in_reward,
         kl_penalty=a.kl_penalty, kl_ctrl_type=_get(config, "algorithm.kl_ctrl.type"),
         kl_coef=a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon)
+
+
+def _rollout_correction(config) -> rollout_correction.RolloutCorrectionConfig:
+    """`algorithm.rollout_correction.*` (checked by `ActorSettings`)."""
+    key = "algorithm.rollout_correction"
+    fields = dataclasses.fields(rollout_correction.RolloutCorrectionConfig)
+    return rollout_correction.RolloutCorrectionConfig(
+        **{f.name: _get(config, f"{key}.{f.name}") for f in fields})
 
 
 def _policy_loss(config) -> losses.PolicyLossConfig:
@@ -585,7 +627,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         entropy_coeff=_get(config, "actor.entropy_coeff"),
         use_kl_loss=_get(config, "actor.use_kl_loss"),
         kl_loss_coef=_get(config, "actor.kl_loss_coef"),
-        kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps))
+        kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps),
+        correction=_rollout_correction(config))
     critic = None
     if advantages.get_estimator(algorithm.adv_estimator).needs_values:
         critic = CriticSettings(
@@ -603,7 +646,9 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         logprob_chunk_size=_get(config, "actor.logprob_chunk_size"),
         reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
         log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
-        trainer=trainer, multi_turn=_multi_turn(config))
+        trainer=trainer, multi_turn=_multi_turn(config),
+        sampling_devices=_get(config, "rollout.devices"),
+        staleness=_get(config, "rollout.staleness"))
     if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
     return s

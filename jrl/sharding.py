@@ -309,7 +309,49 @@ def rules_from_config(rules_config) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(rules)
 
 
+def split_devices(num_sampling: int) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(sampling group, training group): the first `num_sampling` devices of each process
+    sample, the others train (`rollout.devices`; 0: no sampling group, all train)."""
+    if not num_sampling:
+        return [], list(jax.devices())
+    local = jax.local_device_count()
+    if not 0 < num_sampling < local:
+        raise ConfigError(f"rollout.devices={num_sampling}: a sampling group needs at least one "
+                          f"device and leaves at least one to train, of the {local} devices of "
+                          f"each process; use 1..{local - 1}, or 0 for one group")
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    sampling = [d for group in by_process.values() for d in group[:num_sampling]]
+    training = [d for group in by_process.values() for d in group[num_sampling:]]
+    return sampling, training
+
+
 def from_config(config) -> Sharder:
-    """The `Sharder` of an experiment config's `mesh` section, over all devices."""
-    return Sharder(make_mesh(MeshSettings.from_config(config.mesh)),
+    """The `Sharder` of an experiment config's `mesh` section, over the training devices
+    (all of them without a sampling group, `rollout.devices`)."""
+    _, training = split_devices(_rollout_devices(config))
+    return Sharder(make_mesh(MeshSettings.from_config(config.mesh), training),
                    rules_from_config(config.mesh.rules))
+
+
+def rollout_from_config(config) -> Sharder | None:
+    """The sampling group's `Sharder` (`rollout.devices`; its mesh: data x
+    `rollout.tensor_model_parallel_size`), or None without a sampling group."""
+    sampling, _ = split_devices(_rollout_devices(config))
+    if not sampling:
+        return None
+    tensor = config.rollout.tensor_model_parallel_size
+    if not (isinstance(tensor, int) and tensor > 0 and len(sampling) % tensor == 0):
+        raise ConfigError(f"rollout.tensor_model_parallel_size={tensor!r} must be a positive "
+                          f"integer dividing the sampling group's {len(sampling)} devices")
+    return Sharder(make_mesh(MeshSettings(data=-1, fsdp=1, tensor=tensor), sampling),
+                   rules_from_config(config.mesh.rules))
+
+
+def _rollout_devices(config) -> int:
+    devices = config.rollout.get("devices", 0)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 0:
+        raise ConfigError(f"rollout.devices={devices!r} must be an integer >= 0 (0: no "
+                          "sampling group)")
+    return devices

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from jrl import advantages as adv_lib
-from jrl import kl_control, logprobs, masks, update
+from jrl import kl_control, logprobs, masks, rollout_correction, update
 from jrl.models import heads, lora
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
@@ -33,7 +33,8 @@ from jrl.types import Experience, Rollout, TrainState
 
 # The batch fields each model's update reads.
 _ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                 "response_attention_mask", "old_log_probs", "advantages", "ref_log_probs")
+                 "response_attention_mask", "old_log_probs", "advantages", "ref_log_probs",
+                 "rollout_is_weights")
 _CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                   "response_attention_mask", "values", "returns")
 # The prefixes of `data_metrics`' keys.
@@ -131,10 +132,18 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
     LoRA base (see `init`); its adapters apply as `model.lora_rollout` says.
     """
     params = rollout_params(state, frozen, model=model, param_shardings=param_shardings)
+    return generate_from(params, prompt_ids, prompt_mask, key, sampling=sampling, model=model)
+
+
+def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingConfig,
+                  model: ModelConfig) -> Rollout:
+    """`generate` from the sampler's weights (`rollout_params`: e.g. a copy on another
+    group of devices, one-step asynchronous training)."""
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
                            config=sampling_model(model))
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
-                   responses=out.responses, response_mask=out.response_mask)
+                   responses=out.responses, response_mask=out.response_mask,
+                   rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)
 
 
 def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
@@ -166,7 +175,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
             s.log_prob_micro_batch)(params, *seq)
 
     old_log_probs, entropy = None, None
-    if not s.actor.on_policy:  # else the update's own forward pass gives them
+    if not s.actor.skips_old_pass:  # else the update's pass or the rollout gives them
         old_log_probs, entropy = log_probs(
             compute_params(actor_params(state, frozen), model), model)
     base_model = lora.without(model)
@@ -244,14 +253,23 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     """One step's update from its experience; `key` is the step's key (`fold_in(seed, step)`).
 
     Returns the new state and the step's scalar metrics (verl's names: the update's, the
-    entropy, the batch's data metrics), among them `actor/updated` (1 once the critic
-    warm-up is over: the actor's update metrics count only then). With LoRA (`frozen`,
-    the base) only the adapters in `state.actor` are updated.
+    entropy, the batch's data metrics, the rollout/training mismatch), among them
+    `actor/updated` (1 once the critic warm-up is over: the actor's update metrics count
+    only then). With LoRA (`frozen`, the base) only the adapters in `state.actor` are
+    updated. Rollout correction (`algorithm.rollout_correction`) with a separate
+    old-log-prob pass applies here, to the whole batch, before the advantages: its
+    rejections leave the loss mask and its IS weights go to the update.
     """
     _, actor_key, critic_key = jax.random.split(key, 3)
+    c, response_mask = s.actor.correction, exp.response_mask
+    is_weights = None
+    if c.enabled and not s.actor.skips_old_pass:
+        is_weights, kept = rollout_correction.correct(exp.old_log_probs, exp.rollout_log_probs,
+                                                      exp.response_mask, c)
+        exp = exp.replace(response_mask=kept)
     rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
     batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
-             "advantages": adv, "returns": returns}
+             "advantages": adv, "returns": returns, "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)
     if exp.entropy is not None:  # else the on-policy update reports it
         metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
@@ -269,14 +287,18 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
         config = critic_model(model, s)
         critic_loss = lambda params, *a: update.critic_loss(
             with_frozen(params, frozen, config), *a, model=config, critic=s.critic)
-        critic, m = update.run_updates(
+        critic, m, _ = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
             critic_key, lr,
             loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)
         metrics.update(_named("critic", m, lr))
-    actor, m = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
-                             actor_opt=actor_opt, critic_warmup=critic_warmup)
+    actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
+                                     actor_opt=actor_opt, critic_warmup=critic_warmup)
     metrics.update(m)
+    if exp.rollout_log_probs is not None:  # the trainer's log-probs against the sampler's
+        trained = exp.old_log_probs if exp.old_log_probs is not None else tokens["log_probs"]
+        metrics.update(rollout_correction.metrics(trained, exp.rollout_log_probs,
+                                                  response_mask, c))
     if s.actor.use_kl_loss:
         metrics["actor/kl_coef"] = jnp.float32(s.actor.kl_loss_coef)
     return TrainState(step=state.step + 1, actor=actor, critic=critic, kl=kl), metrics
@@ -293,15 +315,16 @@ def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
     actor_loss = lambda params, *a: update.actor_loss(
         with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
         chunk_size=s.logprob_chunk_size)
-    fields = {k: batch[k] for k in _ACTOR_FIELDS if batch.get(k) is not None}
+    names = _ACTOR_FIELDS + (("rollout_log_probs",) if s.actor.skips_old_pass else ())
+    fields = {k: batch[k] for k in names if batch.get(k) is not None}
 
     def run(actor):
-        actor, m = update.run_updates(actor, fields, key, lr, loss_fn=actor_loss,
-                                      optimizer=actor_opt, update=s.actor.update)
-        return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}
+        actor, m, tokens = update.run_updates(actor, fields, key, lr, loss_fn=actor_loss,
+                                              optimizer=actor_opt, update=s.actor.update)
+        return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}, tokens
 
     if first == 0:
         return run(state.actor)
-    shapes = jax.eval_shape(run, state.actor)[1]
-    skip = lambda actor: (actor, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    shapes = jax.eval_shape(run, state.actor)[1:]
+    skip = lambda actor: (actor, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
     return jax.lax.cond(state.step >= first, run, skip, state.actor)

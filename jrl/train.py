@@ -58,6 +58,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
     if start.kind == "finished":
         return _finished(config, workdir)
     sharder = sharder or sharding.from_config(config)
+    rollout_sharder = sharding.rollout_from_config(config)
     scorer, reward_model = experiment.build_reward(config, s, reward_fn)
     trainer = None
     try:  # reward workers and the checkpointer are closed however the run ends
@@ -73,7 +74,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
                             scorer, workdir, config.seed,
                             apply_chat_template=config.data.apply_chat_template,
                             data_seed=config.data.seed, sharder=sharder,
-                            reward_model=reward_model)
+                            reward_model=reward_model, rollout_sharder=rollout_sharder)
         if lead:
             print(trainer.memory_report(), flush=True)
         resumed = trainer.maybe_restore(start.resume_from)

@@ -18,10 +18,12 @@ what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -91,6 +93,16 @@ class Sampled(NamedTuple):
     metrics: dict[str, float]
 
 
+class _Pending(NamedTuple):
+    """A rollout running on the sampling group (one-step asynchronous training)."""
+
+    future: concurrent.futures.Future  # -> (Sampled, seconds it took)
+    weights: object  # the sampling group's weights it reads
+    step: int  # the RL step it is for
+    version: int  # the RL step whose weights it reads (step - staleness)
+    data: concurrent.futures.Future  # -> the data position before its prompts
+
+
 class RLTrainer:
     """Builds the jitted step functions for a mesh and runs the loop.
 
@@ -109,14 +121,28 @@ class RLTrainer:
       sharder: the mesh and its rules (default: every device on the `data` axis).
       reward_model: a `jrl.rewards.reward_model.RewardModel` whose scores replace the
         rule rewards (None: rule rewards).
+      rollout_sharder: the sampling group's mesh for one-step asynchronous training
+        (`sharding.rollout_from_config`; None: the training devices also sample).
     """
 
     def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,
                  train_rows, val_rows, reward_fn, workdir: str, seed: int,
                  apply_chat_template: bool = False, data_seed: int = 0,
-                 sharder: sharding_lib.Sharder | None = None, reward_model=None):
+                 sharder: sharding_lib.Sharder | None = None, reward_model=None,
+                 rollout_sharder: sharding_lib.Sharder | None = None):
         self.s = settings
         self.sharder = sharder or sharding_lib.Sharder(sharding_lib.make_mesh())
+        self.rollout_sharder = rollout_sharder
+        if rollout_sharder is not None:
+            overlap = set(rollout_sharder.mesh.devices.flat) & set(self.sharder.mesh.devices.flat)
+            if overlap:
+                raise ValueError(f"the sampling group and the training mesh share devices "
+                                 f"{sorted(d.id for d in overlap)}")
+        # One thread runs the sampling group's rollouts; `_local` keeps each thread's
+        # multi-turn metrics apart.
+        self._local, self._pending, self._resume_weights = threading.local(), None, None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "jrl-rollout") \
+            if rollout_sharder is not None else None
         self._check_batch_sizes()
         self.model, self.tokenizer = model, tokenizer
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -128,7 +154,7 @@ class RLTrainer:
                                                    settings.reward,
                                                    settings.rollout.max_new_tokens)
         self.chat, self.data_seed = apply_chat_template, data_seed
-        self.tools, self.turn_template, self._rollout_metrics = {}, None, {}
+        self.tools, self.turn_template = {}, None
         if settings.multi_turn is not None:
             self.tools = tools_lib.load_tools(settings.multi_turn.tool_config_path)
             self.turn_template = multi_turn.TurnTemplate(tokenizer)
@@ -207,6 +233,13 @@ class RLTrainer:
                                 sh.opt_state(self.critic_opt, critic_shapes, critic_shardings))
         self.state_shardings = types.TrainState(step=sh.replicated, actor=actor, critic=critic,
                                                 kl=sh.replicated)
+        self.sampler_shardings = None
+        if self.rollout_sharder is not None:  # the sampling group's copy of the weights
+            self._sampler_shapes = jax.eval_shape(
+                lambda p: step_lib.sampling_params(p, self.model)[1], full_shapes)
+            self.sampler_shardings = self.rollout_sharder.params(
+                param_logical_axes(step_lib.sampling_model(self.model), "lm"),
+                self._sampler_shapes)
 
     def _build_programs(self) -> None:
         """`step.init`, `step.forward` and `step.learn` jitted with the mesh's shardings
@@ -235,8 +268,18 @@ class RLTrainer:
             in_shardings=(states, frozen))
         self._step_keys = jax.jit(_step_keys)
 
-    def _generator(self, sampling: SamplingConfig) -> Callable:
-        """`step.generate` for `sampling`, compiled with the mesh's shardings."""
+    def _generator(self, sampling: SamplingConfig, group: bool = False) -> Callable:
+        """`step.generate` for `sampling`, compiled with the mesh's shardings; with
+        `group`, `step.generate_from` on the sampling group."""
+        if group:
+            if (sampling, group) not in self._generators:
+                b = self.rollout_sharder.batch()
+                self._generators[sampling, group] = jax.jit(
+                    functools.partial(step_lib.generate_from, sampling=sampling,
+                                      model=self.model),
+                    in_shardings=(self.sampler_shardings, b, b, self.rollout_sharder.replicated),
+                    out_shardings=b)
+            return self._generators[sampling, group]
         if sampling not in self._generators:
             b = self.sharder.batch()
             self._generators[sampling] = jax.jit(
@@ -252,7 +295,10 @@ class RLTrainer:
         return self.s.train_batch_size * self.s.rollout.n
 
     def close(self) -> None:
-        """Stops reward workers and closes the checkpointer."""
+        """Waits for a rollout in flight, stops reward workers and closes the checkpointer."""
+        if self._executor is not None:
+            self._pending = None
+            self._executor.shutdown(wait=True)
         self.scorer.close()
         self.checkpointer.close()
 
@@ -287,6 +333,11 @@ class RLTrainer:
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
         cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
         parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
+        if self.sampler_shardings is not None:  # per device of the sampling group
+            parts.append(("sampling group: weights (x2 at a step)", self._sampler_shapes,
+                          self.sampler_shardings))
+            rollout_cache = [self.rollout_sharder.named(CACHE_LOGICAL_AXES, shape)] * len(cache)
+            parts.append(("sampling group: KV cache", cache, rollout_cache))
         lines = [f"mesh {dict(sh.mesh.shape)} over {sh.mesh.devices.size} devices; per device:"]
         for name, tree, shardings in parts:
             nbytes = sh.bytes_per_device(tree, shardings)
@@ -307,6 +358,13 @@ class RLTrainer:
         try:
             self.state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, self.sharder.replicated)
+            if self.rollout_sharder is not None and checkpointer.has_item(
+                    step, "rollout_weights"):
+                like = jax.tree.map(
+                    lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=sharding),
+                    self._sampler_shapes, self.sampler_shardings)
+                self._resume_weights = checkpointer.restore_item(step, "rollout_weights", like)
         finally:
             if checkpointer is not self.checkpointer:
                 checkpointer.close()
@@ -317,12 +375,17 @@ class RLTrainer:
         return True
 
     def save(self) -> None:
-        self.checkpointer.save_train_state(self.step, self.state, self.data)
+        """Checkpoints the run; with a rollout in flight (one-step asynchronous), also the
+        sampling weights it reads, so that a resumed run samples it again exactly."""
+        extra = {} if self._pending is None else {"rollout_weights": self._pending.weights}
+        self.checkpointer.save_train_state(self.step, self.state, self.data, **extra)
 
     # -- one step ------------------------------------------------------------------------------
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step (the module docstring's data path); returns its metrics."""
+        if self.rollout_sharder is not None:
+            return self._train_step_async(iterator)
         timer, state = Timer(), self.state
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
@@ -336,45 +399,119 @@ class RLTrainer:
         timing = timer.done()
         return {**step_metrics, **timing, **self._perf_metrics(step_metrics, timer.seconds)}
 
-    def _generate(self, state, rows, sampling: SamplingConfig, key) -> types.Rollout:
+    def _train_step_async(self, iterator: BatchIterator) -> dict[str, float]:
+        """One step of one-step asynchronous training: this step's rollout was sampled on
+        the sampling group from the previous step's weights (`rollout.staleness=1`; the
+        first step's from its own), and the next step's starts there, from this step's
+        weights, before this step learns; the training group then learns as `train_step`
+        does, the two groups working at once."""
+        timer, state, s = Timer(), self.state, self.s
+        if self._pending is None:  # the first step, after a resume, or staleness 0
+            weights, version = self._resume_weights, self.step - 1
+            if weights is None:
+                weights, version = self._sampler_weights(state), self.step
+            self._resume_weights = None
+            self._pending = self._submit(weights, iterator, self.step, version)
+        pending = self._pending
+        self._pending = None
+        if s.staleness == 1 and self.step + 1 < s.total_steps:
+            self._pending = self._submit(self._sampler_weights(state), iterator, self.step + 1,
+                                         self.step)
+        with self.sharder.active():
+            key, gen_key = self._step_keys(self.root_key, state.step)
+            sampled, gen_seconds = timer("wait_rollout", pending.future.result)
+            rollout = jax.tree.map(lambda x: jax.device_put(x, self.sharder.batch(x.ndim)),
+                                   sampled.rollout)
+            exp = timer("forward", self._forward, state, self.ref_params, rollout, self.frozen)
+            exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)
+            state, learned = timer("learn", self._learn, state, exp, key, self.frozen)
+            step_metrics.update(self._learn_metrics(jax.device_get(learned)))
+        self.state, self.step = state, self.step + 1
+        # A checkpoint's data position is before the pending rollout's prompts: a resumed
+        # run draws them again and samples them from the saved sampling weights.
+        self.data = iterator.state if self._pending is None else self._pending.data.result()
+        timing = timer.done()
+        step_metrics.update({"timing_s/gen": gen_seconds,
+                             "async/staleness": float(pending.step - pending.version)})
+        return {**step_metrics, **timing, **self._perf_metrics(step_metrics, timer.seconds)}
+
+    def _sampler_weights(self, state):
+        """The actor's weights as the sampler reads them, moved to the sampling group
+        (device to device)."""
+        return jax.device_put(self._rollout_params(state, self.frozen), self.sampler_shardings)
+
+    def _submit(self, weights, iterator: BatchIterator, step: int, version: int) -> _Pending:
+        """Starts step `step`'s rollout on the sampling group, from `weights` (those of
+        step `version`), in the rollout thread; its prompts are drawn there, in order."""
+        key = _step_keys(self.root_key, step)[1]
+        data = concurrent.futures.Future()
+
+        def job():
+            data.set_result(iterator.state)
+            start = time.perf_counter()
+            with self.rollout_sharder.active():
+                sampled = self._sample(None, iterator, key, weights)
+                jax.block_until_ready(sampled.rollout)
+            return sampled, time.perf_counter() - start
+
+        return _Pending(self._executor.submit(job), weights, step, version, data)
+
+    def _generate(self, state, rows, sampling: SamplingConfig, key,
+                  weights=None) -> types.Rollout:
         """Encodes the prompts on the host, splits them over the mesh's batch axes and
-        samples; the rollout stays on the devices."""
+        samples from `state`'s actor; the rollout stays on the devices. With `weights`
+        (the sampling group's copy, `_sampler_weights`) the sampling group samples, and
+        the rollout is on its devices."""
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
                                                  self.chat)
         check_inputs(prompt_ids, prompt_mask, sampling, self.model)
         if self.s.multi_turn is not None:
-            return self._generate_turns(state, rows, prompt_ids, prompt_mask, sampling, key)
+            return self._generate_turns(state, rows, prompt_ids, prompt_mask, sampling, key,
+                                        weights)
+        if weights is not None:
+            prompt_ids, prompt_mask = self.rollout_sharder.put_batch((prompt_ids, prompt_mask))
+            key = jax.device_put(key, self.rollout_sharder.replicated)
+            return self._generator(sampling, group=True)(weights, prompt_ids, prompt_mask, key)
         prompt_ids, prompt_mask = self.sharder.put_batch((prompt_ids, prompt_mask))
         return self._generator(sampling)(state, prompt_ids, prompt_mask, key, self.frozen)
 
-    def _generate_turns(self, state, rows, prompt_ids, prompt_mask, sampling, key):
+    def _generate_turns(self, state, rows, prompt_ids, prompt_mask, sampling, key, weights):
         """A multi-turn rollout with tools (`jrl.multi_turn`): the device decodes, the
-        host runs the tools between turns. Its metrics go to `_rollout_metrics`."""
+        host runs the tools between turns. Its metrics go to `_local.metrics`."""
+        sharder = self.sharder if weights is None else self.rollout_sharder
+        if weights is None:
+            weights = self._rollout_params(state, self.frozen)
+        else:
+            key = jax.device_put(key, sharder.replicated)
         out = multi_turn.generate(
-            self._rollout_params(state, self.frozen), prompt_ids, prompt_mask, key,
+            weights, prompt_ids, prompt_mask, key,
             sampling=sampling, config=step_lib.sampling_model(self.model),
             tokenizer=self.tokenizer, tools=self.tools, mt=self.s.multi_turn.config,
             tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs") for row in rows],
-            put=self.sharder.put_batch, template=self.turn_template)
-        self._rollout_metrics = out.metrics
-        return types.Rollout(**self.sharder.put_batch(dict(
+            put=sharder.put_batch, template=self.turn_template)
+        self._local.metrics = out.metrics
+        return types.Rollout(**sharder.put_batch(dict(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
-            response_mask=out.response_mask, response_attention_mask=out.attention_mask)))
+            response_mask=out.response_mask, response_attention_mask=out.attention_mask,
+            rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)))
 
-    def _sample(self, state, iterator: BatchIterator, key) -> Sampled:
+    def _sample(self, state, iterator: BatchIterator, key, weights=None) -> Sampled:
         """The step's rollout, its scoring started; with `algorithm.filter_groups`, DAPO's
-        rounds of `data.gen_batch_size` prompts until `train_batch_size` groups vary."""
+        rounds of `data.gen_batch_size` prompts until `train_batch_size` groups vary.
+        `weights`: sample on the sampling group (`_generate`)."""
         n, fg = self.s.rollout.n, self.s.filter_groups
+        self._local.metrics = {}
         if fg is None:
             rows = iterator.next_batch()
-            out = self._generate(state, rows, self.s.rollout, key)
+            out = self._generate(state, rows, self.s.rollout, key, weights)
             return Sampled(rows, out, self.scorer.submit(rows, out.responses,
                                                          out.attention_mask(), n),
-                           dict(self._rollout_metrics))
+                           dict(self._local.metrics))
         errors = []
 
         def sample(rows, round_):
-            out = self._generate(state, rows, self.s.rollout, jax.random.fold_in(key, round_))
+            out = self._generate(state, rows, self.s.rollout, jax.random.fold_in(key, round_),
+                                 weights)
             scores, extras, num_errors, texts = self.scorer.submit(
                 rows, out.responses, out.attention_mask(), n)()
             errors.append(num_errors)
@@ -392,7 +529,7 @@ class RLTrainer:
             {f.name: a.get(f.name) for f in dataclasses.fields(types.Rollout)}))
         extras = {k.removeprefix("extra/"): v for k, v in a.items() if k.startswith("extra/")}
         return Sampled(filled.rows, out, lambda: (a["score"], extras, sum(errors), list(a["text"])),
-                       {**self._rollout_metrics,  # multi-turn: the last round's
+                       {**self._local.metrics,  # multi-turn: the last round's
                         "train/num_gen_batches": float(filled.num_gen_batches),
                         "train/num_filtered_groups": float(filled.num_filtered_groups)})
 
@@ -426,8 +563,11 @@ class RLTrainer:
         m = {k: float(v) for k, v in m.items()
              if not (np.isnan(v) and k.startswith(step_lib.DATA_METRICS))}
         if not m.pop("actor/updated"):
+            # Without an old-log-prob pass the mismatch is measured by the update's pass.
+            from_update = ("actor/", "rollout_corr/", "training/rollout_") if \
+                self.s.actor.skips_old_pass else ("actor/",)
             m = {k: v for k, v in m.items()
-                 if not k.startswith("actor/") or k in self._NOT_ACTOR_UPDATE}
+                 if not k.startswith(from_update) or k in self._NOT_ACTOR_UPDATE}
         for role in ("critic", "actor"):
             skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
             if skipped and self.s.actor.update.nan_policy == "raise":

@@ -29,6 +29,9 @@ class Rollout:
     # [N, R] int32, 1 on every response token, the tools' outputs of a multi-turn rollout
     # too (what the model attends to); None: `response_mask`.
     response_attention_mask: Array | None = None
+    # [N, R] float32, the sampler's log-prob of each token it drew (0 off the model's
+    # tokens); None for greedy rollouts.
+    rollout_log_probs: Array | None = None
 
     def attention_mask(self) -> Array:
         return self.response_mask if self.response_attention_mask is None else \
@@ -55,6 +58,7 @@ class Experience:
     uid: Array | None = None  # [N] int32, the prompt (group) of each sequence
     reward_baselines: Array | None = None  # [N] float32, greedy rewards (ReMax)
     response_attention_mask: Array | None = None  # [N, R] (`Rollout`'s)
+    rollout_log_probs: Array | None = None  # [N, R] (`Rollout`'s)
 
     attention_mask = Rollout.attention_mask
 
@@ -62,7 +66,8 @@ class Experience:
     def of(cls, rollout: Rollout, **fields) -> Experience:
         return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
                    responses=rollout.responses, response_mask=rollout.response_mask,
-                   response_attention_mask=rollout.response_attention_mask, **fields)
+                   response_attention_mask=rollout.response_attention_mask,
+                   rollout_log_probs=rollout.rollout_log_probs, **fields)
 
 
 @struct.dataclass

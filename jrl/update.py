@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jrl import logprobs, losses, masks
+from jrl import logprobs, losses, masks, rollout_correction
 from jrl.models.config import ModelConfig
 from jrl.settings import ActorSettings, CriticSettings, UpdateSettings
 from jrl.sharding import constrain
@@ -51,24 +51,31 @@ def _all_finite(tree) -> Array:
     return jnp.stack(leaves).all()
 
 
+def _loss_aux(aux) -> tuple[dict, dict, dict]:
+    """A loss's `(sums, means)` or `(sums, means, per-token outputs)`, as the three."""
+    return tuple(aux) if len(aux) == 3 else (*aux, {})
+
+
 def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int):
     """Float32 gradients and loss terms summed over the micro-batches of one mini-batch
-    (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts."""
+    (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts; and the
+    loss's per-token outputs, `[micros, micro, ...]`."""
     mask = mini["response_mask"]
     normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
     micro0 = jax.tree.map(lambda x: x[0], mini)
-    _, (sums0, means0) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
+    sums0, means0, _ = _loss_aux(jax.eval_shape(loss_fn, params, micro0, normalizer, rng)[1])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
 
     def micro_step(carry, xs):
         micro, micro_rng = xs
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (sums, means)), grads = grad_fn(params, micro, normalizer, micro_rng)
+        (_, aux), grads = grad_fn(params, micro, normalizer, micro_rng)
+        sums, means, tokens = _loss_aux(aux)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return jax.tree.map(jnp.add, carry, (grads, sums, means)), None
+        return jax.tree.map(jnp.add, carry, (grads, sums, means)), tokens
 
     rngs = jax.random.split(rng, num_micros)
-    return jax.lax.scan(micro_step, zeros, (mini, rngs))[0]
+    return jax.lax.scan(micro_step, zeros, (mini, rngs))
 
 
 def run_updates(
@@ -80,7 +87,7 @@ def run_updates(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
     update: UpdateSettings,
-) -> tuple[ModelState, dict[str, Array]]:
+) -> tuple[ModelState, dict[str, Array], dict[str, Array]]:
     """Runs `ppo_epochs` passes of mini-batch updates over `batch` (leading dim `N`).
 
     `optimizer` gives the update direction (`jrl.optim.make_optimizer`); every
@@ -91,6 +98,9 @@ def run_updates(
       micro-batches of a mini-batch, i.e. the mini-batch's value), the other loss
       metrics (mean over micro-batches), `grad_norm` (pre-clipping), all averaged
       over mini-batches and epochs, and `nan_skipped`, the number of skipped updates.
+      And the loss's per-token outputs (the optional third part of its aux, e.g. the
+      update's log-probs) of the first epoch, `[N, ...]` in the batch's order: each row's
+      from the parameters of the mini-batch step that saw it.
     """
     n = jax.tree.leaves(batch)[0].shape[0]
     num_minis = n // update.mini_batch
@@ -98,7 +108,8 @@ def run_updates(
 
     def mini_step(state: ModelState, xs):
         mini, mini_rng = xs
-        grads, sums, means = _accumulate_grads(loss_fn, state.params, mini, mini_rng, num_micros)
+        (grads, sums, means), tokens = _accumulate_grads(loss_fn, state.params, mini, mini_rng,
+                                                         num_micros)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -108,18 +119,25 @@ def run_updates(
         new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
         metrics = {**sums, **{k: v / num_micros for k, v in means.items()},
                    "grad_norm": grad_norm, "nan_skipped": 1.0 - finite.astype(jnp.float32)}
-        return new, metrics
+        return new, (metrics, tokens)
 
     def epoch_step(state, epoch_rng):
         perm_rng, mini_rng = jax.random.split(epoch_rng)
         perm = jax.random.permutation(perm_rng, n) if update.shuffle else jnp.arange(n)
         minis = _reshape_minis(batch, perm, num_minis, num_micros)
-        return jax.lax.scan(mini_step, state, (minis, jax.random.split(mini_rng, num_minis)))
+        state, (metrics, tokens) = jax.lax.scan(
+            mini_step, state, (minis, jax.random.split(mini_rng, num_minis)))
+        return state, (metrics, tokens, perm)
 
-    state, metrics = jax.lax.scan(epoch_step, state, jax.random.split(rng, update.ppo_epochs))
+    state, (metrics, tokens, perms) = jax.lax.scan(
+        epoch_step, state, jax.random.split(rng, update.ppo_epochs))
     skipped = jnp.sum(metrics.pop("nan_skipped"))
     metrics = jax.tree.map(jnp.mean, metrics)
-    return state, {**metrics, "nan_skipped": skipped}
+    # Row i of the first epoch's flattened outputs is the batch's row perms[0][i].
+    tokens = jax.tree.map(
+        lambda x: jnp.zeros((n, *x.shape[4:]), x.dtype).at[perms[0]].set(
+            x[0].reshape(n, *x.shape[4:])), tokens)
+    return state, {**metrics, "nan_skipped": skipped}, tokens
 
 
 def _attention(micro: Batch):
@@ -129,24 +147,46 @@ def _attention(micro: Batch):
 
 def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
                actor: ActorSettings, temperature: float, chunk_size: int):
-    """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective)."""
+    """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective).
+
+    The old log-probs are the batch's, or this pass's own, detached (an on-policy update),
+    or the rollout's (`bypass_mode`). Rollout correction's IS weights and rejections come
+    with the batch (`rollout_is_weights`, the loss mask) when `step.learn` computed them
+    from a separate old-log-prob pass, else from this pass's log-probs here. The aux's
+    per-token part holds these log-probs, detached, when the old-log-prob pass is skipped
+    and the rollout's are there to compare with (the step's mismatch metrics).
+    """
     mask = micro["response_mask"]
     hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
                                       micro["responses"], _attention(micro), config=model)
     with_entropy = actor.entropy_coeff != 0
+    skips_old_pass = actor.skips_old_pass
     log_probs, entropy = logprobs.token_log_probs(
         params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy or actor.on_policy)
+        with_entropy=with_entropy or skips_old_pass)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
-    sums = {}
-    if actor.on_policy:  # the old log-probs are these, detached; verl's on-policy actor
-        old_log_probs = jax.lax.stop_gradient(log_probs)
+    current = jax.lax.stop_gradient(log_probs)
+    rollout = micro.get("rollout_log_probs")
+    sums, tokens = {}, {}
+    if skips_old_pass:
         sums["entropy"] = agg(jax.lax.stop_gradient(entropy))  # the step's entropy metric
+        if rollout is not None:
+            tokens["log_probs"] = current
+    c = actor.correction
+    old_log_probs = rollout if c.bypass_mode else (
+        current if actor.on_policy else micro["old_log_probs"])
+    weights, loss_mask = micro.get("rollout_is_weights"), mask
+    if skips_old_pass and c.enabled:  # the correction from this pass's log-probs
+        weights, loss_mask = rollout_correction.correct(current, rollout, mask, c)
+        if c.bypass_mode and c.loss_type == "ppo_clip":
+            weights = None  # the ratio to the rollout policy is the correction
+    if c.bypass_mode and c.loss_type == "reinforce":
+        pg_loss, means = losses.reinforce(rollout, log_probs, micro["advantages"], loss_mask,
+                                          actor.loss, normalizer, weights)
     else:
-        old_log_probs = micro["old_log_probs"]
-    pg_loss, means = losses.policy_loss(old_log_probs, log_probs, micro["advantages"], mask,
-                                        actor.loss, normalizer, rng)
+        pg_loss, means = losses.policy_loss(old_log_probs, log_probs, micro["advantages"],
+                                            loss_mask, actor.loss, normalizer, rng, weights)
     loss = pg_loss
     sums["pg_loss"] = pg_loss
     if with_entropy:
@@ -157,7 +197,7 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
         sums["kl_loss"] = agg(kld)
         loss = loss + actor.kl_loss_coef * sums["kl_loss"]
     means = {k.removeprefix("actor/"): v for k, v in means.items()}
-    return loss, (sums, means)
+    return loss, (sums, means, tokens)
 
 
 def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,

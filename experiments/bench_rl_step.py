@@ -59,7 +59,9 @@ from jrl.trainer import RLTrainer  # noqa: E402
 # values), waiting for the rewards, `step.learn` (advantages, critic and actor updates).
 # Results written before the step became two programs name the finer phases
 # (old_log_prob, ref, values, adv, update_critic, update_actor).
-PHASES = ("gen", "forward", "reward", "learn", "step")
+# With a sampling group (one-step asynchronous), `gen` runs beside the other phases and
+# `wait_rollout` is the part of it the step waits for.
+PHASES = ("gen", "wait_rollout", "forward", "reward", "learn", "step")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +112,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_data", type=int, default=-1)
     p.add_argument("--mesh_fsdp", type=int, default=1)
     p.add_argument("--mesh_tensor", type=int, default=1)
+    p.add_argument("--rollout_devices", type=int, default=0,
+                   help="rollout.devices: a sampling group of this many devices (one-step "
+                        "asynchronous training); the mesh_* flags then describe the rest")
+    p.add_argument("--rollout_tp", type=int, default=1,
+                   help="rollout.tensor_model_parallel_size (the sampling group's)")
+    p.add_argument("--staleness", type=int, default=1, help="rollout.staleness")
+    p.add_argument("--rollout_is", default=None, choices=("token", "sequence"),
+                   help="algorithm.rollout_correction.rollout_is (truncated IS)")
+    p.add_argument("--rollout_is_threshold", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--trace_dir", default=None,
@@ -224,6 +235,11 @@ def make_config(args, algo: str):
         c.algorithm.use_kl_in_reward = not args.no_ppo_kl_in_reward
         c.algorithm.kl_penalty = "kl"
         c.algorithm.kl_ctrl.kl_coef = 0.001
+    c.rollout.devices = args.rollout_devices
+    c.rollout.tensor_model_parallel_size = args.rollout_tp
+    c.rollout.staleness = args.staleness
+    c.algorithm.rollout_correction.rollout_is = args.rollout_is
+    c.algorithm.rollout_correction.rollout_is_threshold = args.rollout_is_threshold
     c.trainer.total_training_steps = args.warmup + args.steps + 1
     c.trainer.val_before_train = False
     c.trainer.test_freq = 0
@@ -251,12 +267,14 @@ def build_trainer(args, algo: str, workdir: str):
     s = settings.from_config(config, stop_token_ids=stops, pad_token_id=pad_id,
                              num_train_rows=len(rows))
     trainer = RLTrainer(s, model, params, tokenizer, rows, [], hash_reward, workdir,
-                        args.seed, sharder=sharder)
+                        args.seed, sharder=sharder,
+                        rollout_sharder=sharding.rollout_from_config(config))
     iterator = BatchIterator(rows, args.batch, seed=args.seed, shuffle=True)
     info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
                 ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,
                 micro_batch_sequences=s.actor.update.micro_batch, on_policy=s.actor.on_policy,
-                mesh=dict(zip(sharder.mesh.axis_names, sharder.mesh.devices.shape, strict=True)))
+                mesh=dict(zip(sharder.mesh.axis_names, sharder.mesh.devices.shape, strict=True)),
+                rollout_devices=args.rollout_devices, staleness=args.staleness)
     return trainer, iterator, info
 
 
@@ -298,7 +316,7 @@ def run_algo(args, algo: str) -> dict:
         flops_per_token = getattr(trainer, "train_flops_per_token", 6.0 * num_params)
         memory = trainer.memory_report()
         print(memory, flush=True)
-        trainer.checkpointer.close()
+        trainer.close()
         del trainer
         gc.collect()
     timed = steps[args.warmup:]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One-step asynchronous training against the synchronous trainer on the same GPUs:
+# the Qwen2.5-0.5B GRPO workload of docs/performance.md (64 prompts x 8, P128, R256
+# forced, bf16 compute), with experiments/bench_rl_step.py.
+#
+#   bash experiments/bench_async.sh OUT_DIR [extra bench_rl_step.py flags]
+#
+# On N GPUs: synchronous on all N; asynchronous with N/2 sampling and N/2 training; and
+# on 2 GPUs also both with truncated IS (token level), for the mismatch metrics and
+# what the correction does with them.
+set -euo pipefail
+out=${1:?usage: bench_async.sh OUT_DIR [flags]}
+shift
+mkdir -p "$out"
+n=$(python3 -c "import jax; print(jax.device_count())")
+kind=$(python3 -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_'))")
+bench() {  # name, flags...
+  local name=$1
+  shift
+  python3 experiments/bench_rl_step.py --algo grpo --steps 3 --warmup 2 "$@" \
+    --out "$out/${name}_${n}x${kind}.json"
+}
+bench sync "$@"
+bench async --rollout_devices $((n / 2)) "$@"
+if [ "$n" -eq 2 ]; then
+  bench sync_tis --rollout_is token "$@"
+  bench async_tis --rollout_devices 1 --rollout_is token "$@"
+fi
+python3 - "$out" "$n" <<'PY'
+import glob, json, sys
+out, n = sys.argv[1], sys.argv[2]
+rows = {}
+for path in sorted(glob.glob(f"{out}/*_{n}x*.json")):
+    d = json.load(open(path))
+    r = d["results"][0]
+    name = path.split("/")[-1].rsplit(f"_{n}x", 1)[0]
+    rows[name] = r
+    m = r["last_metrics"]
+    print(f"{name:10s} step {r['phases_s']['step']:.3f} s  " + "  ".join(
+        f"{k} {r['phases_s'][k]:.3f}" for k in ("gen", "wait_rollout", "forward", "learn")
+        if k in r["phases_s"]) + f"  tok/s/dev {r['throughput_tokens_per_s_per_device']:.0f}"
+        f"  peak {(r['peak_memory_bytes_process'] or 0) / 2**30:.1f} GiB  "
+        f"kl {m.get('rollout_corr/kl', float('nan')):.2e}  "
+        f"diff_mean {m.get('training/rollout_probs_diff_mean', float('nan')):.2e}")
+if "sync" in rows and "async" in rows:
+    print(f"async / sync throughput: {rows['sync']['phases_s']['step'] / rows['async']['phases_s']['step']:.2f}x")
+PY

@@ -3,11 +3,11 @@
 # the Qwen2.5-0.5B GRPO workload of docs/performance.md (64 prompts x 8, P128, R256
 # forced, bf16 compute), with experiments/bench_rl_step.py.
 #
-#   bash experiments/bench_async.sh OUT_DIR [extra bench_rl_step.py flags]
+#   [SPLIT=k] [TAG=name] bash experiments/bench_async.sh OUT_DIR [extra bench_rl_step.py flags]
 #
-# On N GPUs: synchronous on all N; asynchronous with N/2 sampling and N/2 training; and
-# on 2 GPUs also both with truncated IS (token level), for the mismatch metrics and
-# what the correction does with them.
+# On N GPUs: synchronous on all N; asynchronous with SPLIT (default N/2) sampling and
+# the rest training; and on 2 GPUs, without extra flags, also both with truncated IS
+# (token level), for the mismatch metrics and what the correction does with them.
 set -euo pipefail
 out=${1:?usage: bench_async.sh OUT_DIR [flags]}
 shift
@@ -18,22 +18,23 @@ bench() {  # name, flags...
   local name=$1
   shift
   python3 experiments/bench_rl_step.py --algo grpo --steps 3 --warmup 2 "$@" \
-    --out "$out/${name}_${n}x${kind}.json"
+    --out "$out/${name}${TAG:-}_${n}x${kind}.json"
 }
 bench sync "$@"
-bench async --rollout_devices $((n / 2)) "$@"
-if [ "$n" -eq 2 ]; then
+bench async --rollout_devices "${SPLIT:-$((n / 2))}" "$@"
+if [ "$n" -eq 2 ] && [ $# -eq 0 ]; then
   bench sync_tis --rollout_is token "$@"
   bench async_tis --rollout_devices 1 --rollout_is token "$@"
 fi
-python3 - "$out" "$n" <<'PY'
+python3 - "$out" "$n" "${TAG:-}" <<'PY'
 import glob, json, sys
 out, n = sys.argv[1], sys.argv[2]
 rows = {}
-for path in sorted(glob.glob(f"{out}/*_{n}x*.json")):
+tag = sys.argv[3]
+for path in sorted(glob.glob(f"{out}/*{tag}_{n}x*.json")):
     d = json.load(open(path))
     r = d["results"][0]
-    name = path.split("/")[-1].rsplit(f"_{n}x", 1)[0]
+    name = path.split("/")[-1].rsplit(f"{tag}_{n}x", 1)[0]
     rows[name] = r
     m = r["last_metrics"]
     print(f"{name:10s} step {r['phases_s']['step']:.3f} s  " + "  ".join(

@@ -122,6 +122,9 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
         batch = put(dict(zip(("prompt_ids", "prompt_mask", "responses", "response_mask",
                               "attention_mask"), (x[pick] for x in examples), strict=True)))
         state, loss = sft_step(state, batch, model=model, optimizer=optimizer)
+        # One step in flight at a time: on a CPU with more (fake) devices than cores, steps
+        # queued behind each other can deadlock in their all-reduces.
+        loss.block_until_ready()
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)
     return state.params

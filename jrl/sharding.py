@@ -314,6 +314,11 @@ def split_devices(num_sampling: int) -> tuple[list[jax.Device], list[jax.Device]
     sample, the others train (`rollout.devices`; 0: no sampling group, all train)."""
     if not num_sampling:
         return [], list(jax.devices())
+    if jax.process_count() > 1:
+        raise ConfigError(f"rollout.devices={num_sampling}: a sampling group works within one "
+                          f"process so far (the weights move between the groups with "
+                          f"jax.device_put), and this run has {jax.process_count()}; use "
+                          "rollout.devices=0")
     local = jax.local_device_count()
     if not 0 < num_sampling < local:
         raise ConfigError(f"rollout.devices={num_sampling}: a sampling group needs at least one "

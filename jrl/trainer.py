@@ -334,7 +334,7 @@ class RLTrainer:
         cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
         parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
         if self.sampler_shardings is not None:  # per device of the sampling group
-            parts.append(("sampling group: weights (x2 at a step)", self._sampler_shapes,
+            parts.append(("sampling group: weights (x2)", self._sampler_shapes,
                           self.sampler_shardings))
             rollout_cache = [self.rollout_sharder.named(CACHE_LOGICAL_AXES, shape)] * len(cache)
             parts.append(("sampling group: KV cache", cache, rollout_cache))
@@ -443,11 +443,11 @@ class RLTrainer:
     def _submit(self, weights, iterator: BatchIterator, step: int, version: int) -> _Pending:
         """Starts step `step`'s rollout on the sampling group, from `weights` (those of
         step `version`), in the rollout thread; its prompts are drawn there, in order."""
-        key = _step_keys(self.root_key, step)[1]
         data = concurrent.futures.Future()
 
         def job():
             data.set_result(iterator.state)
+            key = _step_keys(self.root_key, step)[1]
             start = time.perf_counter()
             with self.rollout_sharder.active():
                 sampled = self._sample(None, iterator, key, weights)

@@ -21,6 +21,7 @@ import tempfile
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--algo", default="grpo", choices=("grpo", "multi_turn"))
     parser.add_argument("--overrides", default="{}")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--train_devices", default=None)
@@ -35,7 +36,7 @@ def main(argv=None) -> None:
     from tests.sharding.runner import tiny_mesh_config, varied_reward
     from tests.trainer.tiny import apply_overrides
 
-    config = apply_overrides(tiny_mesh_config("grpo", args.steps),
+    config = apply_overrides(tiny_mesh_config(args.algo, args.steps),
                              {"trainer.save_freq": 2, **json.loads(args.overrides)})
     sharder = None
     if args.train_devices:

@@ -17,11 +17,13 @@ import chex
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from .test_meshes import ROOT, _env
 
 _SKIP = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/mfu")
 _SPLIT = {"rollout.devices": 4}
+_C = "algorithm.rollout_correction"
 
 
 def _run(tmp_path, name: str, overrides: dict, *extra: str) -> list[dict]:
@@ -75,6 +77,23 @@ def test_one_step_off_policy_and_its_resume(tmp_path):
     for a, b in zip(full, resumed, strict=True):
         _assert_same(a, b)
     chex.assert_trees_all_equal(_final_state(tmp_path / "full"), _final_state(half))
+
+
+@pytest.mark.parametrize("algo,overrides", [
+    ("multi_turn", {}),  # tools run in the rollout thread, beside the update
+    ("grpo", {"model.lora_rank": 4, "model.lora_alpha": 8.0}),  # merged adapters move
+    ("grpo", {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "score",
+              "data.gen_batch_size": 8}),  # DAPO's rounds on the sampling group
+])
+def test_one_step_off_policy_runs_with(tmp_path, algo, overrides):
+    records = _run(tmp_path, algo, {**_SPLIT, f"{_C}.rollout_is": "token", **overrides},
+                   "--algo", algo, "--steps", "3")
+    assert [r["async/staleness"] for r in records] == [0.0, 1.0, 1.0]
+    for r in records:
+        assert np.isfinite(r["actor/pg_loss"]) and np.isfinite(r["rollout_corr/kl"])
+        assert 0.0 < r["rollout_corr/rollout_is_mean"] <= 2.0
+    if algo == "multi_turn":
+        assert all(r["multi_turn/tool_calls/total"] > 0 for r in records)
 
 
 def _final_state(workdir):

@@ -310,26 +310,21 @@ def rules_from_config(rules_config) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def split_devices(num_sampling: int) -> tuple[list[jax.Device], list[jax.Device]]:
-    """(sampling group, training group): the first `num_sampling` devices of each process
-    sample, the others train (`rollout.devices`; 0: no sampling group, all train)."""
+    """(sampling group, training group): the first `num_sampling` devices sample, the
+    others train (`rollout.devices`; 0: no sampling group, all train). One process only."""
+    devices = list(jax.devices())
     if not num_sampling:
-        return [], list(jax.devices())
+        return [], devices
     if jax.process_count() > 1:
         raise ConfigError(f"rollout.devices={num_sampling}: a sampling group works within one "
                           f"process so far (the weights move between the groups with "
                           f"jax.device_put), and this run has {jax.process_count()}; use "
                           "rollout.devices=0")
-    local = jax.local_device_count()
-    if not 0 < num_sampling < local:
+    if not 0 < num_sampling < len(devices):
         raise ConfigError(f"rollout.devices={num_sampling}: a sampling group needs at least one "
-                          f"device and leaves at least one to train, of the {local} devices of "
-                          f"each process; use 1..{local - 1}, or 0 for one group")
-    by_process: dict[int, list[jax.Device]] = {}
-    for device in jax.devices():
-        by_process.setdefault(device.process_index, []).append(device)
-    sampling = [d for group in by_process.values() for d in group[:num_sampling]]
-    training = [d for group in by_process.values() for d in group[num_sampling:]]
-    return sampling, training
+                          f"device and leaves at least one to train, of the {len(devices)} "
+                          f"devices; use 1..{len(devices) - 1}, or 0 for one group")
+    return devices[:num_sampling], devices[num_sampling:]
 
 
 def from_config(config) -> Sharder:

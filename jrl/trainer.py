@@ -261,7 +261,7 @@ class RLTrainer:
                               critic_warmup=s.trainer.critic_warmup),
             in_shardings=(states, b, rep, frozen), out_shardings=(states, rep),
             donate_argnums=0)
-        self._generators: dict[SamplingConfig, Callable] = {}
+        self._generators: dict[tuple[SamplingConfig, bool], Callable] = {}
         self._rollout_params = jax.jit(
             functools.partial(step_lib.rollout_params, model=self.model,
                               param_shardings=self.rollout_shardings),
@@ -271,24 +271,24 @@ class RLTrainer:
     def _generator(self, sampling: SamplingConfig, group: bool = False) -> Callable:
         """`step.generate` for `sampling`, compiled with the mesh's shardings; with
         `group`, `step.generate_from` on the sampling group."""
+        key = (sampling, group)
+        if key in self._generators:
+            return self._generators[key]
         if group:
-            if (sampling, group) not in self._generators:
-                b = self.rollout_sharder.batch()
-                self._generators[sampling, group] = jax.jit(
-                    functools.partial(step_lib.generate_from, sampling=sampling,
-                                      model=self.model),
-                    in_shardings=(self.sampler_shardings, b, b, self.rollout_sharder.replicated),
-                    out_shardings=b)
-            return self._generators[sampling, group]
-        if sampling not in self._generators:
+            b = self.rollout_sharder.batch()
+            self._generators[key] = jax.jit(
+                functools.partial(step_lib.generate_from, sampling=sampling, model=self.model),
+                in_shardings=(self.sampler_shardings, b, b, self.rollout_sharder.replicated),
+                out_shardings=b)
+        else:
             b = self.sharder.batch()
-            self._generators[sampling] = jax.jit(
+            self._generators[key] = jax.jit(
                 functools.partial(step_lib.generate, sampling=sampling, model=self.model,
                                   param_shardings=self.rollout_shardings),
                 in_shardings=(self.state_shardings, b, b, self.sharder.replicated,
                               self.frozen_shardings),
                 out_shardings=b)
-        return self._generators[sampling]
+        return self._generators[key]
 
     @property
     def batch_sequences(self) -> int:

@@ -1,8 +1,8 @@
 """PPO-style updates: epochs x shuffled mini-batches x accumulated micro-batches, in one jit.
 
 `run_updates` is generic over the model: it takes a `loss_fn(params, micro, normalizer,
-rng) -> (loss, (sums, means))` and applies one optimizer step per mini-batch, with
-the gradient accumulated over its micro-batches by `lax.scan`. Every micro-batch
+rng) -> (loss, (sums, means, per-token outputs))` and applies one optimizer step per
+mini-batch, with the gradient accumulated over its micro-batches by `lax.scan`. Every micro-batch
 loss is normalised by the token/sequence counts of its whole mini-batch, so the
 mini-batch gradient is the same whatever the micro-batch split. An update whose
 loss or gradient is not finite is skipped (parameters and optimizer state kept)
@@ -51,11 +51,6 @@ def _all_finite(tree) -> Array:
     return jnp.stack(leaves).all()
 
 
-def _loss_aux(aux) -> tuple[dict, dict, dict]:
-    """A loss's `(sums, means)` or `(sums, means, per-token outputs)`, as the three."""
-    return tuple(aux) if len(aux) == 3 else (*aux, {})
-
-
 def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int):
     """Float32 gradients and loss terms summed over the micro-batches of one mini-batch
     (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts; and the
@@ -63,14 +58,13 @@ def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_mi
     mask = mini["response_mask"]
     normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
     micro0 = jax.tree.map(lambda x: x[0], mini)
-    sums0, means0, _ = _loss_aux(jax.eval_shape(loss_fn, params, micro0, normalizer, rng)[1])
+    _, (sums0, means0, _) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
 
     def micro_step(carry, xs):
         micro, micro_rng = xs
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, aux), grads = grad_fn(params, micro, normalizer, micro_rng)
-        sums, means, tokens = _loss_aux(aux)
+        (_, (sums, means, tokens)), grads = grad_fn(params, micro, normalizer, micro_rng)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return jax.tree.map(jnp.add, carry, (grads, sums, means)), tokens
 
@@ -98,8 +92,8 @@ def run_updates(
       micro-batches of a mini-batch, i.e. the mini-batch's value), the other loss
       metrics (mean over micro-batches), `grad_norm` (pre-clipping), all averaged
       over mini-batches and epochs, and `nan_skipped`, the number of skipped updates.
-      And the loss's per-token outputs (the optional third part of its aux, e.g. the
-      update's log-probs) of the first epoch, `[N, ...]` in the batch's order: each row's
+      And the loss's per-token outputs (the third part of its aux, e.g. the update's
+      log-probs; `{}` for none) of the first epoch, `[N, ...]` in the batch's order: each row's
       from the parameters of the mini-batch step that saw it.
     """
     n = jax.tree.leaves(batch)[0].shape[0]
@@ -211,4 +205,4 @@ def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
                                           critic.cliprange_value, critic.loss_agg_mode,
                                           normalizer)
     means = {"vf_clipfrac": clipfrac, "vpred_mean": masks.masked_mean(vpreds, mask)}
-    return vf_loss, ({"vf_loss": vf_loss}, means)
+    return vf_loss, ({"vf_loss": vf_loss}, means, {})

@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[B*n, chunk, vocab] float32 logits at once")
     p.add_argument("--log_prob_micro_batch", type=int, default=128,
                    help="sequences per old/ref log-prob and value forward (0: all at once)")
+    p.add_argument("--response_buckets", type=int, default=4,
+                   help="actor.response_buckets (1: every pass runs all response columns)")
+    p.add_argument("--decode_buckets", type=int, default=4,
+                   help="rollout.decode_buckets (1: the decode loop never compacts)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
@@ -215,6 +219,8 @@ def make_config(args, algo: str):
         c[role].ppo_epochs = args.ppo_epochs
     c.actor.logprob_chunk_size = args.logprob_chunk_size
     c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
+    c.actor.response_buckets = args.response_buckets
+    c.rollout.decode_buckets = args.decode_buckets
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
         c.rollout.log_prob_micro_batch_size = args.log_prob_micro_batch

@@ -147,6 +147,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.kl_loss_type = "low_var_kl"
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128
+    # Response-length buckets of every log-prob, value and update pass: the rows are
+    # sorted by used length and each micro-batch runs on the smallest of this many evenly
+    # spaced lengths (up to rollout.response_length) that holds its longest response, so
+    # padding after early stops costs nothing (verl's use_remove_padding/use_dynamic_bsz,
+    # with static shapes). Each bucket compiles one more copy of the pass. 1: off.
+    c.actor.response_buckets = 4
     # When a step's update is on-policy (one mini-batch, one epoch), take the old log-probs
     # (the current ones, detached, as verl's actor does) and the entropy metric from the
     # update's own forward pass and skip the separate old-log-prob pass. It never applies
@@ -200,6 +206,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.do_sample = True
     # Keep generating after a stop token, to the full response_length (benchmarks).
     c.rollout.ignore_eos = False
+    # Batch sizes the decode loop may run at: when every batch shard's unfinished rows
+    # fit the next smaller one (evenly spaced down to 1/decode_buckets of the rows), they
+    # are compacted into it, so finished rows stop costing decode steps. Each size
+    # compiles one more copy of the decode step. 1: the whole batch to the end.
+    c.rollout.decode_buckets = 4
     # Sequences per forward pass when computing old/reference log-probs and values
     # (bounds the logits buffer; None: the whole batch at once).
     c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)

@@ -14,10 +14,12 @@ and run the softmax's backward as several passes over it.)
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jrl import buckets
 from jrl.models import cache as cache_lib
 from jrl.models import heads, transformer
 from jrl.models.config import ModelConfig
@@ -185,24 +187,53 @@ def response_values(critic_params, prompt_ids, prompt_mask, responses, response_
     return heads.values(critic_params, hidden)
 
 
-def in_micro_batches(fn, micro_batch: int | None):
-    """`fn(params, *arrays) -> outputs`, run over micro-batches of `micro_batch` rows.
+def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = ()):
+    """`fn(params, prompt_ids, prompt_mask, responses, attention_mask) -> outputs`, run over
+    micro-batches of `micro_batch` rows.
 
     The rows `[N, ...]` are viewed as `[N / micro_batch, micro_batch, ...]` and mapped
     sequentially (`lax.map`), so activations and logits are bounded by one micro-batch;
     each micro-batch is split over the mesh's batch axes. None: one pass over all rows.
+    With more than one of `bucket_sizes` (`jrl.buckets`), the rows are sorted by their
+    used response length first, and each micro-batch runs on the response columns its
+    longest row needs; the outputs (`[N, R, ...]` each) come back in the rows' order,
+    zero after the columns run.
     """
-    if micro_batch is None:
+    if micro_batch is None and len(bucket_sizes) < 2:
         return fn
+
+    def bucketed(params, prompt_ids, prompt_mask, responses, attention_mask):
+        if len(bucket_sizes) < 2:
+            return fn(params, prompt_ids, prompt_mask, responses, attention_mask)
+        r = responses.shape[1]
+
+        def branch(size):
+            def run(responses, attention_mask):
+                out = fn(params, prompt_ids, prompt_mask, responses[:, :size],
+                         attention_mask[:, :size])
+                return buckets.pad_columns(out, r)
+            return run
+
+        length = jnp.max(buckets.used_lengths(attention_mask))
+        return buckets.switch(length, bucket_sizes, branch, responses, attention_mask)
 
     def mapped(params, *arrays):
         n = arrays[0].shape[0]
-        if n % micro_batch:
-            raise ValueError(f"{n} rows do not split into micro-batches of {micro_batch}")
-        split = lambda x: constrain(x.reshape(n // micro_batch, micro_batch, *x.shape[1:]),
+        micro = n if micro_batch is None else micro_batch
+        if n % micro:
+            raise ValueError(f"{n} rows do not split into micro-batches of {micro}")
+        order = None
+        if len(bucket_sizes) > 1:
+            order = buckets.sort_order(buckets.used_lengths(arrays[3]))
+            arrays = tuple(x[order] for x in arrays)
+        split = lambda x: constrain(x.reshape(n // micro, micro, *x.shape[1:]),
                                     (None, "batch") + (None,) * (x.ndim - 1))
-        out = jax.lax.map(lambda xs: fn(params, *xs), tuple(split(x) for x in arrays))
+        out = jax.lax.map(lambda xs: bucketed(params, *xs), tuple(split(x) for x in arrays))
         merge = lambda y: constrain(y.reshape(n, *y.shape[2:]), ("batch",) + (None,) * (y.ndim - 2))
-        return jax.tree.map(merge, out)
+        out = jax.tree.map(merge, out)
+        if order is not None:
+            inverse = jnp.argsort(order)
+            out = jax.tree.map(lambda y: y[inverse], out)
+        return out
 
     return mapped

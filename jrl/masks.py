@@ -82,10 +82,14 @@ class LossNormalizer(NamedTuple):
       num_tokens: number of unmasked tokens (for `token-mean`).
       num_seqs: number of sequences with at least one unmasked token
         (for the `seq-mean-*` modes).
+      num_columns: the mask's response length T, the default divisor of
+        `seq-mean-token-sum-norm` (a micro-batch may run on fewer columns,
+        `jrl.buckets`); None: the aggregated batch's own.
     """
 
     num_tokens: Array
     num_seqs: Array
+    num_columns: int | None = None
 
 
 def loss_normalizer(mask: Array) -> LossNormalizer:
@@ -94,6 +98,7 @@ def loss_normalizer(mask: Array) -> LossNormalizer:
     return LossNormalizer(
         num_tokens=jnp.sum(mask),
         num_seqs=jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)),
+        num_columns=mask.shape[-1],
     )
 
 
@@ -114,8 +119,8 @@ def agg_loss(
       - `seq-mean-token-sum`:      sum_b(sum_t l * m) / N_seq
       - `seq-mean-token-mean`:     sum_b(sum_t(l * m) / (sum_t m + 1e-8)) / N_seq
       - `seq-mean-token-sum-norm`: sum_b(sum_t l * m) / N_seq / scale_factor
-        (Dr. GRPO; `scale_factor` defaults to T, and should stay constant
-        through training).
+        (Dr. GRPO; `scale_factor` defaults to T, the normaliser's `num_columns`,
+        and should stay constant through training).
 
     Sequences whose mask is all zero contribute nothing and are not counted.
 
@@ -144,5 +149,8 @@ def agg_loss(
         seq_loss_b = seq_loss_b / (token_count_b + _MEAN_EPS)
     loss = jnp.sum(jnp.where(token_count_b > 0, seq_loss_b, 0.0)) / normalizer.num_seqs
     if mode == "seq-mean-token-sum-norm":
-        loss = loss / (scale_factor if scale_factor is not None else loss_bt.shape[-1])
+        if scale_factor is None:
+            scale_factor = (loss_bt.shape[-1] if normalizer.num_columns is None
+                            else normalizer.num_columns)
+        loss = loss / scale_factor
     return loss

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jrl import sharding
 from jrl.models import decode_attention
 from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache, init_cache, positions_from_mask
 from jrl.models.config import ModelConfig
@@ -82,6 +83,11 @@ class SamplingConfig:
         EOS ids, `ModelConfig.eos_token_ids`); empty = never stop early.
       pad_token_id: written after a row has stopped; must be a valid token id.
       ignore_stop: generate all R tokens for every row (benchmarks).
+      decode_buckets: how many batch sizes the decode loop may run at: when every
+        batch shard's unfinished rows fit the next smaller one (evenly spaced down to
+        1/decode_buckets of the rows), they are compacted into it, so finished rows
+        stop costing decode steps. 1: the whole batch to the end. Each size compiles
+        one more copy of the decode step. No effect with `ignore_stop`.
     """
 
     n: int = 1
@@ -93,6 +99,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     ignore_stop: bool = False
+    decode_buckets: int = 1
 
     def __post_init__(self):
         # A list (from a ConfigDict or JSON) would make the config unhashable.
@@ -135,6 +142,8 @@ class SamplingConfig:
             fail("pad_token_id", f"{valid_id} ({vocab_size=})")
         if not isinstance(self.ignore_stop, (bool, np.bool_)):
             fail("ignore_stop", "True or False")
+        if not _is_int(self.decode_buckets) or self.decode_buckets < 1:
+            fail("decode_buckets", "an integer >= 1 (1: no compaction)")
         return self
 
     def for_validation(self, **val_kwargs) -> SamplingConfig:
@@ -199,6 +208,9 @@ class _DecodeState:
     log_probs: jax.Array  # float32 [N, R]
     cache: KVCache  # L buffers [N, K, S, H] each for keys and values
     key_mask: jax.Array  # int32 [N, S]: cache slots holding real tokens
+    keys: jax.Array  # [N] the rows' PRNG keys (`row_keys`)
+    prompt_lengths: jax.Array  # int32 [N]
+    rows: jax.Array  # int32 [N]: each row's index among the output rows
 
 
 def generate(
@@ -254,8 +266,6 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
     num_rows, prompt_len = row_prompt_ids.shape
     num_new = sampling.max_new_tokens
-    keys = row_keys(rng, num_rows)
-    prompt_lengths = jnp.sum(row_prompt_mask, axis=1)
     params = per_layer(params, config)
     # The n samples of a prompt share its prefill: run it once per prompt, then copy
     # the cache to the n rows.
@@ -271,26 +281,109 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
         log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
         cache=cache,
         key_mask=key_mask,
+        keys=row_keys(rng, num_rows),
+        prompt_lengths=jnp.sum(row_prompt_mask, axis=1),
+        rows=jnp.arange(num_rows, dtype=jnp.int32),
     )
-    state = _emit(state, logits_nv, keys, sampling)
-
-    def not_finished(state: _DecodeState) -> jax.Array:
-        return (state.step < num_new) & ~jnp.all(state.done)
+    state = _emit(state, logits_nv, sampling)
 
     def decode(state: _DecodeState) -> _DecodeState:
-        logits_nv, state = _decode_step(params, state, prompt_len, prompt_lengths, config)
-        return _emit(state, logits_nv, keys, sampling)
+        logits_nv, state = _decode_step(params, state, prompt_len, config)
+        return _emit(state, logits_nv, sampling)
 
-    state = lax.while_loop(not_finished, decode, state)
-    response_mask = jnp.arange(num_new)[None, :] < state.lengths[:, None]
+    groups = _row_groups(num_rows)
+    sizes = decode_sizes(num_rows, groups, sampling)
+    out = (state.responses, state.log_probs, state.lengths)
+    for smaller in (*sizes[1:], 0):
+        # Decode at this batch size until every group's unfinished rows fit the next.
+        def running(state: _DecodeState, smaller=smaller) -> jax.Array:
+            unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
+            return ((state.step < num_new) & ~jnp.all(state.done)
+                    & (jnp.max(unfinished) > smaller // groups))
+
+        state = lax.while_loop(running, decode, state)
+        if smaller:
+            out = _write_rows(out, state, groups)
+            state = _compact(state, smaller, groups)
+    responses, log_probs, lengths = (_write_rows(out, state, groups) if len(sizes) > 1 else
+                                     (state.responses, state.log_probs, state.lengths))
+    response_mask = jnp.arange(num_new)[None, :] < lengths[:, None]
     return RolloutOutput(
         prompt_ids=row_prompt_ids,
         prompt_mask=row_prompt_mask,
-        responses=state.responses,
+        responses=responses,
         response_mask=response_mask.astype(jnp.int32),
-        rollout_log_probs=state.log_probs,
-        response_lengths=state.lengths,
+        rollout_log_probs=log_probs,
+        response_lengths=lengths,
     )
+
+
+def decode_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:
+    """The decode loop's batch sizes, largest first: `num_rows`, then down to
+    `num_rows / decode_buckets`, each a whole number of rows per batch shard (`groups`);
+    `(num_rows,)` when rows never stop early."""
+    if sampling.ignore_stop or not sampling.stop_token_ids or sampling.decode_buckets == 1:
+        return (num_rows,)
+    per_group = num_rows // groups
+    sizes = []
+    for k in range(sampling.decode_buckets, 0, -1):
+        size = -(-per_group * k // sampling.decode_buckets) * groups
+        if size not in sizes:
+            sizes.append(size)
+    return tuple(sizes)
+
+
+def _row_groups(num_rows: int) -> int:
+    """How many batch shards the rows are split into under the active mesh (1: none).
+    Compaction keeps every row on its own shard: it gathers within each group."""
+    sharder = sharding.active_sharder()
+    if sharder is None:
+        return 1
+    axes = sharder.spec(("batch",), (num_rows,))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharder.mesh.shape[a] for a in axes)
+
+
+def _grouped(x: jax.Array, groups: int, axes=None) -> jax.Array:
+    """Rows `[N, ...]` (logical `axes`, "batch" first) as `[groups, N / groups, ...]`,
+    each group on its own shard."""
+    axes = axes or ("batch",) + (None,) * (x.ndim - 1)
+    return constrain(x.reshape(groups, -1, *x.shape[1:]), (axes[0], None, *axes[1:]))
+
+
+def _ungrouped(x: jax.Array, axes=None) -> jax.Array:
+    axes = axes or ("batch",) + (None,) * (x.ndim - 2)
+    return constrain(x.reshape(-1, *x.shape[2:]), axes)
+
+
+def _write_rows(out, state: _DecodeState, groups: int):
+    """The output buffers `(responses [N, R], log_probs [N, R], lengths [N])` with the
+    state's rows written at their output rows (each group into its own shard)."""
+    per_group = out[0].shape[0] // groups
+    local = _grouped(state.rows, groups) % per_group
+
+    def put(buffer, values):
+        put_group = lambda b, i, v: b.at[i].set(v)
+        return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups), local,
+                                              _grouped(values, groups)))
+
+    return tuple(put(b, v) for b, v in zip(out, (state.responses, state.log_probs,
+                                                  state.lengths), strict=True))
+
+
+def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
+    """The state with `size` rows: in each group its unfinished rows first (in order),
+    then finished ones to fill the group's share."""
+    order = jax.vmap(lambda done: jnp.argsort(done, stable=True))(_grouped(state.done, groups))
+    order = order[:, :size // groups]
+
+    def take(x, axes=None):
+        return _ungrouped(jax.vmap(lambda x, i: x[i])(_grouped(x, groups, axes), order), axes)
+
+    rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.name not in ("step", "cache")}
+    cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
+    return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
 
 
 _generate = jax.jit(generate_program, static_argnames=("sampling", "config"))
@@ -329,7 +422,7 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config):
     return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
 
 
-def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, config):
+def _decode_step(params, state: _DecodeState, prompt_len: int, config):
     """Feeds the last sampled token of every row and returns the next logits `[N, V]`.
 
     The token sampled at step i-1 goes to slot `P + i - 1` (shared by all rows) at
@@ -341,7 +434,7 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, c
     key_mask = lax.dynamic_update_slice_in_dim(
         state.key_mask, jnp.ones((num_rows, 1), state.key_mask.dtype), slot, axis=1
     )
-    positions = (prompt_lengths + state.step - 1)[:, None]
+    positions = (state.prompt_lengths + state.step - 1)[:, None]
     hidden_n1d, cache = forward(
         params, state.last_tokens[:, None], positions, key_mask, state.cache, slot,
         config=config,
@@ -350,9 +443,9 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, prompt_lengths, c
     return logits_nv, state.replace(cache=cache, key_mask=key_mask)
 
 
-def _emit(state: _DecodeState, logits_nv, row_keys, sampling: SamplingConfig) -> _DecodeState:
+def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:
     """Samples response token `state.step` of every row and records it."""
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, state.step)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, state.step)
     tokens, log_probs = sample_tokens(logits_nv, step_keys, sampling)
     tokens = jnp.where(state.done, sampling.pad_token_id, tokens)
     log_probs = jnp.where(state.done, 0.0, log_probs)

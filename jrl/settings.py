@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from jrl import advantages, kl_control, losses, masks, multi_turn, optim, rollout, tools
+from jrl import advantages, buckets, kl_control, losses, masks, multi_turn, optim, rollout, tools
 from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
@@ -333,6 +333,13 @@ class Settings:
     # 0: none) and how many steps its weights lag the update (`rollout.staleness`).
     sampling_devices: int = 0
     staleness: int = 1
+    # Response-length buckets of the log-prob, value and update passes (`jrl.buckets`;
+    # `actor.response_buckets`, 1: every pass runs all response columns).
+    response_buckets: int = 1
+
+    def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
+        """The passes' bucket lengths for responses of `response_length` columns."""
+        return buckets.sizes(response_length, self.response_buckets)
 
     @property
     def needs_reference(self) -> bool:
@@ -344,7 +351,9 @@ class Settings:
              max_prompt_length=_number("data.max_prompt_length", self.max_prompt_length,
                                        integer=True),
              logprob_chunk_size=_number("actor.logprob_chunk_size", self.logprob_chunk_size,
-                                        integer=True))
+                                        integer=True),
+             response_buckets=_number("actor.response_buckets", self.response_buckets,
+                                      integer=True))
         n, batch = self.rollout.n, self.train_batch_size * self.rollout.n
         estimator = advantages.get_estimator(self.algorithm.adv_estimator)
         if estimator.needs_groups and n < max(2, estimator.min_group_size):
@@ -455,6 +464,7 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
         stop_token_ids=tuple(stop_ids),
         pad_token_id=int(pad_id),
         ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
+        decode_buckets=_get(config, "rollout.decode_buckets"),
     )
     try:
         return sampling.validate(prefix=key)
@@ -648,7 +658,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
         trainer=trainer, multi_turn=_multi_turn(config),
         sampling_devices=_get(config, "rollout.devices"),
-        staleness=_get(config, "rollout.staleness"))
+        staleness=_get(config, "rollout.staleness"),
+        response_buckets=_get(config, "actor.response_buckets"))
     if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
     return s

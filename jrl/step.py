@@ -166,13 +166,14 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     frozen base, adapters off (`ref_params` is `frozen`: no second copy)."""
     critic = None if state.critic is None else critic_model(model, s)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.attention_mask())
+    sizes = s.bucket_sizes(rollout.responses.shape[1])
 
     def log_probs(params, config):
         return logprobs.in_micro_batches(
             lambda params, *xs: logprobs.response_log_probs(
                 params, *xs, config=config, temperature=s.rollout.temperature,
                 chunk_size=s.logprob_chunk_size, with_entropy=True),
-            s.log_prob_micro_batch)(params, *seq)
+            s.log_prob_micro_batch, sizes)(params, *seq)
 
     old_log_probs, entropy = None, None
     if not s.actor.skips_old_pass:  # else the update's pass or the rollout gives them
@@ -184,7 +185,8 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     if critic is not None:
         values = logprobs.in_micro_batches(
             lambda params, *xs: logprobs.response_values(params, *xs, config=critic),
-            s.log_prob_micro_batch)(with_frozen(state.critic.params, frozen, critic), *seq)
+            s.log_prob_micro_batch, sizes)(with_frozen(state.critic.params, frozen, critic),
+                                           *seq)
     return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
                          ref_log_probs=ref_log_probs, values=values)
 
@@ -266,7 +268,8 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     if c.enabled and not s.actor.skips_old_pass:
         is_weights, kept = rollout_correction.correct(exp.old_log_probs, exp.rollout_log_probs,
                                                       exp.response_mask, c)
-        exp = exp.replace(response_mask=kept)
+        # Rejected tokens leave the loss, not the context of the tokens after them.
+        exp = exp.replace(response_mask=kept, response_attention_mask=exp.attention_mask())
     rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
     batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
              "advantages": adv, "returns": returns, "rollout_is_weights": is_weights}
@@ -289,8 +292,8 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
             with_frozen(params, frozen, config), *a, model=config, critic=s.critic)
         critic, m, _ = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
-            critic_key, lr,
-            loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update)
+            critic_key, lr, loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
+            bucket_sizes=s.bucket_sizes(exp.response_mask.shape[1]))
         metrics.update(_named("critic", m, lr))
     actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
                                      actor_opt=actor_opt, critic_warmup=critic_warmup)
@@ -319,8 +322,9 @@ def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
     fields = {k: batch[k] for k in names if batch.get(k) is not None}
 
     def run(actor):
-        actor, m, tokens = update.run_updates(actor, fields, key, lr, loss_fn=actor_loss,
-                                              optimizer=actor_opt, update=s.actor.update)
+        actor, m, tokens = update.run_updates(
+            actor, fields, key, lr, loss_fn=actor_loss, optimizer=actor_opt,
+            update=s.actor.update, bucket_sizes=s.bucket_sizes(fields["responses"].shape[1]))
         return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}, tokens
 
     if first == 0:

@@ -11,14 +11,14 @@ and counted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from jrl import logprobs, losses, masks, rollout_correction
+from jrl import buckets, logprobs, losses, masks, rollout_correction
 from jrl.models.config import ModelConfig
 from jrl.settings import ActorSettings, CriticSettings, UpdateSettings
 from jrl.sharding import constrain
@@ -51,21 +51,33 @@ def _all_finite(tree) -> Array:
     return jnp.stack(leaves).all()
 
 
-def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int):
+def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int,
+                      bucket_sizes: Sequence[int] = ()):
     """Float32 gradients and loss terms summed over the micro-batches of one mini-batch
     (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts; and the
-    loss's per-token outputs, `[micros, micro, ...]`."""
+    loss's per-token outputs, `[micros, micro, ...]`. With `bucket_sizes`, each
+    micro-batch runs on the response columns its longest row needs (`jrl.buckets`)."""
     mask = mini["response_mask"]
     normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
     micro0 = jax.tree.map(lambda x: x[0], mini)
     _, (sums0, means0, _) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
+    num_columns = mask.shape[-1]
+
+    def branch(size):
+        def grads_at(micro, micro_rng):
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (_, (sums, means, tokens)), grads = grad_fn(
+                params, buckets.trim(micro, size), normalizer, micro_rng)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            return grads, sums, means, buckets.pad_columns(tokens, num_columns)
+        return grads_at
 
     def micro_step(carry, xs):
         micro, micro_rng = xs
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (sums, means, tokens)), grads = grad_fn(params, micro, normalizer, micro_rng)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        length = jnp.max(buckets.used_lengths(_attention(micro)))
+        grads, sums, means, tokens = buckets.switch(
+            length, bucket_sizes or (num_columns,), branch, micro, micro_rng)
         return jax.tree.map(jnp.add, carry, (grads, sums, means)), tokens
 
     rngs = jax.random.split(rng, num_micros)
@@ -81,8 +93,14 @@ def run_updates(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
     update: UpdateSettings,
+    bucket_sizes: Sequence[int] = (),
 ) -> tuple[ModelState, dict[str, Array], dict[str, Array]]:
     """Runs `ppo_epochs` passes of mini-batch updates over `batch` (leading dim `N`).
+
+    With more than one of `bucket_sizes` (`jrl.buckets`), the rows of each mini-batch
+    are sorted by used response length before it is cut into micro-batches, and each
+    micro-batch runs on the response columns its longest row needs. The mini-batch's
+    gradient is the same sum either way.
 
     `optimizer` gives the update direction (`jrl.optim.make_optimizer`); every
     mini-batch step moves the parameters by `-lr` times it.
@@ -103,7 +121,7 @@ def run_updates(
     def mini_step(state: ModelState, xs):
         mini, mini_rng = xs
         (grads, sums, means), tokens = _accumulate_grads(loss_fn, state.params, mini, mini_rng,
-                                                         num_micros)
+                                                         num_micros, bucket_sizes)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -118,6 +136,10 @@ def run_updates(
     def epoch_step(state, epoch_rng):
         perm_rng, mini_rng = jax.random.split(epoch_rng)
         perm = jax.random.permutation(perm_rng, n) if update.shuffle else jnp.arange(n)
+        if len(bucket_sizes) > 1:  # each mini-batch's rows by used length
+            lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
+            within = jax.vmap(buckets.sort_order)(lengths)
+            perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
         minis = _reshape_minis(batch, perm, num_minis, num_micros)
         state, (metrics, tokens) = jax.lax.scan(
             mini_step, state, (minis, jax.random.split(mini_rng, num_minis)))

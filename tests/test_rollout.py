@@ -1,6 +1,7 @@
 """Rollout: cached greedy decoding vs a no-cache reference, sampling statistics, stops, n > 1,
 and identical samples on 1 and 8 (CPU) devices."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -387,3 +388,62 @@ def test_sharded_over_8_devices_matches_one_device():
     assert result["same_responses"] and result["same_lengths"], result
     assert result["log_prob_diff"] < 1e-5, result
     assert result["some_stopped"], result
+
+
+@pytest.mark.parametrize("buckets", [2, 3, 12])
+def test_decode_compaction_gives_the_same_rollout(small_params, buckets):
+    """Compacting unfinished rows into smaller batches changes no token or length (a
+    row's sample depends on its own key and prompt only); log-probs agree to float32
+    rounding (the matmuls run at other batch sizes)."""
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
+    base = SamplingConfig(n=2, max_new_tokens=12, temperature=1.2,
+                          stop_token_ids=tuple(range(2, 9)))
+    full = rollout.generate(small_params, ids, mask, jax.random.key(1), base, config=SMALL)
+    lengths = np.asarray(full.response_lengths)
+    # Rows stop at different steps, so the loop does shrink (sizes 12 -> ... -> 12/buckets).
+    assert len(set(lengths)) > 3 and lengths.min() < 4, lengths
+    compacting = dataclasses.replace(base, decode_buckets=buckets)
+    assert rollout.decode_sizes(12, 1, compacting)[-1] == -(-12 // buckets)
+    out = rollout.generate(small_params, ids, mask, jax.random.key(1), compacting, config=SMALL)
+    assert_well_formed(out, compacting)
+    chex.assert_trees_all_equal(out.replace(rollout_log_probs=None),
+                                full.replace(rollout_log_probs=None))
+    np.testing.assert_allclose(out.rollout_log_probs, full.rollout_log_probs, atol=1e-5)
+
+
+def test_decode_sizes_and_compaction_by_hand():
+    sampling = SamplingConfig(stop_token_ids=(2,), decode_buckets=4)
+    assert rollout.decode_sizes(512, 1, sampling) == (512, 384, 256, 128)
+    # 2 shards of 6 rows: 6, 5 (4.5 up), 3, 2 (1.5 up) rows each.
+    assert rollout.decode_sizes(12, 2, sampling) == (12, 10, 6, 4)
+    for never_stops in (dataclasses.replace(sampling, ignore_stop=True),
+                        dataclasses.replace(sampling, stop_token_ids=()),
+                        dataclasses.replace(sampling, decode_buckets=1)):
+        assert rollout.decode_sizes(512, 1, never_stops) == (512,)
+    with pytest.raises(ValueError, match=r"rollout\.decode_buckets must be an integer >= 1"):
+        dataclasses.replace(sampling, decode_buckets=0).validate()
+
+    # 8 rows in 2 groups; rows 1, 2, 5 are unfinished. Each group keeps 2 rows: its
+    # unfinished ones first (in order), then finished ones.
+    done = jnp.asarray([1, 0, 0, 1, 1, 0, 1, 1], bool)
+    rows = jnp.arange(8, dtype=jnp.int32)
+    state = rollout._DecodeState(
+        step=jnp.int32(3), last_tokens=rows + 10, done=done, lengths=rows + 20,
+        responses=jnp.stack([rows, rows], 1), log_probs=jnp.zeros((8, 2)),
+        cache=rollout.KVCache(k=(jnp.broadcast_to(rows[:, None, None, None], (8, 1, 3, 2)),),
+                              v=(jnp.zeros((8, 1, 3, 2)),)),
+        key_mask=jnp.ones((8, 3), jnp.int32), keys=rollout.row_keys(jax.random.key(0), 8),
+        prompt_lengths=rows, rows=rows)
+    small = rollout._compact(state, 4, groups=2)
+    np.testing.assert_array_equal(small.rows, [1, 2, 5, 4])
+    np.testing.assert_array_equal(small.last_tokens, [11, 12, 15, 14])
+    np.testing.assert_array_equal(small.cache.k[0][:, 0, 0, 0], [1, 2, 5, 4])
+    np.testing.assert_array_equal(jax.random.key_data(small.keys),
+                                  jax.random.key_data(state.keys)[np.array([1, 2, 5, 4])])
+    assert int(small.step) == 3
+    # Written back: each row's outputs land on its own output row.
+    out = (jnp.full((8, 2), -1), jnp.zeros((8, 2)), jnp.zeros(8, jnp.int32))
+    responses, _, lengths = rollout._write_rows(out, small.replace(lengths=small.rows * 100),
+                                                groups=2)
+    np.testing.assert_array_equal(lengths, [0, 100, 200, 0, 400, 500, 0, 0])
+    np.testing.assert_array_equal(responses[:, 0], [-1, 1, 2, -1, 4, 5, -1, -1])

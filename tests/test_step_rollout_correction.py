@@ -105,6 +105,27 @@ def test_a_rejected_row_leaves_the_update():
     chex.assert_trees_all_close(new.actor.params, new_plain.actor.params, rtol=1e-6, atol=1e-7)
 
 
+def test_a_rejected_token_stays_in_the_context_of_the_tokens_after_it():
+    """Token-level rejection of row 0's first token takes it out of the loss, not out of
+    the context: the update equals the plain one with that token's loss mask 0 and the
+    row's attention unchanged, and not the one that drops it from the attention too."""
+    rollout = _with_rollout_log_probs(_rollout(), [0.0] * 8)
+    rollout = rollout.replace(rollout_log_probs=rollout.rollout_log_probs.at[0, 0].set(-5.0))
+    _, s, model, params = _setup(**{f"{_C}.rollout_rs": "token",
+                                    f"{_C}.rollout_rs_threshold": 2.0})
+    _, s_plain, _, _ = _setup()
+    new, m = _learn(s, model, _state(s, params), _experience(rollout))
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 20, rel=1e-5)
+    kept = rollout.response_mask.at[0, 0].set(0)
+    results = []
+    for attention in (rollout.response_mask, kept):
+        exp = _experience(rollout).replace(response_mask=kept, response_attention_mask=attention)
+        results.append(_learn(s_plain, model, _state(s_plain, params), exp)[0].actor.params)
+    chex.assert_trees_all_close(new.actor.params, results[0], rtol=1e-6, atol=1e-7)
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), *results))
+    assert max(float(d) for d in diff) > 1e-5
+
+
 def test_bypass_mode_takes_the_rollout_log_probs_as_old():
     """bypass_mode with ppo_clip is the plain update with old = the rollout's log-probs,
     and skips the old-log-prob pass; with reinforce the loss is -w A log pi."""

@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Attention of decode steps: auto (a Pallas kernel over the filled cache slots on
     # GPU, else XLA), xla or pallas.
     c.model.decode_attention_impl = "auto"
+    # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
+    # joined once per rollout; not under tensor parallelism).
+    c.model.fuse_decode_projections = True
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)
     # MLP width override.

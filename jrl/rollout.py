@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from jrl import sharding
-from jrl.models import decode_attention
+from jrl.models import decode_attention, transformer
 from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache, init_cache, positions_from_mask
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
@@ -396,9 +396,22 @@ def row_keys(rng, num_rows: int) -> jax.Array:
 
 def per_layer(params, config: ModelConfig):
     """`params` with the layers' weights as separate arrays, sliced once per program
-    rather than at every decode step."""
-    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
-                                      for i in range(config.num_layers))}
+    rather than at every decode step, and their projections fused where
+    `config.fuse_decode_projections` and the mesh allow (`_fuses`)."""
+    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
+                   for i in range(config.num_layers))
+    if _fuses(config):
+        layers = tuple(transformer.fuse_projections(layer, config) for layer in layers)
+    return {**params, "layers": layers}
+
+
+def _fuses(config: ModelConfig) -> bool:
+    """Whether the sampler fuses projections: asked for, and no mesh axis splits the
+    heads (a fused q/k/v kernel keeps its heads whole)."""
+    sharder = sharding.active_sharder()
+    heads_split = sharder is not None and sharder.spec(
+        (None, "heads", None), (config.hidden_size, config.num_heads, config.head_dim))[1]
+    return config.fuse_decode_projections and not heads_split
 
 
 def _prefill(params, prompt_ids, prompt_mask, num_new, config):

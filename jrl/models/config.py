@@ -102,6 +102,9 @@ class ModelConfig:
         once per rollout: faster decoding, but a second copy of the targeted kernels
         while it runs) or "unmerged" (`x W + (x A) B` at every projection of every
         decode step; no extra copy).
+      fuse_decode_projections: the sampler runs each layer's q/k/v projections as one
+        matmul and gate/up as one (`transformer.fuse_projections`, weights joined once
+        per rollout; not under tensor parallelism, which splits the heads).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
         straight-line code. (The forward with a cache, prefill and decode, applies
         the layers one by one whatever this says.)
@@ -135,6 +138,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
     lora_rollout: str = "merged"
+    fuse_decode_projections: bool = True
     scan_unroll: bool = False
 
     def __post_init__(self):

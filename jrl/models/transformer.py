@@ -180,11 +180,18 @@ class Attention(nn.Module):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         kv_heads = (c.num_kv_heads, c.head_dim)
-        q_btnh = _project(c, heads, ("embed", "heads", "head_dim"), "q_proj", x_btd,
-                          bias=c.qkv_bias)
-        kv_axes = ("embed", "kv_heads", "head_dim")
-        k_btkh = _project(c, kv_heads, kv_axes, "k_proj", x_btd, bias=c.qkv_bias)
-        v_btkh = _project(c, kv_heads, kv_axes, "v_proj", x_btd, bias=c.qkv_bias)
+        if self.has_variable("params", FUSED_QKV):  # the sampler's fused layout
+            fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            qkv = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV,
+                         bias=c.qkv_bias)(x_btd)
+            q_btnh, k_btkh, v_btkh = jnp.split(
+                qkv, [c.num_heads, c.num_heads + c.num_kv_heads], axis=2)
+        else:
+            q_btnh = _project(c, heads, ("embed", "heads", "head_dim"), "q_proj", x_btd,
+                              bias=c.qkv_bias)
+            kv_axes = ("embed", "kv_heads", "head_dim")
+            k_btkh = _project(c, kv_heads, kv_axes, "k_proj", x_btd, bias=c.qkv_bias)
+            v_btkh = _project(c, kv_heads, kv_axes, "v_proj", x_btd, bias=c.qkv_bias)
         if c.qk_norm:
             q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
@@ -225,8 +232,12 @@ class Mlp(nn.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         c = self.config
         f = c.intermediate_size
-        gate_btf = constrain(_project(c, f, ("embed", "mlp"), "gate_proj", x_btd), _MLP)
-        up_btf = constrain(_project(c, f, ("embed", "mlp"), "up_proj", x_btd), _MLP)
+        if self.has_variable("params", FUSED_GATE_UP):  # the sampler's fused layout
+            gate_up = _dense(c, (2, f), ("embed", None, "mlp"), FUSED_GATE_UP)(x_btd)
+            gate_btf, up_btf = (constrain(gate_up[..., i, :], _MLP) for i in range(2))
+        else:
+            gate_btf = constrain(_project(c, f, ("embed", "mlp"), "gate_proj", x_btd), _MLP)
+            up_btf = constrain(_project(c, f, ("embed", "mlp"), "up_proj", x_btd), _MLP)
         return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj",
                         nn.silu(gate_btf) * up_btf)
 
@@ -309,6 +320,28 @@ class Transformer(nn.Module):
             heads_lib.Head(1, True, None, name="value_head", **kwargs)(hidden_btd)
         elif self.head == "score":
             heads_lib.Head(1, False, None, name="score", **kwargs)(hidden_btd)
+
+
+# Names of the fused projections a layer may carry instead of its separate ones
+# (`fuse_projections`): the sampler's layout, never trained or saved.
+FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
+
+
+def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
+    """One layer's parameters with `q/k/v_proj` as one `qkv_proj` (`[D, N + 2K, H]`,
+    query heads, then key, then value heads) and `gate/up_proj` as one `gate_up_proj`
+    (`[D, 2, F]`): one matmul each instead of three and two, for decoding. Projections
+    with an unmerged LoRA adapter stay separate."""
+    attn, mlp = dict(layer_params["attn"]), dict(layer_params["mlp"])
+    if not any(f"{n}_lora" in attn for n in ("q_proj", "k_proj", "v_proj")):
+        parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+        attn[FUSED_QKV] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
+        if config.qkv_bias:
+            attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
+    if not any(f"{n}_lora" in mlp for n in ("gate_proj", "up_proj")):
+        parts = [mlp.pop(n)["kernel"] for n in ("gate_proj", "up_proj")]
+        mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
+    return {**layer_params, "attn": attn, "mlp": mlp}
 
 
 def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config):

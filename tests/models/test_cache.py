@@ -1,5 +1,6 @@
 """KV cache: prefill + one-token decode steps reproduce the full forward and HF greedy decoding."""
 
+import dataclasses
 import functools
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from jrl import rollout
 from jrl.models import (
     attention_mask,
     forward_logits,
@@ -171,3 +173,36 @@ def test_write_past_the_cache_is_rejected(model, ragged_batch):
             params, jnp.asarray(ragged_batch["tokens"]), jnp.asarray(ragged_batch["positions"]),
             jnp.ones((3, 4), jnp.int32), cache, 0, config=config,
         )
+
+
+@pytest.mark.parametrize("case", ["llama_untied", "qwen2_untied", "qwen3_untied"])
+def test_fused_projections_match_the_training_forward(hf_checkpoint, ragged_batch, case):
+    """The sampler's layout (q/k/v and gate/up fused, `rollout.per_layer`): prefill and
+    decode steps through it give the training forward's logits (qkv bias, q/k norm)."""
+    config, params = load_pretrained(hf_checkpoint(case)[0])
+    fused = rollout.per_layer(params, config)
+    attn, mlp = fused["layers"][0]["attn"], fused["layers"][0]["mlp"]
+    assert "qkv_proj" in attn and "q_proj" not in attn and "gate_up_proj" in mlp
+    assert attn["qkv_proj"]["kernel"].shape == (
+        config.hidden_size, config.num_heads + 2 * config.num_kv_heads, config.head_dim)
+    assert ("bias" in attn["qkv_proj"]) == config.qkv_bias
+    batch, prompt_len = ragged_batch, ragged_batch["tokens"].shape[1]
+    response = np.random.default_rng(2).integers(3, config.vocab_size,
+                                                 (batch["tokens"].shape[0], 2))
+    full_tokens = np.concatenate([batch["tokens"], response], axis=1).astype(np.int32)
+    full_mask = np.concatenate([batch["mask"], np.ones_like(response)], axis=1).astype(np.int32)
+    expected = np.asarray(_full_logits(params, full_tokens, full_mask, config=config))
+    logits, cache, key_mask = _prefill(fused, config, batch, prompt_len + 2)
+    valid = batch["mask"].astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[valid], expected[:, :prompt_len][valid],
+                               atol=1e-5, rtol=0)
+    prompt_lengths = batch["mask"].sum(axis=1)
+    for step in range(2):
+        step_logits, cache, key_mask = _decode(fused, config, response[:, step], step,
+                                               prompt_lengths, cache, key_mask, prompt_len)
+        np.testing.assert_allclose(np.asarray(step_logits), expected[:, prompt_len + step],
+                                   atol=1e-5, rtol=0)
+    # Switched off, the layers keep their separate projections.
+    plain = rollout.per_layer(params, dataclasses.replace(config,
+                                                          fuse_decode_projections=False))
+    assert "q_proj" in plain["layers"][0]["attn"] and "up_proj" in plain["layers"][0]["mlp"]

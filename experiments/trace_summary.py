@@ -4,8 +4,8 @@
 
 Reads the trace-viewer file (`*.trace.json.gz`) that `jax.profiler.trace(dir)`
 writes, keeps the events of the GPU devices, and prints
-the device time by kernel, by XLA op and by XLA module (total milliseconds,
-calls, share). The benchmark scripts
+the device time by kernel, by XLA op, by XLA module and by the jitted program
+each kernel ran in (total milliseconds, calls, share). The benchmark scripts
 take `--trace_dir` to write such a trace of one extra run.
 """
 
@@ -68,7 +68,8 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
     examples = {}
     kinds = {"kernels": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Ops": collections.defaultdict(lambda: [0.0, 0]),
-             "XLA Modules": collections.defaultdict(lambda: [0.0, 0])}
+             "XLA Modules": collections.defaultdict(lambda: [0.0, 0]),
+             "kernels by program": collections.defaultdict(lambda: [0.0, 0])}
     for e in events:
         thread = threads.get((e.get("pid"), e.get("tid")))
         if e.get("ph") != "X" or thread is None:
@@ -79,9 +80,13 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
         entry = kinds[kind][e.get("name", "?")]
         entry[0] += float(e.get("dur", 0.0)) / 1e3
         entry[1] += 1
+        if kind == "kernels":  # the jitted program each kernel ran in
+            program = kinds["kernels by program"][e.get("args", {}).get("hlo_module", "?")]
+            program[0] += float(e.get("dur", 0.0)) / 1e3
+            program[1] += 1
         examples.setdefault(e.get("name", "?"), e.get("args", {}))
     print(f"trace {files[-1]}; GPU threads: {sorted(set(threads.values()))[:12]}")
-    tables = {kind: _table(kind, totals, top if kind != "XLA Modules" else 8)
+    tables = {kind: _table(kind, totals, top if kind in ("kernels", "XLA Ops") else 8)
               for kind, totals in kinds.items() if totals}
     if show_args:
         print("\nan event of each of the top kernels, with the trace's arguments:")

@@ -73,6 +73,8 @@ def tiny_mesh_config(algo: str, steps: int):
         "actor.optim.lr": 1e-2, "critic.optim.lr": 1e-2,
         "trainer.total_training_steps": steps,
         "algorithm.adv_estimator": "grpo" if algo == "grpo" else "gae",
+        # Compaction within each batch shard; longer responses so rows stop apart.
+        "rollout.decode_buckets": 4, "rollout.response_length": 6,
     }
     if algo == "grpo":
         overrides.update({"actor.use_kl_loss": True, "actor.entropy_coeff": 0.01})

@@ -17,6 +17,8 @@ def tiny_config(**overrides):
     c.data.max_prompt_length = 4
     c.rollout.n = 2
     c.rollout.response_length = 3
+    # One decode program, not four (compile time); the mesh tests turn compaction on.
+    c.rollout.decode_buckets = 1
     c.actor.optim.lr = 1e-3
     c.actor.ppo_mini_batch_size = 2
     c.actor.ppo_micro_batch_size = 2

@@ -508,34 +508,41 @@ def sample_tokens(
 def _sample_row(logits_v, key, sampling: SamplingConfig):
     """One row of `sample_tokens`: (token int32 [], log_prob float32 [])."""
     processed_v = _process_row(logits_v, sampling)
-    token = _inverse_cdf_sample(key, processed_v)
-    return token, processed_v[token] - jax.nn.logsumexp(processed_v)
+    top = jnp.max(processed_v)
+    token, mass = _inverse_cdf_sample(key, processed_v, top)
+    # log softmax at the token, with the normaliser the draw summed anyway.
+    return token, processed_v[token] - top - jnp.log(mass)
 
 
 # Vocabulary block of the two-level inverse-CDF search.
 _CDF_BLOCK = 128
 
 
-def _inverse_cdf_sample(key, logits_v):
+def _inverse_cdf_sample(key, logits_v, top):
     """Draws `i ~ softmax(logits)` from one uniform number: `i = min{i : CDF(i) > u}`.
 
     A Gumbel-max draw needs V random numbers per row and step, which costs more
     than the rest of sampling on a large vocabulary. Here the CDF is searched in two
-    levels: cumulative sums of blocks of `_CDF_BLOCK` weights pick the block, a
-    cumulative sum inside it picks the token. Tokens of zero weight (masked by
-    top-k / top-p) are never returned, also when rounding puts `u` on a boundary.
+    levels: cumulative sums of blocks of `_CDF_BLOCK` weights `exp(logit - top)` pick
+    the block (one read of the row), then the chosen block's weights are recomputed
+    and summed up to the token, so no `[V]` weights are ever stored. Tokens of zero
+    weight (masked by top-k / top-p) are never returned, also when rounding puts `u`
+    on a boundary.
+
+    Returns:
+      (token int32 [], the total weight `sum_i exp(logit_i - top)`).
     """
     v = logits_v.shape[0]
-    weights = jnp.exp(logits_v - jnp.max(logits_v))  # -inf -> 0
-    weights = jnp.pad(weights, (0, (-v) % _CDF_BLOCK)).reshape(-1, _CDF_BLOCK)
-    block_mass = jnp.sum(weights, axis=1)
+    blocks_v = jnp.pad(logits_v, (0, (-v) % _CDF_BLOCK), constant_values=-jnp.inf)
+    blocks_v = blocks_v.reshape(-1, _CDF_BLOCK)
+    block_mass = jnp.sum(jnp.exp(blocks_v - top), axis=1)  # -inf -> 0
     block_cdf = jnp.cumsum(block_mass)
     u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
     block = jnp.minimum(jnp.sum(block_cdf <= u), _last_positive(block_mass))
-    row = weights[block]
+    row = jnp.exp(blocks_v[block] - top)
     inner_cdf = (block_cdf[block] - block_mass[block]) + jnp.cumsum(row)
     inner = jnp.minimum(jnp.sum(inner_cdf <= u), _last_positive(row))
-    return (block * _CDF_BLOCK + inner).astype(jnp.int32)
+    return (block * _CDF_BLOCK + inner).astype(jnp.int32), block_cdf[-1]
 
 
 def _last_positive(x):

@@ -56,6 +56,7 @@ def tiny_mesh_config(algo: str, steps: int):
             "data.apply_chat_template": True, "data.max_prompt_length": 24,
             "data.train_batch_size": 8, "data.val_batch_size": 8,
             "rollout.response_length": 48, "rollout.multi_turn.enable": True,
+            "actor.response_buckets": 2,  # 32 and 48 columns: buckets on a mesh
             "rollout.multi_turn.tool_config_path": os.path.join(
                 root, "configs", "tools", "calculator.yaml"),
             "rollout.multi_turn.max_assistant_turns": 3,
@@ -73,8 +74,6 @@ def tiny_mesh_config(algo: str, steps: int):
         "actor.optim.lr": 1e-2, "critic.optim.lr": 1e-2,
         "trainer.total_training_steps": steps,
         "algorithm.adv_estimator": "grpo" if algo == "grpo" else "gae",
-        # Compaction within each batch shard; longer responses so rows stop apart.
-        "rollout.decode_buckets": 4, "rollout.response_length": 6,
     }
     if algo == "grpo":
         overrides.update({"actor.use_kl_loss": True, "actor.entropy_coeff": 0.01})
@@ -94,6 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--process_id", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="(one mesh) write here, and save "
                         "a checkpoint at the last step")
+    parser.add_argument("--compact", action="store_true", help="decode compaction on "
+                        "(rollout.decode_buckets=4, 6-token responses so rows stop apart)")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume "
                         "from (trainer.resume_mode='resume_path')")
     args = parser.parse_args(argv)
@@ -103,6 +104,8 @@ def main(argv=None) -> None:
     from jrl import sharding, train
 
     config = tiny_mesh_config(args.algo, args.steps)
+    if args.compact:
+        config.rollout.decode_buckets, config.rollout.response_length = 4, 6
     if args.workdir:
         config.trainer.save_freq = args.steps
     if args.resume_from:

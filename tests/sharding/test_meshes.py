@@ -36,10 +36,10 @@ def _env(devices_per_process: int) -> dict:
 MESHES = ("8,1,1", "1,8,1", "2,2,2")
 
 
-def _run(tmp_path, algo: str, meshes: str, steps: int = 3) -> dict[str, list[dict]]:
+def _run(tmp_path, algo: str, meshes: str, steps: int = 3, *flags) -> dict[str, list[dict]]:
     out = tmp_path / f"{algo}-{steps}.json"
     subprocess.run([sys.executable, "-m", "tests.sharding.runner", "--algo", algo, "--meshes",
-                    meshes, "--steps", str(steps), "--out", str(out)],
+                    meshes, "--steps", str(steps), "--out", str(out), *flags],
                    cwd=ROOT, env=_env(8), check=True, timeout=900)
     return json.loads(out.read_text())
 
@@ -59,8 +59,10 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_meshes_match_one_device(tmp_path, algo):
-    """3 steps on (data=8), (fsdp=8), (data=2, fsdp=2, tensor=2) vs one device."""
-    runs = _run(tmp_path, algo, " ".join(("1,1,1",) + MESHES))
+    """3 steps on (data=8), (fsdp=8), (data=2, fsdp=2, tensor=2) vs one device; GRPO with
+    decode compaction, which gathers each batch shard's rows on its own devices."""
+    flags = ("--compact",) if algo == "grpo" else ()
+    runs = _run(tmp_path, algo, " ".join(("1,1,1",) + MESHES), 3, *flags)
     expected = runs["1,1,1"]
     # The runs must have learned something for the comparison to mean anything.
     assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in expected)

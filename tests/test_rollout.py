@@ -390,8 +390,7 @@ def test_sharded_over_8_devices_matches_one_device():
     assert result["some_stopped"], result
 
 
-@pytest.mark.parametrize("buckets", [2, 5])
-def test_decode_compaction_gives_the_same_rollout(small_params, buckets):
+def test_decode_compaction_gives_the_same_rollout(small_params, buckets=3):
     """Compacting unfinished rows into smaller batches changes no token or length (a
     row's sample depends on its own key and prompt only); log-probs agree to float32
     rounding (the matmuls run at other batch sizes)."""

@@ -87,6 +87,8 @@ def test_sampling_keys_are_the_rollouts():
     ({"actor.policy_loss.tau_pos": 0.0}, "actor.policy_loss.tau_pos"),
     ({"rollout.top_p": 1.5}, "rollout.top_p"),
     ({"rollout.val_kwargs.top_k": -5}, "rollout.val_kwargs.top_k"),
+    ({"rollout.decode_buckets": 0}, "rollout.decode_buckets"),
+    ({"actor.response_buckets": 0}, "actor.response_buckets"),
 ])
 def test_library_checks_are_config_errors(overrides, key):
     """What the losses and the sampler check comes out as the one-line CLI kind of error."""

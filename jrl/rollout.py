@@ -295,11 +295,11 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     sizes = decode_sizes(num_rows, groups, sampling)
     out = (state.responses, state.log_probs, state.lengths)
     for smaller in (*sizes[1:], 0):
-        # Decode at this batch size until every group's unfinished rows fit the next.
+        # Decode at this batch size until every group's unfinished rows fit the next
+        # (the last size: until none is left).
         def running(state: _DecodeState, smaller=smaller) -> jax.Array:
             unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
-            return ((state.step < num_new) & ~jnp.all(state.done)
-                    & (jnp.max(unfinished) > smaller // groups))
+            return (state.step < num_new) & (jnp.max(unfinished) > smaller // groups)
 
         state = lax.while_loop(running, decode, state)
         if smaller:

@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="actor.response_buckets (1: every pass runs all response columns)")
     p.add_argument("--decode_buckets", type=int, default=4,
                    help="rollout.decode_buckets (1: the decode loop never compacts)")
+    p.add_argument("--share_prompts", default="on", choices=("on", "off"),
+                   help="actor.share_prompts (off: every row runs its own prompt)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
@@ -221,6 +223,7 @@ def make_config(args, algo: str):
     c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
     c.actor.response_buckets = args.response_buckets
     c.rollout.decode_buckets = args.decode_buckets
+    c.actor.share_prompts = args.share_prompts == "on"
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
         c.rollout.log_prob_micro_batch_size = args.log_prob_micro_batch
@@ -336,8 +339,24 @@ def run_algo(args, algo: str) -> dict:
     # `learn` holds the critic's update too (PPO): a lower bound on the actor's MFU then.
     mfu = (flops_per_token * tokens * epochs / phases["learn"] / (peak * devices)
            if peak and "learn" in phases else None)
+    # The MFU above is the usual 6N FLOPs for every token of every row. What the update
+    # executes is less: the unembedding only for response tokens, and with shared prompts
+    # (actor.share_prompts) each prompt once per group of k rows. Hardware FLOPs
+    # utilisation: 6 x (non-embedding weights) per token run through the layers plus
+    # 6 x V x D per response token (attention and rematerialisation not counted).
+    k = math.gcd(args.n, args.micro_batch // devices) if args.share_prompts == "on" else 1
+    rows = args.batch * args.n
+    prompt_tokens = mean([m["prompt_length/mean"] for m in timed]) * rows
+    response_tokens = tokens - prompt_tokens
+    model = ModelConfig.preset(args.preset)
+    unembed = model.vocab_size * model.hidden_size
+    layers = flops_per_token / 6.0 - unembed * (1 if model.tie_word_embeddings else 2)
+    executed = 6.0 * (layers * (prompt_tokens / k + response_tokens) + unembed * response_tokens)
+    hfu = (executed * epochs / phases["learn"] / (peak * devices)
+           if peak and "learn" in phases else None)
     return dict(
-        algo=algo, setup_s=setup_s, warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
+        algo=algo, setup_s=setup_s, prompt_group=k, hfu_actor=hfu,
+        warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
         timed_wall_s=[m["wall_s"] for m in timed], phases_s=phases,
         phases_per_step_s=[{k: m[f"timing_s/{k}"] for k in PHASES if f"timing_s/{k}" in m}
                            for m in timed],
@@ -387,6 +406,8 @@ def print_table(args, results) -> None:
         ("throughput (tok/s/device)", lambda r: f"{r['throughput_tokens_per_s_per_device']:.0f}"),
         ("MFU actor update", lambda r: "-" if r["mfu_actor"] is None
          else f"{100 * r['mfu_actor']:.1f}%"),
+        ("HFU actor update (executed FLOPs)", lambda r: "-" if r["hfu_actor"] is None
+         else f"{100 * r['hfu_actor']:.1f}% (prompt group {r['prompt_group']})"),
         ("peak memory (GiB, process)", lambda r: "-" if r["peak_memory_bytes_process"] is None
          else f"{r['peak_memory_bytes_process'] / 2**30:.2f}"),
         ("first step (compile) s", lambda r: f"{r['warmup_wall_s'][0]:.1f}"

@@ -15,7 +15,8 @@ per-token outputs are padded back to `R` columns with zeros.
 
 This is jrl's counterpart of verl's `use_remove_padding` + `use_dynamic_bsz` for
 the padding after the responses: static shapes instead of a varying token count.
-Prompt padding (left) is not trimmed.
+Prompt padding (left) is not trimmed. Where the rows of a prompt share its forward
+(`jrl.logprobs`, `group`), they are sorted and bucketed as one.
 """
 
 from __future__ import annotations
@@ -56,10 +57,19 @@ def used_lengths(attention_mask_br: Array) -> Array:
     return jnp.max(jnp.where(attention_mask_br > 0, cols, 0), axis=-1)
 
 
-def sort_order(lengths_b: Array) -> Array:
+def sort_order(lengths_b: Array, group: int = 1) -> Array:
     """A permutation of the rows by used length (stable), so micro-batches of
-    consecutive rows hold similar lengths."""
-    return jnp.argsort(lengths_b, stable=True)
+    consecutive rows hold similar lengths. With `group` k > 1, runs of k consecutive
+    rows (the samples of one prompt) move together, ordered by their longest row."""
+    if group == 1:
+        return jnp.argsort(lengths_b, stable=True)
+    order = jnp.argsort(jnp.max(lengths_b.reshape(-1, group), axis=1), stable=True)
+    return expand_groups(order, group)
+
+
+def expand_groups(group_order: Array, group: int) -> Array:
+    """A permutation of runs of `group` rows as a permutation of the rows."""
+    return (group_order[:, None] * group + jnp.arange(group)).reshape(-1)
 
 
 def trim(tree, r: int, prompt_keys: Sequence[str] = PROMPT_KEYS):

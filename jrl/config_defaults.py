@@ -156,6 +156,13 @@ def base_config() -> ml_collections.ConfigDict:
     # padding after early stops costs nothing (verl's use_remove_padding/use_dynamic_bsz,
     # with static shapes). Each bucket compiles one more copy of the pass. 1: off.
     c.actor.response_buckets = 4
+    # Run each prompt once for its rollout.n samples in the log-prob, value and update
+    # passes: a micro-batch's rows are regrouped as one prompt followed by its responses,
+    # each response attending to the shared prompt and to itself. Same outputs and
+    # gradients as the plain layout (up to summation order), with the prompt's FLOPs
+    # divided by the samples per micro-batch shard that share it. False: every row
+    # runs its own copy of the prompt.
+    c.actor.share_prompts = True
     # When a step's update is on-policy (one mini-batch, one epoch), take the old log-probs
     # (the current ones, detached, as verl's actor does) and the entropy metric from the
     # update's own forward pass and skip the separate old-log-prob pass. It never applies

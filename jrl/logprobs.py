@@ -9,17 +9,26 @@ the log-prob (and entropy) with respect to them in one elementwise pass, and
 multiplies that into the gradients of the hidden states and the weight. (Autodiff
 of the forward would scatter the gather's gradient into a zero `[B, C, V]` buffer
 and run the softmax's backward as several passes over it.)
+
+The backbone's forward can share prompts: a rollout lays out the n samples of a
+prompt as consecutive rows, each repeating the prompt. With `group=k`, the rows
+are regrouped as `[B / k, P + k R]`, one prompt followed by its k responses, so the
+prompt's layers run once per group instead of k times; each response attends to
+its group's prompt keys and to its own (`transformer.SharedPrompt`). The outputs
+are the plain layout's, row for row, up to floating-point summation order, and
+so are the gradients (the prompt's, summed over its k responses).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jrl import buckets
+from jrl import buckets, sharding
 from jrl.models import cache as cache_lib
 from jrl.models import heads, transformer
 from jrl.models.config import ModelConfig
@@ -47,10 +56,10 @@ def _unembedding(params) -> tuple[Array, bool]:
 
 
 def _chunk_logits(weight, hidden_bcd, vocab_first, temperature):
-    """float32 logits `[B, C, V]` of one chunk, divided by the temperature."""
+    """float32 logits `[B, C, V]` of one chunk, divided by the temperature; `weight` in
+    the hidden states' dtype (cast once, outside the loop over chunks)."""
     spec = "bcd,vd->bcv" if vocab_first else "bcd,dv->bcv"
-    logits = jnp.einsum(spec, hidden_bcd, weight.astype(hidden_bcd.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(spec, hidden_bcd, weight, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", None, "vocab")) / temperature
 
 
@@ -67,42 +76,50 @@ def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, wit
     return log_probs_bc, entropy_bc, log_z_bc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+                     entropy_grad):
     """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
-    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy)
+    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+                        entropy_grad)
     return out
 
 
-def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
+def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+               entropy_grad):
+    del entropy_grad
+    compute_weight = weight.astype(hidden_nbcd.dtype)
+
     def body(_, xs):
-        return None, _chunk_forward(weight, *xs, vocab_first, temperature, with_entropy)
+        return None, _chunk_forward(compute_weight, *xs, vocab_first, temperature,
+                                    with_entropy)
 
     _, (lp, ent, log_z) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
     return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
 
 
-def _fused_bwd(vocab_first, temperature, with_entropy, residuals, cotangents):
+def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, residuals, cotangents):
     """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
 
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
-    `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`.
+    `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`. Without `entropy_grad`
+    the entropy's cotangent is ignored (its term costs a pass over the chunk's logits).
     """
     weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
     g_lp_nbc, g_ent_nbc = cotangents
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
+    w = weight.astype(hidden_nbcd.dtype)
 
     def body(grad_w, xs):
         hidden_bcd, targets_bc, log_z_bc, ent_bc, g_lp_bc, g_ent_bc = xs
-        log_p_bcv = (_chunk_logits(weight, hidden_bcd, vocab_first, temperature)
+        log_p_bcv = (_chunk_logits(w, hidden_bcd, vocab_first, temperature)
                      - log_z_bc[..., None])
         p_bcv = jnp.exp(log_p_bcv)
         onehot_bcv = jnp.arange(vocab)[None, None, :] == targets_bc[..., None]
         grad_bcv = g_lp_bc[..., None] * (onehot_bcv.astype(jnp.float32) - p_bcv)
-        if with_entropy:
+        if with_entropy and entropy_grad:
             grad_bcv -= g_ent_bc[..., None] * p_bcv * (log_p_bcv + ent_bc[..., None])
         grad_bcv = (grad_bcv / temperature).astype(hidden_bcd.dtype)
-        w = weight.astype(hidden_bcd.dtype)
         if vocab_first:
             grad_h_bcd = jnp.einsum("bcv,vd->bcd", grad_bcv, w)
             grad_w_chunk = jnp.einsum("bcv,bcd->vd", grad_bcv, hidden_bcd,
@@ -129,6 +146,7 @@ def token_log_probs(
     temperature: float = 1.0,
     chunk_size: int | None = 128,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ):
     """Log-probs (and entropy) of `targets` given the hidden states that predict them.
 
@@ -139,6 +157,8 @@ def token_log_probs(
       temperature: logits are divided by it (as the sampler did).
       chunk_size: response tokens per chunk (None: all of them, one chunk).
       with_entropy: also compute the entropy of each predictive distribution.
+      entropy_grad: whether the entropy is differentiated; False when it only feeds a
+        metric (its gradient is then taken as zero, and the backward pass skips it).
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
@@ -154,40 +174,73 @@ def token_log_probs(
 
     weight, vocab_first = _unembedding(params)
     lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
-                                       temperature, with_entropy)
+                                       temperature, with_entropy, entropy_grad)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 
 
+def prompt_group(samples_per_prompt: int, micro_batch: int) -> int:
+    """Rows per shared prompt for passes over micro-batches of `micro_batch` rows whose
+    runs of `samples_per_prompt` rows share a prompt: the largest k dividing both
+    `samples_per_prompt` and each batch shard's rows (so no group straddles two
+    micro-batches or two shards); 1 when none (no sharing)."""
+    sharder = sharding.active_sharder()
+    shards = 1 if sharder is None else sharder.batch_size_multiple
+    if micro_batch % shards:
+        return 1
+    return math.gcd(samples_per_prompt, micro_batch // shards)
+
+
 def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *,
-                    config: ModelConfig) -> Array:
-    """Hidden states `[B, R, D]` that predict each response token (one full forward)."""
+                    config: ModelConfig, group: int = 1) -> Array:
+    """Hidden states `[B, R, D]` that predict each response token (one full forward).
+
+    `group`: k > 1 when each run of k consecutive rows holds the same prompt (ids and
+    mask): the prompt's layers then run once per run (the module docstring).
+    """
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, responses, response_mask)
-    hidden_btd, _ = transformer.forward(params, tokens, positions, mask, config=config)
     p = prompt_ids.shape[1]
     r = responses.shape[1]
-    return hidden_btd[:, p - 1 : p + r - 1]
+    if group == 1:
+        hidden_btd, _ = transformer.forward(params, tokens, positions, mask, config=config)
+        return hidden_btd[:, p - 1 : p + r - 1]
+    b = tokens.shape[0]
+    if b % group:
+        raise ValueError(f"{b} rows do not split into groups of {group} sharing a prompt")
+    g = b // group
+    first = lambda x: x.reshape(g, group, *x.shape[1:])[:, 0]  # the group's prompt
+    grouped = lambda x: jnp.concatenate([first(x[:, :p]), x[:, p:].reshape(g, group * r)], 1)
+    shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
+    hidden_gtd, _ = transformer.forward(params, grouped(tokens), grouped(positions), shared,
+                                        config=config)
+    # Response token 0 is predicted by the prompt's last position, token t by response t-1.
+    last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
+    own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : r - 1]
+    return constrain(jnp.concatenate([last_prompt, own], axis=1), ("batch", None, None))
 
 
 def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask, *,
                        config: ModelConfig, temperature: float = 1.0, chunk_size: int = 128,
-                       with_entropy: bool = False):
-    """Log-probs `[B, R]` of the responses under `params` (and entropy `[B, R]`)."""
+                       with_entropy: bool = False, group: int = 1):
+    """Log-probs `[B, R]` of the responses under `params` (and entropy `[B, R]`);
+    `group` as in `response_hidden`."""
     hidden = response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
-                             config=config)
+                             config=config, group=group)
     return token_log_probs(params, hidden, responses, temperature=temperature,
                            chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def response_values(critic_params, prompt_ids, prompt_mask, responses, response_mask, *,
-                    config: ModelConfig) -> Array:
-    """Critic values `[B, R]`: the value of the state before each response token."""
+                    config: ModelConfig, group: int = 1) -> Array:
+    """Critic values `[B, R]`: the value of the state before each response token;
+    `group` as in `response_hidden`."""
     hidden = response_hidden(critic_params, prompt_ids, prompt_mask, responses, response_mask,
-                             config=config)
+                             config=config, group=group)
     return heads.values(critic_params, hidden)
 
 
-def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = ()):
+def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = (),
+                     group: int = 1):
     """`fn(params, prompt_ids, prompt_mask, responses, attention_mask) -> outputs`, run over
     micro-batches of `micro_batch` rows.
 
@@ -197,8 +250,12 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
     With more than one of `bucket_sizes` (`jrl.buckets`), the rows are sorted by their
     used response length first, and each micro-batch runs on the response columns its
     longest row needs; the outputs (`[N, R, ...]` each) come back in the rows' order,
-    zero after the columns run.
+    zero after the columns run. With `group` k > 1, runs of k rows share a prompt
+    (`response_hidden`): `fn` gets `group=k`, and sorting moves whole runs (by their
+    longest row).
     """
+    if group > 1:
+        fn = functools.partial(fn, group=group)
     if micro_batch is None and len(bucket_sizes) < 2:
         return fn
 
@@ -224,7 +281,7 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
             raise ValueError(f"{n} rows do not split into micro-batches of {micro}")
         order = None
         if len(bucket_sizes) > 1:
-            order = buckets.sort_order(buckets.used_lengths(arrays[3]))
+            order = buckets.sort_order(buckets.used_lengths(arrays[3]), group)
             arrays = tuple(x[order] for x in arrays)
         split = lambda x: constrain(x.reshape(n // micro, micro, *x.shape[1:]),
                                     (None, "batch") + (None,) * (x.ndim - 1))

@@ -40,6 +40,12 @@ def _number(key: str, value, *, allow_zero: bool = False, integer: bool = False)
     return int(value) if integer else value
 
 
+def _flag(key: str, value) -> bool:
+    if not isinstance(value, bool):
+        _fail(key, f"must be True or False, got {value!r}")
+    return value
+
+
 def _choice(key: str, value, choices) -> str:
     if value not in choices:
         _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
@@ -336,6 +342,9 @@ class Settings:
     # Response-length buckets of the log-prob, value and update passes (`jrl.buckets`;
     # `actor.response_buckets`, 1: every pass runs all response columns).
     response_buckets: int = 1
+    # Whether the log-prob, value and update passes run each prompt once for its
+    # samples (`actor.share_prompts`; `jrl.logprobs`).
+    share_prompts: bool = False
 
     def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
         """The passes' bucket lengths for responses of `response_length` columns."""
@@ -659,7 +668,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         trainer=trainer, multi_turn=_multi_turn(config),
         sampling_devices=_get(config, "rollout.devices"),
         staleness=_get(config, "rollout.staleness"),
-        response_buckets=_get(config, "actor.response_buckets"))
+        response_buckets=_get(config, "actor.response_buckets"),
+        share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")))
     if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
     return s

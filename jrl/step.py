@@ -17,6 +17,7 @@ and the step's scalar metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,13 @@ def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
         params, lora.split(param_shardings)[0] if config is not model else param_shardings)
 
 
+def prompt_group(s: Settings, micro_batch: int) -> int:
+    """Rows per shared prompt in a pass over micro-batches of `micro_batch` rows: the
+    samples of a prompt are consecutive rows (`logprobs.prompt_group`); 1 with
+    `actor.share_prompts` off."""
+    return logprobs.prompt_group(s.rollout.n, micro_batch) if s.share_prompts else 1
+
+
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
@@ -167,26 +175,27 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     critic = None if state.critic is None else critic_model(model, s)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.attention_mask())
     sizes = s.bucket_sizes(rollout.responses.shape[1])
+    group = prompt_group(s, s.log_prob_micro_batch or rollout.responses.shape[0])
 
-    def log_probs(params, config):
+    def log_probs(params, config, with_entropy):
         return logprobs.in_micro_batches(
-            lambda params, *xs: logprobs.response_log_probs(
-                params, *xs, config=config, temperature=s.rollout.temperature,
-                chunk_size=s.logprob_chunk_size, with_entropy=True),
-            s.log_prob_micro_batch, sizes)(params, *seq)
+            functools.partial(logprobs.response_log_probs, config=config,
+                              temperature=s.rollout.temperature,
+                              chunk_size=s.logprob_chunk_size, with_entropy=with_entropy),
+            s.log_prob_micro_batch, sizes, group)(params, *seq)
 
     old_log_probs, entropy = None, None
     if not s.actor.skips_old_pass:  # else the update's pass or the rollout gives them
         old_log_probs, entropy = log_probs(
-            compute_params(actor_params(state, frozen), model), model)
+            compute_params(actor_params(state, frozen), model), model, True)
     base_model = lora.without(model)
-    ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model)[0]
+    ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model, False)[0]
     values = None
     if critic is not None:
         values = logprobs.in_micro_batches(
-            lambda params, *xs: logprobs.response_values(params, *xs, config=critic),
-            s.log_prob_micro_batch, sizes)(with_frozen(state.critic.params, frozen, critic),
-                                           *seq)
+            functools.partial(logprobs.response_values, config=critic),
+            s.log_prob_micro_batch, sizes, group)(
+                with_frozen(state.critic.params, frozen, critic), *seq)
     return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
                          ref_log_probs=ref_log_probs, values=values)
 
@@ -288,12 +297,14 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     if critic is not None:
         lr = learning_rate_schedule(s.critic.optim)(state.step)
         config = critic_model(model, s)
+        group = prompt_group(s, s.critic.update.micro_batch)
         critic_loss = lambda params, *a: update.critic_loss(
-            with_frozen(params, frozen, config), *a, model=config, critic=s.critic)
+            with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
+            group=group)
         critic, m, _ = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
             critic_key, lr, loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
-            bucket_sizes=s.bucket_sizes(exp.response_mask.shape[1]))
+            bucket_sizes=s.bucket_sizes(exp.response_mask.shape[1]), group=group)
         metrics.update(_named("critic", m, lr))
     actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
                                      actor_opt=actor_opt, critic_warmup=critic_warmup)
@@ -315,16 +326,18 @@ def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
     lr = learning_rate_schedule(s.actor.optim)(jnp.maximum(state.step - first, 0))
     with_base = (lambda params: params) if frozen is None else (
         lambda adapters: lora.combine(frozen, adapters))
+    group = prompt_group(s, s.actor.update.micro_batch)
     actor_loss = lambda params, *a: update.actor_loss(
         with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
-        chunk_size=s.logprob_chunk_size)
+        chunk_size=s.logprob_chunk_size, group=group)
     names = _ACTOR_FIELDS + (("rollout_log_probs",) if s.actor.skips_old_pass else ())
     fields = {k: batch[k] for k in names if batch.get(k) is not None}
 
     def run(actor):
         actor, m, tokens = update.run_updates(
             actor, fields, key, lr, loss_fn=actor_loss, optimizer=actor_opt,
-            update=s.actor.update, bucket_sizes=s.bucket_sizes(fields["responses"].shape[1]))
+            update=s.actor.update, bucket_sizes=s.bucket_sizes(fields["responses"].shape[1]),
+            group=group)
         return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}, tokens
 
     if first == 0:

@@ -20,7 +20,12 @@ Array = jax.Array
 
 @struct.dataclass
 class Rollout:
-    """Sampled responses to a batch of prompts (`N` = prompts x samples per prompt)."""
+    """Sampled responses to a batch of prompts (`N` = prompts x samples per prompt).
+
+    The samples of a prompt are consecutive rows, each holding the same prompt (ids and
+    mask): the log-prob, value and update passes run a prompt once for its samples
+    (`actor.share_prompts`, `jrl.logprobs`).
+    """
 
     prompt_ids: Array  # [N, P] int32, left-padded
     prompt_mask: Array  # [N, P] int32, 1 on prompt tokens

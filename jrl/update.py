@@ -94,13 +94,16 @@ def run_updates(
     optimizer: optax.GradientTransformation,
     update: UpdateSettings,
     bucket_sizes: Sequence[int] = (),
+    group: int = 1,
 ) -> tuple[ModelState, dict[str, Array], dict[str, Array]]:
     """Runs `ppo_epochs` passes of mini-batch updates over `batch` (leading dim `N`).
 
     With more than one of `bucket_sizes` (`jrl.buckets`), the rows of each mini-batch
     are sorted by used response length before it is cut into micro-batches, and each
     micro-batch runs on the response columns its longest row needs. The mini-batch's
-    gradient is the same sum either way.
+    gradient is the same sum either way. With `group` k > 1 (runs of k rows share a
+    prompt, and `loss_fn` runs them as one: `logprobs.response_hidden`), the shuffle
+    and the sorting move whole runs.
 
     `optimizer` gives the update direction (`jrl.optim.make_optimizer`); every
     mini-batch step moves the parameters by `-lr` times it.
@@ -135,10 +138,12 @@ def run_updates(
 
     def epoch_step(state, epoch_rng):
         perm_rng, mini_rng = jax.random.split(epoch_rng)
-        perm = jax.random.permutation(perm_rng, n) if update.shuffle else jnp.arange(n)
+        perm = jnp.arange(n)
+        if update.shuffle:
+            perm = buckets.expand_groups(jax.random.permutation(perm_rng, n // group), group)
         if len(bucket_sizes) > 1:  # each mini-batch's rows by used length
             lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
-            within = jax.vmap(buckets.sort_order)(lengths)
+            within = jax.vmap(lambda x: buckets.sort_order(x, group))(lengths)
             perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
         minis = _reshape_minis(batch, perm, num_minis, num_micros)
         state, (metrics, tokens) = jax.lax.scan(
@@ -162,7 +167,7 @@ def _attention(micro: Batch):
 
 
 def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-               actor: ActorSettings, temperature: float, chunk_size: int):
+               actor: ActorSettings, temperature: float, chunk_size: int, group: int = 1):
     """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective).
 
     The old log-probs are the batch's, or this pass's own, detached (an on-policy update),
@@ -170,16 +175,18 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     with the batch (`rollout_is_weights`, the loss mask) when `step.learn` computed them
     from a separate old-log-prob pass, else from this pass's log-probs here. The aux's
     per-token part holds these log-probs, detached, when the old-log-prob pass is skipped
-    and the rollout's are there to compare with (the step's mismatch metrics).
+    and the rollout's are there to compare with (the step's mismatch metrics). `group`:
+    rows per shared prompt (`logprobs.response_hidden`).
     """
     mask = micro["response_mask"]
     hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], _attention(micro), config=model)
+                                      micro["responses"], _attention(micro), config=model,
+                                      group=group)
     with_entropy = actor.entropy_coeff != 0
     skips_old_pass = actor.skips_old_pass
     log_probs, entropy = logprobs.token_log_probs(
         params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy or skips_old_pass)
+        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
     current = jax.lax.stop_gradient(log_probs)
@@ -217,12 +224,13 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
 
 
 def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-                critic: CriticSettings):
-    """Clipped value loss of one micro-batch."""
+                critic: CriticSettings, group: int = 1):
+    """Clipped value loss of one micro-batch; `group` as in `actor_loss`."""
     del rng
     mask = micro["response_mask"]
     vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], _attention(micro), config=model)
+                                      micro["responses"], _attention(micro), config=model,
+                                      group=group)
     vf_loss, clipfrac = losses.value_loss(vpreds, micro["returns"], micro["values"], mask,
                                           critic.cliprange_value, critic.loss_agg_mode,
                                           normalizer)

@@ -165,6 +165,34 @@ def test_token_log_probs_values_and_gradients_per_chunk_size(name, entropy_weigh
         chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
 
 
+def test_entropy_without_its_gradient_is_a_metric_only():
+    """`entropy_grad=False`: the entropy's values are computed, but a loss that includes
+    it gets the gradient of its log-prob part alone (the stop-gradient autodiff one)."""
+    config, params = CONFIGS["tied"], params_for("tied")
+    batch = make_batch(seed=2)
+    tokens, hidden, _ = naive_full(params, config, *batch)
+    hidden_brd, targets = hidden[:, P - 1:P + R - 1], tokens[:, P:]
+    weight = params["embed"]["embedding"]
+    weights = jnp.asarray(batch[3], jnp.float32)
+
+    def naive(h):
+        lp, ent = naive_token_log_probs(weight.T, h, targets, 1.0)
+        return lp, jax.lax.stop_gradient(ent)
+
+    def fused(h, entropy_grad):
+        return logprobs.token_log_probs(params, h, targets, chunk_size=4, with_entropy=True,
+                                        entropy_grad=entropy_grad)
+
+    loss = lambda out: jnp.sum(weights * (out[0] + 0.5 * out[1]))
+    want = jax.grad(lambda h: loss(naive(h)))(hidden_brd)
+    got = jax.jit(jax.grad(lambda h: loss(fused(h, False))))(hidden_brd)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(jax.jit(lambda h: fused(h, False))(hidden_brd), naive(hidden_brd),
+                                rtol=RTOL, atol=ATOL)
+    with_grad = jax.jit(jax.grad(lambda h: loss(fused(h, True))))(hidden_brd)
+    assert float(jnp.abs(with_grad - want).max()) > 1e-4  # the entropy's term is real
+
+
 def test_token_log_probs_in_bfloat16_follow_the_float32_gradient():
     """bf16 hidden states (as the trainer runs): the backward rule's bf16 logits gradient
     gives gradients close to float32 autodiff (same direction, ~1% error)."""

@@ -39,7 +39,9 @@ def _rollout() -> Rollout:
     n, p, r = len(PROMPT_LENGTHS), 4, 3
     prompt_mask = np.array([[0] * (p - k) + [1] * k for k in PROMPT_LENGTHS], np.int32)
     response_mask = np.array([[1] * k + [0] * (r - k) for k in RESPONSE_LENGTHS], np.int32)
-    return Rollout(prompt_ids=jnp.asarray(rng.integers(3, 20, (n, p)) * prompt_mask, jnp.int32),
+    # The samples of a prompt are consecutive rows with the same prompt (the Rollout contract).
+    prompt_ids = np.repeat(rng.integers(3, 20, (n // 2, p)), 2, axis=0) * prompt_mask
+    return Rollout(prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
                    prompt_mask=jnp.asarray(prompt_mask),
                    responses=jnp.asarray(rng.integers(3, 20, (n, r)) * response_mask, jnp.int32),
                    response_mask=jnp.asarray(response_mask))

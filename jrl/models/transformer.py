@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -170,6 +170,72 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"
 
 
+class SharedPromptMask(NamedTuple):
+    """Attention masks of the shared-prompt layout (`forward(..., mask=SharedPrompt)`):
+    each row of `[G, P + k R]` holds one prompt and the k responses sampled from it.
+
+    Attributes:
+      prompt_g1pp: bool `[G, 1, P, P]`, the prompts' own causal mask.
+      response_b1rs: bool `[G k, 1, R, P + R]`, each response's queries over its prompt
+        and itself (the last R query rows of the plain `[P + R]` layout's mask).
+    """
+
+    prompt_g1pp: jax.Array
+    response_b1rs: jax.Array
+
+
+class SharedPrompt(NamedTuple):
+    """The masks `forward` takes for the shared-prompt layout, in place of `[B, T]`.
+
+    Attributes:
+      prompt_mask_gp: `[G, P]` validity of each group's (left-padded) prompt.
+      row_mask_bs: `[G k, P + R]` validity of each row in the plain layout (its
+        prompt, then its response).
+    """
+
+    prompt_mask_gp: jax.Array
+    row_mask_bs: jax.Array
+
+    def attention_masks(self) -> SharedPromptMask:
+        p = self.prompt_mask_gp.shape[1]
+        rows = attention_mask(self.row_mask_bs, self.row_mask_bs.shape[1], None)
+        return SharedPromptMask(attention_mask(self.prompt_mask_gp, p, None), rows[:, :, p:])
+
+
+def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts):
+    """Attention over keys/values `[B, S, K, H]` (no cache): cuDNN or XLA by `_attention_impl`."""
+    impl = _attention_impl(config, q_btnh.dtype, q_btnh.shape[1], k_bskh.shape[1])
+    if impl == "xla":
+        return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_bskh, 1, 2),
+                                            jnp.swapaxes(v_bskh, 1, 2), mask_b1ts)
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
+                                        implementation=impl)
+
+
+def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
+                             mask: SharedPromptMask):
+    """Attention of the shared-prompt layout: queries, keys and values `[G, P + k R, ...]`.
+
+    The prompt columns attend among themselves. Each response's R columns become a row
+    of its own, `[G k, R]`, whose keys are its group's prompt keys (repeated k times,
+    as the plain layout holds them) followed by its own: the plain layout's attention,
+    row for row, with the prompt's projections computed once per group.
+    """
+    p = mask.prompt_g1pp.shape[-1]
+    b, _, r, _ = mask.response_b1rs.shape
+    out_p = _attend(config, q_btnh[:, :p], k_btkh[:, :p], v_btkh[:, :p], mask.prompt_g1pp)
+
+    def rows(x):  # [G, k R, ...] -> [G k, R, ...]
+        return x[:, p:].reshape(b, r, *x.shape[2:])
+
+    k = b // q_btnh.shape[0]
+    keys, values = (jnp.concatenate([jnp.repeat(x[:, :p], k, axis=0), rows(x)], axis=1)
+                    for x in (k_btkh, v_btkh))
+    out_r = _attend(config, rows(q_btnh), keys, values, mask.response_b1rs)
+    out_r = out_r.reshape(q_btnh.shape[0], k * r, *out_r.shape[2:])
+    return jnp.concatenate([out_p, out_r], axis=1)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional qkv bias and q/k norm, and a KV cache."""
 
@@ -201,22 +267,20 @@ class Attention(nn.Module):
         if cache is not None:
             cache = cache.write(layer, write_index, k_btkh, v_btkh)
             k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
-        else:
-            k_bksh, v_bksh = (jnp.swapaxes(t, 1, 2) for t in (k_btkh, v_btkh))
-        impl = _attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bksh.shape[2])
-        if isinstance(mask_b1ts, tuple):  # a decode step's (start_b, end): the kernel
+        if isinstance(mask_b1ts, SharedPromptMask):
+            out_btnh = _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
+        elif isinstance(mask_b1ts, tuple):  # a decode step's (start_b, end): the kernel
             out_bnh = decode_lib.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, *mask_b1ts,
                                                   impl="pallas")
             out_btnh = out_bnh[:, None]
-        elif impl == "xla":
+        elif cache is None:
+            out_btnh = _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
+        elif _attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bksh.shape[2]) == "xla":
             out_btnh = decode_lib.grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts)
-        else:
-            # cuDNN takes [B, S, K, H]; without a cache the fresh keys already are.
-            k_bskh, v_bskh = ((k_btkh, v_btkh) if cache is None else
-                              (jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2)))
+        else:  # cuDNN takes [B, S, K, H]
             out_btnh = jax.nn.dot_product_attention(
-                q_btnh, k_bskh, v_bskh, mask=mask_b1ts, implementation=impl
-            )
+                q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
+                mask=mask_b1ts, implementation="cudnn")
         out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
         out_btd = _project(c, c.hidden_size, o_axes, "o_proj", out_btnh, axis=(-2, -1))
@@ -303,7 +367,8 @@ class Transformer(nn.Module):
         )(tokens_bt)
         x_btd = constrain(x_btd, _HIDDEN)
         sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
-        mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
+        mask_b1ts = (mask.attention_masks() if isinstance(mask, SharedPrompt) else
+                     attention_mask(mask, tokens_bt.shape[1], None))
         layers = jnp.arange(c.num_layers)
         (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
@@ -425,8 +490,10 @@ def forward(
       params: model parameters (extra head entries are ignored).
       tokens_bt: int32 `[B, T]` token ids.
       positions_bt: int32 `[B, T]` RoPE positions (`cache.positions_from_mask`).
-      mask: without a cache, `[B, T]` token validity; with a cache, `[B, S]` slot
-        validity including the slots written by this call (1 = valid).
+      mask: without a cache, `[B, T]` token validity, or a `SharedPrompt` for the
+        shared-prompt layout (each row of `tokens_bt` one prompt followed by the k
+        responses sampled from it); with a cache, `[B, S]` slot validity including
+        the slots written by this call (1 = valid).
       cache: `KVCache` of S slots, or None.
       write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
         with a cache, must be None without one.
@@ -465,6 +532,9 @@ def forward_logits(
 def _check_forward_args(tokens_bt, mask, cache, write_index) -> None:
     """Shape checks that fail before tracing reaches the layers."""
     batch, num_tokens = tokens_bt.shape
+    if isinstance(mask, SharedPrompt):
+        _check_shared_prompt(tokens_bt, mask, cache)
+        return
     if cache is None:
         if write_index is not None:
             raise ValueError("write_index is only meaningful with a cache; pass cache= too")
@@ -481,3 +551,15 @@ def _check_forward_args(tokens_bt, mask, cache, write_index) -> None:
     if tuple(mask.shape) != expected:
         what = "[B, S] over cache slots" if cache is not None else "[B, T] over tokens"
         raise ValueError(f"mask must be {what}, i.e. {expected}; got {tuple(mask.shape)}")
+
+
+def _check_shared_prompt(tokens_gt, mask: SharedPrompt, cache) -> None:
+    if cache is not None:
+        raise ValueError("the shared-prompt layout is for training forwards, without a cache")
+    groups, num_tokens = tokens_gt.shape
+    (g, p), (rows, s) = mask.prompt_mask_gp.shape, mask.row_mask_bs.shape
+    k, rem = divmod(rows, groups)
+    if g != groups or rem or num_tokens != p + k * (s - p):
+        raise ValueError(
+            f"shared-prompt layout: tokens [G, P + k R] = {tuple(tokens_gt.shape)} do not "
+            f"match prompt_mask [G, P] = {(g, p)} and row_mask [G k, P + R] = {(rows, s)}")

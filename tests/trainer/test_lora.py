@@ -22,9 +22,15 @@ _LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "actor.optim.lr": 1e-2,
          "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.01}
 
 
+def _alternating_reward(data_source, solution_str, ground_truth, extra_info):
+    """1 for responses of even length, else 0: rewards that vary within a group, so the
+    advantages (and the adapters' gradients) are not zero."""
+    return float(len(solution_str) % 2 == 0)
+
+
 def test_only_the_adapters_train_and_the_reference_is_the_base(tmp_path):
     config = tiny_config(**_LORA, **{"trainer.total_training_steps": 3, "trainer.save_freq": 3})
-    summary = run(config, str(tmp_path))
+    summary = run(config, str(tmp_path), reward_fn=_alternating_reward)
     assert summary["step"] == 3
     state = _final_state(str(tmp_path), 3)
     # The checkpoint holds the adapters (and their optimizer state), no base weights.
@@ -110,7 +116,8 @@ def test_lora_run_from_a_hf_checkpoint_exports_merged_weights_and_a_peft_adapter
 
     source = tmp_path / "source"
     model, params = tiny_hf_checkpoint(source)
-    summary = run(tiny_config(**_LORA, **{"model.path": str(source)}), str(tmp_path / "run"))
+    summary = run(tiny_config(**_LORA, **{"model.path": str(source)}), str(tmp_path / "run"),
+                  reward_fn=_alternating_reward)
     _, exported = hf.load_pretrained(summary["hf_export"])
     adapter_config, adapters = lora.load_peft(summary["peft_adapter"], model)
     assert adapter_config.lora_rank == 4 and adapter_config.lora_alpha == 8.0

@@ -78,10 +78,11 @@ def _values_by_hand(base, value_head, model, prompt_ids, prompt_mask, responses,
 
 def _random_rollout(vocab, batch=4, prompt_len=4, response_len=3, seed=0):
     rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(3, vocab, (batch, prompt_len)).astype(np.int32)
+    # Two samples per prompt, as rollouts lay them out (consecutive rows, same prompt).
+    prompt_ids = np.repeat(rng.integers(3, vocab, (batch // 2, prompt_len)), 2, 0).astype(np.int32)
     prompt_mask = np.ones((batch, prompt_len), np.int32)
-    prompt_mask[1, :2] = 0  # left padding
-    prompt_ids[1, :2] = 0
+    prompt_mask[2:4, :2] = 0  # left padding
+    prompt_ids[2:4, :2] = 0
     responses = rng.integers(3, vocab, (batch, response_len)).astype(np.int32)
     response_mask = np.ones((batch, response_len), np.int32)
     response_mask[2, 2:] = 0  # right padding

@@ -158,6 +158,10 @@ def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
         params, lora.split(param_shardings)[0] if config is not model else param_shardings)
 
 
+# `learn`'s count of rows whose prompt is not their group's (`logprobs.prompt_mismatch`).
+SHARED_PROMPT_MISMATCH = "shared_prompts/mismatched_rows"
+
+
 def prompt_group(s: Settings, micro_batch: int) -> int:
     """Rows per shared prompt in a pass over micro-batches of `micro_batch` rows: the
     samples of a prompt are consecutive rows (`logprobs.prompt_group`); 1 with
@@ -283,6 +287,9 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
              "advantages": adv, "returns": returns, "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)
+    if s.share_prompts and s.rollout.n > 1:  # the layout the shared forward relies on
+        metrics[SHARED_PROMPT_MISMATCH] = logprobs.prompt_mismatch(
+            exp.prompt_ids, exp.prompt_mask, s.rollout.n)
     if exp.entropy is not None:  # else the on-policy update reports it
         metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
                                                   s.actor.loss.loss_agg_mode)
@@ -298,9 +305,9 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
         lr = learning_rate_schedule(s.critic.optim)(state.step)
         config = critic_model(model, s)
         group = prompt_group(s, s.critic.update.micro_batch)
-        critic_loss = lambda params, *a: update.critic_loss(
+        critic_loss = lambda params, *a, **kw: update.critic_loss(
             with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
-            group=group)
+            group=group, **kw)
         critic, m, _ = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
             critic_key, lr, loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
@@ -327,9 +334,9 @@ def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
     with_base = (lambda params: params) if frozen is None else (
         lambda adapters: lora.combine(frozen, adapters))
     group = prompt_group(s, s.actor.update.micro_batch)
-    actor_loss = lambda params, *a: update.actor_loss(
+    actor_loss = lambda params, *a, **kw: update.actor_loss(
         with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
-        chunk_size=s.logprob_chunk_size, group=group)
+        chunk_size=s.logprob_chunk_size, group=group, **kw)
     names = _ACTOR_FIELDS + (("rollout_log_probs",) if s.actor.skips_old_pass else ())
     fields = {k: batch[k] for k in names if batch.get(k) is not None}
 

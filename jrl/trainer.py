@@ -568,6 +568,15 @@ class RLTrainer:
                 self.s.actor.skips_old_pass else ("actor/",)
             m = {k: v for k, v in m.items()
                  if not k.startswith(from_update) or k in self._NOT_ACTOR_UPDATE}
+        mismatched = m.pop(step_lib.SHARED_PROMPT_MISMATCH, 0.0)
+        if mismatched:
+            raise ValueError(
+                f"step {self.step}: {int(mismatched)} rows of the batch do not hold the prompt "
+                f"of the first row of their group of rollout.n={self.s.rollout.n} rows, which "
+                "actor.share_prompts needs (the log-prob, value and update passes read each "
+                "group's prompt from its first row); lay the samples of a prompt out as "
+                "consecutive rows with the same prompt ids and mask, or set "
+                "actor.share_prompts=False")
         for role in ("critic", "actor"):
             skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
             if skipped and self.s.actor.update.nan_policy == "raise":

@@ -79,6 +79,17 @@ def _learn(s, model, state, exp, critic_warmup=0):
     return new, {k: float(v) for k, v in metrics.items()}
 
 
+def test_learn_counts_rows_whose_prompt_is_not_their_groups():
+    _, s, model, params = _setup()
+    assert s.share_prompts and s.rollout.n == 2
+    rollout = _rollout()
+    _, m = _learn(s, model, _state(s, params), _experience(rollout))
+    assert m[step.SHARED_PROMPT_MISMATCH] == 0
+    broken = rollout.replace(prompt_ids=rollout.prompt_ids.at[3, -1].add(1))
+    _, m = _learn(s, model, _state(s, params), _experience(broken))
+    assert m[step.SHARED_PROMPT_MISMATCH] == 1
+
+
 def test_grpo_metrics_worked_by_hand():
     _, s, model, params = _setup()
     exp = _experience(_rollout())
@@ -234,3 +245,53 @@ def test_on_policy_update_equals_the_update_from_recomputed_log_probs():
     for key in ("actor/entropy", "actor/pg_loss", "actor/grad_norm"):
         assert m[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7), key
     chex.assert_trees_all_close(new.actor.params, new_pass.actor.params, rtol=1e-5, atol=1e-6)
+
+
+def _long_rollout(r=40, seed=3) -> Rollout:
+    """4 prompts x 2 samples with responses of 0 to 40 tokens: long enough for 3 buckets."""
+    rng = np.random.default_rng(seed)
+    n, p = len(PROMPT_LENGTHS), 4
+    prompt_mask = np.array([[0] * (p - k) + [1] * k for k in PROMPT_LENGTHS], np.int32)
+    prompt_ids = np.repeat(rng.integers(3, 20, (n // 2, p)), 2, axis=0) * prompt_mask
+    lengths = np.array([40, 7, 0, 33, 12, 19, 40, 1])
+    response_mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
+    return Rollout(prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
+                   prompt_mask=jnp.asarray(prompt_mask),
+                   responses=jnp.asarray(rng.integers(3, 20, (n, r)) * response_mask, jnp.int32),
+                   response_mask=jnp.asarray(response_mask))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_shared_packed_prompts_learn_what_the_plain_layout_learns(estimator):
+    """`forward` and `learn` (actor, and the critic with GAE) with shared prompts and
+    packed responses in 3 buckets give the plain layout's log-probs, values, loss terms
+    and parameters."""
+    over = {"algorithm.adv_estimator": estimator, "actor.response_buckets": 3,
+            "actor.use_kl_loss": True, "rollout.response_length": 40}
+    _, s, model, params = _setup(**over)
+    _, plain, _, _ = _setup(**over, **{"actor.share_prompts": False})
+    assert step.prompt_group(s, s.actor.update.micro_batch) == 2
+    critic_params = init_critic_params(params, jax.random.key(1)) if s.critic else None
+    ro = _long_rollout()
+    inside = np.asarray(ro.response_mask) > 0
+    ref = jax.tree.map(lambda x: x * 0.9, params)
+    outs = {}
+    for name, st in (("shared", s), ("plain", plain)):
+        exp = jax.jit(lambda sta, r, o, st=st: step.forward(sta, r, o, s=st, model=model))(
+            _state(st, params, critic_params), ref, ro)
+        scores = np.zeros(ro.responses.shape, np.float32)
+        scores[np.arange(8), np.maximum(np.asarray(ro.response_mask).sum(1) - 1, 0)] = SCORES
+        exp = exp.replace(token_level_scores=jnp.asarray(scores),
+                          uid=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 2))
+        outs[name] = (exp, *_learn(st, model, _state(st, params, critic_params), exp))
+    (e1, n1, m1), (e0, n0, m0) = outs["shared"], outs["plain"]
+    for field in ("ref_log_probs", "values"):
+        a, b = getattr(e1, field), getattr(e0, field)
+        if b is not None:
+            np.testing.assert_allclose(np.asarray(a)[inside], np.asarray(b)[inside], atol=2e-5)
+    chex.assert_trees_all_close(n1.actor.params, n0.actor.params, atol=2e-6, rtol=0)
+    if s.critic:
+        chex.assert_trees_all_close(n1.critic.params, n0.critic.params, atol=2e-6, rtol=0)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        np.testing.assert_allclose(m1[key], m0[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    assert m0["actor/grad_norm"] > 0

@@ -16,9 +16,7 @@ per-token outputs are padded back to `R` columns with zeros.
 This is jrl's counterpart of verl's `use_remove_padding` + `use_dynamic_bsz` for
 the padding after the responses: static shapes instead of a varying token count.
 Prompt padding (left) is not trimmed. Where the rows of a prompt share its forward
-(`jrl.logprobs`, `group`), they are sorted and bucketed as one: their responses are
-packed end to end, cut after their used lengths, and the buckets are sizes of that
-packed run (up to `group x R`).
+(`jrl.logprobs`, `group`), they are sorted and bucketed as one.
 """
 
 from __future__ import annotations
@@ -59,20 +57,13 @@ def used_lengths(attention_mask_br: Array) -> Array:
     return jnp.max(jnp.where(attention_mask_br > 0, cols, 0), axis=-1)
 
 
-def group_lengths(lengths_b: Array, group: int = 1, packed: bool = False) -> Array:
-    """Per run of `group` rows: the longest used length, or with `packed` their total
-    (the columns the run's responses take end to end)."""
-    runs = lengths_b.reshape(-1, group)
-    return jnp.sum(runs, axis=1) if packed else jnp.max(runs, axis=1)
-
-
-def sort_order(lengths_b: Array, group: int = 1, packed: bool = False) -> Array:
+def sort_order(lengths_b: Array, group: int = 1) -> Array:
     """A permutation of the rows by used length (stable), so micro-batches of
     consecutive rows hold similar lengths. With `group` k > 1, runs of k consecutive
-    rows (the samples of one prompt) move together, ordered by `group_lengths`."""
+    rows (the samples of one prompt) move together, ordered by their longest row."""
     if group == 1:
         return jnp.argsort(lengths_b, stable=True)
-    order = jnp.argsort(group_lengths(lengths_b, group, packed), stable=True)
+    order = jnp.argsort(jnp.max(lengths_b.reshape(-1, group), axis=1), stable=True)
     return expand_groups(order, group)
 
 

@@ -160,10 +160,8 @@ def base_config() -> ml_collections.ConfigDict:
     # passes: a micro-batch's rows are regrouped as one prompt followed by its responses,
     # each response attending to the shared prompt and to itself. Same outputs and
     # gradients as the plain layout (up to summation order), with the prompt's FLOPs
-    # divided by the samples per micro-batch shard that share it. With response_buckets
-    # > 1 a group's responses are also packed end to end, each cut after its last token,
-    # and the buckets are sizes of that packed run. With shuffle, whole groups move.
-    # False: every row runs its own copy of the prompt.
+    # divided by the samples per micro-batch shard that share it. False: every row
+    # runs its own copy of the prompt.
     c.actor.share_prompts = True
     # When a step's update is on-policy (one mini-batch, one epoch), take the old log-probs
     # (the current ones, detached, as verl's actor does) and the entropy metric from the

@@ -208,118 +208,45 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     `group`: k > 1 when each run of k consecutive rows holds the same prompt (ids and
     mask): the prompt's layers then run once per run (the module docstring).
     """
-    hidden, _, _ = response_predictors(params, prompt_ids, prompt_mask, responses,
-                                       response_mask, config=config, group=group)
-    return hidden
-
-
-def packing(attention_mask_br: Array, group: int, size: int):
-    """Column maps of the packed shared-prompt layout: each group's k responses end to
-    end, each cut after its used length, in `size` columns (at least their total).
-
-    Returns:
-      `(rows_gn, packed_gs, valid_gs, first_gs, in_row_br)`: for each response column
-      of each row of a group (`[G, k R]`, row-major) its packed column (clamped into
-      range past the row's used length); for each packed column its row-major response
-      column; whether a packed column holds a token; whether it is the first of its
-      response; whether a row's column is within its used length.
-    """
-    b, r = attention_mask_br.shape
-    g = b // group
-    lengths_gk = buckets.used_lengths(attention_mask_br).reshape(g, group)
-    ends_gk = jnp.cumsum(lengths_gk, axis=1)
-    starts_gk = ends_gk - lengths_gk
-    cols = jnp.arange(r, dtype=jnp.int32)
-    rows_gn = jnp.minimum(starts_gk[:, :, None] + cols, size - 1).reshape(g, group * r)
-    u = jnp.arange(size, dtype=jnp.int32)
-    # The response of packed column u: the first whose end is past u (empty ones skipped).
-    seg_gs = jnp.minimum(jnp.sum(ends_gk[:, None, :] <= u[None, :, None], axis=-1), group - 1)
-    col_gs = u[None, :] - jnp.take_along_axis(starts_gk, seg_gs, axis=1)
-    valid_gs = u[None, :] < ends_gk[:, -1:]
-    packed_gs = (seg_gs * r + jnp.clip(col_gs, 0, r - 1)).astype(jnp.int32)
-    in_row_br = cols[None, :] < lengths_gk.reshape(b)[:, None]
-    return rows_gn.astype(jnp.int32), packed_gs, valid_gs, valid_gs & (col_gs == 0), in_row_br
-
-
-def response_predictors(params, prompt_ids, prompt_mask, responses, response_mask, *,
-                        config: ModelConfig, group: int = 1, packed: int | None = None):
-    """`(hidden, targets, to_rows)`: the hidden states that predict the response tokens,
-    those tokens, and the map of per-token outputs back to rows `[B, R, ...]`.
-
-    Unpacked, `hidden` is `[B, R, D]`, `targets` the responses and `to_rows` the identity.
-    With `packed=S` (and `group` k > 1) each group's responses run end to end in S
-    columns (`packing`), so a response's padding costs nothing: `hidden` is `[G, S, D]`,
-    `targets` `[G, S]`, and `to_rows` gathers `[G, S, ...]` into `[B, R, ...]`, zero
-    after each row's used length.
-    """
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, responses, response_mask)
     p = prompt_ids.shape[1]
     r = responses.shape[1]
     if group == 1:
-        if packed is not None:
-            raise ValueError("packing needs rows that share their prompt (group > 1)")
         hidden_btd, _ = transformer.forward(params, tokens, positions, mask, config=config)
-        return hidden_btd[:, p - 1 : p + r - 1], responses, lambda x: x
+        return hidden_btd[:, p - 1 : p + r - 1]
     b = tokens.shape[0]
     if b % group:
         raise ValueError(f"{b} rows do not split into groups of {group} sharing a prompt")
     g = b // group
     first = lambda x: x.reshape(g, group, *x.shape[1:])[:, 0]  # the group's prompt
-    flat = lambda x: x[:, p:].reshape(g, group * r)  # a group's response columns, row-major
-    if packed is None:
-        grouped = lambda x: jnp.concatenate([first(x[:, :p]), flat(x)], 1)
-        shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
-        hidden_gtd, _ = transformer.forward(params, grouped(tokens), grouped(positions),
-                                            shared, config=config)
-        # Response token 0 is predicted by the prompt's last position, token t by t - 1.
-        last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
-        own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : r - 1]
-        hidden = constrain(jnp.concatenate([last_prompt, own], axis=1), ("batch", None, None))
-        return hidden, responses, lambda x: x
-    rows_gn, packed_gs, valid_gs, first_gs, in_row_br = packing(response_mask, group, packed)
-    take = lambda x: jnp.take_along_axis(flat(x), packed_gs, axis=1)
-    tokens_gt = jnp.concatenate([first(tokens[:, :p]), jnp.where(valid_gs, take(tokens), 0)], 1)
-    positions_gt = jnp.concatenate([first(positions[:, :p]), take(positions)], 1)
-    shared = transformer.SharedPrompt(first(mask[:, :p]), mask, rows_gn, packed_gs)
-    hidden_gtd, _ = transformer.forward(params, tokens_gt, positions_gt, shared, config=config)
-    # A response's first token is predicted by the prompt's last position, the others
-    # by the packed column before them.
-    hidden_gsd = jnp.where(first_gs[..., None], hidden_gtd[:, p - 1 : p],
-                           hidden_gtd[:, p - 1 : p - 1 + packed])
-
-    def to_rows(x_gs):
-        x = jnp.take_along_axis(x_gs, rows_gn.reshape(*rows_gn.shape, *([1] * (x_gs.ndim - 2))),
-                                axis=1)
-        x = x.reshape(b, r, *x_gs.shape[2:])
-        return jnp.where(in_row_br.reshape(b, r, *([1] * (x.ndim - 2))), x, 0)
-
-    return hidden_gsd, tokens_gt[:, p:], to_rows
+    grouped = lambda x: jnp.concatenate([first(x[:, :p]), x[:, p:].reshape(g, group * r)], 1)
+    shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
+    hidden_gtd, _ = transformer.forward(params, grouped(tokens), grouped(positions), shared,
+                                        config=config)
+    # Response token 0 is predicted by the prompt's last position, token t by response t-1.
+    last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
+    own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : r - 1]
+    return constrain(jnp.concatenate([last_prompt, own], axis=1), ("batch", None, None))
 
 
 def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask, *,
                        config: ModelConfig, temperature: float = 1.0, chunk_size: int = 128,
-                       with_entropy: bool = False, entropy_grad: bool = True, group: int = 1,
-                       packed: int | None = None):
+                       with_entropy: bool = False, group: int = 1):
     """Log-probs `[B, R]` of the responses under `params` (and entropy `[B, R]`);
-    `group` and `packed` as in `response_predictors` (packed: zero after each row's
-    used length); `with_entropy`, `entropy_grad` as in `token_log_probs`."""
-    hidden, targets, to_rows = response_predictors(
-        params, prompt_ids, prompt_mask, responses, response_mask, config=config, group=group,
-        packed=packed)
-    log_probs, entropy = token_log_probs(params, hidden, targets, temperature=temperature,
-                                         chunk_size=chunk_size, with_entropy=with_entropy,
-                                         entropy_grad=entropy_grad)
-    return to_rows(log_probs), to_rows(entropy)
+    `group` as in `response_hidden`."""
+    hidden = response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
+                             config=config, group=group)
+    return token_log_probs(params, hidden, responses, temperature=temperature,
+                           chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def response_values(critic_params, prompt_ids, prompt_mask, responses, response_mask, *,
-                    config: ModelConfig, group: int = 1, packed: int | None = None) -> Array:
+                    config: ModelConfig, group: int = 1) -> Array:
     """Critic values `[B, R]`: the value of the state before each response token;
-    `group` and `packed` as in `response_predictors`."""
-    hidden, _, to_rows = response_predictors(
-        critic_params, prompt_ids, prompt_mask, responses, response_mask, config=config,
-        group=group, packed=packed)
-    return to_rows(heads.values(critic_params, hidden))
+    `group` as in `response_hidden`."""
+    hidden = response_hidden(critic_params, prompt_ids, prompt_mask, responses, response_mask,
+                             config=config, group=group)
+    return heads.values(critic_params, hidden)
 
 
 def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = (),
@@ -334,11 +261,8 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
     used response length first, and each micro-batch runs on the response columns its
     longest row needs; the outputs (`[N, R, ...]` each) come back in the rows' order,
     zero after the columns run. With `group` k > 1, runs of k rows share a prompt
-    (`response_predictors`): `fn` gets `group=k`, and sorting moves whole runs; with
-    buckets too, each run's responses are packed end to end (`fn` gets `packed=S`, S
-    the smallest of `len(bucket_sizes)` sizes evenly spaced up to `k R`, multiples of
-    16, that holds the micro-batch's largest total used length), and runs are sorted
-    by that total.
+    (`response_hidden`): `fn` gets `group=k`, and sorting moves whole runs (by their
+    longest row).
     """
     if group > 1:
         fn = functools.partial(fn, group=group)
@@ -349,21 +273,16 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
         if len(bucket_sizes) < 2:
             return fn(params, prompt_ids, prompt_mask, responses, attention_mask)
         r = responses.shape[1]
-        pack = group > 1
-        sizes = buckets.sizes(group * r, len(bucket_sizes)) if pack else bucket_sizes
 
         def branch(size):
-            width = min(size, r)
-            kwargs = {"packed": size} if pack else {}
-
             def run(responses, attention_mask):
-                out = fn(params, prompt_ids, prompt_mask, responses[:, :width],
-                         attention_mask[:, :width], **kwargs)
+                out = fn(params, prompt_ids, prompt_mask, responses[:, :size],
+                         attention_mask[:, :size])
                 return buckets.pad_columns(out, r)
             return run
 
-        lengths = buckets.group_lengths(buckets.used_lengths(attention_mask), group, pack)
-        return buckets.switch(jnp.max(lengths), sizes, branch, responses, attention_mask)
+        length = jnp.max(buckets.used_lengths(attention_mask))
+        return buckets.switch(length, bucket_sizes, branch, responses, attention_mask)
 
     def mapped(params, *arrays):
         n = arrays[0].shape[0]
@@ -372,8 +291,7 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
             raise ValueError(f"{n} rows do not split into micro-batches of {micro}")
         order = None
         if len(bucket_sizes) > 1:
-            order = buckets.sort_order(buckets.used_lengths(arrays[3]), group,
-                                       packed=group > 1)
+            order = buckets.sort_order(buckets.used_lengths(arrays[3]), group)
             arrays = tuple(x[order] for x in arrays)
         split = lambda x: constrain(x.reshape(n // micro, micro, *x.shape[1:]),
                                     (None, "batch") + (None,) * (x.ndim - 1))

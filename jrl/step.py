@@ -305,9 +305,9 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
         lr = learning_rate_schedule(s.critic.optim)(state.step)
         config = critic_model(model, s)
         group = prompt_group(s, s.critic.update.micro_batch)
-        critic_loss = lambda params, *a, **kw: update.critic_loss(
+        critic_loss = lambda params, *a: update.critic_loss(
             with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
-            group=group, **kw)
+            group=group)
         critic, m, _ = update.run_updates(
             critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
             critic_key, lr, loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
@@ -334,9 +334,9 @@ def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
     with_base = (lambda params: params) if frozen is None else (
         lambda adapters: lora.combine(frozen, adapters))
     group = prompt_group(s, s.actor.update.micro_batch)
-    actor_loss = lambda params, *a, **kw: update.actor_loss(
+    actor_loss = lambda params, *a: update.actor_loss(
         with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
-        chunk_size=s.logprob_chunk_size, group=group, **kw)
+        chunk_size=s.logprob_chunk_size, group=group)
     names = _ACTOR_FIELDS + (("rollout_log_probs",) if s.actor.skips_old_pass else ())
     fields = {k: batch[k] for k in names if batch.get(k) is not None}
 

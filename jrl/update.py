@@ -11,7 +11,6 @@ and counted.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -53,38 +52,32 @@ def _all_finite(tree) -> Array:
 
 
 def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_micros: int,
-                      bucket_sizes: Sequence[int] = (), group: int = 1):
+                      bucket_sizes: Sequence[int] = ()):
     """Float32 gradients and loss terms summed over the micro-batches of one mini-batch
     (`[micros, micro, ...]`), each normalised by the whole mini-batch's counts; and the
     loss's per-token outputs, `[micros, micro, ...]`. With `bucket_sizes`, each
-    micro-batch runs on the response columns its longest row needs (`jrl.buckets`);
-    with `group` > 1 too, on the packed columns its runs need (`loss_fn` gets
-    `packed=S`; `logprobs.in_micro_batches`)."""
+    micro-batch runs on the response columns its longest row needs (`jrl.buckets`)."""
     mask = mini["response_mask"]
     normalizer = masks.loss_normalizer(mask.reshape(-1, mask.shape[-1]))
     micro0 = jax.tree.map(lambda x: x[0], mini)
     _, (sums0, means0, _) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
     num_columns = mask.shape[-1]
-    pack = group > 1 and len(bucket_sizes) > 1
-    sizes = buckets.sizes(group * num_columns, len(bucket_sizes)) if pack else bucket_sizes
 
     def branch(size):
-        kwargs = {"packed": size} if pack else {}
-
         def grads_at(micro, micro_rng):
-            grad_fn = jax.value_and_grad(functools.partial(loss_fn, **kwargs), has_aux=True)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (_, (sums, means, tokens)), grads = grad_fn(
-                params, buckets.trim(micro, min(size, num_columns)), normalizer, micro_rng)
+                params, buckets.trim(micro, size), normalizer, micro_rng)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             return grads, sums, means, buckets.pad_columns(tokens, num_columns)
         return grads_at
 
     def micro_step(carry, xs):
         micro, micro_rng = xs
-        lengths = buckets.group_lengths(buckets.used_lengths(_attention(micro)), group, pack)
+        length = jnp.max(buckets.used_lengths(_attention(micro)))
         grads, sums, means, tokens = buckets.switch(
-            jnp.max(lengths), sizes or (num_columns,), branch, micro, micro_rng)
+            length, bucket_sizes or (num_columns,), branch, micro, micro_rng)
         return jax.tree.map(jnp.add, carry, (grads, sums, means)), tokens
 
     rngs = jax.random.split(rng, num_micros)
@@ -109,9 +102,8 @@ def run_updates(
     are sorted by used response length before it is cut into micro-batches, and each
     micro-batch runs on the response columns its longest row needs. The mini-batch's
     gradient is the same sum either way. With `group` k > 1 (runs of k rows share a
-    prompt, and `loss_fn` runs them as one: `logprobs.response_predictors`), the shuffle
-    and the sorting move whole runs, and with buckets each run's responses are packed
-    (`loss_fn` takes `packed=S`, see `logprobs.in_micro_batches`).
+    prompt, and `loss_fn` runs them as one: `logprobs.response_hidden`), the shuffle
+    and the sorting move whole runs.
 
     `optimizer` gives the update direction (`jrl.optim.make_optimizer`); every
     mini-batch step moves the parameters by `-lr` times it.
@@ -132,7 +124,7 @@ def run_updates(
     def mini_step(state: ModelState, xs):
         mini, mini_rng = xs
         (grads, sums, means), tokens = _accumulate_grads(loss_fn, state.params, mini, mini_rng,
-                                                         num_micros, bucket_sizes, group)
+                                                         num_micros, bucket_sizes)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -151,7 +143,7 @@ def run_updates(
             perm = buckets.expand_groups(jax.random.permutation(perm_rng, n // group), group)
         if len(bucket_sizes) > 1:  # each mini-batch's rows by used length
             lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
-            within = jax.vmap(lambda x: buckets.sort_order(x, group, packed=group > 1))(lengths)
+            within = jax.vmap(lambda x: buckets.sort_order(x, group))(lengths)
             perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
         minis = _reshape_minis(batch, perm, num_minis, num_micros)
         state, (metrics, tokens) = jax.lax.scan(
@@ -175,8 +167,7 @@ def _attention(micro: Batch):
 
 
 def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-               actor: ActorSettings, temperature: float, chunk_size: int, group: int = 1,
-               packed: int | None = None):
+               actor: ActorSettings, temperature: float, chunk_size: int, group: int = 1):
     """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective).
 
     The old log-probs are the batch's, or this pass's own, detached (an on-policy update),
@@ -184,17 +175,18 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     with the batch (`rollout_is_weights`, the loss mask) when `step.learn` computed them
     from a separate old-log-prob pass, else from this pass's log-probs here. The aux's
     per-token part holds these log-probs, detached, when the old-log-prob pass is skipped
-    and the rollout's are there to compare with (the step's mismatch metrics). `group`,
-    `packed`: the shared-prompt layout (`logprobs.response_predictors`).
+    and the rollout's are there to compare with (the step's mismatch metrics). `group`:
+    rows per shared prompt (`logprobs.response_hidden`).
     """
     mask = micro["response_mask"]
+    hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
+                                      micro["responses"], _attention(micro), config=model,
+                                      group=group)
     with_entropy = actor.entropy_coeff != 0
     skips_old_pass = actor.skips_old_pass
-    log_probs, entropy = logprobs.response_log_probs(
-        params, micro["prompt_ids"], micro["prompt_mask"], micro["responses"],
-        _attention(micro), config=model, temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy, group=group,
-        packed=packed)
+    log_probs, entropy = logprobs.token_log_probs(
+        params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
     current = jax.lax.stop_gradient(log_probs)
@@ -232,13 +224,13 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
 
 
 def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-                critic: CriticSettings, group: int = 1, packed: int | None = None):
+                critic: CriticSettings, group: int = 1):
     """Clipped value loss of one micro-batch; `group` as in `actor_loss`."""
     del rng
     mask = micro["response_mask"]
     vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
                                       micro["responses"], _attention(micro), config=model,
-                                      group=group, packed=packed)
+                                      group=group)
     vf_loss, clipfrac = losses.value_loss(vpreds, micro["returns"], micro["values"], mask,
                                           critic.cliprange_value, critic.loss_agg_mode,
                                           normalizer)

@@ -262,10 +262,10 @@ def _long_rollout(r=40, seed=3) -> Rollout:
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_shared_packed_prompts_learn_what_the_plain_layout_learns(estimator):
-    """`forward` and `learn` (actor, and the critic with GAE) with shared prompts and
-    packed responses in 3 buckets give the plain layout's log-probs, values, loss terms
-    and parameters."""
+def test_shared_prompts_learn_what_the_plain_layout_learns(estimator):
+    """`forward` and `learn` (actor, and the critic with GAE) with shared prompts and 3
+    response buckets give the plain layout's log-probs, values, loss terms and
+    parameters."""
     over = {"algorithm.adv_estimator": estimator, "actor.response_buckets": 3,
             "actor.use_kl_loss": True, "rollout.response_length": 40}
     _, s, model, params = _setup(**over)

@@ -172,23 +172,16 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
 
 class SharedPromptMask(NamedTuple):
     """Attention masks of the shared-prompt layout (`forward(..., mask=SharedPrompt)`):
-    each row of `[G, P + k R]` holds one prompt and the k responses sampled from it,
-    or, packed, `[G, P + S]`: the prompt and its responses' used tokens end to end.
+    each row of `[G, P + k R]` holds one prompt and the k responses sampled from it.
 
     Attributes:
       prompt_g1pp: bool `[G, 1, P, P]`, the prompts' own causal mask.
       response_b1rs: bool `[G k, 1, R, P + R]`, each response's queries over its prompt
         and itself (the last R query rows of the plain `[P + R]` layout's mask).
-      rows_gn: packed only: int `[G, k R]`, for each response column of each row of a
-        group (row-major), its column among the group's S packed ones.
-      packed_gs: packed only: int `[G, S]`, for each packed column, its row-major index
-        among the group's `k R` response columns.
     """
 
     prompt_g1pp: jax.Array
     response_b1rs: jax.Array
-    rows_gn: jax.Array | None = None
-    packed_gs: jax.Array | None = None
 
 
 class SharedPrompt(NamedTuple):
@@ -198,19 +191,15 @@ class SharedPrompt(NamedTuple):
       prompt_mask_gp: `[G, P]` validity of each group's (left-padded) prompt.
       row_mask_bs: `[G k, P + R]` validity of each row in the plain layout (its
         prompt, then its response).
-      rows_gn, packed_gs: the packed layout's column maps (`SharedPromptMask`), or None.
     """
 
     prompt_mask_gp: jax.Array
     row_mask_bs: jax.Array
-    rows_gn: jax.Array | None = None
-    packed_gs: jax.Array | None = None
 
     def attention_masks(self) -> SharedPromptMask:
         p = self.prompt_mask_gp.shape[1]
         rows = attention_mask(self.row_mask_bs, self.row_mask_bs.shape[1], None)
-        return SharedPromptMask(attention_mask(self.prompt_mask_gp, p, None), rows[:, :, p:],
-                                self.rows_gn, self.packed_gs)
+        return SharedPromptMask(attention_mask(self.prompt_mask_gp, p, None), rows[:, :, p:])
 
 
 def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts):
@@ -223,41 +212,27 @@ def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts):
                                         implementation=impl)
 
 
-def _take_columns(x_gt, index_gn):
-    """`x[g, index[g, n]]` for `x` `[G, T, ...]`: `[G, N, ...]`."""
-    index = index_gn.reshape(*index_gn.shape, *([1] * (x_gt.ndim - 2)))
-    return jnp.take_along_axis(x_gt, index, axis=1)
-
-
 def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
                              mask: SharedPromptMask):
-    """Attention of the shared-prompt layout: queries, keys and values `[G, P + k R, ...]`
-    (or `[G, P + S, ...]` packed).
+    """Attention of the shared-prompt layout: queries, keys and values `[G, P + k R, ...]`.
 
     The prompt columns attend among themselves. Each response's R columns become a row
-    of its own, `[G k, R]` (packed: gathered from the packed columns), whose keys are its
-    group's prompt keys (repeated k times, as the plain layout holds them) followed by
-    its own: the plain layout's attention, row for row, with the prompt's projections
-    computed once per group; the outputs go back to the layout's columns.
+    of its own, `[G k, R]`, whose keys are its group's prompt keys (repeated k times,
+    as the plain layout holds them) followed by its own: the plain layout's attention,
+    row for row, with the prompt's projections computed once per group.
     """
     p = mask.prompt_g1pp.shape[-1]
     b, _, r, _ = mask.response_b1rs.shape
-    g = q_btnh.shape[0]
     out_p = _attend(config, q_btnh[:, :p], k_btkh[:, :p], v_btkh[:, :p], mask.prompt_g1pp)
 
-    def rows(x):  # [G, k R or S, ...] -> [G k, R, ...]
-        x = x[:, p:]
-        if mask.rows_gn is not None:
-            x = _take_columns(x, mask.rows_gn)
-        return x.reshape(b, r, *x.shape[2:])
+    def rows(x):  # [G, k R, ...] -> [G k, R, ...]
+        return x[:, p:].reshape(b, r, *x.shape[2:])
 
-    k = b // g
+    k = b // q_btnh.shape[0]
     keys, values = (jnp.concatenate([jnp.repeat(x[:, :p], k, axis=0), rows(x)], axis=1)
                     for x in (k_btkh, v_btkh))
     out_r = _attend(config, rows(q_btnh), keys, values, mask.response_b1rs)
-    out_r = out_r.reshape(g, k * r, *out_r.shape[2:])
-    if mask.packed_gs is not None:
-        out_r = _take_columns(out_r, mask.packed_gs)
+    out_r = out_r.reshape(q_btnh.shape[0], k * r, *out_r.shape[2:])
     return jnp.concatenate([out_p, out_r], axis=1)
 
 
@@ -584,10 +559,7 @@ def _check_shared_prompt(tokens_gt, mask: SharedPrompt, cache) -> None:
     groups, num_tokens = tokens_gt.shape
     (g, p), (rows, s) = mask.prompt_mask_gp.shape, mask.row_mask_bs.shape
     k, rem = divmod(rows, groups)
-    responses = k * (s - p) if mask.packed_gs is None else mask.packed_gs.shape[1]
-    if g != groups or rem or num_tokens != p + responses:
+    if g != groups or rem or num_tokens != p + k * (s - p):
         raise ValueError(
             f"shared-prompt layout: tokens [G, P + k R] = {tuple(tokens_gt.shape)} do not "
-            f"match prompt_mask [G, P] = {(g, p)} and row_mask [G k, P + R] = {(rows, s)}"
-            + ("" if mask.packed_gs is None else
-               f" with {mask.packed_gs.shape[1]} packed response columns"))
+            f"match prompt_mask [G, P] = {(g, p)} and row_mask [G k, P + R] = {(rows, s)}")

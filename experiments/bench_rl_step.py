@@ -344,7 +344,8 @@ def run_algo(args, algo: str) -> dict:
     # (actor.share_prompts) each prompt once per group of k rows. Hardware FLOPs
     # utilisation: 6 x (non-embedding weights) per token run through the layers plus
     # 6 x V x D per response token (attention and rematerialisation not counted).
-    k = math.gcd(args.n, args.micro_batch // devices) if args.share_prompts == "on" else 1
+    batch_shards = devices // max(args.mesh_tensor, 1)  # the data and fsdp axes
+    k = math.gcd(args.n, args.micro_batch // batch_shards) if args.share_prompts == "on" else 1
     rows = args.batch * args.n
     prompt_tokens = mean([m["prompt_length/mean"] for m in timed]) * rows
     response_tokens = tokens - prompt_tokens

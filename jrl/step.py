@@ -158,10 +158,6 @@ def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
         params, lora.split(param_shardings)[0] if config is not model else param_shardings)
 
 
-# `learn`'s count of rows whose prompt is not their group's (`logprobs.prompt_mismatch`).
-SHARED_PROMPT_MISMATCH = "shared_prompts/mismatched_rows"
-
-
 def prompt_group(s: Settings, micro_batch: int) -> int:
     """Rows per shared prompt in a pass over micro-batches of `micro_batch` rows: the
     samples of a prompt are consecutive rows (`logprobs.prompt_group`); 1 with
@@ -287,9 +283,6 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
              "advantages": adv, "returns": returns, "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)
-    if s.share_prompts and s.rollout.n > 1:  # the layout the shared forward relies on
-        metrics[SHARED_PROMPT_MISMATCH] = logprobs.prompt_mismatch(
-            exp.prompt_ids, exp.prompt_mask, s.rollout.n)
     if exp.entropy is not None:  # else the on-policy update reports it
         metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
                                                   s.actor.loss.loss_agg_mode)

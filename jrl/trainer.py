@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import evaluate, metrics, multi_turn, types
+from jrl import evaluate, logprobs, metrics, multi_turn, types
 from jrl import sharding as sharding_lib
 from jrl import step as step_lib
 from jrl import tools as tools_lib
@@ -294,6 +294,33 @@ class RLTrainer:
     def batch_sequences(self) -> int:
         return self.s.train_batch_size * self.s.rollout.n
 
+    @functools.cached_property
+    def shared_prompt_group(self) -> int:
+        """The most rows that share a prompt's forward in any of the step's passes
+        (`actor.share_prompts`; 1: none do)."""
+        s = self.s
+        micros = [s.log_prob_micro_batch or self.batch_sequences, s.actor.update.micro_batch]
+        if s.critic is not None:
+            micros.append(s.critic.update.micro_batch)
+        with self.sharder.active():
+            return max(step_lib.prompt_group(s, m) for m in micros)
+
+    def _check_shared_prompts(self, rollout: types.Rollout) -> None:
+        """Stops before any pass runs when the rows that share a prompt's forward do not
+        hold the same prompt (ids and mask)."""
+        group = self.shared_prompt_group
+        if group == 1:
+            return
+        mismatched = int(logprobs.prompt_mismatch(rollout.prompt_ids, rollout.prompt_mask,
+                                                  group))
+        if mismatched:
+            raise ValueError(
+                f"step {self.step}: {mismatched} rows of the batch do not hold the prompt of "
+                f"the first row of their group of {group} rows, which actor.share_prompts "
+                "needs (the log-prob, value and update passes read each group's prompt from "
+                "its first row); lay the rollout.n samples of a prompt out as consecutive "
+                "rows with the same prompt ids and mask, or set actor.share_prompts=False")
+
     def close(self) -> None:
         """Waits for a rollout in flight, stops reward workers and closes the checkpointer."""
         if self._executor is not None:
@@ -390,6 +417,7 @@ class RLTrainer:
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
             sampled = timer("gen", self._sample, state, iterator, gen_key)
+            self._check_shared_prompts(sampled.rollout)
             exp = timer("forward", self._forward, state, self.ref_params, sampled.rollout,
                         self.frozen)
             exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)
@@ -422,6 +450,7 @@ class RLTrainer:
             sampled, gen_seconds = timer("wait_rollout", pending.future.result)
             rollout = jax.tree.map(lambda x: jax.device_put(x, self.sharder.batch(x.ndim)),
                                    sampled.rollout)
+            self._check_shared_prompts(rollout)
             exp = timer("forward", self._forward, state, self.ref_params, rollout, self.frozen)
             exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)
             state, learned = timer("learn", self._learn, state, exp, key, self.frozen)
@@ -568,15 +597,6 @@ class RLTrainer:
                 self.s.actor.skips_old_pass else ("actor/",)
             m = {k: v for k, v in m.items()
                  if not k.startswith(from_update) or k in self._NOT_ACTOR_UPDATE}
-        mismatched = m.pop(step_lib.SHARED_PROMPT_MISMATCH, 0.0)
-        if mismatched:
-            raise ValueError(
-                f"step {self.step}: {int(mismatched)} rows of the batch do not hold the prompt "
-                f"of the first row of their group of rollout.n={self.s.rollout.n} rows, which "
-                "actor.share_prompts needs (the log-prob, value and update passes read each "
-                "group's prompt from its first row); lay the samples of a prompt out as "
-                "consecutive rows with the same prompt ids and mask, or set "
-                "actor.share_prompts=False")
         for role in ("critic", "actor"):
             skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
             if skipped and self.s.actor.update.nan_policy == "raise":

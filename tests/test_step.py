@@ -79,17 +79,6 @@ def _learn(s, model, state, exp, critic_warmup=0):
     return new, {k: float(v) for k, v in metrics.items()}
 
 
-def test_learn_counts_rows_whose_prompt_is_not_their_groups():
-    _, s, model, params = _setup()
-    assert s.share_prompts and s.rollout.n == 2
-    rollout = _rollout()
-    _, m = _learn(s, model, _state(s, params), _experience(rollout))
-    assert m[step.SHARED_PROMPT_MISMATCH] == 0
-    broken = rollout.replace(prompt_ids=rollout.prompt_ids.at[3, -1].add(1))
-    _, m = _learn(s, model, _state(s, params), _experience(broken))
-    assert m[step.SHARED_PROMPT_MISMATCH] == 1
-
-
 def test_grpo_metrics_worked_by_hand():
     _, s, model, params = _setup()
     exp = _experience(_rollout())

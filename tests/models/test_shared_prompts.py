@@ -177,10 +177,17 @@ def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch
     from jrl.train import run
     from tests.trainer.tiny import tiny_config
 
-    monkeypatch.setattr(logprobs, "prompt_mismatch", lambda *a: jnp.float32(3))
+    calls = []
+
+    def mismatch(ids, mask, group):
+        calls.append(group)
+        return jnp.float32(3)
+
+    monkeypatch.setattr(logprobs, "prompt_mismatch", mismatch)
     with pytest.raises(ValueError, match=r"step 0: 3 rows of the batch do not hold the "
-                                         r"prompt.*actor.share_prompts=False"):
+                                         r"prompt.*group of 2 rows.*actor.share_prompts=False"):
         run(tiny_config(), str(tmp_path / "shared"))
+    assert calls == [2]  # checked once, before any pass ran
     # With sharing off the check (and the layout) does not apply.
     summary = run(tiny_config(**{"actor.share_prompts": False}), str(tmp_path / "plain"))
     assert summary["step"] == 2

@@ -305,14 +305,18 @@ class RLTrainer:
         with self.sharder.active():
             return max(step_lib.prompt_group(s, m) for m in micros)
 
+    @functools.cached_property
+    def _prompt_mismatch(self):
+        return jax.jit(logprobs.prompt_mismatch, static_argnums=2)
+
     def _check_shared_prompts(self, rollout: types.Rollout) -> None:
         """Stops before any pass runs when the rows that share a prompt's forward do not
         hold the same prompt (ids and mask)."""
         group = self.shared_prompt_group
         if group == 1:
             return
-        mismatched = int(logprobs.prompt_mismatch(rollout.prompt_ids, rollout.prompt_mask,
-                                                  group))
+        mismatched = int(sharding_lib.host_array(self._prompt_mismatch(
+            rollout.prompt_ids, rollout.prompt_mask, group)))
         if mismatched:
             raise ValueError(
                 f"step {self.step}: {mismatched} rows of the batch do not hold the prompt of "

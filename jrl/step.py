@@ -165,6 +165,15 @@ def prompt_group(s: Settings, micro_batch: int) -> int:
     return logprobs.prompt_group(s.rollout.n, micro_batch) if s.share_prompts else 1
 
 
+def shared_prompt_group(s: Settings, rows: int) -> int:
+    """The most rows that share a prompt's forward in any pass of a step over `rows` rows
+    (`forward`'s log-prob and value passes, the actor's and critic's updates); 1: none."""
+    micros = [s.log_prob_micro_batch or rows, s.actor.update.micro_batch]
+    if s.critic is not None:
+        micros.append(s.critic.update.micro_batch)
+    return max(prompt_group(s, m) for m in micros)
+
+
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes

@@ -298,12 +298,8 @@ class RLTrainer:
     def shared_prompt_group(self) -> int:
         """The most rows that share a prompt's forward in any of the step's passes
         (`actor.share_prompts`; 1: none do)."""
-        s = self.s
-        micros = [s.log_prob_micro_batch or self.batch_sequences, s.actor.update.micro_batch]
-        if s.critic is not None:
-            micros.append(s.critic.update.micro_batch)
         with self.sharder.active():
-            return max(step_lib.prompt_group(s, m) for m in micros)
+            return step_lib.shared_prompt_group(self.s, self.batch_sequences)
 
     @functools.cached_property
     def _prompt_mismatch(self):

@@ -275,12 +275,9 @@ class Attention(nn.Module):
             out_btnh = out_bnh[:, None]
         elif cache is None:
             out_btnh = _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
-        elif _attention_impl(c, q_btnh.dtype, q_btnh.shape[1], k_bksh.shape[2]) == "xla":
-            out_btnh = decode_lib.grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts)
-        else:  # cuDNN takes [B, S, K, H]
-            out_btnh = jax.nn.dot_product_attention(
-                q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
-                mask=mask_b1ts, implementation="cudnn")
+        else:  # the cache's heads-first layout (XLA cancels the transposes on its path)
+            out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2),
+                               jnp.swapaxes(v_bksh, 1, 2), mask_b1ts)
         out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
         out_btd = _project(c, c.hidden_size, o_axes, "o_proj", out_btnh, axis=(-2, -1))

@@ -101,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
+    p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "pallas"),
+                   help="model.logprob_impl")
+    p.add_argument("--head_blocks", default=None,
+                   help="jrl.models.head_kernel.FORWARD tiles: t,v,k,warps,stages")
     p.add_argument("--lora_rank", type=int, default=0,
                    help="model.lora_rank (0: full fine-tuning); the base is then frozen in "
                         "the compute dtype and only the adapters train")
@@ -198,6 +202,8 @@ def make_config(args, algo: str):
     c.model.remat = args.remat
     if "decode_attention_impl" in c.model:  # (older trees lack the key)
         c.model.decode_attention_impl = args.decode_attention
+    if "logprob_impl" in c.model:
+        c.model.logprob_impl = args.logprob_impl
     if args.lora_rank:
         c.model.lora_rank = args.lora_rank
         c.model.lora_alpha = args.lora_alpha or 2.0 * args.lora_rank
@@ -418,8 +424,16 @@ def print_table(args, results) -> None:
         print(f"| {label} | " + " | ".join(fn(r) for r in results) + " |")
 
 
+def set_head_blocks(spec: str | None) -> None:
+    """`--head_blocks`: the log-prob kernel's tiles (`jrl.models.head_kernel`)."""
+    if spec:
+        from jrl.models import head_kernel
+        head_kernel.FORWARD = head_kernel.Blocks(*map(int, spec.split(",")))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    set_head_blocks(args.head_blocks)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())

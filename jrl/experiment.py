@@ -162,6 +162,7 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     base_dtype = config.model.dtype if lora_base else config.model.param_dtype
     dtypes = {"dtype": config.model.dtype, "remat": config.model.remat,
               "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
+              "logprob_impl": config.model.get("logprob_impl", "auto"),
               "fuse_decode_projections": bool(config.model.get("fuse_decode_projections",
                                                                True)),
               **_lora_fields(config)}

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jrl import buckets, sharding
 from jrl.models import cache as cache_lib
-from jrl.models import heads, transformer
+from jrl.models import head_kernel, heads, transformer
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
@@ -76,18 +76,22 @@ def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, wit
     return log_probs_bc, entropy_bc, log_z_bc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-                     entropy_grad):
+                     entropy_grad, impl):
     """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
     out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-                        entropy_grad)
+                        entropy_grad, impl)
     return out
 
 
 def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-               entropy_grad):
+               entropy_grad, impl):
     del entropy_grad
+    if impl == "pallas":
+        lp, ent, log_z = _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first,
+                                         temperature, with_entropy)
+        return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
     compute_weight = weight.astype(hidden_nbcd.dtype)
 
     def body(_, xs):
@@ -98,13 +102,31 @@ def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_
     return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
 
 
-def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, residuals, cotangents):
+def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
+    """`_fused_fwd`'s outputs from `head_kernel.log_softmax_stats`, over all chunks at once
+    (no `[B, C, V]` logits: nothing to bound by chunking)."""
+    n, b, c, d = hidden_nbcd.shape
+    rows = lambda x: x.swapaxes(0, 1).reshape(b * n * c, *x.shape[3:])  # batch-major tokens
+    chunks = lambda x: x.reshape(b, n, c).swapaxes(0, 1)
+    w = head_kernel.pad_vocab(weight.astype(hidden_nbcd.dtype), vocab_first)
+    vocab = weight.shape[0] if vocab_first else weight.shape[1]
+    log_z, target, ent = head_kernel.log_softmax_stats(
+        rows(hidden_nbcd), w, rows(targets_nbc), vocab=vocab, vocab_first=vocab_first,
+        temperature=temperature, with_entropy=with_entropy)
+    return chunks(target - log_z), chunks(ent), chunks(log_z)
+
+
+def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, residuals,
+               cotangents):
     """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
 
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
     `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`. Without `entropy_grad`
     the entropy's cotangent is ignored (its term costs a pass over the chunk's logits).
+    Whatever `impl` the forward pass took, this one runs in XLA (`jrl.models.head_kernel`
+    says why).
     """
+    del impl
     weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
     g_lp_nbc, g_ent_nbc = cotangents
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
@@ -147,6 +169,7 @@ def token_log_probs(
     chunk_size: int | None = 128,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    impl: str = "xla",
 ):
     """Log-probs (and entropy) of `targets` given the hidden states that predict them.
 
@@ -159,6 +182,9 @@ def token_log_probs(
       with_entropy: also compute the entropy of each predictive distribution.
       entropy_grad: whether the entropy is differentiated; False when it only feeds a
         metric (its gradient is then taken as zero, and the backward pass skips it).
+      impl: "xla" (chunked logits), "pallas" (`jrl.models.head_kernel`: no logits in
+        memory in the forward pass; chunks bound only the backward's) or "auto" (the
+        kernel on GPU where it applies).
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
@@ -173,8 +199,9 @@ def token_log_probs(
     targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
 
     weight, vocab_first = _unembedding(params)
+    impl = head_kernel.choose_impl(impl, d)
     lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
-                                       temperature, with_entropy, entropy_grad)
+                                       temperature, with_entropy, entropy_grad, impl)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 
@@ -237,7 +264,8 @@ def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask
     hidden = response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
                              config=config, group=group)
     return token_log_probs(params, hidden, responses, temperature=temperature,
-                           chunk_size=chunk_size, with_entropy=with_entropy)
+                           chunk_size=chunk_size, with_entropy=with_entropy,
+                           impl=config.logprob_impl)
 
 
 def response_values(critic_params, prompt_ids, prompt_mask, responses, response_mask, *,

@@ -621,6 +621,8 @@ def _check_model(config) -> None:
     if "decode_attention_impl" in config.model:
         _choice("model.decode_attention_impl", config.model.decode_attention_impl,
                 model_config.DECODE_ATTENTION_IMPLS)
+    if "logprob_impl" in config.model:
+        _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")

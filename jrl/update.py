@@ -186,7 +186,8 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     skips_old_pass = actor.skips_old_pass
     log_probs, entropy = logprobs.token_log_probs(
         params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
+        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy,
+        impl=model.logprob_impl)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
     current = jax.lax.stop_gradient(log_probs)

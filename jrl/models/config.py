@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
+LOGPROB_IMPLS = ("auto", "xla", "pallas")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_ROLLOUTS = ("merged", "unmerged")
@@ -92,6 +93,9 @@ class ModelConfig:
       decode_attention_impl: attention of decode steps (one token per row over a
         cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
         where it applies, else XLA), "xla" or "pallas".
+      logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
+        (the Pallas kernels of `jrl.models.head_kernel` on GPU where they apply, else
+        XLA), "xla" (chunked float32 logits) or "pallas".
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.
@@ -134,6 +138,7 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     decode_attention_impl: str = "auto"
+    logprob_impl: str = "auto"
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
@@ -153,6 +158,7 @@ class ModelConfig:
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("decode_attention_impl", self.decode_attention_impl,
                       DECODE_ATTENTION_IMPLS)
+        _check_choice("logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

@@ -1,0 +1,213 @@
+"""The unembedding fused with the log-softmax: log-probs without logits in memory.
+
+A response token's log-prob needs its log-normaliser over the whole vocabulary,
+`log Z = log sum_v exp(z_v)` with `z = h W / temperature`, and the entropy needs
+`sum_v p_v z_v`. Computed as a matmul followed by reductions, the `[T, V]` float32
+logits are written to memory and read back two or three times (V = 151,936 for
+Qwen: 0.6 MB a token). Here one Pallas/Triton kernel tiles the product `[T, V]`
+into blocks of `block_t x block_v`, computes each block's logits on chip and
+reduces them right there to four numbers per token and block (flash-attention's
+running statistics):
+
+    m = max_v z_v,  l = sum_v exp(z_v - m),  a = sum_v exp(z_v - m) z_v,
+    zt = z_target if the target falls in the block (else 0),
+
+written as `[V / block_v, T]`. A small XLA pass merges the blocks:
+`log Z = M + log sum_j l_j exp(m_j - M)` with `M = max_j m_j`, the entropy
+`log Z - (sum_j a_j exp(m_j - M)) / (sum_j l_j exp(m_j - M))`, and the target's
+logit `sum_j zt_j`.
+
+This is the forward pass only. The backward pass (`jrl.logprobs._fused_bwd`) still
+recomputes each chunk's float32 logits in XLA: a kernel that recomputed a block's
+logits and wrote `d loss / dz` straight away was no faster there (its Triton matmul
+runs at about 450 TFLOP/s on an H200 against cuBLAS's ~620, which ate the memory
+traffic it saved; docs/performance.md, round five).
+
+`choose_impl("auto", ...)` takes the kernel on GPU and the XLA reference
+(`jrl.logprobs`) elsewhere; CPU tests run the kernel in Pallas' interpret mode
+against the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from jrl import sharding
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and Triton settings: `t` tokens by `v` vocabulary entries per
+    program, `k` hidden units per step of its matmul loop (each a power of two)."""
+
+    t: int = 64
+    v: int = 128
+    k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+# Fastest of a sweep on an H200 (experiments/bench_head_kernel.py).
+FORWARD = Blocks()
+
+
+def choose_impl(impl: str, hidden_size: int) -> str:
+    """`"pallas"` where the kernel applies (GPU, a hidden size of whole `FORWARD.k`
+    blocks), else `"xla"`; a forced `impl` is returned as is."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"log-prob impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl != "auto":
+        return impl
+    ok = jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0
+    return "pallas" if ok else "xla"
+
+
+def pad_vocab(weight: Array, vocab_first: bool, blocks: Blocks | None = None) -> Array:
+    """The unembedding (`[V, D]` if `vocab_first`, else `[D, V]`) with zero entries
+    appended up to whole `blocks.v` blocks (the kernels mask them out); `blocks`
+    defaults to `FORWARD`."""
+    blocks = blocks or FORWARD
+    axis = 0 if vocab_first else 1
+    pad = (-weight.shape[axis]) % blocks.v
+    widths = [(0, 0), (0, 0)]
+    widths[axis] = (0, pad)
+    return jnp.pad(weight, widths)
+
+
+def _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks):
+    """float32 `[t, v]` block of `h @ W` at tokens `t0:` and vocabulary `v0:`."""
+    def step(i, acc_tv):
+        k0 = pl.multiple_of(i * blocks.k, blocks.k)
+        h = h_ref[pl.ds(t0, blocks.t), pl.ds(k0, blocks.k)]
+        if vocab_first:
+            w = w_ref[pl.ds(v0, blocks.v), pl.ds(k0, blocks.k)]
+            return acc_tv + plgpu.dot(h, w, trans_b=True)
+        w = w_ref[pl.ds(k0, blocks.k), pl.ds(v0, blocks.v)]
+        return acc_tv + plgpu.dot(h, w)
+
+    zero = jnp.zeros((blocks.t, blocks.v), jnp.float32)
+    return jax.lax.fori_loop(0, depth // blocks.k, step, zero)
+
+
+def _stats_kernel(h_ref, w_ref, y_ref, m_ref, l_ref, a_ref, zt_ref, *, vocab, depth,
+                  vocab_first, inv_temperature, with_entropy, blocks):
+    t0 = pl.program_id(0) * blocks.t
+    v0 = pl.program_id(1) * blocks.v
+    z_tv = _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks) * inv_temperature
+    cols_v = v0 + jnp.arange(blocks.v)
+    valid_1v = (cols_v < vocab)[None, :]
+    z_tv = jnp.where(valid_1v, z_tv, -jnp.inf)
+    m_t = jnp.max(z_tv, axis=1)
+    e_tv = jnp.exp(z_tv - m_t[:, None])
+    m_ref[...] = m_t
+    l_ref[...] = jnp.sum(e_tv, axis=1)
+    if with_entropy:
+        a_ref[...] = jnp.sum(jnp.where(valid_1v, e_tv * z_tv, 0.0), axis=1)
+    hit_tv = cols_v[None, :] == y_ref[...][:, None]
+    zt_ref[...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1)
+
+
+def _check_depth(d, blocks):
+    if d % blocks.k:
+        raise ValueError(f"the log-prob kernel needs a hidden size that is a multiple of "
+                         f"{blocks.k} (Blocks.k), got {d}; use model.logprob_impl='xla'")
+
+
+def _pad_tokens(x, multiple):
+    pad = (-x.shape[0]) % multiple
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+
+def _token_spec(blocks):
+    return pl.BlockSpec((blocks.t,), lambda i, j: (i,))
+
+
+def _whole(shape):
+    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+
+
+def _compiler_params(blocks):
+    return plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
+
+
+def _local_stats(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
+                 interpret):
+    """Per-block statistics of this device's tokens, merged: `(log_z, target_logit,
+    entropy)`, each float32 `[T]`."""
+    t = h_td.shape[0]
+    h_td, y_t = _pad_tokens(h_td, blocks.t), _pad_tokens(y_t, blocks.t)
+    tp, d = h_td.shape
+    _check_depth(d, blocks)
+    nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
+    kernel = functools.partial(_stats_kernel, vocab=vocab, depth=d, vocab_first=vocab_first,
+                               inv_temperature=1.0 / temperature, with_entropy=with_entropy,
+                               blocks=blocks)
+    part = jax.ShapeDtypeStruct((nv, tp), jnp.float32)
+    part_spec = pl.BlockSpec((None, blocks.t), lambda i, j: (j, i))
+    block_max, block_sum, block_zsum, block_target = pl.pallas_call(
+        kernel, out_shape=[part] * 4, grid=(tp // blocks.t, nv),
+        in_specs=[_whole(h_td.shape), _whole(w.shape), _token_spec(blocks)],
+        out_specs=[part_spec] * 4, compiler_params=_compiler_params(blocks),
+        interpret=interpret or jax.default_backend() != "gpu",
+        name="log_softmax_stats",
+    )(h_td, w, y_t.astype(jnp.int32))
+    top = jnp.max(block_max, axis=0)
+    scale = jnp.exp(block_max - top)
+    total = jnp.sum(block_sum * scale, axis=0)
+    log_z = top + jnp.log(total)
+    entropy = (log_z - jnp.sum(block_zsum * scale, axis=0) / total if with_entropy
+               else jnp.zeros_like(top))
+    return log_z[:t], jnp.sum(block_target, axis=0)[:t], entropy[:t]
+
+
+def _per_device(fn, token_args, other_args, out_ndims):
+    """`fn(*token_args, *other_args)` on each device's tokens under the active mesh.
+
+    XLA cannot split a custom call over devices; under a `Sharder` the kernel runs in
+    a `shard_map` over the batch axes (tokens split as the rows they came from, the
+    unembedding whole on every device).
+    """
+    sharder = sharding.active_sharder()
+    if sharder is None or sharder.mesh.size == 1:
+        return fn(*token_args, *other_args)
+    batch = sharder.spec(("batch",), token_args[0].shape[:1])[0]
+    token_specs = tuple(P(batch, *([None] * (x.ndim - 1))) for x in token_args)
+    other_specs = tuple(P(*([None] * x.ndim)) for x in other_args)
+    out_specs = jax.tree.map(lambda nd: P(batch, *([None] * (nd - 1))), out_ndims)
+    return jax.shard_map(fn, mesh=sharder.mesh, in_specs=token_specs + other_specs,
+                         out_specs=out_specs, check_vma=False)(*token_args, *other_args)
+
+
+def log_softmax_stats(h_td: Array, weight: Array, targets_t: Array, *, vocab: int,
+                      vocab_first: bool, temperature: float = 1.0, with_entropy: bool = False,
+                      blocks: Blocks | None = None, interpret: bool = False):
+    """Log-normaliser, target logit and entropy of `softmax(h W / temperature)`.
+
+    Args:
+      h_td: `[T, D]` hidden states (bf16 or float32); D a multiple of `blocks.k`.
+      weight: `pad_vocab`'s unembedding, `[Vp, D]` if `vocab_first` else `[D, Vp]`,
+        in `h_td`'s dtype.
+      targets_t: int `[T]` token ids.
+      vocab: the real vocabulary size V (entries from V on are padding).
+      temperature: the logits are divided by it.
+      with_entropy: also compute the entropy (else zeros).
+      blocks: the tiles (default `FORWARD`).
+      interpret: run in Pallas' interpret mode (always off a GPU).
+
+    Returns:
+      `(log_z, target_logit, entropy)`, each float32 `[T]`; the log-prob is
+      `target_logit - log_z`.
+    """
+    fn = functools.partial(_local_stats, vocab=vocab, vocab_first=vocab_first,
+                           temperature=temperature, with_entropy=with_entropy,
+                           blocks=blocks or FORWARD, interpret=interpret)
+    return _per_device(lambda h, y, w: fn(h, w, y), (h_td, targets_t), (weight,), (1, 1, 1))

@@ -1,0 +1,176 @@
+"""The fused unembedding + log-softmax kernel (`jrl.models.head_kernel`) in Pallas'
+interpret mode, against float64 numpy and against the XLA path of `jrl.logprobs`.
+
+The numpy reference forms the full `[T, V]` logits, `log Z` by a max-shifted sum and
+the entropy as `-sum p log p`; nothing here calls the code under test to build an
+expected value.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import logprobs
+from jrl.errors import ConfigError
+from jrl.models import ModelConfig
+from jrl.models import head_kernel as hk
+
+# Small tiles so a handful of tokens and entries spans several programs of the grid.
+SMALL = hk.Blocks(t=16, v=32, k=16)
+T, D, V = 37, 48, 101  # neither T nor V a multiple of the tiles
+TEMPERATURE = 0.7
+
+
+def _inputs(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    h = rng.normal(size=(T, D))
+    w = rng.normal(size=(V, D)) * 0.4  # far from uniform: errors show
+    y = rng.integers(0, V, T)
+    return (jnp.asarray(h, dtype), jnp.asarray(w, dtype), jnp.asarray(y, jnp.int32))
+
+
+def _reference(h, w, y, temperature):
+    """float64: logits, log Z, log-probs of y, probabilities, entropy."""
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T / temperature
+    top = z.max(1, keepdims=True)
+    log_z = np.log(np.exp(z - top).sum(1)) + top[:, 0]
+    log_p = z - log_z[:, None]
+    p = np.exp(log_p)
+    return z, log_z, log_p[np.arange(len(y)), np.asarray(y)], p, -(p * log_p).sum(1)
+
+
+@pytest.mark.parametrize("vocab_first", [True, False])
+def test_stats_match_float64(vocab_first):
+    h, w, y = _inputs()
+    weight = hk.pad_vocab(w if vocab_first else w.T, vocab_first, SMALL)
+    assert weight.shape == ((128, D) if vocab_first else (D, 128))
+    log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=vocab_first,
+                                              temperature=TEMPERATURE, with_entropy=True,
+                                              blocks=SMALL, interpret=True)
+    z, ref_log_z, ref_lp, _, ref_ent = _reference(h, w, y, TEMPERATURE)
+    chex.assert_shape((log_z, target, ent), (T,))
+    np.testing.assert_allclose(log_z, ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target, z[np.arange(T), np.asarray(y)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target - log_z, ref_lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    assert ref_ent.std() > 0.1  # varied distributions, not a degenerate case
+
+
+def test_stats_without_entropy_and_targets_in_the_last_block():
+    h, w, y = _inputs(seed=1)
+    y = y.at[:5].set(V - 1)  # the last real entry, in the block with padding
+    weight = hk.pad_vocab(w, True, SMALL)
+    log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=True,
+                                              blocks=SMALL, interpret=True)
+    z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
+    np.testing.assert_allclose(log_z, ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target, z[np.arange(T), np.asarray(y)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ent, 0.0)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(hk, "FORWARD", SMALL)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk_size", [4, None])
+def test_token_log_probs_pallas_matches_xla(small_blocks, tied, chunk_size):
+    """Values and gradients (hidden states, unembedding) of the log-probs and the
+    entropy through `token_log_probs`, the kernel's forward (and the residuals it
+    hands the backward pass) against the chunked XLA path."""
+    rng = np.random.default_rng(4)
+    b, r = 3, 10
+    hidden = jnp.asarray(rng.normal(size=(b, r, D)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (b, r)), jnp.int32)
+    w = jnp.asarray(rng.normal(size=(V, D)) * 0.4, jnp.float32)
+    params = {"embed": {"embedding": w}} if tied else {"lm_head": {"kernel": w.T},
+                                                       "embed": {"embedding": w * 0}}
+    weights_lp, weights_ent = (jnp.asarray(rng.normal(size=(b, r)), jnp.float32)
+                               for _ in range(2))
+
+    def loss(params, hidden, impl, entropy_grad):
+        lp, ent = logprobs.token_log_probs(params, hidden, targets, temperature=TEMPERATURE,
+                                           chunk_size=chunk_size, with_entropy=True,
+                                           entropy_grad=entropy_grad, impl=impl)
+        return jnp.sum(lp * weights_lp) + jnp.sum(ent * weights_ent), (lp, ent)
+
+    for entropy_grad in (True, False):
+        grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+        (g_params, g_hidden), (lp, ent) = grad(params, hidden, "pallas", entropy_grad)
+        (w_params, w_hidden), (w_lp, w_ent) = grad(params, hidden, "xla", entropy_grad)
+        chex.assert_trees_all_close((lp, ent), (w_lp, w_ent), rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(g_hidden, w_hidden, rtol=1e-4, atol=1e-5)
+        chex.assert_trees_all_close(g_params, w_params, rtol=1e-4, atol=1e-5)
+        assert float(jnp.abs(g_hidden).max()) > 1e-2
+
+
+def test_choice_and_errors():
+    assert hk.choose_impl("auto", 896) == ("pallas" if jax.default_backend() == "gpu"
+                                           else "xla")
+    assert hk.choose_impl("pallas", 30) == "pallas"
+    assert hk.choose_impl("auto", 30) == "xla"
+    with pytest.raises(ValueError, match="'auto', 'xla' or 'pallas'"):
+        hk.choose_impl("triton", 896)
+    h, w, y = _inputs()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        hk.log_softmax_stats(h, hk.pad_vocab(w, True), y, vocab=V, vocab_first=True,
+                             interpret=True)
+    with pytest.raises(ConfigError, match="logprob_impl"):
+        ModelConfig.preset("tiny", logprob_impl="cuda")
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jrl import logprobs, sharding
+    from jrl.models import head_kernel as hk
+
+    assert jax.device_count() == 8, jax.devices()
+    hk.FORWARD = hk.Blocks(t=16, v=32, k=16)
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(8, 6, 32)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 70, (8, 6)), jnp.int32)
+    params = {"embed": {"embedding": jnp.asarray(rng.normal(size=(70, 32)) * 0.4,
+                                                 jnp.float32)}}
+
+    def loss(params, hidden, impl):
+        lp, ent = logprobs.token_log_probs(params, hidden, targets, chunk_size=3,
+                                           with_entropy=True, impl=impl)
+        return jnp.sum(lp) + jnp.sum(ent), (lp, ent)
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+    want = grad(params, hidden, "xla")
+    out = {}
+    for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
+                        ("fsdp_tensor", dict(data=2, fsdp=2, tensor=2))):
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+        def fn(params, hidden, sharder=sharder):
+            with sharder.active():
+                return grad(params, hidden, "pallas")
+        got = jax.jit(fn)(params, hidden)
+        diffs = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), got, want)
+        out[name] = max(jax.tree.leaves(diffs))
+    print(json.dumps(out))
+""")
+
+
+def test_kernel_under_a_mesh_runs_per_shard_and_matches():
+    """Under a `Sharder` the kernel runs in a shard_map over the batch axes."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"data", "fsdp_tensor"}
+    assert all(diff < 1e-4 for diff in result.values()), result

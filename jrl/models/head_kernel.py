@@ -61,13 +61,20 @@ FORWARD = Blocks()
 
 
 def choose_impl(impl: str, hidden_size: int) -> str:
-    """`"pallas"` where the kernel applies (GPU, a hidden size of whole `FORWARD.k`
-    blocks), else `"xla"`; a forced `impl` is returned as is."""
+    """`"pallas"` where the kernel applies and pays (GPU, a hidden size of whole
+    `FORWARD.k` blocks, no `tensor` axis over 1 in the active mesh), else `"xla"`; a
+    forced `impl` is returned as is.
+
+    Under tensor parallelism XLA splits the logits over the vocabulary, while the
+    kernel would run the whole vocabulary on every device of a `tensor` group.
+    """
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"log-prob impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
     if impl != "auto":
         return impl
-    ok = jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0
+    sharder = sharding.active_sharder()
+    tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
+    ok = jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0 and tensor == 1
     return "pallas" if ok else "xla"
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import chex
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import logprobs
+from jrl import logprobs, sharding
 from jrl.errors import ConfigError
 from jrl.models import ModelConfig
 from jrl.models import head_kernel as hk
@@ -113,11 +114,21 @@ def test_token_log_probs_pallas_matches_xla(small_blocks, tied, chunk_size):
         assert float(jnp.abs(g_hidden).max()) > 1e-2
 
 
-def test_choice_and_errors():
+def test_choice_and_errors(monkeypatch):
     assert hk.choose_impl("auto", 896) == ("pallas" if jax.default_backend() == "gpu"
                                            else "xla")
     assert hk.choose_impl("pallas", 30) == "pallas"
-    assert hk.choose_impl("auto", 30) == "xla"
+    assert hk.choose_impl("xla", 896) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert hk.choose_impl("auto", 896) == "pallas"
+    assert hk.choose_impl("auto", 30) == "xla"  # not whole k blocks
+    for tensor, want in ((1, "pallas"), (2, "xla")):  # the active mesh's tensor axis
+        sharder = types.SimpleNamespace(mesh=types.SimpleNamespace(
+            shape={"data": 2, "fsdp": 1, "tensor": tensor}))
+        with monkeypatch.context() as patch:
+            patch.setattr(sharding, "active_sharder", lambda s=sharder: s)
+            assert hk.choose_impl("auto", 896) == want
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="'auto', 'xla' or 'pallas'"):
         hk.choose_impl("triton", 896)
     h, w, y = _inputs()

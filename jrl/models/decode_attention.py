@@ -25,12 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
 
-# Cache slots per kernel block (a power of two, as Triton wants).
+# Cache slots per kernel block (a power of two, as Triton wants); a cache of S slots
+# is split into S / _BLOCK blocks, each a program of the grid.
 _BLOCK = 64
-# Cache slots per program: each (row, key/value head) of a cache of S slots is split
-# into S / SPLIT programs (fewer when SPLIT does not divide S), each looping over its
-# blocks; XLA then merges the programs' partial results.
-SPLIT = 64
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
@@ -115,7 +112,7 @@ def _pallas(q_bnh, k_bksh, v_bksh, start_b, end, interpret):
     end_b = jnp.broadcast_to(jnp.asarray(end, jnp.int32), (b,))
     out_bnh = kernels.gqa(q_bnh, k_bskh, v_bskh, start_idx=start_b.astype(jnp.int32),
                           kv_seq_len=end_b, sm_scale=1.0 / math.sqrt(h), block_k=_BLOCK,
-                          k_splits=s // math.gcd(s, SPLIT), interpret=interpret)
+                          k_splits=s // _BLOCK, interpret=interpret)
     # The merge of the blocks' partial results runs in float32.
     return out_bnh.astype(q_bnh.dtype)
 

@@ -40,6 +40,8 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk", type=int, default=64, help="the XLA path's chunk (tokens)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tiles", nargs="+", default=list(FORWARD_SWEEP),
+                   help="kernel tile settings to time: t,v,k,warps,stages each")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -113,7 +115,7 @@ def main():
     (want_g, want_gh), _ = grad(params, hidden)
     want_gw = want_g["embed"]["embedding"]
     run("xla", "xla")
-    for blocks in FORWARD_SWEEP:
+    for blocks in args.tiles:
         run(f"pallas {blocks}", "pallas", blocks, parts=("fwd", "ref"))
     best = min((r for r in rows if "fwd_ms" in r and r["impl"] == "pallas"),
                key=lambda r: r["fwd_ms"])["forward"]

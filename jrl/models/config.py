@@ -94,8 +94,9 @@ class ModelConfig:
         cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
         where it applies, else XLA), "xla" or "pallas".
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
-        (the Pallas kernels of `jrl.models.head_kernel` on GPU where they apply, else
-        XLA), "xla" (chunked float32 logits) or "pallas".
+        (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
+        pays: hidden sizes up to 1,024; else XLA), "xla" (chunked float32 logits) or
+        "pallas".
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.

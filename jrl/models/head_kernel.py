@@ -58,12 +58,17 @@ class Blocks:
 
 # Fastest of a sweep on an H200 (experiments/bench_head_kernel.py).
 FORWARD = Blocks()
+# `auto` takes the kernel up to this hidden size. Its matmul runs at ~70% of cuBLAS's
+# rate, so it wins only while the float32 logits' memory passes it saves outweigh
+# that: on an H200 with V = 151,936 the head's forward was 26% faster at D = 896, even
+# at 1,536 and 2,048, and 3-36% slower at 3,584 (docs/performance.md, round five).
+MAX_HIDDEN = 1024
 
 
 def choose_impl(impl: str, hidden_size: int) -> str:
     """`"pallas"` where the kernel applies and pays (GPU, a hidden size of whole
-    `FORWARD.k` blocks, no `tensor` axis over 1 in the active mesh), else `"xla"`; a
-    forced `impl` is returned as is.
+    `FORWARD.k` blocks up to `MAX_HIDDEN`, no `tensor` axis over 1 in the active mesh),
+    else `"xla"`; a forced `impl` is returned as is.
 
     Under tensor parallelism XLA splits the logits over the vocabulary, while the
     kernel would run the whole vocabulary on every device of a `tensor` group.
@@ -74,7 +79,8 @@ def choose_impl(impl: str, hidden_size: int) -> str:
         return impl
     sharder = sharding.active_sharder()
     tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
-    ok = jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0 and tensor == 1
+    ok = (jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0
+          and hidden_size <= MAX_HIDDEN and tensor == 1)
     return "pallas" if ok else "xla"
 
 

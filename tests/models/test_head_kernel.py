@@ -122,6 +122,8 @@ def test_choice_and_errors(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert hk.choose_impl("auto", 896) == "pallas"
     assert hk.choose_impl("auto", 30) == "xla"  # not whole k blocks
+    assert hk.choose_impl("auto", 3584) == "xla"  # above MAX_HIDDEN: XLA is faster
+    assert hk.choose_impl("pallas", 3584) == "pallas"
     for tensor, want in ((1, "pallas"), (2, "xla")):  # the active mesh's tensor axis
         sharder = types.SimpleNamespace(mesh=types.SimpleNamespace(
             shape={"data": 2, "fsdp": 1, "tensor": tensor}))

@@ -106,7 +106,7 @@ def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, 
     """`_fused_fwd`'s outputs from `head_kernel.log_softmax_stats`, over all chunks at once
     (no `[B, C, V]` logits: nothing to bound by chunking)."""
     n, b, c, d = hidden_nbcd.shape
-    rows = lambda x: x.swapaxes(0, 1).reshape(b * n * c, *x.shape[3:])  # batch-major tokens
+    rows = lambda x: x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])
     chunks = lambda x: x.reshape(b, n, c).swapaxes(0, 1)
     w = head_kernel.pad_vocab(weight.astype(hidden_nbcd.dtype), vocab_first)
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
@@ -169,7 +169,7 @@ def token_log_probs(
     chunk_size: int | None = 128,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    impl: str = "xla",
+    impl: str = "auto",
 ):
     """Log-probs (and entropy) of `targets` given the hidden states that predict them.
 

@@ -165,13 +165,20 @@ def prompt_group(s: Settings, micro_batch: int) -> int:
     return logprobs.prompt_group(s.rollout.n, micro_batch) if s.share_prompts else 1
 
 
+def prompt_groups(s: Settings, rows: int) -> dict[str, int]:
+    """Rows that share a prompt's forward in each pass of a step over `rows` rows:
+    `forward`'s log-prob and value passes, the actor's and the critic's updates."""
+    groups = {"log-prob/value passes": prompt_group(s, s.log_prob_micro_batch or rows),
+              "actor update": prompt_group(s, s.actor.update.micro_batch)}
+    if s.critic is not None:
+        groups["critic update"] = prompt_group(s, s.critic.update.micro_batch)
+    return groups
+
+
 def shared_prompt_group(s: Settings, rows: int) -> int:
     """The most rows that share a prompt's forward in any pass of a step over `rows` rows
-    (`forward`'s log-prob and value passes, the actor's and critic's updates); 1: none."""
-    micros = [s.log_prob_micro_batch or rows, s.actor.update.micro_batch]
-    if s.critic is not None:
-        micros.append(s.critic.update.micro_batch)
-    return max(prompt_group(s, m) for m in micros)
+    (`prompt_groups`); 1: none."""
+    return max(prompt_groups(s, rows).values())
 
 
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,

@@ -77,6 +77,7 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
                             reward_model=reward_model, rollout_sharder=rollout_sharder)
         if lead:
             print(trainer.memory_report(), flush=True)
+            print(trainer.prompt_sharing_report(), flush=True)
         resumed = trainer.maybe_restore(start.resume_from)
         writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
                                        config.to_dict(), start_step=trainer.step,

@@ -301,6 +301,21 @@ class RLTrainer:
         with self.sharder.active():
             return step_lib.shared_prompt_group(self.s, self.batch_sequences)
 
+    def prompt_sharing_report(self) -> str:
+        """One line: how many rows share a prompt's forward in each pass, and why none do
+        when sharing is on but no micro-batch allows it."""
+        s = self.s
+        if not s.share_prompts:
+            return "shared prompts: off (actor.share_prompts=False)"
+        with self.sharder.active():
+            groups = step_lib.prompt_groups(s, self.batch_sequences)
+        line = "shared prompts, rows per prompt forward: " + ", ".join(
+            f"{name} {k}" for name, k in groups.items())
+        if max(groups.values()) == 1:
+            line += (f" (none: no micro-batch has a multiple of {self.sharder.batch_size_multiple}"
+                     f" batch shards times a factor of rollout.n={s.rollout.n} as rows)")
+        return line
+
     @functools.cached_property
     def _prompt_mismatch(self):
         return jax.jit(logprobs.prompt_mismatch, static_argnums=2)

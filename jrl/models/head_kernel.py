@@ -111,8 +111,8 @@ def _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks):
     return jax.lax.fori_loop(0, depth // blocks.k, step, zero)
 
 
-def _stats_kernel(h_ref, w_ref, y_ref, m_ref, l_ref, a_ref, zt_ref, *, vocab, depth,
-                  vocab_first, inv_temperature, with_entropy, blocks):
+def _stats_kernel(h_ref, w_ref, y_ref, m_ref, l_ref, zt_ref, a_ref=None, *, vocab, depth,
+                  vocab_first, inv_temperature, blocks):
     t0 = pl.program_id(0) * blocks.t
     v0 = pl.program_id(1) * blocks.v
     z_tv = _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks) * inv_temperature
@@ -123,104 +123,105 @@ def _stats_kernel(h_ref, w_ref, y_ref, m_ref, l_ref, a_ref, zt_ref, *, vocab, de
     e_tv = jnp.exp(z_tv - m_t[:, None])
     m_ref[...] = m_t
     l_ref[...] = jnp.sum(e_tv, axis=1)
-    if with_entropy:
-        a_ref[...] = jnp.sum(jnp.where(valid_1v, e_tv * z_tv, 0.0), axis=1)
     hit_tv = cols_v[None, :] == y_ref[...][:, None]
     zt_ref[...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1)
+    if a_ref is not None:  # the entropy's: sum of exp(z - m) z over the real entries
+        a_ref[...] = jnp.sum(jnp.where(valid_1v, e_tv * z_tv, 0.0), axis=1)
 
 
-def _check_depth(d, blocks):
+def _check_shapes(d, padded_vocab, vocab, blocks):
     if d % blocks.k:
         raise ValueError(f"the log-prob kernel needs a hidden size that is a multiple of "
                          f"{blocks.k} (Blocks.k), got {d}; use model.logprob_impl='xla'")
+    if padded_vocab % blocks.v or not 0 <= padded_vocab - vocab < blocks.v:
+        raise ValueError(f"the unembedding has {padded_vocab} entries for a vocabulary of "
+                         f"{vocab}; pad it with pad_vocab (to whole blocks of {blocks.v})")
 
 
-def _pad_tokens(x, multiple):
-    pad = (-x.shape[0]) % multiple
-    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-
-
-def _token_spec(blocks):
-    return pl.BlockSpec((blocks.t,), lambda i, j: (i,))
-
-
-def _whole(shape):
-    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-
-
-def _compiler_params(blocks):
-    return plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
-
-
-def _local_stats(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
-                 interpret):
-    """Per-block statistics of this device's tokens, merged: `(log_z, target_logit,
-    entropy)`, each float32 `[T]`."""
-    t = h_td.shape[0]
-    h_td, y_t = _pad_tokens(h_td, blocks.t), _pad_tokens(y_t, blocks.t)
+def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks, interpret):
+    """One kernel launch over `T` tokens (a multiple of `blocks.t`): the per-block
+    statistics merged into `(log_z, target_logit, entropy)`, each float32 `[T]`."""
     tp, d = h_td.shape
-    _check_depth(d, blocks)
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
     kernel = functools.partial(_stats_kernel, vocab=vocab, depth=d, vocab_first=vocab_first,
-                               inv_temperature=1.0 / temperature, with_entropy=with_entropy,
-                               blocks=blocks)
-    part = jax.ShapeDtypeStruct((nv, tp), jnp.float32)
-    part_spec = pl.BlockSpec((None, blocks.t), lambda i, j: (j, i))
-    block_max, block_sum, block_zsum, block_target = pl.pallas_call(
-        kernel, out_shape=[part] * 4, grid=(tp // blocks.t, nv),
-        in_specs=[_whole(h_td.shape), _whole(w.shape), _token_spec(blocks)],
-        out_specs=[part_spec] * 4, compiler_params=_compiler_params(blocks),
+                               inv_temperature=1.0 / temperature, blocks=blocks)
+    outputs = 4 if with_entropy else 3
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    parts = pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((nv, tp), jnp.float32)] * outputs,
+        grid=(tp // blocks.t, nv),
+        in_specs=[whole(h_td.shape), whole(w.shape),
+                  pl.BlockSpec((blocks.t,), lambda i, j: (i,))],
+        out_specs=[pl.BlockSpec((None, blocks.t), lambda i, j: (j, i))] * outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.warps,
+                                             num_stages=blocks.stages),
         interpret=interpret or jax.default_backend() != "gpu",
         name="log_softmax_stats",
     )(h_td, w, y_t.astype(jnp.int32))
+    block_max, block_sum, block_target = parts[:3]
     top = jnp.max(block_max, axis=0)
     scale = jnp.exp(block_max - top)
     total = jnp.sum(block_sum * scale, axis=0)
     log_z = top + jnp.log(total)
-    entropy = (log_z - jnp.sum(block_zsum * scale, axis=0) / total if with_entropy
+    entropy = (log_z - jnp.sum(parts[3] * scale, axis=0) / total if with_entropy
                else jnp.zeros_like(top))
-    return log_z[:t], jnp.sum(block_target, axis=0)[:t], entropy[:t]
+    return log_z, jnp.sum(block_target, axis=0), entropy
 
 
-def _per_device(fn, token_args, other_args, out_ndims):
-    """`fn(*token_args, *other_args)` on each device's tokens under the active mesh.
+def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
+    """`_call` over this device's `[B, T]` tokens, `tokens_per_call` at a time (its
+    per-block statistics take `4 V / blocks.v` floats a token), outputs `[B, T]`."""
+    b, t, d = h_btd.shape
+    _check_shapes(d, w.shape[0] if kwargs["vocab_first"] else w.shape[1], kwargs["vocab"],
+                  blocks)
+    n = b * t
+    whole_blocks = lambda x: -(-x // blocks.t) * blocks.t
+    per_call = min(whole_blocks(n), whole_blocks(tokens_per_call))
+    calls = -(-n // per_call)
+    pad = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]),
+                            [(0, calls * per_call - n)] + [(0, 0)] * (x.ndim - 2))
+    h_ctd = pad(h_btd).reshape(calls, per_call, d)
+    y_ct = pad(y_bt).reshape(calls, per_call)
+    stats = jax.lax.map(lambda xs: _call(xs[0], w, xs[1], blocks=blocks, **kwargs),
+                        (h_ctd, y_ct))
+    return tuple(x.reshape(-1)[:n].reshape(b, t) for x in stats)
 
-    XLA cannot split a custom call over devices; under a `Sharder` the kernel runs in
-    a `shard_map` over the batch axes (tokens split as the rows they came from, the
-    unembedding whole on every device).
-    """
-    sharder = sharding.active_sharder()
-    if sharder is None or sharder.mesh.size == 1:
-        return fn(*token_args, *other_args)
-    batch = sharder.spec(("batch",), token_args[0].shape[:1])[0]
-    token_specs = tuple(P(batch, *([None] * (x.ndim - 1))) for x in token_args)
-    other_specs = tuple(P(*([None] * x.ndim)) for x in other_args)
-    out_specs = jax.tree.map(lambda nd: P(batch, *([None] * (nd - 1))), out_ndims)
-    return jax.shard_map(fn, mesh=sharder.mesh, in_specs=token_specs + other_specs,
-                         out_specs=out_specs, check_vma=False)(*token_args, *other_args)
 
-
-def log_softmax_stats(h_td: Array, weight: Array, targets_t: Array, *, vocab: int,
+def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: int,
                       vocab_first: bool, temperature: float = 1.0, with_entropy: bool = False,
-                      blocks: Blocks | None = None, interpret: bool = False):
+                      blocks: Blocks | None = None, tokens_per_call: int = 32768,
+                      interpret: bool = False):
     """Log-normaliser, target logit and entropy of `softmax(h W / temperature)`.
 
     Args:
-      h_td: `[T, D]` hidden states (bf16 or float32); D a multiple of `blocks.k`.
+      h_btd: `[B, T, D]` hidden states (bf16 or float32); D a multiple of `blocks.k`.
       weight: `pad_vocab`'s unembedding, `[Vp, D]` if `vocab_first` else `[D, Vp]`,
-        in `h_td`'s dtype.
-      targets_t: int `[T]` token ids.
+        in `h_btd`'s dtype.
+      targets_bt: int `[B, T]` token ids.
       vocab: the real vocabulary size V (entries from V on are padding).
       temperature: the logits are divided by it.
       with_entropy: also compute the entropy (else zeros).
       blocks: the tiles (default `FORWARD`).
+      tokens_per_call: tokens per kernel launch (a device's tokens are launched in
+        turn): bounds the per-block statistics, `16 V / blocks.v` bytes a token.
       interpret: run in Pallas' interpret mode (always off a GPU).
 
     Returns:
-      `(log_z, target_logit, entropy)`, each float32 `[T]`; the log-prob is
+      `(log_z, target_logit, entropy)`, each float32 `[B, T]`; the log-prob is
       `target_logit - log_z`.
+
+    Under a `Sharder` the kernel runs in a `shard_map` over the batch axes (XLA cannot
+    split a custom call over devices), each device on its rows with the unembedding
+    whole.
     """
     fn = functools.partial(_local_stats, vocab=vocab, vocab_first=vocab_first,
                            temperature=temperature, with_entropy=with_entropy,
-                           blocks=blocks or FORWARD, interpret=interpret)
-    return _per_device(lambda h, y, w: fn(h, w, y), (h_td, targets_t), (weight,), (1, 1, 1))
+                           blocks=blocks or FORWARD, tokens_per_call=tokens_per_call,
+                           interpret=interpret)
+    sharder = sharding.active_sharder()
+    if sharder is None or sharder.mesh.size == 1:
+        return fn(h_btd, weight, targets_bt)
+    batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
+    rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
+    return jax.shard_map(fn, mesh=sharder.mesh, in_specs=(rows(3), P(None, None), rows(2)),
+                         out_specs=(rows(2),) * 3, check_vma=False)(h_btd, weight, targets_bt)

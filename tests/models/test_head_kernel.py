@@ -31,15 +31,18 @@ TEMPERATURE = 0.7
 
 
 def _inputs(seed=0, dtype=jnp.float32):
+    """`h [1, T, D]`, `w [V, D]`, `y [1, T]`."""
     rng = np.random.default_rng(seed)
-    h = rng.normal(size=(T, D))
+    h = rng.normal(size=(1, T, D))
     w = rng.normal(size=(V, D)) * 0.4  # far from uniform: errors show
-    y = rng.integers(0, V, T)
+    y = rng.integers(0, V, (1, T))
     return (jnp.asarray(h, dtype), jnp.asarray(w, dtype), jnp.asarray(y, jnp.int32))
 
 
 def _reference(h, w, y, temperature):
-    """float64: logits, log Z, log-probs of y, probabilities, entropy."""
+    """float64, over the `T` tokens of row 0: logits, log Z, log-probs of y,
+    probabilities, entropy."""
+    h, y = h[0], y[0]
     z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T / temperature
     top = z.max(1, keepdims=True)
     log_z = np.log(np.exp(z - top).sum(1)) + top[:, 0]
@@ -49,32 +52,44 @@ def _reference(h, w, y, temperature):
 
 
 @pytest.mark.parametrize("vocab_first", [True, False])
-def test_stats_match_float64(vocab_first):
+@pytest.mark.parametrize("tokens_per_call", [32768, 20])  # one launch; two, the last padded
+def test_stats_match_float64(vocab_first, tokens_per_call):
     h, w, y = _inputs()
     weight = hk.pad_vocab(w if vocab_first else w.T, vocab_first, SMALL)
     assert weight.shape == ((128, D) if vocab_first else (D, 128))
     log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=vocab_first,
                                               temperature=TEMPERATURE, with_entropy=True,
-                                              blocks=SMALL, interpret=True)
+                                              blocks=SMALL, tokens_per_call=tokens_per_call,
+                                              interpret=True)
     z, ref_log_z, ref_lp, _, ref_ent = _reference(h, w, y, TEMPERATURE)
-    chex.assert_shape((log_z, target, ent), (T,))
-    np.testing.assert_allclose(log_z, ref_log_z, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(target, z[np.arange(T), np.asarray(y)], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(target - log_z, ref_lp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    chex.assert_shape((log_z, target, ent), (1, T))
+    np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target[0], z[np.arange(T), np.asarray(y[0])], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose((target - log_z)[0], ref_lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent[0], ref_ent, rtol=1e-5, atol=1e-5)
     assert ref_ent.std() > 0.1  # varied distributions, not a degenerate case
 
 
 def test_stats_without_entropy_and_targets_in_the_last_block():
     h, w, y = _inputs(seed=1)
-    y = y.at[:5].set(V - 1)  # the last real entry, in the block with padding
+    y = y.at[0, :5].set(V - 1)  # the last real entry, in the block with padding
     weight = hk.pad_vocab(w, True, SMALL)
     log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=True,
                                               blocks=SMALL, interpret=True)
     z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
-    np.testing.assert_allclose(log_z, ref_log_z, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(target, z[np.arange(T), np.asarray(y)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target[0], z[np.arange(T), np.asarray(y[0])], rtol=1e-5,
+                               atol=1e-5)
     np.testing.assert_array_equal(ent, 0.0)
+
+
+def test_unpadded_or_overpadded_unembedding_is_refused():
+    h, w, y = _inputs()
+    for weight in (w, jnp.pad(w, ((0, 128 + 32 - V), (0, 0)))):  # 101 rows; a whole extra block
+        with pytest.raises(ValueError, match="pad it with pad_vocab"):
+            hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=True, blocks=SMALL,
+                                 interpret=True)
 
 
 @pytest.fixture
@@ -112,6 +127,48 @@ def test_token_log_probs_pallas_matches_xla(small_blocks, tied, chunk_size):
         chex.assert_trees_all_close(g_hidden, w_hidden, rtol=1e-4, atol=1e-5)
         chex.assert_trees_all_close(g_params, w_params, rtol=1e-4, atol=1e-5)
         assert float(jnp.abs(g_hidden).max()) > 1e-2
+
+
+def test_bfloat16_hidden_states(small_blocks):
+    """bf16 hidden states and unembedding (the compute dtype on GPU): the kernel and the
+    XLA path multiply the same bf16 operands with float32 accumulation."""
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.normal(size=(2, 9, D)), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, V, (2, 9)), jnp.int32)
+    params = {"embed": {"embedding": jnp.asarray(rng.normal(size=(V, D)) * 0.4, jnp.float32)}}
+    out = {impl: logprobs.token_log_probs(params, hidden, targets, chunk_size=4,
+                                          with_entropy=True, impl=impl)
+           for impl in ("pallas", "xla")}
+    chex.assert_trees_all_close(out["pallas"], out["xla"], rtol=1e-4, atol=1e-4)
+
+
+def test_trainer_runs_the_kernel_in_its_log_prob_passes(small_blocks, tmp_path, monkeypatch):
+    """`model.logprob_impl` reaches the reference pass (no entropy) and the update (with
+    it), and a run through the kernel ends where the XLA path's does."""
+    from jrl.train import run
+    from tests.trainer.tiny import tiny_config
+
+    calls = []
+    stats = hk.log_softmax_stats
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["with_entropy"])
+        return stats(*args, **kwargs)
+
+    monkeypatch.setattr(hk, "log_softmax_stats", recording)
+    config = lambda impl: tiny_config(**{"model.logprob_impl": impl, "model.hidden_size": 32,
+                                         "actor.use_kl_loss": True})
+    last = {}
+    for impl in ("pallas", "xla"):
+        run(config(impl), str(tmp_path / impl))
+        with open(tmp_path / impl / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        last[impl] = {k: v for k, v in rows[-1].items()
+                      if k.startswith(("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+                                       "actor/entropy", "critic/score"))}
+    assert set(calls) == {True, False}, calls
+    assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy"} <= set(last["xla"])
+    chex.assert_trees_all_close(last["pallas"], last["xla"], rtol=1e-3, atol=1e-5)
 
 
 def test_choice_and_errors(monkeypatch):
@@ -155,6 +212,9 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     params = {"embed": {"embedding": jnp.asarray(rng.normal(size=(70, 32)) * 0.4,
                                                  jnp.float32)}}
 
+    def values(params, hidden, impl):
+        return logprobs.token_log_probs(params, hidden, targets, chunk_size=3, impl=impl)[0]
+
     def loss(params, hidden, impl):
         lp, ent = logprobs.token_log_probs(params, hidden, targets, chunk_size=3,
                                            with_entropy=True, impl=impl)
@@ -172,6 +232,14 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         got = jax.jit(fn)(params, hidden)
         diffs = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), got, want)
         out[name] = max(jax.tree.leaves(diffs))
+    # Per shard: under the data mesh nothing is gathered (each device its rows).
+    data = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(data=8, fsdp=1, tensor=1)))
+    def forward(params, hidden):
+        with data.active():
+            return values(params, hidden, "pallas")
+    shardings = (data.replicated, data.batch(3))
+    hlo = jax.jit(forward, in_shardings=shardings).lower(params, hidden).compile().as_text()
+    out["gathers"] = hlo.count("all-gather")
     print(json.dumps(out))
 """)
 
@@ -185,5 +253,6 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
                           capture_output=True, text=True, timeout=300, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result) == {"data", "fsdp_tensor"}
+    assert set(result) == {"data", "fsdp_tensor", "gathers"}
+    assert result.pop("gathers") == 0, result
     assert all(diff < 1e-4 for diff in result.values()), result

@@ -173,7 +173,7 @@ def test_prompt_mismatch_counts_rows_that_are_not_their_groups():
     assert float(logprobs.prompt_mismatch(ids, mask.at[3, 0].set(0), 2)) == 1  # mask only
 
 
-def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch):
+def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch, capsys):
     from jrl.train import run
     from tests.trainer.tiny import tiny_config
 
@@ -188,6 +188,10 @@ def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch
                                          r"prompt.*group of 2 rows.*actor.share_prompts=False"):
         run(tiny_config(), str(tmp_path / "shared"))
     assert calls == [2]  # checked once, before any pass ran
+    # The start-up report: n = 2 and micro-batches of 2 rows in every pass (GRPO: no critic).
+    assert ("shared prompts, rows per prompt forward: log-prob/value passes 2, actor "
+            "update 2\n") in capsys.readouterr().out
     # With sharing off the check (and the layout) does not apply.
     summary = run(tiny_config(**{"actor.share_prompts": False}), str(tmp_path / "plain"))
     assert summary["step"] == 2
+    assert "shared prompts: off (actor.share_prompts=False)" in capsys.readouterr().out

@@ -3,10 +3,7 @@ and identical samples on 1 and 8 (CPU) devices."""
 
 import dataclasses
 import functools
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -18,6 +15,7 @@ import pytest
 from jrl import rollout
 from jrl.models import ModelConfig, forward_logits, init_params, positions_from_mask
 from jrl.rollout import SamplingConfig
+from tests.eight_devices import run_script
 
 # A small Qwen2-style model whose random logits are spread out (large init), so that
 # greedy argmaxes are not near-ties and cached vs uncached rounding cannot flip them.
@@ -377,13 +375,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_sharded_over_8_devices_matches_one_device():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    script = _SHARDED_SCRIPT.format(tests_dir=tests_dir)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=os.path.dirname(tests_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_script(_SHARDED_SCRIPT.format(tests_dir=tests_dir))
     assert result["single_devices"] == 1 and result["sharded_devices"] == 8, result
     assert result["same_responses"] and result["same_lengths"], result
     assert result["log_prob_diff"] < 1e-5, result

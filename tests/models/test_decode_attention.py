@@ -2,10 +2,6 @@
 and the sampler run through it against the sampler on the XLA path."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -18,6 +14,7 @@ from jrl import rollout
 from jrl.models import ModelConfig, init_params
 from jrl.models import decode_attention as da
 from jrl.rollout import SamplingConfig
+from tests.eight_devices import run_script
 
 
 def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
@@ -133,12 +130,6 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     """Under a `Sharder` the kernel runs in a shard_map: over the batch, over heads when
     query and key/value heads both divide over `tensor`, and replicated heads when not."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_script(_SHARDED_SCRIPT)
     assert set(result) == {"data", "data_tensor", "tensor_uneven"}
     assert all(diff < 1e-5 for diff in result.values()), result

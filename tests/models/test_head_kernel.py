@@ -7,9 +7,6 @@ expected value.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -23,6 +20,7 @@ from jrl import logprobs, sharding
 from jrl.errors import ConfigError
 from jrl.models import ModelConfig
 from jrl.models import head_kernel as hk
+from tests.eight_devices import run_script
 
 # Small tiles so a handful of tokens and entries spans several programs of the grid.
 SMALL = hk.Blocks(t=16, v=32, k=16)
@@ -246,13 +244,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     """Under a `Sharder` the kernel runs in a shard_map over the batch axes."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_script(_SHARDED_SCRIPT)
     assert set(result) == {"data", "fsdp_tensor", "gathers"}
     assert result.pop("gathers") == 0, result
     assert all(diff < 1e-4 for diff in result.values()), result

@@ -1,0 +1,20 @@
+"""Runs a test script on 8 CPU devices in a subprocess (the device count is fixed when
+JAX starts, so a test process that already holds one device cannot make eight)."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script: str, timeout: int = 300) -> dict:
+    """Runs `script` with `python -c` from the repository root on 8 CPU devices and
+    returns the JSON object its last line of output prints."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -52,8 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
     # GPU, else XLA), xla or pallas.
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
-    # Pallas kernel that keeps the logits on chip, on GPU for hidden sizes up to 1,024,
-    # where it is faster; else XLA), xla (chunked float32 logits) or pallas.
+    # Pallas kernel that keeps the logits on chip, on GPU for passes with the entropy
+    # and hidden sizes up to 1,024, where it is faster; else XLA), xla (chunked float32
+    # logits) or pallas (every pass).
     c.model.logprob_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).

@@ -184,7 +184,7 @@ def token_log_probs(
         metric (its gradient is then taken as zero, and the backward pass skips it).
       impl: "xla" (chunked logits), "pallas" (`jrl.models.head_kernel`: no logits in
         memory in the forward pass; chunks bound only the backward's) or "auto" (the
-        kernel on GPU where it applies).
+        kernel on GPU where it pays, `head_kernel.choose_impl`).
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
@@ -199,7 +199,7 @@ def token_log_probs(
     targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
 
     weight, vocab_first = _unembedding(params)
-    impl = head_kernel.choose_impl(impl, d)
+    impl = head_kernel.choose_impl(impl, d, with_entropy)
     lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
                                        temperature, with_entropy, entropy_grad, impl)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]

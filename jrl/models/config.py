@@ -95,8 +95,8 @@ class ModelConfig:
         where it applies, else XLA), "xla" or "pallas".
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
-        pays: hidden sizes up to 1,024; else XLA), "xla" (chunked float32 logits) or
-        "pallas".
+        pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"
+        (chunked float32 logits) or "pallas" (every pass).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.

@@ -65,13 +65,15 @@ FORWARD = Blocks()
 MAX_HIDDEN = 1024
 
 
-def choose_impl(impl: str, hidden_size: int) -> str:
-    """`"pallas"` where the kernel applies and pays (GPU, a hidden size of whole
-    `FORWARD.k` blocks up to `MAX_HIDDEN`, no `tensor` axis over 1 in the active mesh),
-    else `"xla"`; a forced `impl` is returned as is.
+def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
+    """`"pallas"` where the kernel applies and pays (GPU, a pass that computes the
+    entropy, a hidden size of whole `FORWARD.k` blocks up to `MAX_HIDDEN`, no `tensor`
+    axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned as is.
 
-    Under tensor parallelism XLA splits the logits over the vocabulary, while the
-    kernel would run the whole vocabulary on every device of a `tensor` group.
+    Without the entropy XLA reads the logits twice rather than three times, and in the
+    GRPO step the reference pass was no faster through the kernel (docs/performance.md,
+    round five). Under tensor parallelism XLA splits the logits over the vocabulary,
+    while the kernel would run the whole vocabulary on every device of a `tensor` group.
     """
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"log-prob impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
@@ -79,7 +81,7 @@ def choose_impl(impl: str, hidden_size: int) -> str:
         return impl
     sharder = sharding.active_sharder()
     tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
-    ok = (jax.default_backend() == "gpu" and hidden_size % FORWARD.k == 0
+    ok = (jax.default_backend() == "gpu" and with_entropy and hidden_size % FORWARD.k == 0
           and hidden_size <= MAX_HIDDEN and tensor == 1)
     return "pallas" if ok else "xla"
 

@@ -176,6 +176,7 @@ def test_choice_and_errors(monkeypatch):
     assert hk.choose_impl("xla", 896) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert hk.choose_impl("auto", 896) == "pallas"
+    assert hk.choose_impl("auto", 896, with_entropy=False) == "xla"  # no faster in the step
     assert hk.choose_impl("auto", 30) == "xla"  # not whole k blocks
     assert hk.choose_impl("auto", 3584) == "xla"  # above MAX_HIDDEN: XLA is faster
     assert hk.choose_impl("pallas", 3584) == "pallas"

@@ -228,6 +228,20 @@ def prompt_mismatch(prompt_ids, prompt_mask, group: int) -> Array:
     return jnp.sum(differs(prompt_ids) | differs(prompt_mask)).astype(jnp.float32)
 
 
+def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int):
+    """The inputs with one masked column more where cuDNN's attention needs even
+    lengths (else it falls back to XLA's): on the left of the prompts when P (the plain
+    layout: P + R) is odd, and in the shared layout on the right of the responses when R
+    is odd. Masked columns change no real token's output (positions follow the mask)."""
+    pad = lambda x, left, right: jnp.pad(x, ((0, 0), (left, right)))
+    p, r = prompt_ids.shape[1], responses.shape[1]
+    if (p if group > 1 else p + r) % 2:
+        prompt_ids, prompt_mask = pad(prompt_ids, 1, 0), pad(prompt_mask, 1, 0)
+    if group > 1 and r % 2:
+        responses, response_mask = pad(responses, 0, 1), pad(response_mask, 0, 1)
+    return prompt_ids, prompt_mask, responses, response_mask
+
+
 def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *,
                     config: ModelConfig, group: int = 1) -> Array:
     """Hidden states `[B, R, D]` that predict each response token (one full forward).
@@ -235,6 +249,9 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     `group`: k > 1 when each run of k consecutive rows holds the same prompt (ids and
     mask): the prompt's layers then run once per run (the module docstring).
     """
+    r_out = responses.shape[1]
+    prompt_ids, prompt_mask, responses, response_mask = _even_lengths(
+        prompt_ids, prompt_mask, responses, response_mask, group)
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, responses, response_mask)
     p = prompt_ids.shape[1]
     r = responses.shape[1]
@@ -252,8 +269,9 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
                                         config=config)
     # Response token 0 is predicted by the prompt's last position, token t by response t-1.
     last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
-    own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : r - 1]
-    return constrain(jnp.concatenate([last_prompt, own], axis=1), ("batch", None, None))
+    own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : max(r_out - 1, 0)]
+    hidden_brd = jnp.concatenate([last_prompt, own], axis=1)[:, :r_out]  # R = 0: none
+    return constrain(hidden_brd, ("batch", None, None))
 
 
 def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask, *,

@@ -88,7 +88,7 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
 
 def pad_vocab(weight: Array, vocab_first: bool, blocks: Blocks | None = None) -> Array:
     """The unembedding (`[V, D]` if `vocab_first`, else `[D, V]`) with zero entries
-    appended up to whole `blocks.v` blocks (the kernels mask them out); `blocks`
+    appended up to whole `blocks.v` blocks (the kernel masks them out); `blocks`
     defaults to `FORWARD`."""
     blocks = blocks or FORWARD
     axis = 0 if vocab_first else 1

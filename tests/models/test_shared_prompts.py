@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jrl import buckets, logprobs, sharding, update
-from jrl.models import load_pretrained, transformer
+from jrl.models import ModelConfig, init_params, load_pretrained, transformer
 from jrl.models.heads import init_critic_params
 from jrl.optim import make_optimizer
 from tests.test_update import _MODEL, _actor_settings
@@ -195,3 +195,40 @@ def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch
     summary = run(tiny_config(**{"actor.share_prompts": False}), str(tmp_path / "plain"))
     assert summary["step"] == 2
     assert "shared prompts: off (actor.share_prompts=False)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("p, r", [(5, 7), (4, 7), (5, 6), (4, 0)])
+def test_attention_sees_even_lengths_and_outputs_keep_their_shape(monkeypatch, group, p, r):
+    """cuDNN's attention needs even query and key lengths: `response_hidden` adds a masked
+    column where P or R is odd, and the real tokens' hidden states do not change (the
+    plain layout with the odd lengths, attention in XLA, is the reference)."""
+    config = ModelConfig.preset("tiny", num_layers=2, attention_impl="xla")
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(p * 10 + r)
+    prompt = np.repeat(rng.integers(3, 100, (2, p)), 2, axis=0)  # rows 2i, 2i+1 share one
+    prompt_mask = np.ones_like(prompt)
+    prompt_mask[:2, :1] = 0  # a left-padded prompt
+    responses = rng.integers(3, 100, (4, r))
+    response_mask = np.ones_like(responses)
+    if r:
+        response_mask[1, r - 2:] = 0
+
+    want = None
+    if r:
+        tokens, mask, positions = logprobs.sequence_inputs(prompt, prompt_mask, responses,
+                                                           response_mask)
+        want = transformer.forward(params, tokens, positions, mask, config=config)[0][
+            :, p - 1 : p + r - 1]
+    lengths = []
+    choose = transformer._attention_impl
+    monkeypatch.setattr(transformer, "_attention_impl",
+                        lambda c, dtype, q, k: lengths.append((q, k)) or choose(c, dtype, q, k))
+    got = logprobs.response_hidden(params, prompt, prompt_mask, responses, response_mask,
+                                   config=config, group=group)
+    chex.assert_shape(got, (4, r, config.hidden_size))
+    assert lengths and all(q % 2 == 0 and k % 2 == 0 for q, k in lengths), lengths
+    if r:
+        real = np.asarray(response_mask, bool)
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
+                                   atol=1e-5)

@@ -190,6 +190,9 @@ def token_log_probs(
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
     """
     b, r, d = hidden_brd.shape
+    if r == 0:
+        empty = jnp.zeros((b, 0), jnp.float32)
+        return empty, empty
     chunk = r if chunk_size is None else min(chunk_size, r)
     pad = (-r) % chunk
     hidden_brd = jnp.pad(hidden_brd, ((0, 0), (0, pad), (0, 0)))

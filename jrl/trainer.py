@@ -312,8 +312,9 @@ class RLTrainer:
         line = "shared prompts, rows per prompt forward: " + ", ".join(
             f"{name} {k}" for name, k in groups.items())
         if max(groups.values()) == 1:
-            line += (f" (none: no micro-batch has a multiple of {self.sharder.batch_size_multiple}"
-                     f" batch shards times a factor of rollout.n={s.rollout.n} as rows)")
+            line += (f" (none: in every pass the rows a micro-batch puts on each of the "
+                     f"{self.sharder.batch_size_multiple} batch shards have no factor above 1 "
+                     f"in common with rollout.n={s.rollout.n})")
         return line
 
     @functools.cached_property

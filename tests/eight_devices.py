@@ -17,4 +17,5 @@ def run_script(script: str, timeout: int = 300) -> dict:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), f"the script printed nothing; stderr: {proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -195,6 +195,13 @@ def test_trainer_stops_when_rows_do_not_share_their_prompt(tmp_path, monkeypatch
     summary = run(tiny_config(**{"actor.share_prompts": False}), str(tmp_path / "plain"))
     assert summary["step"] == 2
     assert "shared prompts: off (actor.share_prompts=False)" in capsys.readouterr().out
+    # Sharing on, but one row per micro-batch in every pass: nothing to share, and why.
+    one_row = {"actor.ppo_micro_batch_size": 1, "rollout.log_prob_micro_batch_size": 1,
+               "trainer.total_training_steps": 1}
+    run(tiny_config(**one_row), str(tmp_path / "one_row"))
+    assert ("log-prob/value passes 1, actor update 1 (none: in every pass the rows a "
+            "micro-batch puts on each of the 1 batch shards have no factor above 1 in "
+            "common with rollout.n=2)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("group", [1, 2])
@@ -228,6 +235,9 @@ def test_attention_sees_even_lengths_and_outputs_keep_their_shape(monkeypatch, g
                                    config=config, group=group)
     chex.assert_shape(got, (4, r, config.hidden_size))
     assert lengths and all(q % 2 == 0 and k % 2 == 0 for q, k in lengths), lengths
+    log_probs, _ = logprobs.response_log_probs(params, prompt, prompt_mask, responses,
+                                               response_mask, config=config, group=group)
+    chex.assert_shape(log_probs, (4, r))
     if r:
         real = np.asarray(response_mask, bool)
         np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,

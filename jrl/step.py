@@ -175,12 +175,6 @@ def prompt_groups(s: Settings, rows: int) -> dict[str, int]:
     return groups
 
 
-def shared_prompt_group(s: Settings, rows: int) -> int:
-    """The most rows that share a prompt's forward in any pass of a step over `rows` rows
-    (`prompt_groups`); 1: none."""
-    return max(prompt_groups(s, rows).values())
-
-
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes

@@ -295,11 +295,16 @@ class RLTrainer:
         return self.s.train_batch_size * self.s.rollout.n
 
     @functools.cached_property
-    def shared_prompt_group(self) -> int:
-        """The most rows that share a prompt's forward in any of the step's passes
-        (`actor.share_prompts`; 1: none do)."""
+    def prompt_groups(self) -> dict[str, int]:
+        """Rows that share a prompt's forward in each of the step's passes
+        (`step.prompt_groups`; all 1 with `actor.share_prompts` off)."""
         with self.sharder.active():
-            return step_lib.shared_prompt_group(self.s, self.batch_sequences)
+            return step_lib.prompt_groups(self.s, self.batch_sequences)
+
+    @property
+    def shared_prompt_group(self) -> int:
+        """The most rows that share a prompt's forward in any of the step's passes."""
+        return max(self.prompt_groups.values())
 
     def prompt_sharing_report(self) -> str:
         """One line: how many rows share a prompt's forward in each pass, and why none do
@@ -307,11 +312,9 @@ class RLTrainer:
         s = self.s
         if not s.share_prompts:
             return "shared prompts: off (actor.share_prompts=False)"
-        with self.sharder.active():
-            groups = step_lib.prompt_groups(s, self.batch_sequences)
         line = "shared prompts, rows per prompt forward: " + ", ".join(
-            f"{name} {k}" for name, k in groups.items())
-        if max(groups.values()) == 1:
+            f"{name} {k}" for name, k in self.prompt_groups.items())
+        if self.shared_prompt_group == 1:
             line += (f" (none: in every pass the rows a micro-batch puts on each of the "
                      f"{self.sharder.batch_size_multiple} batch shards have no factor above 1 "
                      f"in common with rollout.n={s.rollout.n})")

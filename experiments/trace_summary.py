@@ -95,14 +95,47 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
     return tables
 
 
+def sequence(trace_dir: str, anchor: str, skip: int = 100, count: int = 2) -> list:
+    """Prints the kernels that ran, in order, from the `skip`-th kernel named `anchor`
+    through `count` more of them (e.g. one decode step's layers between two calls of
+    the attention kernel), with each kernel's duration and HLO op."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = _gpu_threads(events)
+    kernels = sorted((e for e in events if e.get("ph") == "X"
+                      and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")),
+                     key=lambda e: float(e.get("ts", 0.0)))
+    hits = [i for i, e in enumerate(kernels) if e.get("name") == anchor]
+    if len(hits) <= skip + count:
+        raise ValueError(f"{len(hits)} kernels named {anchor!r}; need more than {skip + count}")
+    rows = []
+    print(f"\nkernels from {anchor!r} #{skip} to #{skip + count}:")
+    print("| # | kernel | us | hlo op |\n|---|---|---|---|")
+    for n, e in enumerate(kernels[hits[skip]:hits[skip + count]]):
+        args = e.get("args", {})
+        op = args.get("hlo_op", args.get("long_name", ""))
+        rows.append((e.get("name"), float(e.get("dur", 0.0)), op))
+        print(f"| {n} | {e.get('name', '?')[:60]} | {float(e.get('dur', 0.0)):.1f} | {str(op)[:50]} |")
+    print(f"total {sum(r[1] for r in rows):.1f} us")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace_dir")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--show_args", type=int, default=0,
                         help="print the arguments of an event of the N top kernels")
+    parser.add_argument("--anchor", default=None,
+                        help="also print the kernels in order between calls of this kernel")
+    parser.add_argument("--skip", type=int, default=100, help="start at this --anchor call")
+    parser.add_argument("--count", type=int, default=2, help="--anchor calls to span")
     args = parser.parse_args()
     summarize(args.trace_dir, args.top, args.show_args)
+    if args.anchor:
+        sequence(args.trace_dir, args.anchor, args.skip, args.count)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ Rules:
   write silently (checked when `write_index` is a Python int).
 - A row's real tokens fill contiguous slots: its left padding, then every token up
   to the one being written (the sampler's layout). The decode-attention kernel
-  (`jrl.models.decode_attention`) relies on it: it reads slots
-  `[first valid slot, write_index]` of each row and no mask.
+  (`jrl.models.decode_attention`) relies on it: it writes the new token's key and
+  value itself and reads slots `[first valid slot, write_index)` of each row, no mask.
 
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.
@@ -81,6 +81,11 @@ class KVCache:
             buffers[layer], jnp.swapaxes(new_btkh, 1, 2).astype(buffers[layer].dtype), start),
         ) + buffers[layer + 1:]
         return KVCache(k=put(self.k, k_btkh), v=put(self.v, v_btkh))
+
+    def replace_layer(self, layer: int, k_bksh: jax.Array, v_bksh: jax.Array) -> KVCache:
+        """The cache with layer `layer`'s buffers replaced (as a kernel returned them)."""
+        put = lambda buffers, new: buffers[:layer] + (new,) + buffers[layer + 1:]
+        return KVCache(k=put(self.k, k_bksh), v=put(self.v, v_bksh))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """(k_bksh, v_bksh) of one layer."""

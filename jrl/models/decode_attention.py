@@ -1,33 +1,57 @@
-"""Attention of one new token per row over the filled slots of a KV cache.
+"""A decode step's attention: append one token's key and value to each row's cache
+and attend its queries over the row's filled slots.
 
-A decode step's queries `[B, N, H]` attend to the cache's keys and values
-`[B, K, S, H]` (the cache's heads-before-slots layout), where row b's real tokens
-fill the contiguous slots `start[b] <= s < end`: left padding before them, slots
-not yet written after. Two implementations:
+A decode step's queries `[B, N, H]` (N = K * G query heads over K key/value heads)
+attend to the cache's keys and values `[B, K, S, H]` (the cache's heads-before-slots
+layout), where row b's real tokens fill the contiguous slots `start[b] <= s <= slot`:
+left padding before them, the new token at `slot` (shared by all rows), slots not
+yet written after. Two implementations of `append_and_attend`:
 
-- `"pallas"` (GPU): JAX's Pallas/Triton decode-attention kernel
-  (`jax.experimental.pallas.ops.gpu.decode_attention`), one fused pass that reads
-  only the blocks of `[start, end)` — split over the slots for parallelism, then
-  merged — instead of every slot with a mask.
-- `"xla"`: `grouped_attention` over all S slots with the equivalent mask; it runs
-  on every backend and is the reference the kernel is tested against (on CPU in
-  Pallas' interpret mode).
+- `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that stores
+  the new key and value at `slot`, scores the new token from registers, and runs an
+  online softmax over the blocks of `[start, slot)` only: no separate cache-write
+  kernels, no reads of padding or unwritten slots, and no split over slots (whose
+  partial results would take a merge pass).
+- `"xla"`: the cache write as `dynamic_update_slice`, then `decode_attention`
+  (`grouped_attention` over all S slots with the equivalent mask); it runs on every
+  backend and is the reference the kernel is tested against (on CPU in Pallas'
+  interpret mode).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
 
-# Cache slots per kernel block (a power of two, as Triton wants); a cache of S slots
-# is split into S / _BLOCK blocks, each a program of the grid.
+# Cache slots per kernel block (a power of two, as Triton wants); the cache holds
+# whole blocks when the kernel decodes (`cache_slots`).
 _BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernel's settings: `block` cache slots per step of its loop (a multiple of
+    `_BLOCK` dividing the cache's slots; larger blocks fall back to `_BLOCK`), Triton's
+    warps and pipeline stages."""
+
+    block: int = 128
+    warps: int = 4
+    stages: int = 2
+
+
+# Among the fastest of a sweep on an H200 at batch 64, 256 and 512
+# (experiments/bench_decode_kernel.py; docs/performance.md, round six).
+TILES = Tiles()
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
@@ -49,34 +73,63 @@ def cache_slots(impl: str, head_dim: int, needed: int) -> int:
     return -(-needed // _BLOCK) * _BLOCK
 
 
-def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end, *, impl: str = "xla",
-                     interpret: bool = False):
-    """Softmax attention of one query per row and head over the slots `[start, end)`.
+def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot, *,
+                      impl: str = "xla", interpret: bool = False, tiles: Tiles = TILES):
+    """Writes each row's new key and value at `slot`, then attends over `[start, slot]`.
+
+    Args:
+      q_bnh: `[B, N, H]` queries of the new tokens (after RoPE).
+      k_new_bkh, v_new_bkh: `[B, K, H]` their keys (after RoPE) and values.
+      k_bksh, v_bksh: `[B, K, S, H]` the cache's buffers of this layer.
+      start_b: int `[B]`, each row's first real slot.
+      slot: int scalar, the slot the new tokens are written to (shared by all rows).
+      impl: "xla" or "pallas" (see the module docstring).
+      interpret: run the Pallas kernel in interpret mode (always off a GPU, so
+        CPU tests run the kernel's own code).
+      tiles: the kernel's settings.
+
+    Returns:
+      (`[B, N, H]` attention output in the queries' dtype, the updated key and value
+      buffers in the cache's dtype).
+    """
+    slot = jnp.asarray(slot, jnp.int32)
+    start_b = start_b.astype(jnp.int32)
+    if impl == "pallas":
+        if k_bksh.shape[2] % _BLOCK:
+            raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} "
+                             f"cache slots, got {k_bksh.shape[2]}")
+        kernel = functools.partial(_pallas, interpret=interpret, tiles=tiles)
+        return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot)
+    if impl != "xla":
+        raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
+    write = lambda buffer, new_bkh: lax.dynamic_update_slice(
+        buffer, new_bkh[:, :, None].astype(buffer.dtype), (0, 0, slot, 0))
+    k_bksh, v_bksh = write(k_bksh, k_new_bkh), write(v_bksh, v_new_bkh)
+    out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
+                               start_b, slot + 1)
+    return out_bnh, k_bksh, v_bksh
+
+
+def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end):
+    """Softmax attention of one query per row and head over the slots `[start, end)`,
+    in XLA: `grouped_attention` over every slot with a mask.
 
     Args:
       q_bnh: `[B, N, H]` queries (N = K * G query heads).
       k_bksh, v_bksh: `[B, K, S, H]` cached keys and values.
       start_b: int `[B]`, each row's first real slot.
       end: int scalar, one past the last filled slot (shared by all rows).
-      impl: "xla" or "pallas" (see the module docstring).
-      interpret: run the Pallas kernel in interpret mode (always off a GPU, so
-        CPU tests run the kernel's own code).
 
     Returns:
       `[B, N, H]` in the queries' dtype.
     """
-    if impl == "pallas":
-        return _sharded(functools.partial(_pallas, interpret=interpret),
-                        q_bnh, k_bksh, v_bksh, start_b, end)
-    if impl != "xla":
-        raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
     slots = jnp.arange(k_bksh.shape[2])[None, :]
     mask_bs = (slots >= start_b[:, None]) & (slots < end)
     out_b1nh = grouped_attention(q_bnh[:, None], k_bksh, v_bksh, mask_bs[:, None, None])
     return out_b1nh[:, 0]
 
 
-def _sharded(kernel, q_bnh, k_bksh, v_bksh, start_b, end):
+def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot):
     """Runs `kernel` on each device's rows (and heads) under the active mesh.
 
     XLA cannot split a custom call over devices: left to itself it would gather
@@ -85,36 +138,92 @@ def _sharded(kernel, q_bnh, k_bksh, v_bksh, start_b, end):
     divide over `tensor` (so each device keeps whole query groups), over heads too.
     """
     sharder = sharding.active_sharder()
+    args = (q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot)
     if sharder is None or sharder.mesh.size == 1:
-        return kernel(q_bnh, k_bksh, v_bksh, start_b, end)
+        return kernel(*args)
     batch = sharder.spec(("batch",), start_b.shape)[0]
     heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
     kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
     if heads != kv_heads:
         heads = kv_heads = None
-    q_spec, kv_spec = P(batch, heads, None), P(batch, kv_heads, None, None)
-    return jax.shard_map(kernel, mesh=sharder.mesh,
-                         in_specs=(q_spec, kv_spec, kv_spec, P(batch), P()),
-                         out_specs=q_spec, check_vma=False)(q_bnh, k_bksh, v_bksh, start_b, end)
+    q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
+    cache_spec = P(batch, kv_heads, None, None)
+    return jax.shard_map(
+        kernel, mesh=sharder.mesh,
+        in_specs=(q_spec, new_spec, new_spec, cache_spec, cache_spec, P(batch), P()),
+        out_specs=(q_spec, cache_spec, cache_spec), check_vma=False)(*args)
 
 
-def _pallas(q_bnh, k_bksh, v_bksh, start_b, end, interpret):
-    from jax.experimental.pallas.ops.gpu import decode_attention as kernels
+def _append_attend_kernel(q_ref, k_new_ref, v_new_ref, bounds_ref, k_ref, v_ref,
+                          o_ref, k_out_ref, v_out_ref, *, group, rows, scale, block):
+    """One (row, key/value head): its `group` queries against the new token and the
+    filled blocks of the cache. `rows` is `group` rounded up to a Triton tile (>= 16);
+    the extra query rows are masked. `k_out_ref`/`v_out_ref` alias `k_ref`/`v_ref`."""
+    head = pl.program_id(1)
+    start, slot = bounds_ref[0], bounds_ref[1]
+    query_rows = pl.ds(head * group, rows)
+    real_row = (jnp.arange(rows) < group)[:, None]
+    q = plgpu.load(q_ref.at[query_rows, :], mask=real_row, other=0.0)
+    k_new, v_new = k_new_ref[...], v_new_ref[...]  # [1, H], the cache's dtype
+    plgpu.store(k_out_ref.at[pl.ds(slot, 1), :], k_new)
+    plgpu.store(v_out_ref.at[pl.ds(slot, 1), :], v_new)
+    # The new token from registers: it starts the online softmax (weight exp(0) = 1).
+    k_new, v_new = (t.astype(q.dtype).astype(jnp.float32) for t in (k_new, v_new))
+    top = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [rows]
+    total = jnp.ones_like(top)
+    acc = jnp.broadcast_to(v_new, (rows, v_new.shape[1]))
 
-    b, _, s, h = k_bksh.shape
-    interpret = interpret or jax.default_backend() != "gpu"
-    if s % _BLOCK:
-        raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} cache "
-                         f"slots, got {s}")
-    # `gqa` takes keys slots-first and moves them heads-first inside; the two
-    # transposes cancel in XLA, so the cache is read in place.
-    k_bskh, v_bskh = (jnp.swapaxes(t, 1, 2) for t in (k_bksh, v_bksh))
-    end_b = jnp.broadcast_to(jnp.asarray(end, jnp.int32), (b,))
-    out_bnh = kernels.gqa(q_bnh, k_bskh, v_bskh, start_idx=start_b.astype(jnp.int32),
-                          kv_seq_len=end_b, sm_scale=1.0 / math.sqrt(h), block_k=_BLOCK,
-                          k_splits=s // _BLOCK, interpret=interpret)
-    # The merge of the blocks' partial results runs in float32.
-    return out_bnh.astype(q_bnh.dtype)
+    def step(j, carry):
+        top, total, acc = carry
+        first = pl.multiple_of(j * block, block)
+        k = k_ref[pl.ds(first, block), :].astype(q.dtype)
+        logits = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] float32
+        slots = first + jnp.arange(block)
+        # Slots before `start` (padding) and from `slot` on (the new token, already
+        # counted, and unwritten slots) are masked.
+        valid = ((slots >= start) & (slots < slot))[None, :]
+        logits = jnp.where(valid, logits, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=1))
+        correction = jnp.exp(top - new_top)
+        weights = jnp.exp(logits - new_top[:, None])
+        v = v_ref[pl.ds(first, block), :].astype(q.dtype)
+        acc = acc * correction[:, None] + plgpu.dot(weights.astype(q.dtype), v)
+        return new_top, total * correction + jnp.sum(weights, axis=1), acc
+
+    top, total, acc = lax.fori_loop(start // block, pl.cdiv(slot, block), step,
+                                    (top, total, acc))
+    plgpu.store(o_ref.at[query_rows, :], (acc / total[:, None]).astype(o_ref.dtype),
+                mask=real_row)
+
+
+def _pallas(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
+    b, n, h = q_bnh.shape
+    kv, s = k_bksh.shape[1], k_bksh.shape[2]
+    block = tiles.block if s % tiles.block == 0 else _BLOCK
+    group = n // kv
+    rows = max(16, 1 << (group - 1).bit_length())
+    bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)
+    new = lambda t: t[:, :, None].astype(k_bksh.dtype)  # [B, K, 1, H]
+    kernel = functools.partial(_append_attend_kernel, group=group, rows=rows,
+                               scale=1.0 / math.sqrt(h), block=block)
+    row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
+    per_head = lambda shape: pl.BlockSpec((None, None, *shape),
+                                          lambda i, j: (i, j) + (0,) * len(shape))
+    out_bnh, k_bksh, v_bksh = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(q_bnh.shape, q_bnh.dtype),
+                   jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
+                   jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)],
+        grid=(b, kv),
+        in_specs=[row((n, h)), per_head((1, h)), per_head((1, h)), row((2,)),
+                  per_head((s, h)), per_head((s, h))],
+        out_specs=[row((n, h)), per_head((s, h)), per_head((s, h))],
+        input_output_aliases={4: 1, 5: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret or jax.default_backend() != "gpu",
+        name="append_and_attend",
+    )(q_bnh, new(k_new_bkh), new(v_new_bkh), bounds_b2, k_bksh, v_bksh)
+    return out_bnh, k_bksh, v_bksh
 
 
 def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):

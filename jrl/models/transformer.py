@@ -170,6 +170,13 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"
 
 
+class DecodeStep(NamedTuple):
+    """A decode step's "mask" for `decode_attention.append_and_attend`: row b's real
+    tokens fill slots `start_b[b]` through the slot being written."""
+
+    start_b: jax.Array
+
+
 class SharedPromptMask(NamedTuple):
     """Attention masks of the shared-prompt layout (`forward(..., mask=SharedPrompt)`):
     each row of `[G, P + k R]` holds one prompt and the k responses sampled from it.
@@ -264,18 +271,19 @@ class Attention(nn.Module):
         q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
         k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
         v_btkh = constrain(v_btkh, _KV_HEADS)
-        if cache is not None:
-            cache = cache.write(layer, write_index, k_btkh, v_btkh)
-            k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
-        if isinstance(mask_b1ts, SharedPromptMask):
-            out_btnh = _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
-        elif isinstance(mask_b1ts, tuple):  # a decode step's (start_b, end): the kernel
-            out_bnh = decode_lib.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, *mask_b1ts,
-                                                  impl="pallas")
+        if isinstance(mask_b1ts, DecodeStep):  # the kernel writes the cache and attends
+            out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
+                q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], *cache.layer(layer),
+                mask_b1ts.start_b, write_index, impl="pallas")
+            cache = cache.replace_layer(layer, k_bksh, v_bksh)
             out_btnh = out_bnh[:, None]
+        elif isinstance(mask_b1ts, SharedPromptMask):
+            out_btnh = _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
         elif cache is None:
             out_btnh = _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
         else:  # the cache's heads-first layout (XLA cancels the transposes on its path)
+            cache = cache.write(layer, write_index, k_btkh, v_btkh)
+            k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
             out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2),
                                jnp.swapaxes(v_bksh, 1, 2), mask_b1ts)
         out_btnh = constrain(out_btnh, _HEADS)
@@ -433,14 +441,14 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
     """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by the
-    Pallas kernel, each row's filled slots `(start_b, end)` (contiguous by the cache
-    contract: left padding, then tokens up to the one being written)."""
+    Pallas kernel, each row's first filled slot (`DecodeStep`; the row's slots are
+    contiguous by the cache contract: left padding, then tokens up to the one being
+    written)."""
     if cache is not None and num_queries == 1:
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len)
         if impl == "pallas":
-            start_b = jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32)
-            return start_b, jnp.asarray(write_index, jnp.int32) + 1
+            return DecodeStep(jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32))
     return attention_mask(mask, num_queries, write_index)
 
 

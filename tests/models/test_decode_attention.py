@@ -1,8 +1,10 @@
-"""The Pallas decode-attention kernel (interpret mode on CPU) against the XLA reference,
-and the sampler run through it against the sampler on the XLA path."""
+"""The Pallas decode-step kernel (interpret mode on CPU) against the XLA reference (the
+cache write and the attention), and the sampler run through it against the sampler on
+the XLA path."""
 
 import dataclasses
 import textwrap
+from unittest import mock
 
 import chex
 import jax
@@ -37,29 +39,41 @@ def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
     (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
     (4, 4, 16, 64, jnp.float32),     # one query per kv head, one block
     (8, 2, 32, 192, jnp.bfloat16),   # three blocks, bf16 cache
+    (40, 2, 16, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
 ])
 def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtype):
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 5)
     b = 4
     q = jax.random.normal(keys[0], (b, num_heads, head_dim), dtype)
-    k = jax.random.normal(keys[1], (b, num_kv_heads, slots, head_dim), dtype)
-    v = jax.random.normal(keys[2], (b, num_kv_heads, slots, head_dim), dtype)
-    # Rows starting inside the first block, on a block edge, inside a later block, and
-    # a row whose only key is the last one; `end` inside a block.
-    start = np.array([0, 64 % slots, slots - 37, slots - 38], np.int32)
-    end = slots - 37 + 1
-    start[3] = end - 1
-    want = naive_attention(q, k, v, start, end)
+    k_new = jax.random.normal(keys[1], (b, num_kv_heads, head_dim), dtype)
+    v_new = jax.random.normal(keys[2], (b, num_kv_heads, head_dim), dtype)
+    k = jax.random.normal(keys[3], (b, num_kv_heads, slots, head_dim), dtype)
+    v = jax.random.normal(keys[4], (b, num_kv_heads, slots, head_dim), dtype)
+    # The new token in the last block, not on its edge; rows starting in the first
+    # block, on a block edge, in the slot's own block, and a row whose only token is
+    # the new one.
+    slot = slots - 37
+    start = np.array([3, 64 % slots, slot - 5, slot], np.int32)
+    want_k = np.array(k).copy()
+    want_v = np.array(v).copy()
+    want_k[:, :, slot], want_v[:, :, slot] = k_new, v_new
+    want = naive_attention(q, want_k, want_v, start, slot + 1)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     for impl in ("xla", "pallas"):
-        got = da.decode_attention(q, k, v, jnp.asarray(start), end, impl=impl, interpret=True)
-        assert got.shape == q.shape and got.dtype == q.dtype
-        tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol,
+        out, k_out, v_out = da.append_and_attend(q, k_new, v_new, k, v, jnp.asarray(start),
+                                                 slot, impl=impl, interpret=True)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol,
                                    err_msg=impl)
-    # What lies outside [start, end) does not matter.
-    junk = k.at[:, :, end:].set(1e3).at[0, :, :0].set(1e3)
-    got = da.decode_attention(q, junk, v, jnp.asarray(start), end, impl="pallas", interpret=True)
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+        # Exactly one slot of each row and head is written, with the new token.
+        np.testing.assert_array_equal(np.asarray(k_out), want_k, err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(v_out), want_v, err_msg=impl)
+    # What lies outside [start, slot] does not matter.
+    junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
+    junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
+    out, _, _ = da.append_and_attend(q, k_new, v_new, junk_k, junk_v, jnp.asarray(start),
+                                     slot, impl="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
 def test_impl_choice_and_cache_slots():
@@ -67,14 +81,28 @@ def test_impl_choice_and_cache_slots():
     assert da.choose_impl("xla", 64) == "xla" and da.choose_impl("pallas", 48) == "pallas"
     assert da.cache_slots("xla", 64, 200) == 200
     assert da.cache_slots("pallas", 64, 200) == 256 and da.cache_slots("pallas", 64, 256) == 256
+    new, start = jnp.zeros((1, 1, 16)), jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="multiple of 64"):
-        da.decode_attention(jnp.zeros((1, 2, 16)), jnp.zeros((1, 1, 40, 16)),
-                            jnp.zeros((1, 1, 40, 16)), jnp.zeros((1,), jnp.int32), 3,
-                            impl="pallas")
+        da.append_and_attend(jnp.zeros((1, 2, 16)), new, new, jnp.zeros((1, 1, 40, 16)),
+                             jnp.zeros((1, 1, 40, 16)), start, 3, impl="pallas")
     with pytest.raises(ValueError, match="'xla' or 'pallas'"):
-        da.decode_attention(jnp.zeros((1, 2, 16)), jnp.zeros((1, 1, 64, 16)),
-                            jnp.zeros((1, 1, 64, 16)), jnp.zeros((1,), jnp.int32), 3,
-                            impl="cudnn")
+        da.append_and_attend(jnp.zeros((1, 2, 16)), new, new, jnp.zeros((1, 1, 64, 16)),
+                             jnp.zeros((1, 1, 64, 16)), start, 3, impl="cudnn")
+
+
+def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
+    """On the GPU path (lowered here for CUDA without a GPU) the step is one Triton
+    call whose cache outputs alias its cache inputs: no copy of the cache per layer."""
+    sds = jax.ShapeDtypeStruct
+    b, n, kv, h, s = 8, 14, 2, 64, 128
+    args = (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
+            sds((b, kv, h), jnp.bfloat16), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    fn = lambda *a: da.append_and_attend(*a, impl="pallas")
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
 
 
 def test_sampler_through_the_kernel_matches_the_xla_path():
@@ -107,22 +135,25 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from jrl.models import decode_attention as da
 
     assert jax.device_count() == 8, jax.devices()
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (8, 4, 16))
-    k = jax.random.normal(keys[1], (8, 2, 64, 16))
-    v = jax.random.normal(keys[2], (8, 2, 64, 16))
+    k_new = jax.random.normal(keys[1], (8, 2, 16))
+    v_new = jax.random.normal(keys[2], (8, 2, 16))
+    k = jax.random.normal(keys[3], (8, 2, 64, 16))
+    v = jax.random.normal(keys[4], (8, 2, 64, 16))
     start = jnp.array([0, 3, 9, 20, 1, 0, 30, 40], jnp.int32)
-    want = da.decode_attention(q, k, v, start, 41, impl="xla")
+    want = da.append_and_attend(q, k_new, v_new, k, v, start, 41, impl="xla")
     out = {}
     for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
                         ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
                         ("tensor_uneven", dict(data=2, fsdp=1, tensor=4))):
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
-        def fn(q, k, v, start, sharder=sharder):
+        def fn(q, k_new, v_new, k, v, start, sharder=sharder):
             with sharder.active():
-                return da.decode_attention(q, k, v, start, 41, impl="pallas", interpret=True)
-        got = jax.jit(fn)(q, k, v, start)
-        out[name] = float(jnp.abs(got - want).max())
+                return da.append_and_attend(q, k_new, v_new, k, v, start, 41, impl="pallas",
+                                            interpret=True)
+        got = jax.jit(fn)(q, k_new, v_new, k, v, start)
+        out[name] = max(float(jnp.abs(a - b).max()) for a, b in zip(got, want))
     print(json.dumps(out))
 """)
 

@@ -1,0 +1,126 @@
+"""The decode-step kernel alone (`jrl.models.decode_attention.append_and_attend`):
+its tile settings against the previous implementation and the XLA path, on one GPU.
+
+    python experiments/bench_decode_kernel.py --out decode_kernel.json
+
+Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64), a cache of 384 slots,
+rows starting at a random slot below 32 and the new token at `--fill`. One jitted
+call runs the step on 24 separate cache buffers (a decode step's layers, each
+donated and updated in place). The time per layer is the GPU time of the variant's
+program in a profiler trace of `--repeats` calls (every kernel it launched, launch
+gaps excluded), divided by 24 and the calls. "previous" is the path this kernel
+replaced: two cache writes in XLA, then JAX's split-K decode-attention kernel
+(`pallas.ops.gpu.decode_attention.gqa`) and its merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import itertools
+import json
+import math
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
+
+from jrl.models import decode_attention as da
+
+LAYERS = 24
+
+
+def previous(q, k_new, v_new, k, v, start, slot):
+    from jax.experimental.pallas.ops.gpu import decode_attention as kernels
+
+    write = lambda buffer, new: lax.dynamic_update_slice(buffer, new[:, :, None],
+                                                         (0, 0, slot, 0))
+    k, v = write(k, k_new), write(v, v_new)
+    b, _, s, h = k.shape
+    out = kernels.gqa(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start_idx=start,
+                      kv_seq_len=jnp.broadcast_to(slot + 1, (b,)), sm_scale=1 / math.sqrt(h),
+                      block_k=64, k_splits=s // 64)
+    return out.astype(q.dtype), k, v
+
+
+def run_variant(index, fn, batch, fill, slots, repeats):
+    """Compiles and warms up variant `index`, then runs it `repeats` times (to be
+    traced); its program is named `variant_<index>`."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, 14, 64), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (batch, 2, 64), jnp.bfloat16) for key in keys[1:3])
+    start = jnp.asarray(np.random.default_rng(0).integers(0, 32, batch), jnp.int32)
+    zeros = lambda: jnp.zeros((batch, 2, slots, 64), jnp.bfloat16)
+    caches = [(zeros(), zeros()) for _ in range(LAYERS)]
+
+    def layers(caches, q):
+        out, new = q, []
+        for k, v in caches:
+            out, k, v = fn(out, k_new, v_new, k, v, start, jnp.int32(fill))
+            new.append((k, v))
+        return new, out
+
+    layers.__name__ = f"variant_{index}"
+    layers = jax.jit(layers, donate_argnums=0)
+    caches, out = layers(caches, q)
+    jax.block_until_ready(out)
+
+    def timed():
+        nonlocal caches, out
+        for _ in range(repeats):
+            caches, out = layers(caches, q)
+        jax.block_until_ready(out)
+
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--fill", type=int, default=256, help="the new token's slot")
+    parser.add_argument("--slots", type=int, default=384)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    variants = {"previous": previous,
+                "xla": functools.partial(da.append_and_attend, impl="xla")}
+    for block, warps, stages in itertools.product((64, 128), (2, 4, 8), (1, 2, 3, 4)):
+        tiles = da.Tiles(block, warps, stages)
+        variants[f"kernel {block}/{warps}/{stages}"] = functools.partial(
+            da.append_and_attend, impl="pallas", tiles=tiles)
+    rows = []
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; us per layer-step")
+    for batch in args.batch:
+        runs = {}  # name: (program name, traced runs)
+        for name, fn in variants.items():
+            index = len(rows) + len(runs)
+            try:
+                runs[name] = (f"jit_variant_{index}", run_variant(
+                    index, fn, batch, args.fill, args.slots, args.repeats))
+            except Exception as e:  # a setting Triton rejects
+                rows.append(dict(batch=batch, variant=name, error=str(e)[:300]))
+                print(f"batch {batch:4d} {name:22s} error {str(e)[:120]}")
+        trace_dir = tempfile.mkdtemp()
+        with jax.profiler.trace(trace_dir):
+            for _, timed in runs.values():
+                timed()
+        with contextlib.redirect_stdout(io.StringIO()):
+            tables = trace_summary.summarize(trace_dir)
+        programs = {program: ms for program, ms, _ in tables["kernels by program"]}
+        for name, (program, _) in runs.items():
+            us = 1e3 * programs[program] / (args.repeats * LAYERS)
+            rows.append(dict(batch=batch, variant=name, us=us))
+            print(f"batch {batch:4d} {name:22s} {us:8.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                           args=vars(args), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,8 +27,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
+from jax import lax
 
 from jrl.models import decode_attention as da
 

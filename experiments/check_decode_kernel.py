@@ -3,23 +3,16 @@
     python experiments/check_decode_kernel.py
 
 For each shape: random bf16 queries, new keys/values and a cache, ragged row starts;
-prints the largest difference of the attention output (the kernel vs XLA, both
-against a float32 reference) and whether the caches came back identical. Then the
-Qwen2.5-0.5B-shaped sampler (random weights, bf16) generates 64 rows x 64 tokens
-through each path from the same keys and prints the share of identical tokens and
-the largest log-prob difference over the tokens before the first disagreement.
+prints the largest difference of the attention output (the kernel and XLA, each
+against the XLA path in float32) and whether the caches came back identical.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import rollout
-from jrl.models import PRESETS, init_params
 from jrl.models import decode_attention as da
 
 SHAPES = [  # (B, N, K, H, S)
@@ -44,39 +37,15 @@ def check_kernel(b, n, k, h, s) -> dict:
                                  v_new.astype(jnp.float32),
                                  *(c.astype(jnp.float32) for c in cache), start, slot)[0]
     err = lambda out: float(jnp.abs(out.astype(jnp.float32) - exact).max())
-    same_cache = all(bool(jnp.array_equal(a, b)) for a, b in zip(got[1:], want[1:]))
+    same_cache = all(bool(jnp.array_equal(a, b)) for a, b in zip(got[1:], want[1:], strict=True))
     return dict(shape=(b, n, k, h, s), kernel_err=err(got[0]), xla_err=err(want[0]),
                 same_cache=same_cache)
-
-
-def check_sampler() -> dict:
-    config = dataclasses.replace(PRESETS["qwen2.5-0.5b"], dtype="bfloat16",
-                                 param_dtype="bfloat16")
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, config.vocab_size, size=(8, 100)).astype(np.int32)
-    lengths = rng.integers(20, 101, size=8)
-    mask = (np.arange(100)[None] >= 100 - lengths[:, None]).astype(np.int32)
-    sampling = rollout.SamplingConfig(max_new_tokens=64, n=8, stop_token_ids=(),
-                                      pad_token_id=0, ignore_stop=True)
-    outs = {impl: rollout.generate(params, ids * mask, mask, jax.random.key(1), sampling,
-                                   config=dataclasses.replace(config,
-                                                              decode_attention_impl=impl))
-            for impl in ("xla", "pallas")}
-    a, b = (np.asarray(outs[i].responses) for i in ("xla", "pallas"))
-    same = a == b
-    first_diff = np.where(same.all(axis=1), a.shape[1], np.argmin(same, axis=1))
-    lp = [np.asarray(outs[i].rollout_log_probs) for i in ("xla", "pallas")]
-    before = np.arange(a.shape[1])[None] < first_diff[:, None]
-    return dict(same_tokens=float(same.mean()),
-                logprob_diff_before_first_disagreement=float(np.abs(lp[0] - lp[1])[before].max()))
 
 
 def main() -> None:
     print(jax.devices()[0].device_kind, jax.__version__)
     for shape in SHAPES:
         print(check_kernel(*shape))
-    print(check_sampler())
 
 
 if __name__ == "__main__":

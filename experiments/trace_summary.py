@@ -117,7 +117,8 @@ def sequence(trace_dir: str, anchor: str, skip: int = 100, count: int = 2) -> li
         args = e.get("args", {})
         op = args.get("hlo_op", args.get("long_name", ""))
         rows.append((e.get("name"), float(e.get("dur", 0.0)), op))
-        print(f"| {n} | {e.get('name', '?')[:60]} | {float(e.get('dur', 0.0)):.1f} | {str(op)[:50]} |")
+        name, us = e.get("name", "?")[:60], float(e.get("dur", 0.0))
+        print(f"| {n} | {name} | {us:.1f} | {str(op)[:50]} |")
     print(f"total {sum(r[1] for r in rows):.1f} us")
     return rows
 

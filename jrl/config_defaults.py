@@ -48,8 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
     # decoding, a second copy of those kernels meanwhile) or unmerged (x W + (x A) B at
     # every decode step; no copy, for when memory is tight).
     c.model.lora_rollout = "merged"
-    # Attention of decode steps: auto (a Pallas kernel over the filled cache slots on
-    # GPU, else XLA), xla or pallas.
+    # Cache write and attention of decode steps: auto (one Pallas kernel that writes the
+    # new key/value and attends over the filled cache slots, on GPU; else XLA), xla or
+    # pallas.
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
     # Pallas kernel that keeps the logits on chip, on GPU for passes with the entropy

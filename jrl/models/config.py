@@ -90,9 +90,10 @@ class ModelConfig:
         "dots_saveable" (keep matmul outputs, recompute the rest).
       attention_impl: "auto" (cuDNN flash attention on GPU when dtype and head_dim
         allow it, else XLA), "xla" or "cudnn".
-      decode_attention_impl: attention of decode steps (one token per row over a
-        cache): "auto" (the Pallas kernel of `jrl.models.decode_attention` on GPU
-        where it applies, else XLA), "xla" or "pallas".
+      decode_attention_impl: cache write and attention of decode steps (one token
+        per row over a cache): "auto" (the Pallas kernel of
+        `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla" or
+        "pallas".
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
         pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"

@@ -2,7 +2,8 @@
 
     python experiments/check_decode_kernel.py
 
-For each shape: random bf16 queries, new keys/values and a cache, ragged row starts;
+For each shape, and for the first also at slots on block edges and the last slot
+under two tilings: random bf16 queries, new keys/values and a cache, ragged row starts;
 prints the largest difference of the attention output (the kernel and XLA, each
 against the XLA path in float32) and whether the caches came back identical.
 """
@@ -23,14 +24,15 @@ SHAPES = [  # (B, N, K, H, S)
 ]
 
 
-def check_kernel(b, n, k, h, s) -> dict:
+def check_kernel(b, n, k, h, s, slot=None, tiles=da.TILES) -> dict:
     keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
     k_new, v_new = (jax.random.normal(key, (b, k, h), jnp.bfloat16) for key in keys[1:3])
     cache = [jax.random.normal(key, (b, k, s, h), jnp.bfloat16) for key in keys[3:5]]
-    slot = s - 37
+    slot = s - 37 if slot is None else slot
     start = jnp.asarray(np.random.default_rng(0).integers(0, slot + 1, b), jnp.int32)
-    run = jax.jit(lambda *a, impl: da.append_and_attend(*a, impl=impl), static_argnames="impl")
+    run = jax.jit(lambda *a, impl: da.append_and_attend(*a, impl=impl, tiles=tiles),
+                  static_argnames="impl")
     got = run(q, k_new, v_new, *cache, start, slot, impl="pallas")
     want = run(q, k_new, v_new, *cache, start, slot, impl="xla")
     exact = da.append_and_attend(q.astype(jnp.float32), k_new.astype(jnp.float32),
@@ -38,7 +40,8 @@ def check_kernel(b, n, k, h, s) -> dict:
                                  *(c.astype(jnp.float32) for c in cache), start, slot)[0]
     err = lambda out: float(jnp.abs(out.astype(jnp.float32) - exact).max())
     same_cache = all(bool(jnp.array_equal(a, b)) for a, b in zip(got[1:], want[1:], strict=True))
-    return dict(shape=(b, n, k, h, s), kernel_err=err(got[0]), xla_err=err(want[0]),
+    return dict(shape=(b, n, k, h, s), slot=slot, tiles=tiles, kernel_err=err(got[0]),
+                xla_err=err(want[0]),
                 same_cache=same_cache)
 
 
@@ -46,6 +49,10 @@ def main() -> None:
     print(jax.devices()[0].device_kind, jax.__version__)
     for shape in SHAPES:
         print(check_kernel(*shape))
+    # The real kernel (not interpret mode) at block edges and the last slot, per tiling.
+    for tiles in (da.TILES, da.Tiles(64, 2, 3)):
+        for slot in (0, 63, 64, 65, 383):
+            print(check_kernel(*SHAPES[0], slot=slot, tiles=tiles))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ Rules:
 - A row's real tokens fill contiguous slots: its left padding, then every token up
   to the one being written (the sampler's layout). The decode-attention kernel
   (`jrl.models.decode_attention`) relies on it: it writes the new token's key and
-  value itself and reads slots `[first valid slot, write_index)` of each row, no mask.
+  value itself and reads the blocks of each row that hold slots `[first valid slot,
+  write_index)`, with no `key_mask` (it masks the rest of those blocks by position).
 
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.

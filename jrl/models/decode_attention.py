@@ -9,8 +9,9 @@ yet written after. Two implementations of `append_and_attend`:
 
 - `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that stores
   the new key and value at `slot`, scores the new token from registers, and runs an
-  online softmax over the blocks of `[start, slot)` only: no separate cache-write
-  kernels, no reads of padding or unwritten slots, and no split over slots (whose
+  online softmax over the blocks that hold `[start, slot)`, masking the padding and
+  unwritten slots inside its first and last block: no separate cache-write kernels,
+  no blocks of padding or unwritten slots read, and no split over slots (whose
   partial results would take a merge pass).
 - `"xla"`: the cache write as `dynamic_update_slice`, then `decode_attention`
   (`grouped_attention` over all S slots with the equivalent mask); it runs on every
@@ -82,7 +83,9 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot
       k_new_bkh, v_new_bkh: `[B, K, H]` their keys (after RoPE) and values.
       k_bksh, v_bksh: `[B, K, S, H]` the cache's buffers of this layer.
       start_b: int `[B]`, each row's first real slot.
-      slot: int scalar, the slot the new tokens are written to (shared by all rows).
+      slot: int scalar, the slot the new tokens are written to (shared by all rows),
+        below S. A Python int is checked; past S the XLA path writes slot S - 1 (as
+        `dynamic_update_slice` clamps) and the kernel writes nothing.
       impl: "xla" or "pallas" (see the module docstring).
       interpret: run the Pallas kernel in interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
@@ -92,6 +95,8 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
       buffers in the cache's dtype).
     """
+    if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
+        raise ValueError(f"decode slot {slot} outside the cache's {k_bksh.shape[2]} slots")
     slot = jnp.asarray(slot, jnp.int32)
     start_b = start_b.astype(jnp.int32)
     if impl == "pallas":
@@ -165,8 +170,10 @@ def _append_attend_kernel(q_ref, k_new_ref, v_new_ref, bounds_ref, k_ref, v_ref,
     real_row = (jnp.arange(rows) < group)[:, None]
     q = plgpu.load(q_ref.at[query_rows, :], mask=real_row, other=0.0)
     k_new, v_new = k_new_ref[...], v_new_ref[...]  # [1, H], the cache's dtype
-    plgpu.store(k_out_ref.at[pl.ds(slot, 1), :], k_new)
-    plgpu.store(v_out_ref.at[pl.ds(slot, 1), :], v_new)
+    # Never past the buffer (the next head's slots): a slot beyond it is not written.
+    in_cache = jnp.full(k_new.shape, slot < k_out_ref.shape[0])
+    plgpu.store(k_out_ref.at[pl.ds(slot, 1), :], k_new, mask=in_cache)
+    plgpu.store(v_out_ref.at[pl.ds(slot, 1), :], v_new, mask=in_cache)
     # The new token from registers: it starts the online softmax (weight exp(0) = 1).
     k_new, v_new = (t.astype(q.dtype).astype(jnp.float32) for t in (k_new, v_new))
     top = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [rows]

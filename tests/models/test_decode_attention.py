@@ -184,10 +184,11 @@ _SHARDED_SCRIPT = textwrap.dedent("""
                 return da.append_and_attend(q, k_new, v_new, k, v, start, 41, impl="pallas",
                                             interpret=True)
         got = jax.jit(fn)(q, k_new, v_new, k, v, start)
-        # NaN-safe: a NaN anywhere makes the difference NaN, not -inf or 0.
-        out[name] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
-                        if np.isfinite(np.asarray(a)).all() else float("nan")
-                        for a, b in zip(got, want))
+        # NaN-safe: any non-finite output makes the result NaN (Python's max would not).
+        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
+                 if np.isfinite(np.asarray(a)).all() else float("nan")
+                 for a, b in zip(got, want)]
+        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
     print(json.dumps(out))
 """)
 

@@ -270,6 +270,22 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharder.named(logical_axes, x.shape))
 
 
+def per_shard(fn, specs, *args):
+    """`fn(*args)`, run on each device's shard under the active mesh.
+
+    For custom calls (the Pallas kernels): XLA cannot split one over devices, and left
+    to itself would gather its operands onto every device. With no active `Sharder`
+    or a one-device mesh this is `fn(*args)`; otherwise a `shard_map` of `fn` with
+    `(in_specs, out_specs) = specs(sharder)`.
+    """
+    sharder = _ACTIVE.get()
+    if sharder is None or sharder.mesh.size == 1:
+        return fn(*args)
+    in_specs, out_specs = specs(sharder)
+    return jax.shard_map(fn, mesh=sharder.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
+
+
 def host_array(x) -> np.ndarray:
     """A global array as a numpy array on every process (gathered when multi-process)."""
     if jax.process_count() == 1 or getattr(x, "is_fully_addressable", True):

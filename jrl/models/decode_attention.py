@@ -135,28 +135,23 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end):
 
 
 def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot):
-    """Runs `kernel` on each device's rows (and heads) under the active mesh.
+    """Runs `kernel` on each device's rows (and heads) under the active mesh
+    (`sharding.per_shard`): over the batch axes and, when both the query and the
+    key/value heads divide over `tensor` (so each device keeps whole query groups),
+    over heads too."""
+    def specs(sharder):
+        batch = sharder.spec(("batch",), start_b.shape)[0]
+        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+        kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
+        if heads != kv_heads:
+            heads = kv_heads = None
+        q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
+        cache_spec = P(batch, kv_heads, None, None)
+        return ((q_spec, new_spec, new_spec, cache_spec, cache_spec, P(batch), P()),
+                (q_spec, cache_spec, cache_spec))
 
-    XLA cannot split a custom call over devices: left to itself it would gather
-    the whole cache onto every device. Under a `Sharder` the kernel runs in a
-    `shard_map` over the batch axes and, when both the query and the key/value heads
-    divide over `tensor` (so each device keeps whole query groups), over heads too.
-    """
-    sharder = sharding.active_sharder()
-    args = (q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot)
-    if sharder is None or sharder.mesh.size == 1:
-        return kernel(*args)
-    batch = sharder.spec(("batch",), start_b.shape)[0]
-    heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-    kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
-    if heads != kv_heads:
-        heads = kv_heads = None
-    q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
-    cache_spec = P(batch, kv_heads, None, None)
-    return jax.shard_map(
-        kernel, mesh=sharder.mesh,
-        in_specs=(q_spec, new_spec, new_spec, cache_spec, cache_spec, P(batch), P()),
-        out_specs=(q_spec, cache_spec, cache_spec), check_vma=False)(*args)
+    return sharding.per_shard(kernel, specs, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh,
+                              start_b, slot)
 
 
 def _append_attend_kernel(q_ref, k_new_ref, v_new_ref, bounds_ref, k_ref, v_ref,

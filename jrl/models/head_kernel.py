@@ -220,10 +220,9 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
                            temperature=temperature, with_entropy=with_entropy,
                            blocks=blocks or FORWARD, tokens_per_call=tokens_per_call,
                            interpret=interpret)
-    sharder = sharding.active_sharder()
-    if sharder is None or sharder.mesh.size == 1:
-        return fn(h_btd, weight, targets_bt)
-    batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
-    rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
-    return jax.shard_map(fn, mesh=sharder.mesh, in_specs=(rows(3), P(None, None), rows(2)),
-                         out_specs=(rows(2),) * 3, check_vma=False)(h_btd, weight, targets_bt)
+    def specs(sharder):
+        batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
+        rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
+        return (rows(3), P(None, None), rows(2)), (rows(2),) * 3
+
+    return sharding.per_shard(fn, specs, h_btd, weight, targets_bt)

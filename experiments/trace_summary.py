@@ -52,12 +52,14 @@ def _table(title: str, totals: dict, top: int) -> list:
     return [(name, ms, calls) for name, (ms, calls) in ranked]
 
 
-def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
+def summarize(trace_dir: str, top: int = 25, show_args: int = 0,
+              program: str | None = None) -> dict:
     """Prints and returns the device time by kernel, by XLA op and by XLA module.
 
     A GPU device's trace has one thread per CUDA stream (the kernels, named as
     compiled) and the lines "XLA Ops" and "XLA Modules" (the same time, attributed
-    to HLO instructions and to programs)."""
+    to HLO instructions and to programs). `program` (a regex) keeps only the
+    kernels of the jitted programs it matches, and adds their time by HLO op."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
@@ -69,7 +71,8 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
     kinds = {"kernels": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Ops": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Modules": collections.defaultdict(lambda: [0.0, 0]),
-             "kernels by program": collections.defaultdict(lambda: [0.0, 0])}
+             "kernels by program": collections.defaultdict(lambda: [0.0, 0]),
+             "kernels by HLO op": collections.defaultdict(lambda: [0.0, 0])}
     for e in events:
         thread = threads.get((e.get("pid"), e.get("tid")))
         if e.get("ph") != "X" or thread is None:
@@ -77,16 +80,21 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0) -> dict:
         kind = thread if thread in kinds else ("kernels" if thread.startswith("Stream") else None)
         if kind is None:
             continue
+        module = e.get("args", {}).get("hlo_module", "?")
+        if program and not (kind == "kernels" and re.search(program, module)):
+            continue
         entry = kinds[kind][e.get("name", "?")]
         entry[0] += float(e.get("dur", 0.0)) / 1e3
         entry[1] += 1
         if kind == "kernels":  # the jitted program each kernel ran in
-            program = kinds["kernels by program"][e.get("args", {}).get("hlo_module", "?")]
-            program[0] += float(e.get("dur", 0.0)) / 1e3
-            program[1] += 1
+            for table, key in (("kernels by program", module),
+                               ("kernels by HLO op", e.get("args", {}).get("hlo_op", "?"))):
+                entry = kinds[table][key]
+                entry[0] += float(e.get("dur", 0.0)) / 1e3
+                entry[1] += 1
         examples.setdefault(e.get("name", "?"), e.get("args", {}))
     print(f"trace {files[-1]}; GPU threads: {sorted(set(threads.values()))[:12]}")
-    tables = {kind: _table(kind, totals, top if kind in ("kernels", "XLA Ops") else 8)
+    tables = {kind: _table(kind, totals, 8 if kind == "kernels by program" else top)
               for kind, totals in kinds.items() if totals}
     if show_args:
         print("\nan event of each of the top kernels, with the trace's arguments:")
@@ -129,12 +137,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--show_args", type=int, default=0,
                         help="print the arguments of an event of the N top kernels")
+    parser.add_argument("--program", default=None,
+                        help="only the kernels of jitted programs matching this regex")
     parser.add_argument("--anchor", default=None,
                         help="also print the kernels in order between calls of this kernel")
     parser.add_argument("--skip", type=int, default=100, help="start at this --anchor call")
     parser.add_argument("--count", type=int, default=2, help="--anchor calls to span")
     args = parser.parse_args()
-    summarize(args.trace_dir, args.top, args.show_args)
+    summarize(args.trace_dir, args.top, args.show_args, args.program)
     if args.anchor:
         sequence(args.trace_dir, args.anchor, args.skip, args.count)
 

@@ -165,6 +165,7 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
               "logprob_impl": config.model.get("logprob_impl", "auto"),
               "fuse_decode_projections": bool(config.model.get("fuse_decode_projections",
                                                                True)),
+              "scan_unroll": bool(config.model.get("scan_unroll", False)),
               **_lora_fields(config)}
     if config.model.path:
         shardings = None

@@ -152,11 +152,13 @@ _grad = jax.jit(jax.grad(_loss), static_argnames="config")
 _forward = jax.jit(forward, static_argnames="config")
 
 
-@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
-def test_remat_gives_the_same_gradients(tiny, remat):
+@pytest.mark.parametrize("remat,unroll", [("full", False), ("dots_saveable", False),
+                                          ("none", True), ("dots_saveable", True)])
+def test_remat_and_unrolling_give_the_same_gradients(tiny, remat, unroll):
     config, params, tokens, mask = tiny
     expected = _grad(params, tokens, mask, config)
-    actual = _grad(params, tokens, mask, dataclasses.replace(config, remat=remat))
+    actual = _grad(params, tokens, mask,
+                   dataclasses.replace(config, remat=remat, scan_unroll=unroll))
     chex.assert_trees_all_close(actual, expected, atol=1e-6, rtol=1e-5)
     chex.assert_tree_all_finite(actual)
 

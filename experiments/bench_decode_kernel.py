@@ -9,8 +9,8 @@ call runs the step on 24 separate cache buffers (a decode step's layers, each
 donated and updated in place). The time per layer is the GPU time of the variant's
 program in a profiler trace of `--repeats` calls (every kernel it launched, launch
 gaps excluded), divided by 24 and the calls. "previous" is the path this kernel
-replaced: two cache writes in XLA, then JAX's split-K decode-attention kernel
-(`pallas.ops.gpu.decode_attention.gqa`) and its merge.
+replaced in round six: RoPE and two cache writes in XLA, then JAX's split-K
+decode-attention kernel (`pallas.ops.gpu.decode_attention.gqa`) and its merge.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ import trace_summary  # noqa: E402  (this folder is on the path when a script he
 from jax import lax
 
 from jrl.models import decode_attention as da
+from jrl.models import rope
 
 LAYERS = 24
 
 
-def previous(q, k_new, v_new, k, v, start, slot):
+def previous(q, k_new, v_new, sin, cos, k, v, start, slot):
     from jax.experimental.pallas.ops.gpu import decode_attention as kernels
 
+    rotate = lambda x: rope.apply_rope(x[:, None], sin[:, None], cos[:, None])[:, 0]
+    q, k_new = rotate(q), rotate(k_new)
     write = lambda buffer, new: lax.dynamic_update_slice(buffer, new[:, :, None],
                                                          (0, 0, slot, 0))
     k, v = write(k, k_new), write(v, v_new)
@@ -55,13 +58,15 @@ def run_variant(index, fn, batch, fill, slots, repeats):
     q = jax.random.normal(keys[0], (batch, 14, 64), jnp.bfloat16)
     k_new, v_new = (jax.random.normal(key, (batch, 2, 64), jnp.bfloat16) for key in keys[1:3])
     start = jnp.asarray(np.random.default_rng(0).integers(0, 32, batch), jnp.int32)
+    angles = (start[:, None] + fill) * jnp.ones((1, 32), jnp.float32) / 100
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
     zeros = lambda: jnp.zeros((batch, 2, slots, 64), jnp.bfloat16)
     caches = [(zeros(), zeros()) for _ in range(LAYERS)]
 
     def layers(caches, q):
         out, new = q, []
         for k, v in caches:
-            out, k, v = fn(out, k_new, v_new, k, v, start, jnp.int32(fill))
+            out, k, v = fn(out, k_new, v_new, sin, cos, k, v, start, jnp.int32(fill))
             new.append((k, v))
         return new, out
 

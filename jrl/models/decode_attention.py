@@ -1,5 +1,5 @@
-"""A decode step's attention: append one token's key and value to each row's cache
-and attend its queries over the row's filled slots.
+"""A decode step's attention: rotate one new token's query and key (RoPE), append its
+key and value to each row's cache and attend its queries over the row's filled slots.
 
 A decode step's queries `[B, N, H]` (N = K * G query heads over K key/value heads)
 attend to the cache's keys and values `[B, K, S, H]` (the cache's heads-before-slots
@@ -7,16 +7,18 @@ layout), where row b's real tokens fill the contiguous slots `start[b] <= s <= s
 left padding before them, the new token at `slot` (shared by all rows), slots not
 yet written after. Two implementations of `append_and_attend`:
 
-- `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that stores
-  the new key and value at `slot`, scores the new token from registers, and runs an
-  online softmax over the blocks that hold `[start, slot)`, masking the padding and
-  unwritten slots inside its first and last block: no separate cache-write kernels,
-  no blocks of padding or unwritten slots read, and no split over slots (whose
-  partial results would take a merge pass).
-- `"xla"`: the cache write as `dynamic_update_slice`, then `decode_attention`
-  (`grouped_attention` over all S slots with the equivalent mask); it runs on every
-  backend and is the reference the kernel is tested against (on CPU in Pallas'
-  interpret mode).
+- `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that takes
+  the new token's query, key and value heads as one operand (as the fused qkv
+  projection leaves them), applies RoPE on its registers, stores the new key and
+  value at `slot`, scores the new token from registers, and runs an online softmax
+  over the blocks that hold `[start, slot)`, masking the padding and unwritten slots
+  inside its first and last block: no separate RoPE or cache-write kernels, no blocks
+  of padding or unwritten slots read, and no split over slots (whose partial results
+  would take a merge pass).
+- `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
+  `decode_attention` (`grouped_attention` over all S slots with the equivalent
+  mask); it runs on every backend and is the reference the kernel is tested against
+  (on CPU in Pallas' interpret mode).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
+from jrl.models import rope
 
 # Cache slots per kernel block (a power of two, as Triton wants); the cache holds
 # whole blocks when the kernel decodes (`cache_slots`).
@@ -56,11 +59,12 @@ TILES = Tiles()
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
-    """`"pallas"` where the kernel applies (GPU, power-of-two head_dim and, when
-    given, a cache of whole blocks), else `"xla"`; a forced `impl` is returned as is."""
+    """`"pallas"` where the kernel applies (GPU, a power-of-two head_dim of at least 32,
+    whose halves are the kernel's dot operands, and, when given, a cache of whole
+    blocks), else `"xla"`; a forced `impl` is returned as is."""
     if impl != "auto":
         return impl
-    ok = (jax.default_backend() == "gpu" and head_dim >= 16
+    ok = (jax.default_backend() == "gpu" and head_dim >= 32
           and head_dim & (head_dim - 1) == 0
           and (num_slots is None or num_slots % _BLOCK == 0))
     return "pallas" if ok else "xla"
@@ -74,13 +78,17 @@ def cache_slots(impl: str, head_dim: int, needed: int) -> int:
     return -(-needed // _BLOCK) * _BLOCK
 
 
-def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot, *,
-                      impl: str = "xla", interpret: bool = False, tiles: Tiles = TILES):
-    """Writes each row's new key and value at `slot`, then attends over `[start, slot]`.
+def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
+                      slot, *, impl: str = "xla", interpret: bool = False,
+                      tiles: Tiles = TILES):
+    """Rotates the new tokens' queries and keys (RoPE), writes each row's new key and
+    value at `slot`, then attends over `[start, slot]`.
 
     Args:
-      q_bnh: `[B, N, H]` queries of the new tokens (after RoPE).
-      k_new_bkh, v_new_bkh: `[B, K, H]` their keys (after RoPE) and values.
+      q_bnh: `[B, N, H]` queries of the new tokens, before RoPE.
+      k_new_bkh, v_new_bkh: `[B, K, H]` their keys (before RoPE) and values.
+      sin_bk, cos_bk: float32 `[B, H/2]`, the rotation of each row's new token
+        (`rope.sin_cos`).
       k_bksh, v_bksh: `[B, K, S, H]` the cache's buffers of this layer.
       start_b: int `[B]`, each row's first real slot.
       slot: int scalar, the slot the new tokens are written to (shared by all rows),
@@ -104,9 +112,12 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot
             raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} "
                              f"cache slots, got {k_bksh.shape[2]}")
         kernel = functools.partial(_pallas, interpret=interpret, tiles=tiles)
-        return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot)
+        return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
+                        start_b, slot)
     if impl != "xla":
         raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
+    rotate = lambda x: rope.apply_rope(x[:, None], sin_bk[:, None], cos_bk[:, None])[:, 0]
+    q_bnh, k_new_bkh = rotate(q_bnh), rotate(k_new_bkh)
     write = lambda buffer, new_bkh: lax.dynamic_update_slice(
         buffer, new_bkh[:, :, None].astype(buffer.dtype), (0, 0, slot, 0))
     k_bksh, v_bksh = write(k_bksh, k_new_bkh), write(v_bksh, v_new_bkh)
@@ -134,7 +145,8 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end):
     return out_b1nh[:, 0]
 
 
-def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot):
+def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
+             slot):
     """Runs `kernel` on each device's rows (and heads) under the active mesh
     (`sharding.per_shard`): over the batch axes and, when both the query and the
     key/value heads divide over `tensor` (so each device keeps whole query groups),
@@ -146,40 +158,64 @@ def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot)
         if heads != kv_heads:
             heads = kv_heads = None
         q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
-        cache_spec = P(batch, kv_heads, None, None)
-        return ((q_spec, new_spec, new_spec, cache_spec, cache_spec, P(batch), P()),
-                (q_spec, cache_spec, cache_spec))
+        cache_spec, rows = P(batch, kv_heads, None, None), P(batch, None)
+        return ((q_spec, new_spec, new_spec, rows, rows, cache_spec, cache_spec, P(batch),
+                 P()), (q_spec, cache_spec, cache_spec))
 
-    return sharding.per_shard(kernel, specs, q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh,
-                              start_b, slot)
+    return sharding.per_shard(kernel, specs, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
+                              k_bksh, v_bksh, start_b, slot)
 
 
-def _append_attend_kernel(q_ref, k_new_ref, v_new_ref, bounds_ref, k_ref, v_ref,
-                          o_ref, k_out_ref, v_out_ref, *, group, rows, scale, block):
+def _append_attend_kernel(qkv_ref, sin_ref, cos_ref, bounds_ref, k_ref, v_ref,
+                          o_ref, k_out_ref, v_out_ref, *, heads, group, rows, scale, block):
     """One (row, key/value head): its `group` queries against the new token and the
-    filled blocks of the cache. `rows` is `group` rounded up to a Triton tile (>= 16);
-    the extra query rows are masked. `k_out_ref`/`v_out_ref` alias `k_ref`/`v_ref`."""
-    head = pl.program_id(1)
+    filled blocks of the cache. `qkv_ref` holds the row's `heads` query heads, then its
+    key and its value heads, before RoPE. `rows` is `group` rounded up to a Triton tile
+    (>= 16); the extra query rows are masked. `k_out_ref`/`v_out_ref` alias
+    `k_ref`/`v_ref`.
+
+    RoPE pairs the first and second halves of a head, so the queries and keys are
+    kept as their two rotated halves, and a score is the sum of the halves' dots."""
+    kv = pl.program_id(1)
+    num_kv = pl.num_programs(1)
     start, slot = bounds_ref[0], bounds_ref[1]
-    query_rows = pl.ds(head * group, rows)
+    half = qkv_ref.shape[-1] // 2
+    first_half, second_half = pl.ds(0, half), pl.ds(half, half)
+    dtype = qkv_ref.dtype
+    sin, cos = sin_ref[...][None, :], cos_ref[...][None, :]  # [1, H/2] float32
+
+    def rotated(rows_slice, mask=None):
+        """The two halves of heads `rows_slice`, rotated, in the compute dtype."""
+        fill = {} if mask is None else dict(mask=mask, other=0.0)
+        x1, x2 = (plgpu.load(qkv_ref.at[rows_slice, part], **fill).astype(jnp.float32)
+                  for part in (first_half, second_half))
+        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
     real_row = (jnp.arange(rows) < group)[:, None]
-    q = plgpu.load(q_ref.at[query_rows, :], mask=real_row, other=0.0)
-    k_new, v_new = k_new_ref[...], v_new_ref[...]  # [1, H], the cache's dtype
+    q1, q2 = rotated(pl.ds(kv * group, rows), real_row)  # [rows, H/2] each
+    k1_new, k2_new = rotated(pl.ds(heads + kv, 1))  # [1, H/2] each
+    v_new = qkv_ref[pl.ds(heads + num_kv + kv, 1), :]  # [1, H]
+    new_row = pl.ds(slot, 1)
     # Never past the buffer (the next head's slots): a slot beyond it is not written.
-    in_cache = jnp.full(k_new.shape, slot < k_out_ref.shape[0])
-    plgpu.store(k_out_ref.at[pl.ds(slot, 1), :], k_new, mask=in_cache)
-    plgpu.store(v_out_ref.at[pl.ds(slot, 1), :], v_new, mask=in_cache)
-    # The new token from registers: it starts the online softmax (weight exp(0) = 1).
-    k_new, v_new = (t.astype(q.dtype).astype(jnp.float32) for t in (k_new, v_new))
-    top = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [rows]
+    in_cache = lambda t: dict(mask=jnp.full(t.shape, slot < k_out_ref.shape[0]))
+    for ref, part, value in ((k_out_ref, first_half, k1_new), (k_out_ref, second_half, k2_new),
+                             (v_out_ref, slice(None), v_new)):
+        plgpu.store(ref.at[new_row, part], value.astype(ref.dtype), **in_cache(value))
+    # The new token from registers, rounded as the cache holds it: it starts the online
+    # softmax (weight exp(0) = 1).
+    as_cached = lambda t: t.astype(k_out_ref.dtype).astype(dtype).astype(jnp.float32)
+    top = (jnp.sum(q1.astype(jnp.float32) * as_cached(k1_new), axis=1)
+           + jnp.sum(q2.astype(jnp.float32) * as_cached(k2_new), axis=1)) * scale  # [rows]
     total = jnp.ones_like(top)
-    acc = jnp.broadcast_to(v_new, (rows, v_new.shape[1]))
+    acc = jnp.broadcast_to(as_cached(v_new), (rows, v_new.shape[1]))
 
     def step(j, carry):
         top, total, acc = carry
         first = pl.multiple_of(j * block, block)
-        k = k_ref[pl.ds(first, block), :].astype(q.dtype)
-        logits = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] float32
+        blk = pl.ds(first, block)
+        k1, k2 = (k_ref[blk, part].astype(dtype) for part in (first_half, second_half))
+        logits = (plgpu.dot(q1, k1, trans_b=True)
+                  + plgpu.dot(q2, k2, trans_b=True)) * scale  # [rows, block] float32
         slots = first + jnp.arange(block)
         # Slots before `start` (padding) and from `slot` on (the new token, already
         # counted, and unwritten slots) are masked.
@@ -188,25 +224,29 @@ def _append_attend_kernel(q_ref, k_new_ref, v_new_ref, bounds_ref, k_ref, v_ref,
         new_top = jnp.maximum(top, jnp.max(logits, axis=1))
         correction = jnp.exp(top - new_top)
         weights = jnp.exp(logits - new_top[:, None])
-        v = v_ref[pl.ds(first, block), :].astype(q.dtype)
-        acc = acc * correction[:, None] + plgpu.dot(weights.astype(q.dtype), v)
+        v = v_ref[blk, :].astype(dtype)
+        acc = acc * correction[:, None] + plgpu.dot(weights.astype(dtype), v)
         return new_top, total * correction + jnp.sum(weights, axis=1), acc
 
     top, total, acc = lax.fori_loop(start // block, pl.cdiv(slot, block), step,
                                     (top, total, acc))
-    plgpu.store(o_ref.at[query_rows, :], (acc / total[:, None]).astype(o_ref.dtype),
-                mask=real_row)
+    plgpu.store(o_ref.at[pl.ds(kv * group, rows), :],
+                (acc / total[:, None]).astype(o_ref.dtype), mask=real_row)
 
 
-def _pallas(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
+def _pallas(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
+            interpret, tiles):
     b, n, h = q_bnh.shape
     kv, s = k_bksh.shape[1], k_bksh.shape[2]
     block = tiles.block if s % tiles.block == 0 else _BLOCK
     group = n // kv
     rows = max(16, 1 << (group - 1).bit_length())
+    # One operand: where q, k and v are adjacent slices of one fused projection, XLA
+    # folds the concatenation away.
+    qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
+                               v_new_bkh.astype(q_bnh.dtype)], axis=1)
     bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)
-    new = lambda t: t[:, :, None].astype(k_bksh.dtype)  # [B, K, 1, H]
-    kernel = functools.partial(_append_attend_kernel, group=group, rows=rows,
+    kernel = functools.partial(_append_attend_kernel, heads=n, group=group, rows=rows,
                                scale=1.0 / math.sqrt(h), block=block)
     row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
     per_head = lambda shape: pl.BlockSpec((None, None, *shape),
@@ -217,14 +257,15 @@ def _pallas(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, slot, *, inter
                    jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
                    jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)],
         grid=(b, kv),
-        in_specs=[row((n, h)), per_head((1, h)), per_head((1, h)), row((2,)),
+        in_specs=[row(qkv_bjh.shape[1:]), row((h // 2,)), row((h // 2,)), row((2,)),
                   per_head((s, h)), per_head((s, h))],
         out_specs=[row((n, h)), per_head((s, h)), per_head((s, h))],
         input_output_aliases={4: 1, 5: 2},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret or jax.default_backend() != "gpu",
         name="append_and_attend",
-    )(q_bnh, new(k_new_bkh), new(v_new_bkh), bounds_b2, k_bksh, v_bksh)
+    )(qkv_bjh, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2, k_bksh,
+      v_bksh)
     return out_bnh, k_bksh, v_bksh
 
 

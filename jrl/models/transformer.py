@@ -243,6 +243,24 @@ def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
     return jnp.concatenate([out_p, out_r], axis=1)
 
 
+def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk, mask_b1ts,
+                       cache, layer, write_index):
+    """RoPE, then attention by layout (with the cache write where there is a cache)."""
+    q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
+    k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
+    v_btkh = constrain(v_btkh, _KV_HEADS)
+    if isinstance(mask_b1ts, SharedPromptMask):
+        return _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    if cache is None:
+        return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    # The cache's heads-first layout (XLA cancels the transposes on its path).
+    cache = cache.write(layer, write_index, k_btkh, v_btkh)
+    k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
+    out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
+                       mask_b1ts)
+    return out_btnh, cache
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional qkv bias and q/k norm, and a KV cache."""
 
@@ -268,24 +286,17 @@ class Attention(nn.Module):
         if c.qk_norm:
             q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
-        q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
-        k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
-        v_btkh = constrain(v_btkh, _KV_HEADS)
-        if isinstance(mask_b1ts, DecodeStep):  # the kernel writes the cache and attends
+        if isinstance(mask_b1ts, DecodeStep):  # one kernel: RoPE, the cache write, attention
+            q_btnh, k_btkh, v_btkh = (constrain(x, axes) for x, axes in (
+                (q_btnh, _HEADS), (k_btkh, _KV_HEADS), (v_btkh, _KV_HEADS)))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
-                q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], *cache.layer(layer),
-                mask_b1ts.start_b, write_index, impl="pallas")
+                q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], sin_btk[:, 0], cos_btk[:, 0],
+                *cache.layer(layer), mask_b1ts.start_b, write_index, impl="pallas")
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             out_btnh = out_bnh[:, None]
-        elif isinstance(mask_b1ts, SharedPromptMask):
-            out_btnh = _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
-        elif cache is None:
-            out_btnh = _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts)
-        else:  # the cache's heads-first layout (XLA cancels the transposes on its path)
-            cache = cache.write(layer, write_index, k_btkh, v_btkh)
-            k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
-            out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2),
-                               jnp.swapaxes(v_bksh, 1, 2), mask_b1ts)
+        else:
+            out_btnh, cache = _rotate_and_attend(c, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
+                                                 mask_b1ts, cache, layer, write_index)
         out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
         out_btd = _project(c, c.hidden_size, o_axes, "o_proj", out_btnh, axis=(-2, -1))

@@ -15,6 +15,7 @@ import pytest
 from jrl import rollout
 from jrl.models import ModelConfig, init_params
 from jrl.models import decode_attention as da
+from jrl.models.config import RopeScaling
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
 
@@ -35,44 +36,60 @@ def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
     return out
 
 
+def naive_rope(x, angles):
+    """RoPE of `x [B, M, H]` in float64 numpy: pair (i, i + H/2) rotated by `angles [B, H/2]`."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    sin, cos = np.sin(angles)[:, None], np.cos(angles)[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots,dtype", [
     (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
-    (4, 4, 16, 64, jnp.float32),     # one query per kv head, one block
+    (4, 4, 32, 64, jnp.float32),     # one query per kv head, one block
     (8, 2, 32, 192, jnp.bfloat16),   # three blocks, bf16 cache
-    (40, 2, 16, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
+    (40, 2, 32, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
 ])
 def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtype):
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(0), 6)
     b = 4
     q = jax.random.normal(keys[0], (b, num_heads, head_dim), dtype)
     k_new = jax.random.normal(keys[1], (b, num_kv_heads, head_dim), dtype)
     v_new = jax.random.normal(keys[2], (b, num_kv_heads, head_dim), dtype)
     k = jax.random.normal(keys[3], (b, num_kv_heads, slots, head_dim), dtype)
     v = jax.random.normal(keys[4], (b, num_kv_heads, slots, head_dim), dtype)
+    angles = np.asarray(jax.random.uniform(keys[5], (b, head_dim // 2), maxval=40.0))
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
     # The new token in the last block, not on its edge; rows starting in the first
     # block, on a block edge, in the slot's own block, and a row whose only token is
     # the new one.
     slot = slots - 37
     start = np.array([3, 64 % slots, slot - 5, slot], np.int32)
-    want_k = np.array(k).copy()
-    want_v = np.array(v).copy()
-    want_k[:, :, slot], want_v[:, :, slot] = k_new, v_new
-    want = naive_attention(q, want_k, want_v, start, slot + 1)
+    want_k = np.array(k, np.float64)
+    want_v = np.array(v, np.float64)
+    want_k[:, :, slot], want_v[:, :, slot] = naive_rope(k_new, angles), v_new
+    want = naive_attention(naive_rope(q, angles), want_k, want_v, start, slot + 1)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    others = np.arange(slots) != slot
     for impl in ("xla", "pallas"):
-        out, k_out, v_out = da.append_and_attend(q, k_new, v_new, k, v, jnp.asarray(start),
-                                                 slot, impl=impl, interpret=True)
+        out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
+                                                 jnp.asarray(start), slot, impl=impl,
+                                                 interpret=True)
         assert out.shape == q.shape and out.dtype == q.dtype
+        assert k_out.dtype == k.dtype and v_out.dtype == v.dtype
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol,
                                    err_msg=impl)
-        # Exactly one slot of each row and head is written, with the new token.
-        np.testing.assert_array_equal(np.asarray(k_out), want_k, err_msg=impl)
-        np.testing.assert_array_equal(np.asarray(v_out), want_v, err_msg=impl)
+        # One slot of each row and head is written, with the new (rotated) token.
+        np.testing.assert_array_equal(np.asarray(k_out)[:, :, others], np.asarray(k)[:, :, others])
+        np.testing.assert_array_equal(np.asarray(v_out)[:, :, others], np.asarray(v)[:, :, others])
+        np.testing.assert_allclose(np.asarray(k_out, np.float64), want_k, rtol=tol, atol=tol)
+        np.testing.assert_array_equal(np.asarray(v_out, np.float64), want_v, err_msg=impl)
     # What lies outside [start, slot] does not matter.
     junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
     junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
-    out, _, _ = da.append_and_attend(q, k_new, v_new, junk_k, junk_v, jnp.asarray(start),
-                                     slot, impl="pallas", interpret=True)
+    out, _, _ = da.append_and_attend(q, k_new, v_new, sin, cos, junk_k, junk_v,
+                                     jnp.asarray(start), slot, impl="pallas", interpret=True)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
@@ -84,15 +101,17 @@ def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
     """Slots at the first and last of the cache and on either side of a block edge,
     16 queries per key/value head, and a cache dtype other than the queries': the
     kernel matches the XLA path, and both write the new token in the cache's dtype."""
-    keys = jax.random.split(jax.random.key(1), 5)
+    keys = jax.random.split(jax.random.key(1), 6)
     b, n, kv, h, slots = 3, 32, 2, 32, 128
     q = jax.random.normal(keys[0], (b, n, h), q_dtype)
     k_new, v_new = (jax.random.normal(key, (b, kv, h), q_dtype) for key in keys[1:3])
     k, v = (jax.random.normal(key, (b, kv, slots, h), cache_dtype) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
     for slot in (0, 63, 64, 65, 127):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
-        outs = {impl: da.append_and_attend(q, k_new, v_new, k, v, start, slot, impl=impl,
-                                           interpret=True, tiles=tiles)
+        outs = {impl: da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot,
+                                           impl=impl, interpret=True, tiles=tiles)
                 for impl in ("xla", "pallas")}
         tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
         for got, want in zip(outs["pallas"], outs["xla"], strict=True):
@@ -100,8 +119,8 @@ def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
             np.testing.assert_allclose(np.asarray(got, np.float64),
                                        np.asarray(want, np.float64), rtol=tol, atol=tol,
                                        err_msg=f"slot {slot}")
-        np.testing.assert_array_equal(np.asarray(outs["pallas"][1]),
-                                      np.asarray(outs["xla"][1]), err_msg=f"slot {slot}")
+        np.testing.assert_array_equal(np.asarray(outs["pallas"][2]),
+                                      np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
 
 
 def test_impl_choice_and_cache_slots():
@@ -109,16 +128,21 @@ def test_impl_choice_and_cache_slots():
     assert da.choose_impl("xla", 64) == "xla" and da.choose_impl("pallas", 48) == "pallas"
     assert da.cache_slots("xla", 64, 200) == 200
     assert da.cache_slots("pallas", 64, 200) == 256 and da.cache_slots("pallas", 64, 256) == 256
-    new, start = jnp.zeros((1, 1, 16)), jnp.zeros((1,), jnp.int32)
+    assert da.choose_impl("auto", 16) == "xla"  # halves of 8 are below Triton's dot size
+    new, start = jnp.zeros((1, 1, 32)), jnp.zeros((1,), jnp.int32)
+    angle = jnp.zeros((1, 16))
     with pytest.raises(ValueError, match="multiple of 64"):
-        da.append_and_attend(jnp.zeros((1, 2, 16)), new, new, jnp.zeros((1, 1, 40, 16)),
-                             jnp.zeros((1, 1, 40, 16)), start, 3, impl="pallas")
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 40, 32)), jnp.zeros((1, 1, 40, 32)), start, 3,
+                             impl="pallas")
     with pytest.raises(ValueError, match="'xla' or 'pallas'"):
-        da.append_and_attend(jnp.zeros((1, 2, 16)), new, new, jnp.zeros((1, 1, 64, 16)),
-                             jnp.zeros((1, 1, 64, 16)), start, 3, impl="cudnn")
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 3,
+                             impl="cudnn")
     with pytest.raises(ValueError, match="decode slot 64 outside the cache's 64 slots"):
-        da.append_and_attend(jnp.zeros((1, 2, 16)), new, new, jnp.zeros((1, 1, 64, 16)),
-                             jnp.zeros((1, 1, 64, 16)), start, 64, impl="pallas")
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 64,
+                             impl="pallas")
 
 
 def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
@@ -127,7 +151,8 @@ def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
     sds = jax.ShapeDtypeStruct
     b, n, kv, h, s = 8, 14, 2, 64, 128
     args = (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
-            sds((b, kv, h), jnp.bfloat16), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, h), jnp.bfloat16), sds((b, h // 2), jnp.float32),
+            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
             sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
     fn = lambda *a: da.append_and_attend(*a, impl="pallas")
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
@@ -136,12 +161,19 @@ def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
     assert "output_operand_alias" in text and "dynamic_update_slice" not in text
 
 
-def test_sampler_through_the_kernel_matches_the_xla_path():
+@pytest.mark.parametrize("family,extra", [
+    ("qwen2", dict(qkv_bias=True)),   # q/k/v bias
+    ("qwen3", dict(qk_norm=True)),    # q/k norm before RoPE
+    ("llama", dict(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8))),
+])
+def test_sampler_through_the_kernel_matches_the_xla_path(family, extra):
     """Ragged left-padded prompts, sampling at temperature 1: the same tokens, and the
     sampler's log-probs within float32 rounding, whichever attention decodes."""
-    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                         qkv_bias=True, initializer_range=0.3)
+    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.3, **extra)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     lengths = np.array([5, 1, 9, 3])
@@ -167,13 +199,15 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
     assert jax.device_count() == 8, jax.devices()
     keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (8, 4, 16))
-    k_new = jax.random.normal(keys[1], (8, 2, 16))
-    v_new = jax.random.normal(keys[2], (8, 2, 16))
-    k = jax.random.normal(keys[3], (8, 2, 64, 16))
-    v = jax.random.normal(keys[4], (8, 2, 64, 16))
+    q = jax.random.normal(keys[0], (8, 4, 32))
+    k_new = jax.random.normal(keys[1], (8, 2, 32))
+    v_new = jax.random.normal(keys[2], (8, 2, 32))
+    k = jax.random.normal(keys[3], (8, 2, 64, 32))
+    v = jax.random.normal(keys[4], (8, 2, 64, 32))
+    angles = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 7
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
     start = jnp.array([0, 3, 9, 20, 1, 0, 30, 40], jnp.int32)
-    want = da.append_and_attend(q, k_new, v_new, k, v, start, 41, impl="xla")
+    want = da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41, impl="xla")
     out = {}
     for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
                         ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
@@ -181,8 +215,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
         def fn(q, k_new, v_new, k, v, start, sharder=sharder):
             with sharder.active():
-                return da.append_and_attend(q, k_new, v_new, k, v, start, 41, impl="pallas",
-                                            interpret=True)
+                return da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41,
+                                            impl="pallas", interpret=True)
         got = jax.jit(fn)(q, k_new, v_new, k, v, start)
         # NaN-safe: any non-finite output makes the result NaN (Python's max would not).
         diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))

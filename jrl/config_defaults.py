@@ -60,10 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).
     c.model.fuse_decode_projections = True
-    # Unroll the scan over layers of the training forward (log-prob, value and update
-    # passes) into straight-line code: no stacked buffers for the layers' saved
-    # activations and gradients (each zero-filled per micro-batch), at the price of
-    # longer compilation.
+    # Unroll the scan over layers in the update passes (those that take gradients) into
+    # straight-line code: no stacked buffers for the layers' saved activations and
+    # gradients (each zero-filled per micro-batch), at the price of longer compilation.
+    # The log-prob and value passes stay rolled.
     c.model.scan_unroll = False
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)

@@ -181,7 +181,10 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     them from its own forward pass), reference log-probs (when `ref_params`) and values
     (when the state has a critic) of a rollout, in micro-batches of
     `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
-    frozen base, adapters off (`ref_params` is `frozen`: no second copy)."""
+    frozen base, adapters off (`ref_params` is `frozen`: no second copy). These
+    passes take no gradient, so their scan over layers stays rolled whatever
+    `model.scan_unroll` says (unrolled, nothing is saved for a backward pass to gain)."""
+    model = dataclasses.replace(model, scan_unroll=False)
     critic = None if state.critic is None else critic_model(model, s)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.attention_mask())
     sizes = s.bucket_sizes(rollout.responses.shape[1])

@@ -63,7 +63,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Unroll the scan over layers in the update passes (those that take gradients) into
     # straight-line code: no stacked buffers for the layers' saved activations and
     # gradients (each zero-filled per micro-batch), at the price of longer compilation.
-    # The log-prob and value passes stay rolled.
+    # With remat dots_saveable the backward also reuses the forward's attention (more
+    # memory held). The log-prob and value passes stay rolled.
     c.model.scan_unroll = False
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)

@@ -112,7 +112,12 @@ class ModelConfig:
         matmul and gate/up as one (`transformer.fuse_projections`, weights joined once
         per rollout; not under tensor parallelism, which splits the heads).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
-        straight-line code. (The forward with a cache, prefill and decode, applies
+        straight-line code: no stacked, zero-filled buffers for what the layers save
+        for the backward pass and for their gradients, at the price of longer
+        compilation. With remat "dots_saveable", XLA may then share the backward's
+        recomputation (the attention) with the forward: faster, more memory held;
+        under "full" it may not. (`step.forward`'s passes, which take no gradient,
+        keep the scan rolled; the forward with a cache, prefill and decode, applies
         the layers one by one whatever this says.)
     """
 

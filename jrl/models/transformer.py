@@ -344,11 +344,15 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
     """The L layers as one `nn.scan` (optionally rematerialised), params stacked on axis 0."""
     layer_cls = DecoderLayer
     if config.remat != "none":
-        # prevent_cse=False is safe (and faster) inside scan.
+        # prevent_cse=False is safe (and faster) inside a rolled scan. Unrolled, it lets
+        # XLA merge the backward's recomputation with the forward (for dots_saveable,
+        # the attention is then not run twice: faster, more memory held); under "full"
+        # remat, chosen to save memory, CSE is prevented so nothing extra is held.
         policy = _REMAT_POLICIES[config.remat]
         if config.lora_rank and config.remat == "dots_saveable":
             policy = _LORA_DOTS_SAVEABLE
-        layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+        prevent_cse = config.scan_unroll and config.remat == "full"
+        layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=prevent_cse)
     return nn.scan(
         layer_cls,
         variable_axes={"params": 0},

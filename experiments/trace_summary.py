@@ -58,8 +58,9 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0,
 
     A GPU device's trace has one thread per CUDA stream (the kernels, named as
     compiled) and the lines "XLA Ops" and "XLA Modules" (the same time, attributed
-    to HLO instructions and to programs). `program` (a regex) keeps only the
-    kernels of the jitted programs it matches, and adds their time by HLO op."""
+    to HLO instructions and to programs); the kernels' time is also summed by the
+    HLO op each ran for. `program` (a regex) keeps only the kernels of the jitted
+    programs it matches (not applied to `sequence`)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")

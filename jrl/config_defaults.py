@@ -61,10 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
     # joined once per rollout; not under tensor parallelism).
     c.model.fuse_decode_projections = True
     # Unroll the scan over layers in the update passes (those that take gradients) into
-    # straight-line code: no stacked buffers for the layers' saved activations and
-    # gradients (each zero-filled per micro-batch), at the price of longer compilation.
-    # With remat dots_saveable the backward also reuses the forward's attention (more
-    # memory held). The log-prob and value passes stay rolled.
+    # straight-line code: no zero-filled [layers, ...] buffers per micro-batch for what
+    # the backward pass reads and for the layers' gradients, at the price of longer
+    # compilation. With remat dots_saveable XLA may also reuse the forward's attention
+    # in the backward (more memory held). The log-prob and value passes stay rolled.
     c.model.scan_unroll = False
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)

@@ -112,9 +112,9 @@ class ModelConfig:
         matmul and gate/up as one (`transformer.fuse_projections`, weights joined once
         per rollout; not under tensor parallelism, which splits the heads).
       scan_unroll: unroll the scan over layers (the forward without a cache) into
-        straight-line code: no stacked, zero-filled buffers for what the layers save
-        for the backward pass and for their gradients, at the price of longer
-        compilation. With remat "dots_saveable", XLA may then share the backward's
+        straight-line code: no `[L, ...]` buffers zero-filled per call for what the
+        layers save for the backward pass and for their gradients, at the price of
+        longer compilation. With remat "dots_saveable", XLA may then share the backward's
         recomputation (the attention) with the forward: faster, more memory held;
         under "full" it may not. (`step.forward`'s passes, which take no gradient,
         keep the scan rolled; the forward with a cache, prefill and decode, applies
@@ -312,6 +312,11 @@ def _check_hf_features(hf_config: Mapping[str, Any]) -> None:
     for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf_config.get(key):
             raise ConfigError(f"config.json sets {key}=true, which jrl does not support")
+    partial = hf_config.get("partial_rotary_factor", _rope_dict(hf_config).get(
+        "partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigError(f"config.json sets partial_rotary_factor={partial}; jrl rotates "
+                          "the whole head (1.0) only")
 
 
 def _rope_dict(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:

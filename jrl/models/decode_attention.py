@@ -61,12 +61,19 @@ TILES = Tiles()
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     """`"pallas"` where the kernel applies (GPU, a power-of-two head_dim of at least 32,
     whose halves are the kernel's dot operands, and, when given, a cache of whole
-    blocks), else `"xla"`; a forced `impl` is returned as is."""
+    blocks), else `"xla"`; a forced `impl` is returned as is, but a forced `"pallas"`
+    on a GPU with a head_dim the kernel cannot take stops with a ValueError (off a GPU
+    the kernel runs in interpret mode, where any head_dim works)."""
+    on_gpu = jax.default_backend() == "gpu"
+    head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    if impl == "pallas" and on_gpu and not head_ok:
+        raise ValueError(
+            f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "
+            f"least 32 on GPU (the kernel's dot operands are half-heads), got {head_dim}; "
+            "use 'auto' or 'xla'")
     if impl != "auto":
         return impl
-    ok = (jax.default_backend() == "gpu" and head_dim >= 32
-          and head_dim & (head_dim - 1) == 0
-          and (num_slots is None or num_slots % _BLOCK == 0))
+    ok = on_gpu and head_ok and (num_slots is None or num_slots % _BLOCK == 0)
     return "pallas" if ok else "xla"
 
 

@@ -123,9 +123,20 @@ def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
                                       np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
 
 
+def test_forced_kernel_on_gpu_names_the_head_dims_it_takes(monkeypatch):
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    assert da.choose_impl("pallas", 64) == "pallas" and da.choose_impl("auto", 64) == "pallas"
+    assert da.choose_impl("auto", 16) == "xla" and da.choose_impl("auto", 48) == "xla"
+    for head_dim in (16, 48):
+        with pytest.raises(ValueError, match=rf"decode_attention_impl='pallas'.*got {head_dim}"):
+            da.choose_impl("pallas", head_dim)
+
+
 def test_impl_choice_and_cache_slots():
     assert da.choose_impl("auto", 64) == ("pallas" if jax.default_backend() == "gpu" else "xla")
-    assert da.choose_impl("xla", 64) == "xla" and da.choose_impl("pallas", 48) == "pallas"
+    assert da.choose_impl("xla", 64) == "xla"
+    if jax.default_backend() != "gpu":  # interpret mode takes any head_dim
+        assert da.choose_impl("pallas", 48) == "pallas"
     assert da.cache_slots("xla", 64, 200) == 200
     assert da.cache_slots("pallas", 64, 200) == 256 and da.cache_slots("pallas", 64, 256) == 256
     assert da.choose_impl("auto", 16) == "xla"  # halves of 8 are below Triton's dot size

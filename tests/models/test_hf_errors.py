@@ -100,6 +100,17 @@ def test_unsupported_rope_type(broken):
         load_pretrained(broken)
 
 
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_partial_rotary_factor_is_rejected(broken, where):
+    if where == "top":
+        _edit_config(broken, partial_rotary_factor=0.5)
+    else:
+        _edit_config(broken, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        load_pretrained(broken)
+
+
 def test_sliding_window_is_rejected(broken):
     _edit_config(broken, use_sliding_window=True)
     with pytest.raises(ValueError, match="use_sliding_window=true"):

@@ -153,7 +153,8 @@ _forward = jax.jit(forward, static_argnames="config")
 
 
 @pytest.mark.parametrize("remat,unroll", [("full", False), ("dots_saveable", False),
-                                          ("none", True), ("dots_saveable", True)])
+                                          ("none", True), ("full", True),
+                                          ("dots_saveable", True)])
 def test_remat_and_unrolling_give_the_same_gradients(tiny, remat, unroll):
     config, params, tokens, mask = tiny
     expected = _grad(params, tokens, mask, config)

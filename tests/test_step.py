@@ -284,3 +284,32 @@ def test_shared_prompts_learn_what_the_plain_layout_learns(estimator):
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
         np.testing.assert_allclose(m1[key], m0[key], rtol=2e-5, atol=1e-7, err_msg=key)
     assert m0["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("estimator,remat", [("grpo", "dots_saveable"), ("gae", "full")])
+def test_unrolled_update_learns_what_the_scanned_one_learns(estimator, remat):
+    """`model.scan_unroll` unrolls the update's layers (actor, and the critic with GAE)
+    and leaves `forward` rolled: the same parameters and loss terms as the scan."""
+    over = {"algorithm.adv_estimator": estimator, "actor.use_kl_loss": True,
+            "model.remat": remat, "model.num_layers": 3}
+    _, s, model, params = _setup(**over)
+    unrolled = dataclasses.replace(model, scan_unroll=True)
+    assert model.num_layers == 3 and not model.scan_unroll
+    critic_params = init_critic_params(params, jax.random.key(1)) if s.critic else None
+    ro, ref = _rollout(), jax.tree.map(lambda x: x * 0.9, params)
+    outs = {}
+    for name, m in (("scan", model), ("unrolled", unrolled)):
+        exp = jax.jit(lambda sta, r, o, m=m: step.forward(sta, r, o, s=s, model=m))(
+            _state(s, params, critic_params), ref, ro)
+        exp = exp.replace(token_level_scores=_experience(ro).token_level_scores,
+                          uid=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 2))
+        outs[name] = _learn(s, m, _state(s, params, critic_params), exp)
+    (n1, m1), (n0, m0) = outs["unrolled"], outs["scan"]
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                zip(jax.tree.leaves(n0.actor.params), jax.tree.leaves(params), strict=True))
+    assert moved > 1e-4  # the update did something for the two to agree on
+    chex.assert_trees_all_close(n1.actor.params, n0.actor.params, atol=1e-6, rtol=0)
+    if s.critic:
+        chex.assert_trees_all_close(n1.critic.params, n0.critic.params, atol=1e-6, rtol=0)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-8, err_msg=key)

@@ -164,6 +164,14 @@ def test_remat_and_unrolling_give_the_same_gradients(tiny, remat, unroll):
     chex.assert_tree_all_finite(actual)
 
 
+def test_unrolled_layers_lower_without_a_loop(tiny):
+    config, params, tokens, mask = tiny
+    for unroll in (False, True):
+        c = dataclasses.replace(config, remat="dots_saveable", scan_unroll=unroll)
+        hlo = _grad.lower(params, tokens, mask, c).as_text()
+        assert ("stablehlo.while" in hlo) != unroll, f"scan_unroll={unroll}"
+
+
 def test_bfloat16_compute_keeps_float32_logits(tiny):
     config, params, tokens, mask = tiny
     bf16 = dataclasses.replace(config, dtype="bfloat16")

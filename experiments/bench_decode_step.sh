@@ -7,8 +7,8 @@
 # in BEFORE (an export of an older commit) and in this tree. RUNS: grpo:forced
 # grpo:natural ppo:forced ppo:natural (natural: --stop_prob 0.004), and trl (TRL's
 # GRPOTrainer, forced; needs trl, datasets, dill, multiprocess); "rollout" runs the
-# sampler part. AFTER_ARGS (an environment variable) adds flags to this tree's RL steps
-# (e.g. AFTER_ARGS=--scan_unroll).
+# sampler part. AFTER_ARGS and BEFORE_ARGS (environment variables) add flags to this
+# tree's and BEFORE's RL steps (e.g. AFTER_ARGS=--scan_unroll).
 #
 #   bash experiments/bench_decode_step.sh OUT_DIR BEFORE_TREE rollout grpo:forced
 set -euo pipefail
@@ -49,7 +49,8 @@ for run in "$@"; do
       for side in before after; do
         tree=$([ $side = before ] && echo "$before" || echo "$PWD")
         extra=()
-        [ $side = after ] && read -ra extra <<< "${AFTER_ARGS:-}"
+        if [ $side = after ]; then read -ra extra <<< "${AFTER_ARGS:-}"
+        else read -ra extra <<< "${BEFORE_ARGS:-}"; fi
         in_tree "$tree" python3 experiments/bench_rl_step.py "${args[@]}" "${extra[@]}" \
           --out "$out/${algo}_${stops}_$side.json" 2>&1 | show "${algo}_${stops}_$side"
       done

@@ -28,10 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
-from jax import lax
 
 from jrl.models import decode_attention as da
-from jrl.models import rope
 
 LAYERS = 24
 
@@ -39,11 +37,7 @@ LAYERS = 24
 def previous(q, k_new, v_new, sin, cos, k, v, start, slot):
     from jax.experimental.pallas.ops.gpu import decode_attention as kernels
 
-    rotate = lambda x: rope.apply_rope(x[:, None], sin[:, None], cos[:, None])[:, 0]
-    q, k_new = rotate(q), rotate(k_new)
-    write = lambda buffer, new: lax.dynamic_update_slice(buffer, new[:, :, None],
-                                                         (0, 0, slot, 0))
-    k, v = write(k, k_new), write(v, v_new)
+    q, k, v = da.rotate_and_write(q, k_new, v_new, sin, cos, k, v, slot)
     b, _, s, h = k.shape
     out = kernels.gqa(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start_idx=start,
                       kv_seq_len=jnp.broadcast_to(slot + 1, (b,)), sm_scale=1 / math.sqrt(h),

@@ -58,6 +58,14 @@ from jrl.sharding import constrain
 CACHE_LOGICAL_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
+def write_slots(buffer_bksh: jax.Array, new_bkth: jax.Array, write_index) -> jax.Array:
+    """One layer's buffer `[B, K, S, H]` with `new_bkth` (T tokens) written at slots
+    `write_index..` in the buffer's dtype; in place under jit, so a decode step's
+    memory traffic is one token per layer."""
+    return lax.dynamic_update_slice(buffer_bksh, new_bkth.astype(buffer_bksh.dtype),
+                                    (0, 0, write_index, 0))
+
+
 @flax.struct.dataclass
 class KVCache:
     """Keys and values of every layer.
@@ -76,12 +84,10 @@ class KVCache:
 
     def write(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
         """Writes one layer's new keys/values `[B, T, K, H]` at slots write_index.. ."""
-        start = (0, 0, write_index, 0)
-        # In place: a decode step's memory traffic is one token per layer.
-        put = lambda buffers, new_btkh: buffers[:layer] + (lax.dynamic_update_slice(
-            buffers[layer], jnp.swapaxes(new_btkh, 1, 2).astype(buffers[layer].dtype), start),
-        ) + buffers[layer + 1:]
-        return KVCache(k=put(self.k, k_btkh), v=put(self.v, v_btkh))
+        k_bksh, v_bksh = (write_slots(buffer, jnp.swapaxes(new_btkh, 1, 2), write_index)
+                          for buffer, new_btkh in zip(self.layer(layer), (k_btkh, v_btkh),
+                                                      strict=True))
+        return self.replace_layer(layer, k_bksh, v_bksh)
 
     def replace_layer(self, layer: int, k_bksh: jax.Array, v_bksh: jax.Array) -> KVCache:
         """The cache with layer `layer`'s buffers replaced (as a kernel returned them)."""

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
 from jrl.models import rope
+from jrl.models.cache import write_slots
 
 # Cache slots per kernel block (a power of two, as Triton wants); the cache holds
 # whole blocks when the kernel decodes (`cache_slots`).
@@ -123,14 +124,22 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
                         start_b, slot)
     if impl != "xla":
         raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
-    rotate = lambda x: rope.apply_rope(x[:, None], sin_bk[:, None], cos_bk[:, None])[:, 0]
-    q_bnh, k_new_bkh = rotate(q_bnh), rotate(k_new_bkh)
-    write = lambda buffer, new_bkh: lax.dynamic_update_slice(
-        buffer, new_bkh[:, :, None].astype(buffer.dtype), (0, 0, slot, 0))
-    k_bksh, v_bksh = write(k_bksh, k_new_bkh), write(v_bksh, v_new_bkh)
+    q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
+                                             k_bksh, v_bksh, slot)
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
     return out_bnh, k_bksh, v_bksh
+
+
+def rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, slot):
+    """The XLA path's first half: RoPE on the new queries and keys, then the new key
+    and value written at `slot` (`cache.write_slots`). Returns the rotated queries and
+    the updated buffers."""
+    rotate = lambda x: rope.apply_rope(x[:, None], sin_bk[:, None], cos_bk[:, None])[:, 0]
+    q_bnh, k_new_bkh = rotate(q_bnh), rotate(k_new_bkh)
+    k_bksh, v_bksh = (write_slots(buffer, new_bkh[:, :, None], slot)
+                      for buffer, new_bkh in ((k_bksh, k_new_bkh), (v_bksh, v_new_bkh)))
+    return q_bnh, k_bksh, v_bksh
 
 
 def decode_attention(q_bnh, k_bksh, v_bksh, start_b, end):

@@ -42,6 +42,17 @@ def _gpu_threads(events) -> dict:
             and e["pid"] in pids}
 
 
+def _load(trace_dir: str) -> tuple[str, list, dict]:
+    """(path, events, GPU threads) of the newest trace-viewer file under `trace_dir`."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return files[-1], events, _gpu_threads(events)
+
+
 def _table(title: str, totals: dict, top: int) -> list:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     total = sum(ms for ms, _ in totals.values())
@@ -61,13 +72,7 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0,
     to HLO instructions and to programs); the kernels' time is also summed by the
     HLO op each ran for. `program` (a regex) keeps only the kernels of the jitted
     programs it matches (not applied to `sequence`)."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-    with gzip.open(files[-1], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = _gpu_threads(events)
+    path, events, threads = _load(trace_dir)
     examples = {}
     kinds = {"kernels": collections.defaultdict(lambda: [0.0, 0]),
              "XLA Ops": collections.defaultdict(lambda: [0.0, 0]),
@@ -94,7 +99,7 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0,
                 entry[0] += float(e.get("dur", 0.0)) / 1e3
                 entry[1] += 1
         examples.setdefault(e.get("name", "?"), e.get("args", {}))
-    print(f"trace {files[-1]}; GPU threads: {sorted(set(threads.values()))[:12]}")
+    print(f"trace {path}; GPU threads: {sorted(set(threads.values()))[:12]}")
     tables = {kind: _table(kind, totals, 8 if kind == "kernels by program" else top)
               for kind, totals in kinds.items() if totals}
     if show_args:
@@ -108,11 +113,7 @@ def sequence(trace_dir: str, anchor: str, skip: int = 100, count: int = 2) -> li
     """Prints the kernels that ran, in order, from the `skip`-th kernel named `anchor`
     through `count` more of them (e.g. one decode step's layers between two calls of
     the attention kernel), with each kernel's duration and HLO op."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
-    with gzip.open(files[-1], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = _gpu_threads(events)
+    _, events, threads = _load(trace_dir)
     kernels = sorted((e for e in events if e.get("ph") == "X"
                       and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")),
                      key=lambda e: float(e.get("ts", 0.0)))

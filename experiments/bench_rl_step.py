@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl import metrics, settings, sharding  # noqa: E402
+from jrl import metrics, rollout, settings, sharding  # noqa: E402
 from jrl.config_defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
 from jrl.experiment import build_model  # noqa: E402
@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="actor.response_buckets (1: every pass runs all response columns)")
     p.add_argument("--decode_buckets", type=int, default=4,
                    help="rollout.decode_buckets (1: the decode loop never compacts)")
+    p.add_argument("--rollout_gemm", default="cublas", choices=rollout.GEMMS,
+                   help="rollout.gemm: how the sampler's matmuls compile on a GPU")
     p.add_argument("--share_prompts", default="on", choices=("on", "off"),
                    help="actor.share_prompts (off: every row runs its own prompt)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
@@ -233,6 +235,7 @@ def make_config(args, algo: str):
     c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
     c.actor.response_buckets = args.response_buckets
     c.rollout.decode_buckets = args.decode_buckets
+    c.rollout.gemm = args.rollout_gemm
     c.actor.share_prompts = args.share_prompts == "on"
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:

@@ -68,6 +68,8 @@ def parse_args() -> argparse.Namespace:
                         choices=("merged", "unmerged"),
                         help="with --lora-rank: model lora_rollout values to run (one row "
                              "each); merged includes forming W + A B in the timed program")
+    parser.add_argument("--gemm", nargs="+", default=["cublas"], choices=rollout.GEMMS,
+                        help="how the sampler's matmuls compile on a GPU (SamplingConfig.gemm)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -114,7 +116,8 @@ def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
 
     key = jax.random.key(0)
     start = time.perf_counter()
-    compiled = jax.jit(generate).lower(params, ids, mask, key).compile()
+    compiled = jax.jit(generate, compiler_options=rollout.compiler_options(sampling)).lower(
+        params, ids, mask, key).compile()
     compile_s = time.perf_counter() - start
     ids, mask = jax.device_put(ids), jax.device_put(mask)
     run = lambda: jax.block_until_ready(compiled(params, ids, mask, key))
@@ -202,25 +205,29 @@ def main() -> None:
         args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
     results = []
     lora_rollouts = args.lora_rollout if args.lora_rank else ["unmerged"]
-    for batch, impl, lora_rollout, fuse in itertools.product(
-            args.batch_sizes, args.decode_attention, lora_rollouts, args.fuse_projections):
+    for batch, impl, lora_rollout, fuse, gemm in itertools.product(
+            args.batch_sizes, args.decode_attention, lora_rollouts, args.fuse_projections,
+            args.gemm):
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
         cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout,
                                   fuse_decode_projections=fuse == "on")
-        trace_dir = args.trace_dir and os.path.join(args.trace_dir,
-                                                    f"b{batch}_{impl}_{lora_rollout}_{fuse}")
-        compile_s, jrl_s = bench_jrl(cfg, params, ids, mask, sampling, args.repeats, trace_dir)
+        trace_dir = args.trace_dir and os.path.join(
+            args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}")
+        compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
+                                     dataclasses.replace(sampling, gemm=gemm), args.repeats,
+                                     trace_dir)
         step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
         tokens = batch * args.new_tokens
         row = dict(
-            batch=batch, decode_attention=impl, fuse_projections=fuse, lora_rank=args.lora_rank,
+            batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
+            lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
             jrl_tokens_per_s=tokens / jrl_s,
             step_gbytes=step_bytes / 1e9, roofline_tokens_per_s=roof_tps,
             pct_roofline=100 * tokens / jrl_s / roof_tps,
         )
         first = (impl == args.decode_attention[0] and lora_rollout == lora_rollouts[0]
-                 and fuse == args.fuse_projections[0])
+                 and fuse == args.fuse_projections[0] and gemm == args.gemm[0])
         if hf_model is not None and first:
             hf_s = bench_hf(hf_model, ids, mask, args, pad_id, eos_ids)
             row.update(hf_s=hf_s, hf_tokens_per_s=tokens / hf_s, jrl_over_hf=hf_s / jrl_s)
@@ -238,14 +245,15 @@ def print_table(args, results) -> None:
     print(f"\n{args.preset} {args.dtype}, P={args.prompt_len}, R={args.new_tokens}, "
           f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, "
           f"HBM {args.hbm_gbps:g} GB/s\n")
-    print("| B | decode attention | fused | LoRA | compile s | jrl s | jrl tok/s | GB/step "
-          "| roofline tok/s | % roofline | HF tok/s | jrl/HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | decode attention | fused | GEMM | LoRA | compile s | jrl s | jrl tok/s "
+          "| GB/step | roofline tok/s | % roofline | HF tok/s | jrl/HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         hf = (f"{r['hf_tokens_per_s']:.0f} | {r['jrl_over_hf']:.2f}x" if "hf_s" in r
               else "- | -")
         lora_cell = f"r{r['lora_rank']} {r['lora_rollout']}" if r.get("lora_rank") else "-"
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
+              f"{r['gemm']} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "
               f"{r['jrl_s']:.3f} | "
               f"{r['jrl_tokens_per_s']:.0f} | {r['step_gbytes']:.4g} | "

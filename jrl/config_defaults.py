@@ -233,6 +233,10 @@ def base_config() -> ml_collections.ConfigDict:
     # are compacted into it, so finished rows stop costing decode steps. Each size
     # compiles one more copy of the decode step. 1: the whole batch to the end.
     c.rollout.decode_buckets = 4
+    # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
+    # cuBLAS call: faster for a decode step's one token per row, and quicker to
+    # compile) or "xla" (XLA's choice, Triton GEMM fusions included). No effect off a GPU.
+    c.rollout.gemm = "cublas"
     # Sequences per forward pass when computing old/reference log-probs and values
     # (bounds the logits buffer; None: the whole batch at once).
     c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)

@@ -37,7 +37,6 @@ of one tool block), enough for any row after compaction.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
-from jrl.rollout import SamplingConfig, _prefill, per_layer, row_keys, sample_tokens
+from jrl.rollout import SamplingConfig, _prefill, jit_sampler, per_layer, row_keys, sample_tokens
 from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
@@ -164,8 +163,12 @@ def _new_segment(state: TurnState) -> TurnState:
                          turn_ended=jnp.zeros_like(state.turn_ended))
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "block_len", "turn_stop_ids",
-                                             "config", "end_fraction"))
+# `start` and `resume` are jitted by `rollout.jit_sampler` (with the sampler's compiler
+# options), with these static arguments.
+_START_STATIC = ("sampling", "block_len", "turn_stop_ids", "config", "end_fraction")
+_RESUME_STATIC = ("sampling", "turn_stop_ids", "config", "end_fraction")
+
+
 def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, block_len: int,
           turn_stop_ids: tuple[int, ...], config: ModelConfig,
           end_fraction: float = 1.0) -> TurnState:
@@ -200,8 +203,6 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
                            end_fraction)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "turn_stop_ids", "config",
-                                             "end_fraction"), donate_argnames=("state",))
 def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
            sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
            end_fraction: float = 1.0) -> TurnState:
@@ -406,7 +407,10 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     program = dict(sampling=sampling, turn_stop_ids=stop_ids, config=config,
                    end_fraction=mt.segment_end_fraction)
     ids_d, mask_d = put((prompt_ids, prompt_mask))
-    state = start(params, ids_d, mask_d, rng, block_len=block_len, **program)
+    start_program = jit_sampler(start, sampling, static_argnames=_START_STATIC)
+    resume_program = jit_sampler(resume, sampling, static_argnames=_RESUME_STATIC,
+                                 donate_argnames=("state",))
+    state = start_program(params, ids_d, mask_d, rng, block_len=block_len, **program)
 
     row_ids = [f"row{row}" for row in range(num_rows)]
     for row, row_id in enumerate(row_ids):
@@ -489,7 +493,8 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
             block_ids[row, block_len - len(ids):] = ids
             block_mask[row, block_len - len(ids):] = 1
             added[row] = count
-        state = resume(params, state, *put((block_ids, block_mask, added)), rng, **program)
+        state = resume_program(params, state, *put((block_ids, block_mask, added)), rng,
+                               **program)
 
     for row, row_id in enumerate(row_ids):
         tool_rewards[row] += sum(tools_lib.release_instances(tools, row_id).values())

@@ -63,6 +63,8 @@ VAL_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "n")
 # probes mean more passes over the row, more probes more work per pass; 3 to 7
 # was the fastest on an H200 at V = 152k.
 _PROBES_PER_PASS = 7
+# `SamplingConfig.gemm`'s values.
+GEMMS = ("cublas", "xla")
 # Bit pattern of float32 1.0: weights exp(z - max z) lie in [0, 1].
 _FLOAT32_ONE_BITS = 0x3F800000
 
@@ -88,6 +90,9 @@ class SamplingConfig:
         1/decode_buckets of the rows), they are compacted into it, so finished rows
         stop costing decode steps. 1: the whole batch to the end. Each size compiles
         one more copy of the decode step. No effect with `ignore_stop`.
+      gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
+        (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes
+        Triton GEMM fusions for many of them). No effect off a GPU.
     """
 
     n: int = 1
@@ -100,6 +105,7 @@ class SamplingConfig:
     pad_token_id: int = 0
     ignore_stop: bool = False
     decode_buckets: int = 1
+    gemm: str = "cublas"
 
     def __post_init__(self):
         # A list (from a ConfigDict or JSON) would make the config unhashable.
@@ -144,6 +150,8 @@ class SamplingConfig:
             fail("ignore_stop", "True or False")
         if not _is_int(self.decode_buckets) or self.decode_buckets < 1:
             fail("decode_buckets", "an integer >= 1 (1: no compaction)")
+        if self.gemm not in GEMMS:
+            fail("gemm", f"one of {', '.join(map(repr, GEMMS))}")
         return self
 
     def for_validation(self, **val_kwargs) -> SamplingConfig:
@@ -247,7 +255,37 @@ def generate(
         the inputs are concrete, before compiling).
     """
     check_inputs(prompt_ids, prompt_mask, sampling, config)
-    return _generate(params, prompt_ids, prompt_mask, rng, sampling=sampling, config=config)
+    program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
+    return program(params, prompt_ids, prompt_mask, rng, sampling=sampling, config=config)
+
+
+def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> dict[str, Any]:
+    """XLA options for the sampler's programs on `backend` (default: JAX's): on a GPU
+    with `sampling.gemm` "cublas", no Triton GEMM fusions, so every matmul is a cuBLAS
+    call; else none.
+
+    A decode step's matmuls have one token per row. On an H200, XLA's Triton GEMM
+    fusions for them were slower than cuBLAS: the sampler alone ran 2-5% faster with
+    cuBLAS at batch 64-512 and compiled in 7 s instead of 17 (docs/performance.md,
+    round eight). The update's large matmuls go the other way, so only the sampler's
+    programs take this.
+    """
+    if sampling.gemm == "cublas" and (backend or jax.default_backend()) == "gpu":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
+def jit_sampler(fun, sampling: SamplingConfig, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` compiled with `compiler_options(sampling)`: one
+    jitted function per function, options and arguments (hashable), so repeated calls
+    share jit's cache."""
+    options = tuple(sorted(compiler_options(sampling).items()))
+    return _jit(fun, options, tuple(sorted(jit_kwargs.items())))
+
+
+@functools.cache
+def _jit(fun, options: tuple, jit_kwargs: tuple):
+    return jax.jit(fun, compiler_options=dict(options), **dict(jit_kwargs))
 
 
 def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: ModelConfig) -> None:
@@ -384,9 +422,6 @@ def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
             if f.name not in ("step", "cache")}
     cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
     return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
-
-
-_generate = jax.jit(generate_program, static_argnames=("sampling", "config"))
 
 
 def row_keys(rng, num_rows: int) -> jax.Array:

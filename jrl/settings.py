@@ -474,6 +474,7 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
         pad_token_id=int(pad_id),
         ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
         decode_buckets=_get(config, "rollout.decode_buckets"),
+        gemm=_get(config, "rollout.gemm"),
     )
     try:
         return sampling.validate(prefix=key)

@@ -45,7 +45,7 @@ from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import responses as responses_lib
 from jrl.rewards import scoring
-from jrl.rollout import SamplingConfig, check_inputs
+from jrl.rollout import SamplingConfig, check_inputs, compiler_options
 from jrl.settings import Settings
 from jrl.update import ModelState
 
@@ -269,8 +269,9 @@ class RLTrainer:
         self._step_keys = jax.jit(_step_keys)
 
     def _generator(self, sampling: SamplingConfig, group: bool = False) -> Callable:
-        """`step.generate` for `sampling`, compiled with the mesh's shardings; with
-        `group`, `step.generate_from` on the sampling group."""
+        """`step.generate` for `sampling`, compiled with the mesh's shardings and the
+        sampler's compiler options (`rollout.compiler_options`); with `group`,
+        `step.generate_from` on the sampling group."""
         key = (sampling, group)
         if key in self._generators:
             return self._generators[key]
@@ -279,7 +280,7 @@ class RLTrainer:
             self._generators[key] = jax.jit(
                 functools.partial(step_lib.generate_from, sampling=sampling, model=self.model),
                 in_shardings=(self.sampler_shardings, b, b, self.rollout_sharder.replicated),
-                out_shardings=b)
+                out_shardings=b, compiler_options=compiler_options(sampling))
         else:
             b = self.sharder.batch()
             self._generators[key] = jax.jit(
@@ -287,7 +288,7 @@ class RLTrainer:
                                   param_shardings=self.rollout_shardings),
                 in_shardings=(self.state_shardings, b, b, self.sharder.replicated,
                               self.frozen_shardings),
-                out_shardings=b)
+                out_shardings=b, compiler_options=compiler_options(sampling))
         return self._generators[key]
 
     @property

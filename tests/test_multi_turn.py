@@ -153,7 +153,7 @@ def _by_hand(text: str, specials) -> list[str]:
 
 
 def _scripted(monkeypatch, turns_per_row):
-    """Replaces the device programs: row r's segment k is `turns_per_row[r][k]` (token ids,
+    """Replaces the device programs (host functions, not jitted): row r's segment k is `turns_per_row[r][k]` (token ids,
     the last one ending the turn); records the blocks the host appends."""
     blocks = []
 
@@ -179,6 +179,7 @@ def _scripted(monkeypatch, turns_per_row):
 
     monkeypatch.setattr(multi_turn, "start", start)
     monkeypatch.setattr(multi_turn, "resume", resume)
+    monkeypatch.setattr(multi_turn, "jit_sampler", lambda fun, sampling, **kwargs: fun)
     return blocks
 
 
@@ -293,3 +294,28 @@ def test_a_raising_a_hanging_and_an_unknown_tool_are_answered_as_errors(monkeypa
                     + "Assistant: ok\n")
     assert out.metrics["multi_turn/tool_errors"] == 3 and out.tool_calls[0] == 3
     assert out.metrics["num_turns/max"] == 3  # two model turns, one tool answer
+
+
+@pytest.mark.parametrize("program", ["start", "resume"])
+def test_both_programs_compile_as_the_samplers(monkeypatch, program):
+    """`start` and `resume` are compiled through `rollout.jit_sampler` (the sampler's
+    compiler options): an option XLA does not know, given to one of them, stops it."""
+    def jit_sampler(fun, sampling, **kwargs):
+        options = {"xla_no_such_option": 1} if fun.__name__ == program else {}
+        return jax.jit(fun, compiler_options=options, **kwargs)
+
+    monkeypatch.setattr(multi_turn, "jit_sampler", jit_sampler)
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    config = _tiny_model()
+    sampling = SamplingConfig(n=1, max_new_tokens=64, stop_token_ids=(CHAR.eos_token_id,),
+                              pad_token_id=CHAR.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=2, max_user_turns=2,
+                                    max_tool_response_tokens=32,
+                                    turn_stop_ids=tuple(t for t in range(CHAR.vocab_size)
+                                                        if t != CHAR.eos_token_id))
+    ids, mask = _prompts(["User: hi\nAssistant: "], 24)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        multi_turn.generate(init_params(config, jax.random.key(1)), ids, mask,
+                            jax.random.key(7), sampling=sampling, config=config,
+                            tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)

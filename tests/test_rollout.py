@@ -438,3 +438,32 @@ def test_decode_sizes_and_compaction_by_hand():
                                                 groups=2)
     np.testing.assert_array_equal(lengths, [0, 100, 200, 0, 400, 500, 0, 0])
     np.testing.assert_array_equal(responses[:, 0], [-1, 1, 2, -1, 4, 5, -1, -1])
+
+
+def test_the_samplers_compiler_options(small_params, monkeypatch):
+    """`SamplingConfig.gemm`: on a GPU "cublas" compiles the sampler's programs without
+    Triton GEMM fusions; off a GPU, or with "xla", there are no options. XLA knows the
+    option (a CPU compile with it gives the same rollout), and `generate` compiles with
+    what `compiler_options` returns (an option XLA does not know stops it)."""
+    cublas = SamplingConfig(n=2, max_new_tokens=4)
+    xla = dataclasses.replace(cublas, gemm="xla")
+    assert rollout.compiler_options(cublas, "gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert rollout.compiler_options(xla, "gpu") == {}
+    assert rollout.compiler_options(cublas, "tpu") == {} == rollout.compiler_options(cublas)
+    with pytest.raises(ValueError, match=r"rollout\.gemm must be one of 'cublas', 'xla'"):
+        dataclasses.replace(cublas, gemm="triton").validate()
+
+    ids, mask = ragged_prompts([3, 5], 5, SMALL.vocab_size, seed=0)
+    sample = lambda: rollout.generate(small_params, ids, mask, jax.random.key(0), cublas,
+                                      config=SMALL)
+    plain = sample()
+    monkeypatch.setattr(rollout, "compiler_options",
+                        lambda sampling: {"xla_gpu_enable_triton_gemm": False})
+    chex.assert_trees_all_equal(sample(), plain)
+    monkeypatch.setattr(rollout, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        sample()
+    jitted = rollout.jit_sampler(rollout.generate_program, cublas,
+                                 static_argnames=("sampling", "config"))
+    assert jitted is rollout.jit_sampler(rollout.generate_program, cublas,
+                                         static_argnames=("sampling", "config"))

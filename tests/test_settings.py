@@ -88,6 +88,7 @@ def test_sampling_keys_are_the_rollouts():
     ({"rollout.top_p": 1.5}, "rollout.top_p"),
     ({"rollout.val_kwargs.top_k": -5}, "rollout.val_kwargs.top_k"),
     ({"rollout.decode_buckets": 0}, "rollout.decode_buckets"),
+    ({"rollout.gemm": "triton"}, "rollout.gemm"),
     ({"actor.response_buckets": 0}, "actor.response_buckets"),
 ])
 def test_library_checks_are_config_errors(overrides, key):

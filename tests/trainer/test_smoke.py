@@ -64,3 +64,15 @@ def test_critic_warmup_counts_steps_from_one(tmp_path):
     records = _run(tmp_path, **{"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 2})
     assert "actor/pg_loss" not in records[0] and "critic/vf_loss" in records[0]
     assert "actor/pg_loss" in records[1] and records[1]["actor/lr"] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_the_rollout_program_compiles_with_the_samplers_options(tmp_path, monkeypatch):
+    """The trainer's rollout program compiles with `rollout.compiler_options` (here an
+    option XLA does not know, which stops the run at its first rollout)."""
+    import jax
+
+    from jrl import trainer
+
+    monkeypatch.setattr(trainer, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        run(tiny_config(), str(tmp_path))

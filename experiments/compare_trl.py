@@ -293,9 +293,9 @@ class Evaluator:
         self.prompt_ids, self.prompt_mask = encode_prompts(tokenizer, rows, s.max_prompt_length,
                                                            chat)
         rollout.check_inputs(self.prompt_ids, self.prompt_mask, s.validation, model)
-        self._generate = rollout.jit_sampler(
+        self._generate = jax.jit(
             functools.partial(rollout.generate_program, sampling=s.validation, config=model),
-            s.validation)
+            compiler_options=rollout.compiler_options(s.validation))
 
     def texts(self, params) -> list[str]:
         out = self._generate(params, self.prompt_ids, self.prompt_mask, jax.random.key(0))

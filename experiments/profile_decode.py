@@ -56,11 +56,13 @@ def main():
         config = dataclasses.replace(base, decode_attention_impl=impl)
         cache = init_cache(config, b, s)
 
-        @jax.jit
         def step(params, cache, config=config):
             hidden, cache = forward(params, tokens, positions, key_mask, cache, s // 2,
                                     config=config)
             return unembed(params, hidden[:, 0]), cache
+
+        # Compiled as the sampler compiles its programs (`rollout.compiler_options`).
+        step = jax.jit(step, compiler_options=rollout.compiler_options(rollout.SamplingConfig()))
 
         ms = median_ms(step, params, cache, repeats=args.repeats)
         rows.append((f"decode forward+unembed, {impl} attention", f"{ms:.3f} ms"))

@@ -7,7 +7,8 @@ and the next assistant opening (the tool messages and their markup), tokenised o
 its own and appended to the row. Nothing is re-tokenised and nothing is
 re-prefilled: the KV cache of the earlier turns stays on the device.
 
-The device side is two jitted programs over a `TurnState`:
+The device side is two programs over a `TurnState`, jitted by `generate` with the
+sampler's compiler options (`rollout.jit_sampler`):
 
 - `start` (prefill of the prompts, then one *segment* of decoding) and
 - `resume` (append each row's block of new tokens, then one segment).

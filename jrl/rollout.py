@@ -255,8 +255,13 @@ def generate(
         the inputs are concrete, before compiling).
     """
     check_inputs(prompt_ids, prompt_mask, sampling, config)
+    operands = (params, prompt_ids, prompt_mask, rng)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
+        # Inside the caller's jit, whose compiler options apply (JAX takes them only on
+        # the outermost jit).
+        return generate_program(*operands, sampling=sampling, config=config)
     program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
-    return program(params, prompt_ids, prompt_mask, rng, sampling=sampling, config=config)
+    return program(*operands, sampling=sampling, config=config)
 
 
 def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> dict[str, Any]:
@@ -278,7 +283,8 @@ def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> di
 def jit_sampler(fun, sampling: SamplingConfig, **jit_kwargs):
     """`jax.jit(fun, **jit_kwargs)` compiled with `compiler_options(sampling)`: one
     jitted function per function, options and arguments (hashable), so repeated calls
-    share jit's cache."""
+    share jit's cache. Call the result outside any jit: JAX takes compiler options
+    only on the outermost one (inside another, call `fun` itself)."""
     options = tuple(sorted(compiler_options(sampling).items()))
     return _jit(fun, options, tuple(sorted(jit_kwargs.items())))
 

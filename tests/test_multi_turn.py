@@ -153,8 +153,9 @@ def _by_hand(text: str, specials) -> list[str]:
 
 
 def _scripted(monkeypatch, turns_per_row):
-    """Replaces the device programs (host functions, not jitted): row r's segment k is `turns_per_row[r][k]` (token ids,
-    the last one ending the turn); records the blocks the host appends."""
+    """Replaces the device programs (host functions, not jitted): row r's segment k is
+    `turns_per_row[r][k]` (token ids, the last one ending the turn); records the blocks
+    the host appends."""
     blocks = []
 
     def segment(k, num_rows, used, width=600):

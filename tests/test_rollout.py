@@ -449,7 +449,7 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
     xla = dataclasses.replace(cublas, gemm="xla")
     assert rollout.compiler_options(cublas, "gpu") == {"xla_gpu_enable_triton_gemm": False}
     assert rollout.compiler_options(xla, "gpu") == {}
-    assert rollout.compiler_options(cublas, "tpu") == {} == rollout.compiler_options(cublas)
+    assert rollout.compiler_options(cublas, "tpu") == {} == rollout.compiler_options(cublas, "cpu")
     with pytest.raises(ValueError, match=r"rollout\.gemm must be one of 'cublas', 'xla'"):
         dataclasses.replace(cublas, gemm="triton").validate()
 
@@ -457,9 +457,13 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
     sample = lambda: rollout.generate(small_params, ids, mask, jax.random.key(0), cublas,
                                       config=SMALL)
     plain = sample()
-    monkeypatch.setattr(rollout, "compiler_options",
-                        lambda sampling: {"xla_gpu_enable_triton_gemm": False})
+    gpu_options = rollout.compiler_options
+    monkeypatch.setattr(rollout, "compiler_options", lambda sampling: gpu_options(sampling, "gpu"))
     chex.assert_trees_all_equal(sample(), plain)
+    # Inside a caller's jit (which JAX alone takes options on), `generate` runs unjitted.
+    nested = jax.jit(lambda p, i, m: rollout.generate(p, i, m, jax.random.key(0), cublas,
+                                                      config=SMALL))
+    chex.assert_trees_all_equal(nested(small_params, ids, mask), plain)
     monkeypatch.setattr(rollout, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         sample()

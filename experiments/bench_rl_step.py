@@ -123,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute_old_log_probs", action="store_true",
                    help="actor.reuse_update_log_probs=False: run the old-log-prob pass even "
                         "when the update is on-policy")
+    p.add_argument("--recompute_values", action="store_true",
+                   help="critic.reuse_update_values=False: run the value pass even when the "
+                        "critic's update is on-policy")
     p.add_argument("--mesh_data", type=int, default=-1)
     p.add_argument("--mesh_fsdp", type=int, default=1)
     p.add_argument("--mesh_tensor", type=int, default=1)
@@ -233,6 +236,7 @@ def make_config(args, algo: str):
         c[role].ppo_epochs = args.ppo_epochs
     c.actor.logprob_chunk_size = args.logprob_chunk_size
     c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
+    c.critic.reuse_update_values = not args.recompute_values
     c.actor.response_buckets = args.response_buckets
     c.rollout.decode_buckets = args.decode_buckets
     c.rollout.gemm = args.rollout_gemm
@@ -295,6 +299,7 @@ def build_trainer(args, algo: str, workdir: str):
     info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
                 ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,
                 micro_batch_sequences=s.actor.update.micro_batch, on_policy=s.actor.on_policy,
+                critic_on_policy=s.critic is not None and s.critic.on_policy,
                 mesh=dict(zip(sharder.mesh.axis_names, sharder.mesh.devices.shape, strict=True)),
                 rollout_devices=args.rollout_devices, staleness=args.staleness)
     return trainer, iterator, info

@@ -115,6 +115,13 @@ def gae(token_level_rewards, response_mask, values, gamma=1.0, lam=1.0):
     Returns:
       `(advantages [B, T], returns [B, T])`.
     """
+    advantages, returns = gae_returns(token_level_rewards, response_mask, values, gamma, lam)
+    return masks.masked_whiten(advantages, jnp.asarray(response_mask, values.dtype)), returns
+
+
+def gae_returns(token_level_rewards, response_mask, values, gamma=1.0, lam=1.0):
+    """`gae`'s advantages before whitening, and its returns `A + V`: row by row, so a
+    micro-batch's returns are those of the whole batch's rows it holds."""
     mask = jnp.asarray(response_mask, values.dtype)
 
     def step(carry, xs):
@@ -130,8 +137,7 @@ def gae(token_level_rewards, response_mask, values, gamma=1.0, lam=1.0):
     xs = (token_level_rewards.T, values.T, mask.T)
     _, adv_tb = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
     advantages = adv_tb.T
-    returns = advantages + values
-    return masks.masked_whiten(advantages, mask), returns
+    return advantages, advantages + values
 
 
 def grpo(token_level_rewards, response_mask, group_ids, norm_adv_by_std_in_grpo=True,

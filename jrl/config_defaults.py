@@ -205,6 +205,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.cliprange_value = 0.5
     # Aggregation of the value loss.
     c.critic.loss_agg_mode = "token-mean"
+    # When the critic's update is on-policy (one mini-batch of the whole batch, one
+    # epoch) under GAE, take the batch's values from the update's own forward pass
+    # (detached; its micro-batches all run the parameters that would value the batch)
+    # and skip the separate value pass: each micro-batch computes its returns by GAE
+    # from them, and the advantages follow from all of them after the critic's update.
+    # The numbers are the separate pass's. False: always run the pass.
+    c.critic.reuse_update_values = True
     c.critic.model = ml_collections.ConfigDict()
     # LoRA on the critic (verl's names; needs model.lora_rank > 0): adapters of its own
     # on the actor's frozen base, and a fully trained value head. 0: the critic trains

@@ -159,6 +159,9 @@ class CriticSettings:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    # The update is on-policy and reads its values from its own forward pass
+    # (`critic.reuse_update_values` where it applies; `Settings` checks it does).
+    on_policy: bool = False
 
     def __post_init__(self):
         _set(self, cliprange_value=float(_number("critic.cliprange_value",
@@ -396,6 +399,10 @@ class Settings:
         if self.actor.correction.enabled and not self.rollout.do_sample:
             _fail("algorithm.rollout_correction", "needs the sampler's log-probs, which a "
                   "greedy rollout (rollout.do_sample=False) does not have")
+        if self.critic is not None and self.critic.on_policy and not critic_on_policy(self):
+            _fail("critic.reuse_update_values", "applies only to a critic whose update is "
+                  "on-policy (one mini-batch of the whole batch, one epoch) with "
+                  "algorithm.adv_estimator='gae'")
         if self.actor.on_policy and not on_policy(self):
             _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
                   "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
@@ -428,6 +435,15 @@ def on_policy(s: Settings) -> bool:
     return (update.mini_batch == s.train_batch_size * s.rollout.n and update.ppo_epochs == 1
             and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0
             and not (c.bypass_mode or c.rejects or c.rollout_is_batch_normalize))
+
+
+def critic_on_policy(s: Settings) -> bool:
+    """Whether the critic's update is on-policy: one optimizer step from the state that
+    valued the batch (one mini-batch, one epoch), so the values its forward pass computes
+    are the batch's, and GAE (row by row) gives each micro-batch its returns from them."""
+    update = s.critic.update
+    return (s.algorithm.adv_estimator == "gae" and update.ppo_epochs == 1
+            and update.mini_batch == s.train_batch_size * s.rollout.n)
 
 
 def _get(config, key: str):
@@ -675,4 +691,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")))
     if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
+    if s.critic is not None and _get(config, "critic.reuse_update_values") \
+            and critic_on_policy(s):
+        s = dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
     return s

@@ -38,6 +38,8 @@ _ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                  "rollout_is_weights")
 _CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                   "response_attention_mask", "values", "returns")
+# ... and those of an on-policy critic update, which values the batch itself.
+_ON_POLICY_CRITIC_FIELDS = _CRITIC_FIELDS[:5] + ("token_level_rewards",)
 # The prefixes of `data_metrics`' keys.
 DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "critic/returns/",
                 "critic/values/", "critic/vf_explained_var", "response_length/",
@@ -179,7 +181,8 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
     them from its own forward pass), reference log-probs (when `ref_params`) and values
-    (when the state has a critic) of a rollout, in micro-batches of
+    (when the state has a critic, unless its on-policy update values the batch itself) of
+    a rollout, in micro-batches of
     `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
     frozen base, adapters off (`ref_params` is `frozen`: no second copy). These
     passes take no gradient, so their scan over layers stays rolled whatever
@@ -204,7 +207,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     base_model = lora.without(model)
     ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model, False)[0]
     values = None
-    if critic is not None:
+    if critic is not None and not s.critic.on_policy:  # else the critic's update values it
         values = logprobs.in_micro_batches(
             functools.partial(logprobs.response_values, config=critic),
             s.log_prob_micro_batch, sizes, group)(
@@ -213,14 +216,21 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
                          ref_log_probs=ref_log_probs, values=values)
 
 
+def token_rewards(exp: Experience, beta, *, s: Settings):
+    """(token rewards, current KL): the scores, less the KL penalty when
+    `algorithm.use_kl_in_reward`."""
+    if not s.algorithm.use_kl_in_reward:
+        return exp.token_level_scores, jnp.float32(0.0)
+    return kl_control.apply_kl_penalty(
+        exp.token_level_scores, exp.old_log_probs, exp.ref_log_probs,
+        exp.response_mask.astype(jnp.float32), beta, s.algorithm.kl_penalty)
+
+
 def advantages(exp: Experience, beta, *, s: Settings):
     """(token rewards, advantages, returns, current KL): the KL penalty in the reward
     when `algorithm.use_kl_in_reward`, then the advantage estimator."""
     mask = exp.response_mask.astype(jnp.float32)
-    rewards, current_kl = exp.token_level_scores, jnp.float32(0.0)
-    if s.algorithm.use_kl_in_reward:
-        rewards, current_kl = kl_control.apply_kl_penalty(
-            rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta, s.algorithm.kl_penalty)
+    rewards, current_kl = token_rewards(exp, beta, s=s)
     adv, returns = adv_lib.compute_advantages(
         s.algorithm.adv_estimator, rewards, mask, values=exp.values, group_ids=exp.uid,
         reward_baselines=exp.reward_baselines, gamma=s.algorithm.gamma, lam=s.algorithm.lam,
@@ -292,9 +302,16 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
                                                       exp.response_mask, c)
         # Rejected tokens leave the loss, not the context of the tokens after them.
         exp = exp.replace(response_mask=kept, response_attention_mask=exp.attention_mask())
+    critic, critic_metrics = state.critic, {}
+    if critic is not None and s.critic.on_policy:  # values the batch as it learns
+        rewards, _ = token_rewards(exp, state.kl.value, s=s)
+        critic, critic_metrics, tokens = _critic_update(
+            state, {**_fields(exp), "token_level_rewards": rewards}, critic_key, frozen, s=s,
+            model=model, critic_opt=critic_opt)
+        exp = exp.replace(values=tokens["values"])
     rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
-    batch = {**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)},
-             "advantages": adv, "returns": returns, "rollout_is_weights": is_weights}
+    batch = {**_fields(exp), "advantages": adv, "returns": returns,
+             "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)
     if exp.entropy is not None:  # else the on-policy update reports it
         metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
@@ -306,19 +323,10 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
         kl = kl_control.update_kl_controller(
             kl, current_kl, s.train_batch_size * s.rollout.n, s.algorithm.kl_ctrl_type,
             s.algorithm.target_kl, s.algorithm.horizon)
-    critic = state.critic
-    if critic is not None:
-        lr = learning_rate_schedule(s.critic.optim)(state.step)
-        config = critic_model(model, s)
-        group = prompt_group(s, s.critic.update.micro_batch)
-        critic_loss = lambda params, *a: update.critic_loss(
-            with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
-            group=group)
-        critic, m, _ = update.run_updates(
-            critic, {k: batch[k] for k in _CRITIC_FIELDS if batch.get(k) is not None},
-            critic_key, lr, loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
-            bucket_sizes=s.bucket_sizes(exp.response_mask.shape[1]), group=group)
-        metrics.update(_named("critic", m, lr))
+    if critic is not None and not s.critic.on_policy:
+        critic, critic_metrics, _ = _critic_update(state, batch, critic_key, frozen, s=s,
+                                                   model=model, critic_opt=critic_opt)
+    metrics.update(critic_metrics)
     actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
                                      actor_opt=actor_opt, critic_warmup=critic_warmup)
     metrics.update(m)
@@ -329,6 +337,28 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     if s.actor.use_kl_loss:
         metrics["actor/kl_coef"] = jnp.float32(s.actor.kl_loss_coef)
     return TrainState(step=state.step + 1, actor=actor, critic=critic, kl=kl), metrics
+
+
+def _fields(exp: Experience) -> dict:
+    return {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
+
+
+def _critic_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
+                   model: ModelConfig, critic_opt):
+    """The critic's update: (new critic, its metrics, the loss's per-token outputs: the
+    values it computed when on-policy)."""
+    lr = learning_rate_schedule(s.critic.optim)(state.step)
+    config = critic_model(model, s)
+    group = prompt_group(s, s.critic.update.micro_batch)
+    critic_loss = lambda params, *a: update.critic_loss(
+        with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
+        gamma=s.algorithm.gamma, lam=s.algorithm.lam, group=group)
+    names = _ON_POLICY_CRITIC_FIELDS if s.critic.on_policy else _CRITIC_FIELDS
+    critic, m, tokens = update.run_updates(
+        state.critic, {k: batch[k] for k in names if batch.get(k) is not None}, key, lr,
+        loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
+        bucket_sizes=s.bucket_sizes(batch["response_mask"].shape[1]), group=group)
+    return critic, _named("critic", m, lr), tokens
 
 
 def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,

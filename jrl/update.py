@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jrl import advantages as adv_lib
 from jrl import buckets, logprobs, losses, masks, rollout_correction
 from jrl.models.config import ModelConfig
 from jrl.settings import ActorSettings, CriticSettings, UpdateSettings
@@ -225,15 +226,27 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
 
 
 def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-                critic: CriticSettings, group: int = 1):
-    """Clipped value loss of one micro-batch; `group` as in `actor_loss`."""
+                critic: CriticSettings, gamma: float = 1.0, lam: float = 1.0, group: int = 1):
+    """Clipped value loss of one micro-batch; `group` as in `actor_loss`.
+
+    The old values and the returns are the batch's, or, for an on-policy update
+    (`critic.on_policy`), this pass's values, detached, and their GAE returns (`gamma`,
+    `lam`) from the micro-batch's `token_level_rewards`; the aux's per-token part then
+    holds those values (the step's advantages come from them).
+    """
     del rng
     mask = micro["response_mask"]
     vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
                                       micro["responses"], _attention(micro), config=model,
                                       group=group)
-    vf_loss, clipfrac = losses.value_loss(vpreds, micro["returns"], micro["values"], mask,
-                                          critic.cliprange_value, critic.loss_agg_mode,
-                                          normalizer)
+    tokens = {}
+    if critic.on_policy:
+        values = jax.lax.stop_gradient(vpreds)
+        _, returns = adv_lib.gae_returns(micro["token_level_rewards"], mask, values, gamma, lam)
+        tokens["values"] = values
+    else:
+        values, returns = micro["values"], micro["returns"]
+    vf_loss, clipfrac = losses.value_loss(vpreds, returns, values, mask, critic.cliprange_value,
+                                          critic.loss_agg_mode, normalizer)
     means = {"vf_clipfrac": clipfrac, "vpred_mean": masks.masked_mean(vpreds, mask)}
-    return vf_loss, ({"vf_loss": vf_loss}, means, {})
+    return vf_loss, ({"vf_loss": vf_loss}, means, tokens)

@@ -313,3 +313,59 @@ def test_unrolled_update_learns_what_the_scanned_one_learns(estimator, remat):
         chex.assert_trees_all_close(n1.critic.params, n0.critic.params, atol=1e-6, rtol=0)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-8, err_msg=key)
+
+
+_CRITIC_ON_POLICY = {"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 4}
+
+
+def test_critic_on_policy_applies_only_where_its_update_is_on_policy():
+    assert _setup(**_CRITIC_ON_POLICY)[1].critic.on_policy
+    assert not _setup(**{"algorithm.adv_estimator": "gae"})[1].critic.on_policy  # 2 minis
+    for off in ({"critic.reuse_update_values": False}, {"critic.ppo_epochs": 2}):
+        assert not _setup(**_CRITIC_ON_POLICY, **off)[1].critic.on_policy, off
+    assert _setup(**{**_CRITIC_ON_POLICY, "algorithm.adv_estimator": "grpo"})[1].critic is None
+    s = _setup(**{"algorithm.adv_estimator": "gae"})[1]
+    with pytest.raises(ValueError, match=r"^critic\.reuse_update_values: applies only"):
+        dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
+
+
+@pytest.mark.parametrize("over", [
+    {},  # the actor on-policy too, no KL in the reward
+    {"algorithm.use_kl_in_reward": True, "actor.ppo_mini_batch_size": 2,
+     "actor.response_buckets": 3, "rollout.response_length": 40},
+])
+def test_on_policy_critic_learns_what_the_value_pass_gives(over):
+    """Skipping the value pass changes nothing but float noise: the critic's update values
+    the batch with the parameters the pass would use, its micro-batches take their GAE
+    returns from those values, and the advantages, the actor's update and every metric
+    follow as from the pass (with the KL penalty in the reward and response buckets too)."""
+    over = {**_CRITIC_ON_POLICY, "actor.use_kl_loss": True, "critic.optim.lr": 1e-3, **over}
+    _, s, model, params = _setup(**over)
+    _, s_pass, _, _ = _setup(**over, **{"critic.reuse_update_values": False})
+    assert s.critic.on_policy and not s_pass.critic.on_policy
+    critic_params = init_critic_params(params, jax.random.key(1))
+    ro = _long_rollout() if "rollout.response_length" in over else _rollout()
+    ref = jax.tree.map(lambda x: x * 0.9, params)
+    scores = np.zeros(ro.responses.shape, np.float32)
+    scores[np.arange(8), np.maximum(np.asarray(ro.response_mask).sum(1) - 1, 0)] = SCORES
+    outs = {}
+    for name, st in (("update", s), ("pass", s_pass)):
+        exp = jax.jit(lambda sta, r, o, st=st: step.forward(sta, r, o, s=st, model=model))(
+            _state(st, params, critic_params), ref, ro)
+        assert (exp.values is None) == (name == "update")
+        exp = exp.replace(token_level_scores=jnp.asarray(scores),
+                          uid=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 2))
+        outs[name] = _learn(st, model, _state(st, params, critic_params), exp)
+    (n1, m1), (n0, m0) = outs["update"], outs["pass"]
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                zip(jax.tree.leaves(n0.critic.params), jax.tree.leaves(critic_params),
+                    strict=True))
+    assert moved > 1e-4 and m0["critic/vf_loss"] > 0
+    # Adam's first step divides each gradient by its own size: a component near zero
+    # turns float noise of the values into up to ~1e-5 here (lr 1e-3).
+    chex.assert_trees_all_close(n1.critic.params, n0.critic.params, atol=1e-5, rtol=0)
+    chex.assert_trees_all_close(n1.actor.params, n0.actor.params, atol=1e-5, rtol=0)
+    assert m1["critic/vf_clipfrac"] == 0.0  # old values = this pass's
+    assert set(m1) == set(m0)
+    for key in m0:
+        np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -77,8 +77,8 @@ def tiny_mesh_config(algo: str, steps: int):
     }
     if algo == "grpo":
         overrides.update({"actor.use_kl_loss": True, "actor.entropy_coeff": 0.01})
-    else:
-        overrides.update({"algorithm.use_kl_in_reward": True})
+    else:  # the critic's update on-policy (the whole batch): it values the batch itself
+        overrides.update({"algorithm.use_kl_in_reward": True, "critic.ppo_mini_batch_size": 8})
     return tiny_config(**overrides)
 
 

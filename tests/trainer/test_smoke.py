@@ -76,3 +76,25 @@ def test_the_rollout_program_compiles_with_the_samplers_options(tmp_path, monkey
     monkeypatch.setattr(trainer, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         run(tiny_config(), str(tmp_path))
+
+
+@pytest.mark.parametrize("mini_batch,skipped", [(4, True), (2, False)])
+def test_on_policy_critic_skips_the_value_pass(tmp_path, monkeypatch, mini_batch, skipped):
+    """PPO with the critic's update over the whole batch (4 prompts) runs no separate value
+    pass (`step.forward` gives no values); with two mini-batches it does. Either way the
+    step reports the batch's values."""
+    from jrl import step
+
+    seen = []
+
+    def forward(*args, **kwargs):
+        exp = real(*args, **kwargs)
+        seen.append(exp.values is None)
+        return exp
+
+    real = step.forward
+    monkeypatch.setattr(step, "forward", forward)
+    records = _run(tmp_path, **{"algorithm.adv_estimator": "gae",
+                                "critic.ppo_mini_batch_size": mini_batch})
+    assert seen and set(seen) == {skipped}
+    assert all(r["critic/values/max"] > r["critic/values/min"] for r in records)

@@ -689,9 +689,10 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         staleness=_get(config, "rollout.staleness"),
         response_buckets=_get(config, "actor.response_buckets"),
         share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")))
-    if _get(config, "actor.reuse_update_log_probs") and on_policy(s):
+    if _flag("actor.reuse_update_log_probs", _get(config, "actor.reuse_update_log_probs")) \
+            and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
-    if s.critic is not None and _get(config, "critic.reuse_update_values") \
-            and critic_on_policy(s):
+    reuse_values = _flag("critic.reuse_update_values", _get(config, "critic.reuse_update_values"))
+    if s.critic is not None and reuse_values and critic_on_policy(s):
         s = dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
     return s

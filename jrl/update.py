@@ -226,7 +226,7 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
 
 
 def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
-                critic: CriticSettings, gamma: float = 1.0, lam: float = 1.0, group: int = 1):
+                critic: CriticSettings, gamma: float, lam: float, group: int = 1):
     """Clipped value loss of one micro-batch; `group` as in `actor_loss`.
 
     The old values and the returns are the batch's, or, for an on-policy update

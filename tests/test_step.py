@@ -329,22 +329,34 @@ def test_critic_on_policy_applies_only_where_its_update_is_on_policy():
         dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
 
 
-@pytest.mark.parametrize("over", [
-    {},  # the actor on-policy too, no KL in the reward
-    {"algorithm.use_kl_in_reward": True, "actor.ppo_mini_batch_size": 2,
-     "actor.response_buckets": 3, "rollout.response_length": 40},
+def _holed(ro: Rollout) -> Rollout:
+    """`ro` with every third response token out of the loss but still attended to (a
+    multi-turn row's tool outputs)."""
+    holes = (np.arange(ro.responses.shape[1]) % 3 == 1)[None, :]
+    return ro.replace(response_mask=jnp.where(holes, 0, ro.response_mask),
+                      response_attention_mask=ro.response_mask)
+
+
+@pytest.mark.parametrize("over,layout", [
+    # The actor on-policy too (one mini-batch), no KL in the reward.
+    ({"actor.ppo_mini_batch_size": 4}, "plain"),
+    # GAE with gamma, lam < 1 (returns then depend on the values), the KL penalty in the
+    # reward, 3 response buckets over 40 columns, tokens out of the loss mid-row.
+    ({"algorithm.use_kl_in_reward": True, "algorithm.gamma": 0.9, "algorithm.lam": 0.8,
+      "actor.response_buckets": 3, "rollout.response_length": 40}, "long, holed"),
 ])
-def test_on_policy_critic_learns_what_the_value_pass_gives(over):
+def test_on_policy_critic_learns_what_the_value_pass_gives(over, layout):
     """Skipping the value pass changes nothing but float noise: the critic's update values
     the batch with the parameters the pass would use, its micro-batches take their GAE
     returns from those values, and the advantages, the actor's update and every metric
-    follow as from the pass (with the KL penalty in the reward and response buckets too)."""
+    follow as from the pass."""
     over = {**_CRITIC_ON_POLICY, "actor.use_kl_loss": True, "critic.optim.lr": 1e-3, **over}
     _, s, model, params = _setup(**over)
     _, s_pass, _, _ = _setup(**over, **{"critic.reuse_update_values": False})
     assert s.critic.on_policy and not s_pass.critic.on_policy
+    assert s.actor.on_policy == (layout == "plain")
     critic_params = init_critic_params(params, jax.random.key(1))
-    ro = _long_rollout() if "rollout.response_length" in over else _rollout()
+    ro = _rollout() if layout == "plain" else _holed(_long_rollout())
     ref = jax.tree.map(lambda x: x * 0.9, params)
     scores = np.zeros(ro.responses.shape, np.float32)
     scores[np.arange(8), np.maximum(np.asarray(ro.response_mask).sum(1) - 1, 0)] = SCORES

@@ -95,6 +95,8 @@ def main(argv=None) -> None:
                         "a checkpoint at the last step")
     parser.add_argument("--compact", action="store_true", help="decode compaction on "
                         "(rollout.decode_buckets=4, 6-token responses so rows stop apart)")
+    parser.add_argument("--value_pass", action="store_true", help="(ppo) the critic's "
+                        "update in two mini-batches, after a separate value pass")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume "
                         "from (trainer.resume_mode='resume_path')")
     args = parser.parse_args(argv)
@@ -106,6 +108,8 @@ def main(argv=None) -> None:
     config = tiny_mesh_config(args.algo, args.steps)
     if args.compact:
         config.rollout.decode_buckets, config.rollout.response_length = 4, 6
+    if args.value_pass:
+        config.critic.ppo_mini_batch_size = 4
     if args.workdir:
         config.trainer.save_freq = args.steps
     if args.resume_from:

@@ -71,6 +71,15 @@ def test_meshes_match_one_device(tmp_path, algo):
         assert_same_metrics(expected, runs[mesh])
 
 
+def test_ppo_value_pass_meshes_match_one_device(tmp_path):
+    """PPO with the separate value pass and the critic's update in two mini-batches (the
+    mesh test above values the batch in the critic's update) on (data=2, fsdp=2,
+    tensor=2) vs one device."""
+    runs = _run(tmp_path, "ppo", "1,1,1 2,2,2", 2, "--value_pass")
+    assert len({r["critic/score/mean"] for r in runs["1,1,1"]}) > 1
+    assert_same_metrics(runs["1,1,1"], runs["2,2,2"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -32,14 +32,14 @@ from jrl.rollout import SamplingConfig, generate_program
 from jrl.settings import Settings
 from jrl.types import Experience, Rollout, TrainState
 
-# The batch fields each model's update reads.
-_ACTOR_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                 "response_attention_mask", "old_log_probs", "advantages", "ref_log_probs",
-                 "rollout_is_weights")
-_CRITIC_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                  "response_attention_mask", "values", "returns")
-# ... and those of an on-policy critic update, which values the batch itself.
-_ON_POLICY_CRITIC_FIELDS = _CRITIC_FIELDS[:5] + ("token_level_rewards",)
+# The batch fields each model's update reads: the sequences, then each model's own
+# (an on-policy critic's update values the batch itself, from the token rewards).
+_SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                    "response_attention_mask")
+_ACTOR_FIELDS = _SEQUENCE_FIELDS + ("old_log_probs", "advantages", "ref_log_probs",
+                                    "rollout_is_weights")
+_CRITIC_FIELDS = _SEQUENCE_FIELDS + ("values", "returns")
+_ON_POLICY_CRITIC_FIELDS = _SEQUENCE_FIELDS + ("token_level_rewards",)
 # The prefixes of `data_metrics`' keys.
 DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "critic/returns/",
                 "critic/values/", "critic/vf_explained_var", "response_length/",
@@ -229,13 +229,17 @@ def token_rewards(exp: Experience, beta, *, s: Settings):
 def advantages(exp: Experience, beta, *, s: Settings):
     """(token rewards, advantages, returns, current KL): the KL penalty in the reward
     when `algorithm.use_kl_in_reward`, then the advantage estimator."""
-    mask = exp.response_mask.astype(jnp.float32)
     rewards, current_kl = token_rewards(exp, beta, s=s)
-    adv, returns = adv_lib.compute_advantages(
-        s.algorithm.adv_estimator, rewards, mask, values=exp.values, group_ids=exp.uid,
-        reward_baselines=exp.reward_baselines, gamma=s.algorithm.gamma, lam=s.algorithm.lam,
+    return (rewards, *_estimate(exp, rewards, s=s), current_kl)
+
+
+def _estimate(exp: Experience, rewards, *, s: Settings):
+    """(advantages, returns) of the token rewards by the advantage estimator."""
+    return adv_lib.compute_advantages(
+        s.algorithm.adv_estimator, rewards, exp.response_mask.astype(jnp.float32),
+        values=exp.values, group_ids=exp.uid, reward_baselines=exp.reward_baselines,
+        gamma=s.algorithm.gamma, lam=s.algorithm.lam,
         norm_adv_by_std_in_grpo=s.algorithm.norm_adv_by_std_in_grpo)
-    return rewards, adv, returns, current_kl
 
 
 def _stats(prefix: str, values, mask=None) -> dict:
@@ -302,14 +306,14 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
                                                       exp.response_mask, c)
         # Rejected tokens leave the loss, not the context of the tokens after them.
         exp = exp.replace(response_mask=kept, response_attention_mask=exp.attention_mask())
+    rewards, current_kl = token_rewards(exp, state.kl.value, s=s)
     critic, critic_metrics = state.critic, {}
     if critic is not None and s.critic.on_policy:  # values the batch as it learns
-        rewards, _ = token_rewards(exp, state.kl.value, s=s)
         critic, critic_metrics, tokens = _critic_update(
             state, {**_fields(exp), "token_level_rewards": rewards}, critic_key, frozen, s=s,
             model=model, critic_opt=critic_opt)
         exp = exp.replace(values=tokens["values"])
-    rewards, adv, returns, current_kl = advantages(exp, state.kl.value, s=s)
+    adv, returns = _estimate(exp, rewards, s=s)
     batch = {**_fields(exp), "advantages": adv, "returns": returns,
              "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)

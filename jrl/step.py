@@ -226,15 +226,9 @@ def token_rewards(exp: Experience, beta, *, s: Settings):
         exp.response_mask.astype(jnp.float32), beta, s.algorithm.kl_penalty)
 
 
-def advantages(exp: Experience, beta, *, s: Settings):
-    """(token rewards, advantages, returns, current KL): the KL penalty in the reward
-    when `algorithm.use_kl_in_reward`, then the advantage estimator."""
-    rewards, current_kl = token_rewards(exp, beta, s=s)
-    return (rewards, *_estimate(exp, rewards, s=s), current_kl)
-
-
-def _estimate(exp: Experience, rewards, *, s: Settings):
-    """(advantages, returns) of the token rewards by the advantage estimator."""
+def estimate_advantages(exp: Experience, rewards, *, s: Settings):
+    """(advantages, returns) of the token rewards (`token_rewards`) by the advantage
+    estimator."""
     return adv_lib.compute_advantages(
         s.algorithm.adv_estimator, rewards, exp.response_mask.astype(jnp.float32),
         values=exp.values, group_ids=exp.uid, reward_baselines=exp.reward_baselines,
@@ -313,7 +307,7 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
             state, {**_fields(exp), "token_level_rewards": rewards}, critic_key, frozen, s=s,
             model=model, critic_opt=critic_opt)
         exp = exp.replace(values=tokens["values"])
-    adv, returns = _estimate(exp, rewards, s=s)
+    adv, returns = estimate_advantages(exp, rewards, s=s)
     batch = {**_fields(exp), "advantages": adv, "returns": returns,
              "rollout_is_weights": is_weights}
     metrics = data_metrics(exp, rewards, adv, returns, s=s)

@@ -116,10 +116,15 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
     slot = jnp.asarray(slot, jnp.int32)
     start_b = start_b.astype(jnp.int32)
     if impl == "pallas":
-        if k_bksh.shape[2] % _BLOCK:
-            raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} "
-                             f"cache slots, got {k_bksh.shape[2]}")
-        kernel = functools.partial(_pallas, interpret=interpret, tiles=tiles)
+        _check_slot(None, k_bksh)
+
+        def kernel(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
+            # One operand, as a fused projection leaves them (`append_and_attend_qkv`).
+            qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
+                                       v_new_bkh.astype(q_bnh.dtype)], axis=1)
+            return _pallas(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
+                           interpret=interpret, tiles=tiles)
+
         return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                         start_b, slot)
     if impl != "xla":
@@ -129,6 +134,46 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
     return out_bnh, k_bksh, v_bksh
+
+
+def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
+                          num_heads: int, impl: str = "xla", interpret: bool = False,
+                          tiles: Tiles = TILES):
+    """`append_and_attend` from a fused qkv projection's output, before its bias.
+
+    The kernel reads the projection's output as its one operand and adds the bias
+    itself (rounded to the operand's dtype, as the projection's own bias add rounds),
+    so a decode step runs no kernel between the projection and the attention; with q,
+    k and v as three arrays XLA joins them again in a fusion of its own (which also
+    adds the bias) before the kernel.
+
+    Args:
+      qkv_bjh: `[B, N + 2K, H]` the new tokens' query heads, then key heads, then
+        value heads, before the bias and RoPE.
+      bias_jh: `[N + 2K, H]` the projection's bias, or None.
+      num_heads: N, the query heads.
+      The rest as `append_and_attend`'s.
+    """
+    if impl == "pallas":
+        _check_slot(slot, k_bksh)
+        kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,
+                                   tiles=tiles)
+        return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
+                            start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
+    if bias_jh is not None:
+        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
+    num_kv = k_bksh.shape[1]
+    q_bnh, k_new_bkh, v_new_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + num_kv], axis=1)
+    return append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
+                             start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
+
+
+def _check_slot(slot, k_bksh):
+    if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
+        raise ValueError(f"decode slot {slot} outside the cache's {k_bksh.shape[2]} slots")
+    if k_bksh.shape[2] % _BLOCK:
+        raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} "
+                         f"cache slots, got {k_bksh.shape[2]}")
 
 
 def rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, slot):
@@ -182,16 +227,38 @@ def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh
                               k_bksh, v_bksh, start_b, slot)
 
 
-def _append_attend_kernel(qkv_ref, sin_ref, cos_ref, bounds_ref, k_ref, v_ref,
-                          o_ref, k_out_ref, v_out_ref, *, heads, group, rows, scale, block):
+def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot):
+    """`_sharded` for the fused operand: over the batch axes only (the fused projection
+    is not used when a `tensor` axis splits the heads)."""
+    biases = () if bias_jh is None else (bias_jh,)
+
+    def specs(sharder):
+        batch = sharder.spec(("batch",), start_b.shape)[0]
+        qkv_spec, cache_spec, rows = P(batch, None, None), P(batch, None, None, None), P(batch)
+        return ((qkv_spec, *(P(None, None) for _ in biases), P(batch, None), P(batch, None),
+                 cache_spec, cache_spec, rows, P()), (qkv_spec, cache_spec, cache_spec))
+
+    def run(qkv_bjh, *rest):
+        bias = rest[0] if biases else None
+        return kernel(qkv_bjh, bias, *rest[len(biases):])
+
+    return sharding.per_shard(run, specs, qkv_bjh, *biases, sin_bk, cos_bk, k_bksh, v_bksh,
+                              start_b, slot)
+
+
+def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_bias):
     """One (row, key/value head): its `group` queries against the new token and the
     filled blocks of the cache. `qkv_ref` holds the row's `heads` query heads, then its
-    key and its value heads, before RoPE. `rows` is `group` rounded up to a Triton tile
-    (>= 16); the extra query rows are masked. `k_out_ref`/`v_out_ref` alias
+    key and its value heads, before RoPE (and before the bias, when `has_bias`: the
+    next ref then holds it, `[heads + 2 * num_kv, H]`, added here and rounded to the
+    compute dtype as an XLA bias add is). `rows` is `group` rounded up to a Triton
+    tile (>= 16); the extra query rows are masked. `k_out_ref`/`v_out_ref` alias
     `k_ref`/`v_ref`.
 
     RoPE pairs the first and second halves of a head, so the queries and keys are
     kept as their two rotated halves, and a score is the sum of the halves' dots."""
+    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    sin_ref, cos_ref, bounds_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
     kv = pl.program_id(1)
     num_kv = pl.num_programs(1)
     start, slot = bounds_ref[0], bounds_ref[1]
@@ -200,17 +267,24 @@ def _append_attend_kernel(qkv_ref, sin_ref, cos_ref, bounds_ref, k_ref, v_ref,
     dtype = qkv_ref.dtype
     sin, cos = sin_ref[...][None, :], cos_ref[...][None, :]  # [1, H/2] float32
 
-    def rotated(rows_slice, mask=None):
-        """The two halves of heads `rows_slice`, rotated, in the compute dtype."""
+    def load(heads_slice, part, mask=None):
+        """Heads `heads_slice` (columns `part`) of the operand, plus the bias, float32."""
         fill = {} if mask is None else dict(mask=mask, other=0.0)
-        x1, x2 = (plgpu.load(qkv_ref.at[rows_slice, part], **fill).astype(jnp.float32)
-                  for part in (first_half, second_half))
+        x = plgpu.load(qkv_ref.at[heads_slice, part], **fill)
+        if has_bias:
+            bias = plgpu.load(bias_ref.at[heads_slice, part], **fill)
+            x = (x.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+        return x.astype(jnp.float32)
+
+    def rotated(heads_slice, mask=None):
+        """The two halves of heads `heads_slice`, rotated, in the compute dtype."""
+        x1, x2 = (load(heads_slice, part, mask) for part in (first_half, second_half))
         return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
     real_row = (jnp.arange(rows) < group)[:, None]
     q1, q2 = rotated(pl.ds(kv * group, rows), real_row)  # [rows, H/2] each
     k1_new, k2_new = rotated(pl.ds(heads + kv, 1))  # [1, H/2] each
-    v_new = qkv_ref[pl.ds(heads + num_kv + kv, 1), :]  # [1, H]
+    v_new = load(pl.ds(heads + num_kv + kv, 1), slice(None)).astype(dtype)  # [1, H]
     new_row = pl.ds(slot, 1)
     # Never past the buffer (the next head's slots): a slot beyond it is not written.
     in_cache = lambda t: dict(mask=jnp.full(t.shape, slot < k_out_ref.shape[0]))
@@ -250,38 +324,42 @@ def _append_attend_kernel(qkv_ref, sin_ref, cos_ref, bounds_ref, k_ref, v_ref,
                 (acc / total[:, None]).astype(o_ref.dtype), mask=real_row)
 
 
-def _pallas(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
+def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, num_heads,
             interpret, tiles):
-    b, n, h = q_bnh.shape
+    """The kernel over `[B, N + 2K, H]` new query, key and value heads (`bias_jh`: their
+    bias, or None)."""
+    b, _, h = qkv_bjh.shape
+    n = num_heads
     kv, s = k_bksh.shape[1], k_bksh.shape[2]
     block = tiles.block if s % tiles.block == 0 else _BLOCK
     group = n // kv
     rows = max(16, 1 << (group - 1).bit_length())
-    # One operand: where q, k and v are adjacent slices of one fused projection, XLA
-    # folds the concatenation away.
-    qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
-                               v_new_bkh.astype(q_bnh.dtype)], axis=1)
     bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)
+    has_bias = bias_jh is not None
     kernel = functools.partial(_append_attend_kernel, heads=n, group=group, rows=rows,
-                               scale=1.0 / math.sqrt(h), block=block)
+                               scale=1.0 / math.sqrt(h), block=block, has_bias=has_bias)
     row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
     per_head = lambda shape: pl.BlockSpec((None, None, *shape),
                                           lambda i, j: (i, j) + (0,) * len(shape))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    biases = [bias_jh.astype(qkv_bjh.dtype)] if has_bias else []
+    first_cache = 1 + len(biases) + 3  # operand index of the key cache
     out_bnh, k_bksh, v_bksh = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(q_bnh.shape, q_bnh.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, n, h), qkv_bjh.dtype),
                    jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
                    jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)],
         grid=(b, kv),
-        in_specs=[row(qkv_bjh.shape[1:]), row((h // 2,)), row((h // 2,)), row((2,)),
-                  per_head((s, h)), per_head((s, h))],
+        in_specs=[row(qkv_bjh.shape[1:]), *(whole(x.shape) for x in biases),
+                  row((h // 2,)), row((h // 2,)), row((2,)), per_head((s, h)),
+                  per_head((s, h))],
         out_specs=[row((n, h)), per_head((s, h)), per_head((s, h))],
-        input_output_aliases={4: 1, 5: 2},
+        input_output_aliases={first_cache: 1, first_cache + 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret or jax.default_backend() != "gpu",
         name="append_and_attend",
-    )(qkv_bjh, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2, k_bksh,
-      v_bksh)
+    )(qkv_bjh, *biases, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2,
+      k_bksh, v_bksh)
     return out_bnh, k_bksh, v_bksh
 
 

@@ -271,7 +271,20 @@ class Attention(nn.Module):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         kv_heads = (c.num_kv_heads, c.head_dim)
-        if self.has_variable("params", FUSED_QKV):  # the sampler's fused layout
+        fused_layout = self.has_variable("params", FUSED_QKV)  # the sampler's
+        if fused_layout and isinstance(mask_b1ts, DecodeStep) and not c.qk_norm:
+            # The kernel takes the projection's output as it is and adds the bias itself.
+            fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
+            bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
+            out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend_qkv(
+                constrain(qkv_btjh[:, 0], ("batch", None, None)),
+                None if bias_jh is None else bias_jh.astype(c.dtype),
+                sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer), mask_b1ts.start_b,
+                write_index, num_heads=c.num_heads, impl="pallas")
+            cache = cache.replace_layer(layer, k_bksh, v_bksh)
+            return self._output(out_bnh[:, None]), cache
+        if fused_layout:
             fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             qkv = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV,
                          bias=c.qkv_bias)(x_btd)
@@ -297,10 +310,14 @@ class Attention(nn.Module):
         else:
             out_btnh, cache = _rotate_and_attend(c, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
                                                  mask_b1ts, cache, layer, write_index)
+        return self._output(out_btnh), cache
+
+    def _output(self, out_btnh):
+        """The output projection of the heads' outputs `[B, T, N, H]`."""
         out_btnh = constrain(out_btnh, _HEADS)
         o_axes = ("heads", "head_dim", "embed")
-        out_btd = _project(c, c.hidden_size, o_axes, "o_proj", out_btnh, axis=(-2, -1))
-        return out_btd, cache
+        return _project(self.config, self.config.hidden_size, o_axes, "o_proj", out_btnh,
+                        axis=(-2, -1))
 
 
 class Mlp(nn.Module):

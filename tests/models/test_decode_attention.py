@@ -172,6 +172,79 @@ def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
     assert "output_operand_alias" in text and "dynamic_update_slice" not in text
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (4, 4)])
+def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
+                                                          num_kv_heads):
+    """`append_and_attend_qkv` on a fused projection's bf16 output before its bias gives
+    what `append_and_attend` gives on q, k and v split from the output with the bias
+    added by XLA, to the bit (the kernel rounds the sum as XLA's bf16 add does); its XLA
+    path too. Slots 0, 64 (a block edge) and 100, rows starting at 0, mid-block and
+    at the new token."""
+    keys = jax.random.split(jax.random.key(2), 6)
+    b, h, slots = 3, 64, 128
+    j = num_heads + 2 * num_kv_heads
+    qkv = jax.random.normal(keys[0], (b, j, h), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (j, h), jnp.bfloat16) if with_bias else None
+    k, v = (jax.random.normal(key, (b, num_kv_heads, slots, h), jnp.bfloat16)
+            for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    biased = qkv if bias is None else qkv + bias
+    parts = jnp.split(biased, [num_heads, num_heads + num_kv_heads], axis=1)
+    for slot in (0, 64, 100):
+        start = jnp.asarray([0, slot // 2, slot], jnp.int32)
+        want = da.append_and_attend(*parts, sin, cos, k, v, start, slot, impl="pallas",
+                                    interpret=True)
+        for impl in ("pallas", "xla"):
+            got = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
+                                           num_heads=num_heads, impl=impl, interpret=True)
+            for g, w, name in zip(got, want, ("out", "k", "v"), strict=True):
+                assert g.shape == w.shape and g.dtype == w.dtype
+                if impl == "pallas":
+                    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                                  np.asarray(w, np.float32),
+                                                  err_msg=f"{name}, slot {slot}")
+                else:  # the XLA path's attention sums in another order
+                    np.testing.assert_allclose(np.asarray(g, np.float32),
+                                               np.asarray(w, np.float32), rtol=2e-2,
+                                               atol=2e-2, err_msg=f"{name}, slot {slot}")
+    # A bias that is not applied shows: the kernel reads it.
+    if with_bias:
+        plain = da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, 100,
+                                         num_heads=num_heads, impl="pallas", interpret=True)
+        assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)
+                                     - want[0].astype(jnp.float32)))) > 0.1
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_operand_lowers_to_one_triton_call_on_the_projection_output(with_bias):
+    """For CUDA (lowered without a GPU): one Triton call, the cache aliased, and no
+    concatenation of q, k and v before it."""
+    sds = jax.ShapeDtypeStruct
+    b, n, kv, h, s = 8, 14, 2, 64, 128
+    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
+    args = (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
+            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    fn = lambda *a: da.append_and_attend_qkv(*a, num_heads=n, impl="pallas")
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
+    assert not [line for line in text.splitlines() if "concatenate" in line and "bf16" in line]
+
+
+def _random_biases(params, key):
+    """`params` with every bias leaf drawn from N(0, 0.5) (init_params starts them at 0)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [
+        0.5 * jax.random.normal(k, x.shape, x.dtype)
+        if any(getattr(p, "key", None) == "bias" for p in path) else x
+        for (path, x), k in zip(leaves, keys, strict=True)])
+
+
 @pytest.mark.parametrize("family,extra", [
     ("qwen2", dict(qkv_bias=True)),   # q/k/v bias
     ("qwen3", dict(qk_norm=True)),    # q/k norm before RoPE
@@ -186,6 +259,8 @@ def test_sampler_through_the_kernel_matches_the_xla_path(family, extra):
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                          initializer_range=0.3, **extra)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    if config.qkv_bias:
+        params = _random_biases(params, jax.random.key(1))
     rng = np.random.default_rng(0)
     lengths = np.array([5, 1, 9, 3])
     ids = rng.integers(1, config.vocab_size, size=(4, 9)).astype(np.int32)
@@ -234,13 +309,31 @@ _SHARDED_SCRIPT = textwrap.dedent("""
                  if np.isfinite(np.asarray(a)).all() else float("nan")
                  for a, b in zip(got, want)]
         out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
+    # The fused operand with its bias (the sampler's Qwen2 layout), over the batch.
+    bias = jax.random.normal(jax.random.key(7), (8, 32))
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    want = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41, num_heads=4,
+                                    impl="xla")
+    for name, sizes in (("qkv_data", dict(data=8, fsdp=1, tensor=1)),
+                        ("qkv_data_fsdp", dict(data=2, fsdp=4, tensor=1))):
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+        def fn(qkv, bias, k, v, start, sharder=sharder):
+            with sharder.active():
+                return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41,
+                                                num_heads=4, impl="pallas", interpret=True)
+        got = jax.jit(fn)(qkv, bias, k, v, start)
+        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
+                 if np.isfinite(np.asarray(a)).all() else float("nan")
+                 for a, b in zip(got, want)]
+        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
     print(json.dumps(out))
 """)
 
 
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     """Under a `Sharder` the kernel runs in a shard_map: over the batch, over heads when
-    query and key/value heads both divide over `tensor`, and replicated heads when not."""
+    query and key/value heads both divide over `tensor`, and replicated heads when not;
+    from the fused operand and its bias, over the batch."""
     result = run_script(_SHARDED_SCRIPT)
-    assert set(result) == {"data", "data_tensor", "tensor_uneven"}
+    assert set(result) == {"data", "data_tensor", "tensor_uneven", "qkv_data", "qkv_data_fsdp"}
     assert all(diff < 1e-5 for diff in result.values()), result  # False for NaN

@@ -116,7 +116,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
     slot = jnp.asarray(slot, jnp.int32)
     start_b = start_b.astype(jnp.int32)
     if impl == "pallas":
-        _check_slot(None, k_bksh)
+        _check_kernel_args(None, k_bksh)
 
         def kernel(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
             # One operand, as a fused projection leaves them (`append_and_attend_qkv`).
@@ -155,7 +155,7 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
       The rest as `append_and_attend`'s.
     """
     if impl == "pallas":
-        _check_slot(slot, k_bksh)
+        _check_kernel_args(slot, k_bksh)
         kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,
                                    tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
@@ -168,7 +168,7 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
 
 
-def _check_slot(slot, k_bksh):
+def _check_kernel_args(slot, k_bksh):
     if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
         raise ValueError(f"decode slot {slot} outside the cache's {k_bksh.shape[2]} slots")
     if k_bksh.shape[2] % _BLOCK:

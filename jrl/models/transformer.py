@@ -272,9 +272,9 @@ class Attention(nn.Module):
         heads = (c.num_heads, c.head_dim)
         kv_heads = (c.num_kv_heads, c.head_dim)
         fused_layout = self.has_variable("params", FUSED_QKV)  # the sampler's
+        fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         if fused_layout and isinstance(mask_b1ts, DecodeStep) and not c.qk_norm:
             # The kernel takes the projection's output as it is and adds the bias itself.
-            fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend_qkv(
@@ -285,7 +285,6 @@ class Attention(nn.Module):
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             return self._output(out_bnh[:, None]), cache
         if fused_layout:
-            fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             qkv = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV,
                          bias=c.qkv_bias)(x_btd)
             q_btnh, k_btkh, v_btkh = jnp.split(

@@ -154,6 +154,13 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
       num_heads: N, the query heads.
       The rest as `append_and_attend`'s.
     """
+    joined = num_heads + 2 * k_bksh.shape[1]
+    if qkv_bjh.shape[1] != joined or (bias_jh is not None
+                                      and bias_jh.shape != (joined, qkv_bjh.shape[2])):
+        raise ValueError(
+            f"append_and_attend_qkv: {num_heads} query heads and {k_bksh.shape[1]} key/value "
+            f"heads need qkv [B, {joined}, H] and a bias [{joined}, H], got qkv "
+            f"{tuple(qkv_bjh.shape)} and bias {None if bias_jh is None else tuple(bias_jh.shape)}")
     if impl == "pallas":
         _check_kernel_args(slot, k_bksh)
         kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,

@@ -209,6 +209,9 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                     np.testing.assert_allclose(np.asarray(g, np.float32),
                                                np.asarray(w, np.float32), rtol=2e-2,
                                                atol=2e-2, err_msg=f"{name}, slot {slot}")
+    with pytest.raises(ValueError, match=rf"{num_heads - 1} query heads.* got qkv \(3, {j}, 64\)"):
+        da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
+                                 num_heads=num_heads - 1, impl="pallas", interpret=True)
     # A bias that is not applied shows: the kernel reads it.
     if with_bias:
         plain = da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, 100,

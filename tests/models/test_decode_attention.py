@@ -280,6 +280,44 @@ def test_sampler_through_the_kernel_matches_the_xla_path(family, extra):
     assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.1  # not a degenerate model
 
 
+@pytest.mark.parametrize("family,extra", [("qwen2", dict(qkv_bias=True)), ("llama", {})])
+def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
+    """In bf16, the sampler with the kernel reading the fused projection's output (and
+    adding the bias) gives the same tokens and log-probs, to the bit, as with q, k and
+    v split off it after XLA's bias add (the layout before `append_and_attend_qkv`)."""
+    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.3, dtype="bfloat16", decode_attention_impl="pallas",
+                         **extra)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    if config.qkv_bias:
+        params = _random_biases(params, jax.random.key(1))
+    mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
+    ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
+    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    calls = []
+
+    def three_operands(qkv, bias, *args, num_heads, **kwargs):
+        calls.append(num_heads)
+        biased = qkv if bias is None else qkv + bias.astype(qkv.dtype)
+        kv = args[2].shape[1]
+        q, k, v = jnp.split(biased, [num_heads, num_heads + kv], axis=1)
+        return da.append_and_attend(q, k, v, *args, **kwargs)
+
+    fused = rollout.generate(params, ids, mask, jax.random.key(3), sampling, config=config)
+    jax.clear_caches()  # trace the sampler again, through the patch
+    try:
+        with mock.patch.object(da, "append_and_attend_qkv", three_operands):
+            split = rollout.generate(params, ids, mask, jax.random.key(3), sampling,
+                                     config=config)
+    finally:
+        jax.clear_caches()
+    assert calls  # the sampler took the fused path
+    np.testing.assert_array_equal(fused.responses, split.responses)
+    np.testing.assert_array_equal(np.asarray(fused.rollout_log_probs),
+                                  np.asarray(split.rollout_log_probs))
+
+
 _SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np

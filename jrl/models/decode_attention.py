@@ -111,12 +111,11 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
       buffers in the cache's dtype).
     """
-    if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
-        raise ValueError(f"decode slot {slot} outside the cache's {k_bksh.shape[2]} slots")
+    _check_slot(slot, k_bksh)
     slot = jnp.asarray(slot, jnp.int32)
     start_b = start_b.astype(jnp.int32)
     if impl == "pallas":
-        _check_kernel_args(None, k_bksh)
+        _check_blocks(k_bksh)
 
         def kernel(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
             # One operand, as a fused projection leaves them (`append_and_attend_qkv`).
@@ -162,7 +161,8 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
             f"heads need qkv [B, {joined}, H] and a bias [{joined}, H], got qkv "
             f"{tuple(qkv_bjh.shape)} and bias {None if bias_jh is None else tuple(bias_jh.shape)}")
     if impl == "pallas":
-        _check_kernel_args(slot, k_bksh)
+        _check_slot(slot, k_bksh)
+        _check_blocks(k_bksh)
         kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,
                                    tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
@@ -175,9 +175,14 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
 
 
-def _check_kernel_args(slot, k_bksh):
+def _check_slot(slot, k_bksh):
+    """A Python-int `slot` inside the cache (a traced one is not checked)."""
     if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
         raise ValueError(f"decode slot {slot} outside the cache's {k_bksh.shape[2]} slots")
+
+
+def _check_blocks(k_bksh):
+    """A cache of whole kernel blocks."""
     if k_bksh.shape[2] % _BLOCK:
         raise ValueError(f"the Pallas decode attention needs a multiple of {_BLOCK} "
                          f"cache slots, got {k_bksh.shape[2]}")

@@ -279,7 +279,7 @@ class Attention(nn.Module):
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend_qkv(
                 constrain(qkv_btjh[:, 0], ("batch", None, None)),
-                None if bias_jh is None else bias_jh.astype(c.dtype),
+                bias_jh,
                 sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer), mask_b1ts.start_b,
                 write_index, num_heads=c.num_heads, impl="pallas")
             cache = cache.replace_layer(layer, k_bksh, v_bksh)

@@ -1,4 +1,4 @@
-"""Shared test setup: JAX on the CPU, and a compilation cache shared by the tests.
+"""Shared test setup: JAX on the CPU (by default), and a compilation cache shared by the tests.
 
 Many tests compile the same programs (the sampler, log-probs, updates of the tiny
 model); the persistent cache lets later tests reuse what earlier ones compiled.
@@ -10,6 +10,12 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+
+# The tests compare float32 results with float64 and PyTorch references at float32
+# tolerances. Off the CPU (JAX_PLATFORMS=cuda, tpu), float32 matmuls default to TF32 or
+# bf16 operands, in XLA and in Pallas kernels alike; the tests ask for full float32.
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    jax.config.update("jax_default_matmul_precision", "float32")
 
 _CACHE = os.path.join(tempfile.gettempdir(), "jrl-jax-cache")
 jax.config.update("jax_compilation_cache_dir", os.environ.get("JRL_TEST_COMPILATION_CACHE", _CACHE))

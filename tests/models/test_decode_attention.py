@@ -1,6 +1,6 @@
-"""The Pallas decode-step kernel (interpret mode on CPU) against the XLA reference (the
-cache write and the attention), and the sampler run through it against the sampler on
-the XLA path."""
+"""The Pallas decode-step kernel (compiled on a GPU, in interpret mode elsewhere) against
+the XLA reference (the cache write and the attention), and the sampler run through it
+against the sampler on the XLA path."""
 
 import dataclasses
 import textwrap
@@ -18,6 +18,9 @@ from jrl.models import decode_attention as da
 from jrl.models.config import RopeScaling
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
+
+# On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
@@ -75,7 +78,7 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtyp
     for impl in ("xla", "pallas"):
         out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
                                                  jnp.asarray(start), slot, impl=impl,
-                                                 interpret=True)
+                                                 interpret=INTERPRET)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert k_out.dtype == k.dtype and v_out.dtype == v.dtype
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol,
@@ -89,7 +92,7 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtyp
     junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
     junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
     out, _, _ = da.append_and_attend(q, k_new, v_new, sin, cos, junk_k, junk_v,
-                                     jnp.asarray(start), slot, impl="pallas", interpret=True)
+                                     jnp.asarray(start), slot, impl="pallas", interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
@@ -111,7 +114,7 @@ def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
     for slot in (0, 63, 64, 65, 127):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
         outs = {impl: da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot,
-                                           impl=impl, interpret=True, tiles=tiles)
+                                           impl=impl, interpret=INTERPRET, tiles=tiles)
                 for impl in ("xla", "pallas")}
         tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
         for got, want in zip(outs["pallas"], outs["xla"], strict=True):
@@ -208,10 +211,10 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
     for slot in (0, 64, 100):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
         want = da.append_and_attend(*parts, sin, cos, k, v, start, slot, impl="pallas",
-                                    interpret=True)
+                                    interpret=INTERPRET)
         for impl in ("pallas", "xla"):
             got = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
-                                           num_heads=num_heads, impl=impl, interpret=True)
+                                           num_heads=num_heads, impl=impl, interpret=INTERPRET)
             for g, w, name in zip(got, want, ("out", "k", "v"), strict=True):
                 assert g.shape == w.shape and g.dtype == w.dtype
                 if impl == "pallas":
@@ -224,11 +227,11 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                                                atol=2e-2, err_msg=f"{name}, slot {slot}")
     with pytest.raises(ValueError, match=rf"{num_heads - 1} query heads.* got qkv \(3, {j}, 64\)"):
         da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
-                                 num_heads=num_heads - 1, impl="pallas", interpret=True)
+                                 num_heads=num_heads - 1, impl="pallas", interpret=INTERPRET)
     # A bias that is not applied shows: the kernel reads it.
     if with_bias:
         plain = da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, 100,
-                                         num_heads=num_heads, impl="pallas", interpret=True)
+                                         num_heads=num_heads, impl="pallas", interpret=INTERPRET)
         assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)
                                      - want[0].astype(jnp.float32)))) > 0.1
 

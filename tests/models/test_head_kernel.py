@@ -1,5 +1,6 @@
-"""The fused unembedding + log-softmax kernel (`jrl.models.head_kernel`) in Pallas'
-interpret mode, against float64 numpy and against the XLA path of `jrl.logprobs`.
+"""The fused unembedding + log-softmax kernel (`jrl.models.head_kernel`), compiled on a
+GPU and in Pallas' interpret mode elsewhere, against float64 numpy and against the XLA
+path of `jrl.logprobs`.
 
 The numpy reference forms the full `[T, V]` logits, `log Z` by a max-shifted sum and
 the entropy as `-sum p log p`; nothing here calls the code under test to build an
@@ -21,6 +22,9 @@ from jrl.errors import ConfigError
 from jrl.models import ModelConfig
 from jrl.models import head_kernel as hk
 from tests.eight_devices import run_script
+
+# On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
 
 # Small tiles so a handful of tokens and entries spans several programs of the grid.
 SMALL = hk.Blocks(t=16, v=32, k=16)
@@ -58,7 +62,7 @@ def test_stats_match_float64(vocab_first, tokens_per_call):
     log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=vocab_first,
                                               temperature=TEMPERATURE, with_entropy=True,
                                               blocks=SMALL, tokens_per_call=tokens_per_call,
-                                              interpret=True)
+                                              interpret=INTERPRET)
     z, ref_log_z, ref_lp, _, ref_ent = _reference(h, w, y, TEMPERATURE)
     chex.assert_shape((log_z, target, ent), (1, T))
     np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
@@ -74,7 +78,7 @@ def test_stats_without_entropy_and_targets_in_the_last_block():
     y = y.at[0, :5].set(V - 1)  # the last real entry, in the block with padding
     weight = hk.pad_vocab(w, True, SMALL)
     log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=True,
-                                              blocks=SMALL, interpret=True)
+                                              blocks=SMALL, interpret=INTERPRET)
     z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
     np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(target[0], z[np.arange(T), np.asarray(y[0])], rtol=1e-5,
@@ -87,7 +91,7 @@ def test_unpadded_or_overpadded_unembedding_is_refused():
     for weight in (w, jnp.pad(w, ((0, 128 + 32 - V), (0, 0)))):  # 101 rows; a whole extra block
         with pytest.raises(ValueError, match="pad it with pad_vocab"):
             hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=True, blocks=SMALL,
-                                 interpret=True)
+                                 interpret=INTERPRET)
 
 
 @pytest.fixture
@@ -192,7 +196,7 @@ def test_choice_and_errors(monkeypatch):
     h, w, y = _inputs()
     with pytest.raises(ValueError, match="multiple of 64"):
         hk.log_softmax_stats(h, hk.pad_vocab(w, True), y, vocab=V, vocab_first=True,
-                             interpret=True)
+                             interpret=INTERPRET)
     with pytest.raises(ConfigError, match="logprob_impl"):
         ModelConfig.preset("tiny", logprob_impl="cuda")
 

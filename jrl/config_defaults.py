@@ -49,13 +49,15 @@ def base_config() -> ml_collections.ConfigDict:
     # every decode step; no copy, for when memory is tight).
     c.model.lora_rollout = "merged"
     # Cache write and attention of decode steps: auto (one Pallas kernel that writes the
-    # new key/value and attends over the filled cache slots, on GPU; else XLA), xla or
-    # pallas.
+    # new key/value and attends over the filled cache slots, on GPU with jax's Pallas
+    # Triton backend; else XLA), xla or pallas (a ConfigError where jax lacks that
+    # backend).
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
-    # Pallas kernel that keeps the logits on chip, on GPU for passes with the entropy
-    # and hidden sizes up to 1,024, where it is faster; else XLA), xla (chunked float32
-    # logits) or pallas (every pass).
+    # Pallas kernel that keeps the logits on chip, on GPU with jax's Pallas Triton
+    # backend, for passes with the entropy and hidden sizes up to 1,024, where it is
+    # faster; else XLA), xla (chunked float32 logits) or pallas (every pass; a
+    # ConfigError where jax lacks that backend).
     c.model.logprob_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).

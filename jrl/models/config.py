@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jrl.errors import ConfigError
+from jrl.models import triton_backend
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -166,6 +167,9 @@ class ModelConfig:
         _check_choice("decode_attention_impl", self.decode_attention_impl,
                       DECODE_ATTENTION_IMPLS)
         _check_choice("logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
+        for key in ("decode_attention_impl", "logprob_impl"):
+            if getattr(self, key) == "pallas":
+                triton_backend.require(f"model.{key}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import rope
+from jrl.models import rope, triton_backend
 from jrl.models.cache import write_slots
+
+plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_pallas` says so)
 
 # Cache slots per kernel block (a power of two, as Triton wants); the cache holds
 # whole blocks when the kernel decodes (`cache_slots`).
@@ -67,6 +68,8 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     the kernel runs in interpret mode, where any head_dim works)."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    if impl == "pallas":
+        triton_backend.require("model.decode_attention_impl")
     if impl == "pallas" and on_gpu and not head_ok:
         raise ValueError(
             f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "
@@ -74,7 +77,8 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
             "use 'auto' or 'xla'")
     if impl != "auto":
         return impl
-    ok = on_gpu and head_ok and (num_slots is None or num_slots % _BLOCK == 0)
+    ok = (on_gpu and head_ok and triton_backend.available()
+          and (num_slots is None or num_slots % _BLOCK == 0))
     return "pallas" if ok else "xla"
 
 
@@ -340,6 +344,7 @@ def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, 
             interpret, tiles):
     """The kernel over `[B, N + 2K, H]` new query, key and value heads (`bias_jh`: their
     bias, or None)."""
+    triton_backend.require("model.decode_attention_impl")
     b, _, h = qkv_bjh.shape
     n = num_heads
     kv, s = k_bksh.shape[1], k_bksh.shape[2]

@@ -36,10 +36,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
+from jrl.models import triton_backend
+
+plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_call` says so)
 
 Array = jax.Array
 
@@ -77,12 +79,14 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     """
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"log-prob impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl == "pallas":
+        triton_backend.require("model.logprob_impl")
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
     tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
-    ok = (jax.default_backend() == "gpu" and with_entropy and hidden_size % FORWARD.k == 0
-          and hidden_size <= MAX_HIDDEN and tensor == 1)
+    ok = (jax.default_backend() == "gpu" and triton_backend.available() and with_entropy
+          and hidden_size % FORWARD.k == 0 and hidden_size <= MAX_HIDDEN and tensor == 1)
     return "pallas" if ok else "xla"
 
 
@@ -143,6 +147,7 @@ def _check_shapes(d, padded_vocab, vocab, blocks):
 def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks, interpret):
     """One kernel launch over `T` tokens (a multiple of `blocks.t`): the per-block
     statistics merged into `(log_z, target_logit, entropy)`, each float32 `[T]`."""
+    triton_backend.require("model.logprob_impl")
     tp, d = h_td.shape
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
     kernel = functools.partial(_stats_kernel, vocab=vocab, depth=d, vocab_first=vocab_first,

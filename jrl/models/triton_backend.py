@@ -1,0 +1,32 @@
+"""Pallas' Triton backend (`jax.experimental.pallas.triton`), where the installed jax
+has it.
+
+jrl's two GPU kernels, the decode step's attention (`decode_attention`) and the
+log-prob head (`head_kernel`), are written for it. jax 0.11 marks it deprecated in
+favour of Mosaic GPU and says it will be removed. Without it, `"auto"` takes the XLA
+path for both, and a forced `"pallas"` stops with a ConfigError naming its key: jrl
+itself still imports and runs.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jrl.errors import ConfigError
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # a jax that has dropped it
+    plgpu = None
+
+
+def available() -> bool:
+    return plgpu is not None
+
+
+def require(key: str) -> None:
+    """Stops with a ConfigError naming `key` (set to "pallas") where the backend is missing."""
+    if not available():
+        raise ConfigError(
+            f"{key}='pallas' needs Pallas' Triton backend (jax.experimental.pallas.triton), "
+            f"which jax {jax.__version__} does not have; use 'auto' or 'xla'")

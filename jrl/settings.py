@@ -16,6 +16,7 @@ from jrl import advantages, buckets, kl_control, losses, masks, multi_turn, opti
 from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
+from jrl.models import triton_backend
 from jrl.rewards import custom, reward_model, scoring
 from jrl.rollout import SamplingConfig
 
@@ -640,6 +641,9 @@ def _check_model(config) -> None:
                 model_config.DECODE_ATTENTION_IMPLS)
     if "logprob_impl" in config.model:
         _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
+    for key in ("decode_attention_impl", "logprob_impl"):
+        if config.model.get(key) == "pallas":
+            triton_backend.require(f"model.{key}")
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")

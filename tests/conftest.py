@@ -14,7 +14,7 @@ import jax  # noqa: E402
 # The tests compare float32 results with float64 and PyTorch references at float32
 # tolerances. Off the CPU (JAX_PLATFORMS=cuda, tpu), float32 matmuls default to TF32 or
 # bf16 operands, in XLA and in Pallas kernels alike; the tests ask for full float32.
-if os.environ["JAX_PLATFORMS"] != "cpu":
+if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "float32")
 
 _CACHE = os.path.join(tempfile.gettempdir(), "jrl-jax-cache")

@@ -65,6 +65,18 @@ def test_model_dtype_is_a_model_dtype_but_float16():
         _settings(**{"model.dtype": "float8"})
 
 
+def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
+    """Checked with the settings, before the run directory is claimed: without Pallas'
+    Triton backend a forced kernel stops, naming its key; "auto" runs on XLA."""
+    from jrl.models import triton_backend
+
+    monkeypatch.setattr(triton_backend, "plgpu", None)
+    for key in ("model.decode_attention_impl", "model.logprob_impl"):
+        _settings(**{key: "auto"})
+        with pytest.raises(ConfigError, match=rf"^{key}='pallas' needs Pallas' Triton backend"):
+            _settings(**{key: "pallas"})
+
+
 def test_loggers():
     _settings(**{"trainer.logger": settings.LOGGERS})
 

@@ -94,11 +94,12 @@ class ModelConfig:
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
         `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla" or
-        "pallas".
+        "pallas" (a ConfigError where jax lacks Pallas' Triton backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
         pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"
-        (chunked float32 logits) or "pallas" (every pass).
+        (chunked float32 logits) or "pallas" (every pass; a ConfigError where jax
+        lacks Pallas' Triton backend).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.

@@ -61,11 +61,12 @@ TILES = Tiles()
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
-    """`"pallas"` where the kernel applies (GPU, a power-of-two head_dim of at least 32,
-    whose halves are the kernel's dot operands, and, when given, a cache of whole
-    blocks), else `"xla"`; a forced `impl` is returned as is, but a forced `"pallas"`
-    on a GPU with a head_dim the kernel cannot take stops with a ValueError (off a GPU
-    the kernel runs in interpret mode, where any head_dim works)."""
+    """`"pallas"` where the kernel applies (GPU, Pallas' Triton backend installed, a
+    power-of-two head_dim of at least 32, whose halves are the kernel's dot operands,
+    and, when given, a cache of whole blocks), else `"xla"`; a forced `impl` is
+    returned as is, but a forced `"pallas"` stops with a ConfigError without the
+    Triton backend, and with a ValueError on a GPU with a head_dim the kernel cannot
+    take (off a GPU the kernel runs in interpret mode, where any head_dim works)."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
     if impl == "pallas":

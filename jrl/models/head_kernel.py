@@ -23,9 +23,9 @@ logits and wrote `d loss / dz` straight away was no faster there (its Triton mat
 runs at about 450 TFLOP/s on an H200 against cuBLAS's ~620, which ate the memory
 traffic it saved; docs/performance.md, round five).
 
-`choose_impl("auto", ...)` takes the kernel on GPU and the XLA reference
-(`jrl.logprobs`) elsewhere; CPU tests run the kernel in Pallas' interpret mode
-against the reference.
+`choose_impl("auto", ...)` takes the kernel on GPU (where jax has Pallas' Triton
+backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; CPU tests
+run the kernel in Pallas' interpret mode against the reference.
 """
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ MAX_HIDDEN = 1024
 
 
 def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
-    """`"pallas"` where the kernel applies and pays (GPU, a pass that computes the
-    entropy, a hidden size of whole `FORWARD.k` blocks up to `MAX_HIDDEN`, no `tensor`
-    axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned as is.
+    """`"pallas"` where the kernel applies and pays (GPU, Pallas' Triton backend
+    installed, a pass that computes the entropy, a hidden size of whole `FORWARD.k`
+    blocks up to `MAX_HIDDEN`, no `tensor` axis over 1 in the active mesh), else
+    `"xla"`; a forced `impl` is returned as is (a forced `"pallas"` without the Triton
+    backend stops with a ConfigError).
 
     Without the entropy XLA reads the logits twice rather than three times, and in the
     GRPO step the reference pass was no faster through the kernel (docs/performance.md,

@@ -16,8 +16,10 @@ from jrl.errors import ConfigError
 
 try:
     from jax.experimental.pallas import triton as plgpu
-except ImportError:  # a jax that has dropped it
+    _IMPORT_ERROR = None
+except ImportError as e:  # a jax that has dropped it (or a broken install of it)
     plgpu = None
+    _IMPORT_ERROR = e
 
 
 def available() -> bool:
@@ -29,4 +31,5 @@ def require(key: str) -> None:
     if not available():
         raise ConfigError(
             f"{key}='pallas' needs Pallas' Triton backend (jax.experimental.pallas.triton), "
-            f"which jax {jax.__version__} does not have; use 'auto' or 'xla'")
+            f"which does not import with jax {jax.__version__} ({_IMPORT_ERROR}); use 'auto' "
+            "or 'xla'")

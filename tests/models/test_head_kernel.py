@@ -21,10 +21,11 @@ from jrl import logprobs, sharding
 from jrl.errors import ConfigError
 from jrl.models import ModelConfig
 from jrl.models import head_kernel as hk
-from tests.eight_devices import run_script
+from tests.eight_devices import NEEDS_TRITON, run_script
 
 # On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
 INTERPRET = jax.default_backend() != "gpu"
+pytestmark = NEEDS_TRITON
 
 # Small tiles so a handful of tokens and entries spans several programs of the grid.
 SMALL = hk.Blocks(t=16, v=32, k=16)

@@ -26,6 +26,24 @@ _WITHOUT_TRITON = textwrap.dedent("""
     jax.default_backend = lambda: "gpu"  # where the kernels would be chosen
     out["auto"] = [da.choose_impl("auto", 64), hk.choose_impl("auto", 896)]
     jax.default_backend = lambda: "cpu"
+    # The kernels called directly (interpret mode) stop with the same error.
+    x, s = np.zeros((1, 2, 32), np.float32), np.zeros((1, 1, 64, 32), np.float32)
+    calls = {
+        "decode": lambda: da.append_and_attend(x, x[:, :1], x[:, :1], x[:, 0, :16],
+                                               x[:, 0, :16], s, s, np.zeros(1, np.int32), 3,
+                                               impl="pallas", interpret=True),
+        "head": lambda: hk.log_softmax_stats(np.zeros((1, 4, 64), np.float32),
+                                             np.zeros((128, 64), np.float32),
+                                             np.zeros((1, 4), np.int32), vocab=100,
+                                             vocab_first=True, interpret=True),
+    }
+    out["kernels"] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out["kernels"][name] = "ran"
+        except ConfigError as e:
+            out["kernels"][name] = str(e)
     errors = []
     for key in ("decode_attention_impl", "logprob_impl"):
         try:
@@ -53,11 +71,14 @@ def test_without_the_backend_jrl_runs_on_xla_and_refuses_a_forced_kernel():
         assert f"model.{key}='pallas' needs Pallas' Triton backend" in message, message
         assert "use 'auto' or 'xla'" in message
     assert result["responses"] == [2, 3]
+    assert result["kernels"].keys() == {"decode", "head"}
+    for key, message in (("decode_attention_impl", result["kernels"]["decode"]),
+                         ("logprob_impl", result["kernels"]["head"])):
+        assert f"model.{key}='pallas' needs Pallas' Triton backend" in message, message
 
 
 def test_choices_without_the_backend(monkeypatch):
     """The same choices in this process, with the backend patched away."""
-    assert triton_backend.available()  # the jax the tests run has it
     monkeypatch.setattr(triton_backend, "plgpu", None)
     monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
     assert da.choose_impl("auto", 64) == "xla" and hk.choose_impl("auto", 896) == "xla"

@@ -6,15 +6,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from jrl.models import triton_backend
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Tests that run a Pallas kernel (interpret mode off a GPU) need the Triton backend.
-NEEDS_TRITON = pytest.mark.skipif(not triton_backend.available(),
-                                  reason="this jax has no Pallas Triton backend")
 
 
 def run_script(script: str, timeout: int = 300) -> dict:

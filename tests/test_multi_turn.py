@@ -17,7 +17,7 @@ from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.models import ModelConfig, init_params
 from jrl.rollout import SamplingConfig
-from tests.eight_devices import NEEDS_TRITON
+from tests.markers import NEEDS_TRITON
 
 CHAR = CharTokenizer()
 

@@ -17,7 +17,8 @@ from jrl.models import ModelConfig, init_params
 from jrl.models import decode_attention as da
 from jrl.models.config import RopeScaling
 from jrl.rollout import SamplingConfig
-from tests.eight_devices import NEEDS_TRITON, run_script
+from tests.eight_devices import run_script
+from tests.markers import NEEDS_TRITON
 
 # On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
 INTERPRET = jax.default_backend() != "gpu"

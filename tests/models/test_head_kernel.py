@@ -21,7 +21,8 @@ from jrl import logprobs, sharding
 from jrl.errors import ConfigError
 from jrl.models import ModelConfig
 from jrl.models import head_kernel as hk
-from tests.eight_devices import NEEDS_TRITON, run_script
+from tests.eight_devices import run_script
+from tests.markers import NEEDS_TRITON
 
 # On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
 INTERPRET = jax.default_backend() != "gpu"

@@ -1,0 +1,9 @@
+"""Markers shared by test modules."""
+
+import pytest
+
+from jrl.models import triton_backend
+
+# Tests that run a Pallas kernel (interpret mode off a GPU) need the Triton backend.
+NEEDS_TRITON = pytest.mark.skipif(not triton_backend.available(),
+                                  reason="this jax has no Pallas Triton backend")

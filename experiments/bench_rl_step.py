@@ -80,6 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop_prob", type=float, default=0.0,
                    help="with --natural_stops: add ceil(stop_prob * vocab) stop ids, so a "
                         "near-uniform random model stops with about this chance per token")
+    p.add_argument("--dynamic_bsz", action="store_true",
+                   help="token-budget micro-batches (actor/critic use_dynamic_bsz)")
+    p.add_argument("--max_token_len", type=int, default=16384,
+                   help="tokens per device per micro-batch with --dynamic_bsz (every pass)")
+    p.add_argument("--uniform_lengths", default=None, metavar="LO,HI",
+                   help="rows stop at lengths drawn uniformly from [LO, HI] (seeded), "
+                        "decoded as natural stops (needs --natural_stops)")
     p.add_argument("--micro_batch", type=int, default=32,
                    help="actor.ppo_micro_batch_size: sequences per forward/backward (global)")
     p.add_argument("--critic_micro_batch", type=int, default=None,
@@ -244,6 +251,11 @@ def make_config(args, algo: str):
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
         c.rollout.log_prob_micro_batch_size = args.log_prob_micro_batch
+    if args.dynamic_bsz:
+        for role in ("actor", "critic"):
+            c[role].use_dynamic_bsz = True
+            c[role].ppo_max_token_len_per_gpu = args.max_token_len
+        c.rollout.log_prob_max_token_len_per_gpu = args.max_token_len
     # verl's rollout `ignore_eos`: every response runs to response_len.
     c.rollout.ignore_eos = not args.natural_stops
     c.actor.entropy_coeff = 0.0
@@ -276,6 +288,50 @@ def make_config(args, algo: str):
             if axis in c.mesh:
                 c.mesh[axis] = getattr(args, f"mesh_{axis}")
     return c
+
+
+def target_lengths(args) -> np.ndarray | None:
+    """`--uniform_lengths`: each output row's response length, uniform in [LO, HI]
+    (a fixed draw from `--seed`, the same in every step and run)."""
+    if not args.uniform_lengths:
+        return None
+    lo, hi = (int(x) for x in args.uniform_lengths.split(","))
+    if not (1 <= lo <= hi <= args.response_len) or not args.natural_stops:
+        raise SystemExit("--uniform_lengths LO,HI needs 1 <= LO <= HI <= --response_len "
+                         "and --natural_stops")
+    return np.random.default_rng(args.seed).integers(lo, hi + 1, args.batch * args.n)
+
+
+def stop_at_target_lengths(targets: np.ndarray) -> None:
+    """Makes the sampler stop each row at its target length, as if it had emitted a stop
+    token there: a random model cannot be made to, and the lengths of a reasoning batch
+    are what the passes after the rollout are measured on. The decode loop sees the
+    rows end (its batch compaction follows them) exactly as with real stops."""
+    original = rollout._emit
+
+    def emit(state, logits_nv, sampling):
+        new = original(state, logits_nv, sampling)
+        reached = ~new.done & (new.step >= jax.numpy.asarray(targets)[new.rows])
+        return new.replace(done=new.done | reached,
+                           lengths=jax.numpy.where(reached, new.step, new.lengths))
+
+    rollout._emit = emit
+
+
+def attention_flops(args, targets: np.ndarray | None) -> float | None:
+    """The update's attention FLOPs in one step (forward + backward, causal: 6 l^2 d per
+    layer for a sequence of l tokens, d = heads x head_dim), known for forced and for
+    `--uniform_lengths` lengths (None for other natural stops)."""
+    model = ModelConfig.preset(args.preset)
+    rows = args.batch * args.n
+    if targets is not None:
+        lengths = args.prompt_len + targets.astype(np.float64)
+    elif not args.natural_stops:
+        lengths = np.full(rows, args.prompt_len + args.response_len, np.float64)
+    else:
+        return None
+    d = model.num_heads * model.head_dim
+    return float(6.0 * d * model.num_layers * np.sum(lengths ** 2))
 
 
 def build_trainer(args, algo: str, workdir: str):
@@ -373,8 +429,13 @@ def run_algo(args, algo: str) -> dict:
     executed = 6.0 * (layers * (prompt_tokens / k + response_tokens) + unembed * response_tokens)
     hfu = (executed * epochs / phases["learn"] / (peak * devices)
            if peak and "learn" in phases else None)
+    # The MFU with attention's FLOPs counted as well (6N per token + causal attention).
+    attention = attention_flops(args, target_lengths(args))
+    mfu_attention = ((flops_per_token * tokens + attention) * epochs / phases["learn"]
+                     / (peak * devices) if peak and attention and "learn" in phases else None)
     return dict(
         algo=algo, setup_s=setup_s, prompt_group=k, hfu_actor=hfu,
+        mfu_actor_with_attention=mfu_attention, attention_flops=attention,
         warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
         timed_wall_s=[m["wall_s"] for m in timed], phases_s=phases,
         phases_per_step_s=[{k: m[f"timing_s/{k}"] for k in PHASES if f"timing_s/{k}" in m}
@@ -425,6 +486,9 @@ def print_table(args, results) -> None:
         ("throughput (tok/s/device)", lambda r: f"{r['throughput_tokens_per_s_per_device']:.0f}"),
         ("MFU actor update", lambda r: "-" if r["mfu_actor"] is None
          else f"{100 * r['mfu_actor']:.1f}%"),
+        ("MFU actor update, attention counted", lambda r: "-"
+         if r.get("mfu_actor_with_attention") is None
+         else f"{100 * r['mfu_actor_with_attention']:.1f}%"),
         ("HFU actor update (executed FLOPs)", lambda r: "-" if r["hfu_actor"] is None
          else f"{100 * r['hfu_actor']:.1f}% (prompt group {r['prompt_group']})"),
         ("peak memory (GiB, process)", lambda r: "-" if r["peak_memory_bytes_process"] is None
@@ -450,6 +514,10 @@ def main(argv=None) -> None:
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())
     print(json.dumps(info), flush=True)
+    targets = target_lengths(args)
+    if targets is not None:
+        stop_at_target_lengths(targets)
+        info["target_length_mean"] = float(np.mean(targets))
     results = []
     for algo in algos:
         results.append(run_algo(args, algo))

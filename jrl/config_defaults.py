@@ -249,6 +249,11 @@ def base_config() -> ml_collections.ConfigDict:
     # Sequences per forward pass when computing old/reference log-probs and values
     # (bounds the logits buffer; None: the whole batch at once).
     c.rollout.log_prob_micro_batch_size = config_dict.placeholder(int)
+    # Token-budget micro-batches for the old/reference log-prob and value passes, as
+    # actor.use_dynamic_bsz does for the update (None: as actor.use_dynamic_bsz).
+    c.rollout.log_prob_use_dynamic_bsz = config_dict.placeholder(bool)
+    # Tokens per device per micro-batch of those passes with log_prob_use_dynamic_bsz.
+    c.rollout.log_prob_max_token_len_per_gpu = 16384
     # Most response tokens (verl's data.max_response_length).
     c.rollout.response_length = 8
     # One-step asynchronous training: the first this many devices (of each host) form
@@ -472,6 +477,15 @@ def _add_update_keys(model: ml_collections.ConfigDict, lr: float) -> None:
     model.ppo_mini_batch_size = 16
     # Sequences per forward/backward pass; gradients accumulate over a mini-batch.
     model.ppo_micro_batch_size = 64
+    # Token-budget micro-batches (verl's use_dynamic_bsz, padding removed): the update's
+    # sequences are packed end to end, each with its own positions and no attention
+    # across them, into micro-batches of ppo_max_token_len_per_gpu tokens per device;
+    # their number follows the real token count. ppo_micro_batch_size, response_buckets
+    # and share_prompts then do not apply to this update. The long-response setting.
+    model.use_dynamic_bsz = False
+    # Tokens (prompt + response) per device per micro-batch with use_dynamic_bsz; at
+    # least data.max_prompt_length + rollout.response_length.
+    model.ppo_max_token_len_per_gpu = 16384
     # Passes over each batch.
     model.ppo_epochs = 1
     # Reshuffle the batch before splitting it into mini-batches, each epoch (verl: off).

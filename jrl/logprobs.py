@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jrl import buckets, sharding
+from jrl import buckets, packing, sharding
 from jrl.models import cache as cache_lib
 from jrl.models import head_kernel, heads, transformer
 from jrl.models.config import ModelConfig
@@ -353,3 +353,42 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
         return out
 
     return mapped
+
+
+def _packed_hidden(params, micro: packing.Micro, config: ModelConfig):
+    """Hidden states `[G, L, D]` of a packed micro-batch, and each slot's next token."""
+    tokens, positions, segments, targets = micro.inputs()
+    hidden, _ = transformer.forward(params, tokens, positions, segments, config=config)
+    return hidden, targets
+
+
+def packed_log_probs(params, micro: packing.Micro, *, config: ModelConfig,
+                     temperature: float = 1.0, chunk_size: int = 128,
+                     with_entropy: bool = False, entropy_grad: bool = True):
+    """Per slot of a packed micro-batch, the log-prob (and entropy) of the token in the
+    next slot, `[G, L]` each (`packing.Micro.responses` takes them to the response grid)."""
+    hidden, targets = _packed_hidden(params, micro, config)
+    return token_log_probs(params, hidden, targets, temperature=temperature,
+                           chunk_size=chunk_size, with_entropy=with_entropy,
+                           entropy_grad=entropy_grad, impl=config.logprob_impl)
+
+
+def packed_values(critic_params, micro: packing.Micro, *, config: ModelConfig) -> Array:
+    """Per slot of a packed micro-batch, the critic's value of the state after it `[G, L]`."""
+    hidden, _ = _packed_hidden(critic_params, micro, config)
+    return heads.values(critic_params, hidden)
+
+
+def in_packed_micro_batches(slot_fn, length: int):
+    """`fn(params, prompt_ids, prompt_mask, responses, attention_mask) -> outputs [N, R]`
+    over token-budget micro-batches (`jrl.packing`, `length` slots per device): the
+    counterpart of `in_micro_batches` for `slot_fn(params, micro)` (`packed_log_probs`,
+    `packed_values`), whose per-slot outputs come back on the response grid."""
+    def run(params, prompt_ids, prompt_mask, responses, attention_mask):
+        plan = packing.for_sequences(prompt_ids, prompt_mask, responses, attention_mask,
+                                     length)
+        fn = functools.partial(slot_fn, params)
+        shapes = jax.eval_shape(fn, packing.Micro(plan, jnp.int32(0)))
+        return packing.map_responses(fn, plan, attention_mask, shapes)
+
+    return run

@@ -102,6 +102,10 @@ class UpdateSettings:
     shuffle: bool
     nan_policy: str
     prefix: str = dataclasses.field(default="actor", compare=False, repr=False)
+    # Token-budget micro-batches (`jrl.packing`): slots per device per micro-batch
+    # (`<prefix>.ppo_max_token_len_per_gpu` with `use_dynamic_bsz`); None: micro-batches
+    # of `micro_batch` padded sequences.
+    max_token_len: int | None = None
 
     def __post_init__(self):
         p = self.prefix
@@ -113,6 +117,9 @@ class UpdateSettings:
             _fail(f"{p}.ppo_micro_batch_size", f"{self.micro_batch} sequences must divide "
                   f"the mini-batch of {self.mini_batch} sequences")
         _choice("trainer.nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.max_token_len is not None:
+            _set(self, max_token_len=_number(f"{p}.ppo_max_token_len_per_gpu",
+                                             self.max_token_len, integer=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,10 +356,32 @@ class Settings:
     # Whether the log-prob, value and update passes run each prompt once for its
     # samples (`actor.share_prompts`; `jrl.logprobs`).
     share_prompts: bool = False
+    # Token-budget micro-batches of the old/reference log-prob and value passes
+    # (`rollout.log_prob_max_token_len_per_gpu`, `jrl.packing`); None: micro-batches of
+    # `log_prob_micro_batch` padded sequences.
+    log_prob_max_token_len: int | None = None
 
     def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
         """The passes' bucket lengths for responses of `response_length` columns."""
         return buckets.sizes(response_length, self.response_buckets)
+
+    def _check_token_budgets(self) -> None:
+        """Every sequence must fit one packed row of a token-budget micro-batch."""
+        longest = self.max_prompt_length + self.rollout.max_new_tokens
+        budgets = {"rollout.log_prob_max_token_len_per_gpu": self.log_prob_max_token_len}
+        for role in ("actor", "critic"):
+            if getattr(self, role) is not None:
+                budgets[f"{role}.ppo_max_token_len_per_gpu"] = getattr(
+                    self, role).update.max_token_len
+        for key, budget in budgets.items():
+            if budget is None:
+                continue
+            if _number(key, budget, integer=True) < longest:
+                _fail(key, f"{budget} tokens cannot hold one sequence of up to {longest} "
+                      f"(data.max_prompt_length + rollout.response_length); use at least "
+                      f"{longest}")
+        if self.log_prob_max_token_len is not None:
+            _set(self, log_prob_max_token_len=int(self.log_prob_max_token_len))
 
     @property
     def needs_reference(self) -> bool:
@@ -383,6 +412,7 @@ class Settings:
         if micro is not None and batch % _number("rollout.log_prob_micro_batch_size", micro):
             _fail("rollout.log_prob_micro_batch_size", f"{micro} must divide the batch of "
                   f"{batch} sequences (data.train_batch_size x rollout.n)")
+        self._check_token_budgets()
         if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
             _fail("reward_model.overlong_buffer.len", f"{self.reward.overlong_buffer_len} "
                   f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
@@ -469,11 +499,24 @@ def _update(config, prefix: str, n: int) -> UpdateSettings:
     # verl's mini-batch size is in prompts: times rollout.n sequences.
     mini = _number(f"{prefix}.ppo_mini_batch_size",
                    _get(config, f"{prefix}.ppo_mini_batch_size"), integer=True)
+    dynamic = _flag(f"{prefix}.use_dynamic_bsz", _get(config, f"{prefix}.use_dynamic_bsz"))
     return UpdateSettings(
         ppo_epochs=_get(config, f"{prefix}.ppo_epochs"), mini_batch=mini * n,
         micro_batch=_get(config, f"{prefix}.ppo_micro_batch_size"),
         shuffle=_get(config, f"{prefix}.shuffle"), nan_policy=_get(config, "trainer.nan_policy"),
-        prefix=prefix)
+        prefix=prefix,
+        max_token_len=_get(config, f"{prefix}.ppo_max_token_len_per_gpu") if dynamic else None)
+
+
+def _log_prob_max_token_len(config) -> int | None:
+    """`rollout.log_prob_max_token_len_per_gpu` when the log-prob and value passes pack
+    (`rollout.log_prob_use_dynamic_bsz`, by default `actor.use_dynamic_bsz`)."""
+    dynamic = _get(config, "rollout.log_prob_use_dynamic_bsz")
+    if dynamic is None:
+        dynamic = _get(config, "actor.use_dynamic_bsz")
+    if not _flag("rollout.log_prob_use_dynamic_bsz", dynamic):
+        return None
+    return _get(config, "rollout.log_prob_max_token_len_per_gpu")
 
 
 def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
@@ -692,7 +735,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_
         sampling_devices=_get(config, "rollout.devices"),
         staleness=_get(config, "rollout.staleness"),
         response_buckets=_get(config, "actor.response_buckets"),
-        share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")))
+        share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")),
+        log_prob_max_token_len=_log_prob_max_token_len(config))
     if _flag("actor.reuse_update_log_probs", _get(config, "actor.reuse_update_log_probs")) \
             and on_policy(s):
         s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))

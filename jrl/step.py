@@ -193,12 +193,19 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     sizes = s.bucket_sizes(rollout.responses.shape[1])
     group = prompt_group(s, s.log_prob_micro_batch or rollout.responses.shape[0])
 
+    budget = s.log_prob_max_token_len
+
+    def passes(padded_fn, packed_fn):
+        """The pass over micro-batches: of a token budget (`jrl.packing`), or padded."""
+        if budget is not None:
+            return logprobs.in_packed_micro_batches(packed_fn, budget)
+        return logprobs.in_micro_batches(padded_fn, s.log_prob_micro_batch, sizes, group)
+
     def log_probs(params, config, with_entropy):
-        return logprobs.in_micro_batches(
-            functools.partial(logprobs.response_log_probs, config=config,
-                              temperature=s.rollout.temperature,
-                              chunk_size=s.logprob_chunk_size, with_entropy=with_entropy),
-            s.log_prob_micro_batch, sizes, group)(params, *seq)
+        kwargs = dict(config=config, temperature=s.rollout.temperature,
+                      chunk_size=s.logprob_chunk_size, with_entropy=with_entropy)
+        return passes(functools.partial(logprobs.response_log_probs, **kwargs),
+                      functools.partial(logprobs.packed_log_probs, **kwargs))(params, *seq)
 
     old_log_probs, entropy = None, None
     if not s.actor.skips_old_pass:  # else the update's pass or the rollout gives them
@@ -208,10 +215,9 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model, False)[0]
     values = None
     if critic is not None and not s.critic.on_policy:  # else the critic's update values it
-        values = logprobs.in_micro_batches(
-            functools.partial(logprobs.response_values, config=critic),
-            s.log_prob_micro_batch, sizes, group)(
-                with_frozen(state.critic.params, frozen, critic), *seq)
+        values = passes(functools.partial(logprobs.response_values, config=critic),
+                        functools.partial(logprobs.packed_values, config=critic))(
+            with_frozen(state.critic.params, frozen, critic), *seq)
     return Experience.of(rollout, old_log_probs=old_log_probs, entropy=entropy,
                          ref_log_probs=ref_log_probs, values=values)
 

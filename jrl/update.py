@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jrl import advantages as adv_lib
-from jrl import buckets, logprobs, losses, masks, rollout_correction
+from jrl import buckets, logprobs, losses, masks, packing, rollout_correction
 from jrl.models.config import ModelConfig
 from jrl.settings import ActorSettings, CriticSettings, UpdateSettings
 from jrl.sharding import constrain
@@ -85,6 +85,33 @@ def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_mi
     return jax.lax.scan(micro_step, zeros, (mini, rngs))
 
 
+def _accumulate_packed(loss_fn: Callable, params, mini: Batch, rng: Array, length: int):
+    """`_accumulate_grads` over token-budget micro-batches (`jrl.packing`, `length` slots
+    per device): the mini-batch's sequences packed, the loss of each micro-batch taken
+    on the mini-batch's grid with only its own sequences live (`micro["packed"]`), so
+    its sums and normalisers are the padded path's. The loss's means are averaged over
+    the micro-batches that ran; its per-token outputs come back as `[n, ...]`."""
+    mask = mini["response_mask"]
+    normalizer = masks.loss_normalizer(mask)
+    plan = packing.for_sequences(mini["prompt_ids"], mini["prompt_mask"], mini["responses"],
+                                 _attention(mini), length)
+    micro0 = {**mini, "packed": packing.Micro(plan, jnp.int32(0))}
+    _, (sums0, means0, tokens0) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))
+    zeros += (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tokens0),)
+
+    def body(micro: packing.Micro, carry):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, (sums, means, tokens)), grads = grad_fn(
+            params, {**mini, "packed": micro}, normalizer, jax.random.fold_in(rng, micro.index))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return jax.tree.map(jnp.add, carry, (grads, sums, means, tokens))
+
+    grads, sums, means, tokens = packing.loop(plan, body, zeros)
+    count = jnp.maximum(plan.num_micros, 1).astype(jnp.float32)
+    return (grads, sums, jax.tree.map(lambda m: m / count, means)), tokens
+
+
 def run_updates(
     state: ModelState,
     batch: Batch,
@@ -122,10 +149,20 @@ def run_updates(
     num_minis = n // update.mini_batch
     num_micros = update.mini_batch // update.micro_batch
 
+    packed = update.max_token_len is not None
+    if packed:  # token-budget micro-batches; their means are averaged already
+        num_micros = 1
+
     def mini_step(state: ModelState, xs):
         mini, mini_rng = xs
-        (grads, sums, means), tokens = _accumulate_grads(loss_fn, state.params, mini, mini_rng,
-                                                         num_micros, bucket_sizes)
+        if packed:
+            mini = jax.tree.map(lambda x: x[0], mini)  # [1, rows, ...]: one mini-batch
+            (grads, sums, means), tokens = _accumulate_packed(
+                loss_fn, state.params, mini, mini_rng, update.max_token_len)
+            tokens = jax.tree.map(lambda x: x[None], tokens)  # as one micro-batch of all
+        else:
+            (grads, sums, means), tokens = _accumulate_grads(
+                loss_fn, state.params, mini, mini_rng, num_micros, bucket_sizes)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _all_finite(sums)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -142,7 +179,7 @@ def run_updates(
         perm = jnp.arange(n)
         if update.shuffle:
             perm = buckets.expand_groups(jax.random.permutation(perm_rng, n // group), group)
-        if len(bucket_sizes) > 1:  # each mini-batch's rows by used length
+        if len(bucket_sizes) > 1 and not packed:  # each mini-batch's rows by used length
             lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
             within = jax.vmap(lambda x: buckets.sort_order(x, group))(lengths)
             perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
@@ -162,6 +199,16 @@ def run_updates(
     return state, {**metrics, "nan_skipped": skipped}, tokens
 
 
+def _live_mask(micro: Batch):
+    """The response mask of the tokens this micro-batch trains on: with token-budget
+    micro-batches (`micro["packed"]`), the mini-batch's grid less the sequences that
+    other micro-batches hold."""
+    mask = micro["response_mask"]
+    if "packed" in micro:
+        mask = mask * micro["packed"].member()[:, None].astype(mask.dtype)
+    return mask
+
+
 def _attention(micro: Batch):
     """The response tokens attended to: all of a multi-turn row's, tool outputs too."""
     return micro.get("response_attention_mask", micro["response_mask"])
@@ -179,16 +226,21 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     and the rollout's are there to compare with (the step's mismatch metrics). `group`:
     rows per shared prompt (`logprobs.response_hidden`).
     """
-    mask = micro["response_mask"]
-    hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], _attention(micro), config=model,
-                                      group=group)
+    mask = _live_mask(micro)
     with_entropy = actor.entropy_coeff != 0
     skips_old_pass = actor.skips_old_pass
-    log_probs, entropy = logprobs.token_log_probs(
-        params, hidden, micro["responses"], temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy,
-        impl=model.logprob_impl)
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size,
+                  with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
+    if "packed" in micro:
+        log_probs, entropy = (micro["packed"].responses(x, _attention(micro)) for x in
+                              logprobs.packed_log_probs(params, micro["packed"], config=model,
+                                                        **kwargs))
+    else:
+        hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
+                                          micro["responses"], _attention(micro), config=model,
+                                          group=group)
+        log_probs, entropy = logprobs.token_log_probs(params, hidden, micro["responses"],
+                                                      impl=model.logprob_impl, **kwargs)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
     current = jax.lax.stop_gradient(log_probs)
@@ -235,10 +287,14 @@ def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     holds those values (the step's advantages come from them).
     """
     del rng
-    mask = micro["response_mask"]
-    vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
-                                      micro["responses"], _attention(micro), config=model,
-                                      group=group)
+    mask = _live_mask(micro)
+    if "packed" in micro:
+        vpreds = micro["packed"].responses(
+            logprobs.packed_values(params, micro["packed"], config=model), _attention(micro))
+    else:
+        vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
+                                          micro["responses"], _attention(micro), config=model,
+                                          group=group)
     tokens = {}
     if critic.on_policy:
         values = jax.lax.stop_gradient(vpreds)

@@ -108,3 +108,82 @@ def test_trainer_nan_policy(tmp_path, monkeypatch):
 
     with pytest.raises(NonFiniteUpdateError, match="step 0: non-finite actor"):
         run(tiny_config(**{"trainer.nan_policy": "raise"}), str(tmp_path / "raise"))
+
+
+def _packed(actor, budget):
+    """The actor's settings with token-budget micro-batches of `budget` tokens."""
+    import dataclasses
+    return dataclasses.replace(actor, update=dataclasses.replace(actor.update,
+                                                                  max_token_len=budget))
+
+
+@pytest.mark.parametrize("agg,budget", [
+    ("token-mean", 9), ("token-mean", 72), ("token-sum", 16), ("seq-mean-token-sum", 16),
+    ("seq-mean-token-mean", 16), ("seq-mean-token-sum-norm", 16)])
+def test_packed_micro_batches_give_padded_parameters(agg, budget):
+    """Token-budget micro-batches (a sequence of 4 + 5 tokens per row at 9, several per
+    row at 16, the whole mini-batch in one row at 72) give the padded update's
+    parameters, loss terms and per-token log-probs, for every loss aggregation."""
+    batch = _batch(3)
+    actor = _actor_settings(2, agg)
+    params = init_params(_MODEL, jax.random.key(0))
+    optimizer = make_optimizer(actor.optim)
+
+    def run_with(settings_):
+        loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=settings_,
+                                    temperature=1.0, chunk_size=2)
+        state = update.ModelState(params, optimizer.init(params))
+        fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn,
+                                       optimizer=optimizer, update=settings_.update))
+        return fn(state, batch, jax.random.key(1), actor.optim.lr)
+
+    padded_state, padded_metrics, _ = run_with(actor)
+    packed_state, packed_metrics, _ = run_with(_packed(actor, budget))
+    chex.assert_trees_all_close(packed_state.params, padded_state.params, atol=2e-6, rtol=2e-5)
+    for key in ("pg_loss", "kl_loss", "entropy_loss", "grad_norm"):
+        np.testing.assert_allclose(packed_metrics[key], padded_metrics[key], rtol=2e-5,
+                                   err_msg=key)
+
+
+def test_packed_critic_update_equals_padded():
+    """The critic's update over token-budget micro-batches, on-policy (values and GAE
+    returns from its own pass, per-token values returned) and off-policy."""
+    import dataclasses
+
+    from jrl.models.heads import init_critic_params
+    from tests.trainer.tiny import tiny_config as config_of
+
+    tok = CharTokenizer()
+    config = config_of(**{"data.train_batch_size": 4, "rollout.n": 2,
+                          "algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 4,
+                          "critic.ppo_micro_batch_size": 4})
+    critic = settings.from_config(config, stop_token_ids=tok.eos_token_ids,
+                                  pad_token_id=tok.pad_token_id, num_train_rows=90).critic
+    batch = _batch(4)
+    rng = np.random.default_rng(0)
+    batch["token_level_rewards"] = jnp.asarray(rng.normal(size=batch["advantages"].shape),
+                                               jnp.float32)
+    batch["values"] = jnp.asarray(rng.normal(size=batch["advantages"].shape), jnp.float32)
+    batch["returns"] = jnp.asarray(rng.normal(size=batch["advantages"].shape), jnp.float32)
+    params = init_critic_params(init_params(_MODEL, jax.random.key(0)), jax.random.key(2))
+    optimizer = make_optimizer(critic.optim)
+    for on_policy in (True, False):
+        base = dataclasses.replace(critic, on_policy=on_policy)
+        outs = []
+        for budget in (None, 12):
+            c = dataclasses.replace(base, update=dataclasses.replace(base.update,
+                                                                     max_token_len=budget))
+            loss_fn = functools.partial(update.critic_loss, model=_MODEL, critic=c,
+                                        gamma=0.9, lam=0.8)
+            fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn,
+                                           optimizer=optimizer, update=c.update))
+            outs.append(fn(update.ModelState(params, optimizer.init(params)), batch,
+                           jax.random.key(1), c.optim.lr))
+        (padded, padded_m, padded_t), (packed, packed_m, packed_t) = outs
+        chex.assert_trees_all_close(packed.params, padded.params, atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(packed_m["vf_loss"], padded_m["vf_loss"], rtol=2e-5)
+        mask = np.asarray(batch["response_mask"]) > 0
+        if on_policy:
+            np.testing.assert_allclose(np.asarray(packed_t["values"])[mask],
+                                       np.asarray(padded_t["values"])[mask], rtol=2e-5,
+                                       atol=2e-6)

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jrl.models import decode_attention as decode_lib
 from jrl.models import heads as heads_lib
-from jrl.models import rope
+from jrl.models import packed_attention, rope
 from jrl.models.cache import KVCache, attention_mask
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
@@ -251,6 +251,9 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
     v_btkh = constrain(v_btkh, _KV_HEADS)
     if isinstance(mask_b1ts, SharedPromptMask):
         return _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    if isinstance(mask_b1ts, packed_attention.Segments):
+        impl = "xla" if c.attention_impl == "xla" else "auto"
+        return packed_attention.attend(q_btnh, k_btkh, v_btkh, mask_b1ts, impl), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     # The cache's heads-first layout (XLA cancels the transposes on its path).
@@ -403,8 +406,12 @@ class Transformer(nn.Module):
         )(tokens_bt)
         x_btd = constrain(x_btd, _HIDDEN)
         sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
-        mask_b1ts = (mask.attention_masks() if isinstance(mask, SharedPrompt) else
-                     attention_mask(mask, tokens_bt.shape[1], None))
+        if isinstance(mask, SharedPrompt):
+            mask_b1ts = mask.attention_masks()
+        elif isinstance(mask, packed_attention.Segments):
+            mask_b1ts = mask  # attention reads the segment ids themselves
+        else:
+            mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
         layers = jnp.arange(c.num_layers)
         (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
@@ -526,9 +533,10 @@ def forward(
       params: model parameters (extra head entries are ignored).
       tokens_bt: int32 `[B, T]` token ids.
       positions_bt: int32 `[B, T]` RoPE positions (`cache.positions_from_mask`).
-      mask: without a cache, `[B, T]` token validity, or a `SharedPrompt` for the
+      mask: without a cache, `[B, T]` token validity, a `SharedPrompt` for the
         shared-prompt layout (each row of `tokens_bt` one prompt followed by the k
-        responses sampled from it); with a cache, `[B, S]` slot validity including
+        responses sampled from it), or `packed_attention.Segments` for packed rows
+        (several sequences end to end, `jrl.packing`); with a cache, `[B, S]` slot validity including
         the slots written by this call (1 = valid).
       cache: `KVCache` of S slots, or None.
       write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
@@ -570,6 +578,11 @@ def _check_forward_args(tokens_bt, mask, cache, write_index) -> None:
     batch, num_tokens = tokens_bt.shape
     if isinstance(mask, SharedPrompt):
         _check_shared_prompt(tokens_bt, mask, cache)
+        return
+    if isinstance(mask, packed_attention.Segments):
+        if cache is not None or mask.segment_ids_bt.shape != tokens_bt.shape:
+            raise ValueError("packed rows take no cache and segment ids shaped as the tokens "
+                             f"{tuple(tokens_bt.shape)}; got {mask.segment_ids_bt.shape}")
         return
     if cache is None:
         if write_index is not None:

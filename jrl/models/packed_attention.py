@@ -1,0 +1,163 @@
+"""Causal attention over packed rows: several sequences laid end to end in one row.
+
+A packed row `[L]` holds sequences one after another, each a run of slots with one
+segment id (1, 2, ...; 0 marks the unused slots at the row's end). A query attends to
+the keys of its own segment at or before its slot, never across a boundary, and each
+sequence's RoPE positions restart at 0 (`jrl.packing`). No `[B, 1, L, L]` mask is
+formed on the accelerators:
+
+- "cudnn" (GPU, Hopper or later): cuDNN's flash attention in its packed ("THD")
+  layout, each row given by its segments' offsets and lengths. The kernel treats each
+  segment as a sequence of its own, so the blocks that causality or another segment
+  masks are skipped, not computed and masked.
+- "splash" (TPU): JAX's Pallas splash attention with a causal mask and segment ids.
+- "xla": the reference, a dense mask from the segment ids (CPU, tests).
+
+`choose_impl` picks by backend; each kernel is compared with the reference in tests.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jrl.models import decode_attention as decode_lib
+
+IMPLS = ("auto", "xla", "cudnn", "splash")
+
+
+class Segments(NamedTuple):
+    """The `mask` `transformer.forward` takes for packed rows (`segments` makes one).
+
+    Attributes:
+      segment_ids_bt: int32 `[B, L]`, the sequence each slot belongs to (1, 2, ...
+        within a row, contiguous runs), 0 for unused slots.
+      offsets_bm: int32 `[B, M + 1]`, each segment's first slot, -1 past the row's
+        segments (M: a bound on the segments of a row).
+      lengths_bm: int32 `[B, M]`, each segment's length, -1 past the row's segments.
+    """
+
+    segment_ids_bt: jax.Array
+    offsets_bm: jax.Array
+    lengths_bm: jax.Array
+
+
+def segments(segment_ids_bt: jax.Array, max_segments: int) -> Segments:
+    """The `Segments` of packed rows with at most `max_segments` sequences each."""
+    return Segments(segment_ids_bt, *segment_offsets(segment_ids_bt, max_segments))
+
+
+def dense_mask(segment_ids_bt: jax.Array) -> jax.Array:
+    """bool `[B, 1, L, L]`: a query sees the keys of its segment at or before its slot.
+
+    An unused slot sees only itself, so no query row is all masked (its output is
+    never read)."""
+    seg = segment_ids_bt
+    slot = jnp.arange(seg.shape[1])
+    causal_tt = slot[None, :] <= slot[:, None]
+    same_btt = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    return ((same_btt & causal_tt[None]) | jnp.eye(seg.shape[1], dtype=bool)[None])[:, None]
+
+
+def segment_offsets(segment_ids_bt: jax.Array, max_segments: int):
+    """cuDNN's description of packed rows: `(offsets [B, M + 1], lengths [B, M])`, int32.
+
+    `offsets[b, i]` is the first slot of row b's i-th segment and `lengths[b, i]` its
+    length; entries past the row's segments are -1 (M = `max_segments`).
+    """
+    seg = segment_ids_bt
+    prev = jnp.pad(seg, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+    nxt = jnp.pad(seg, ((0, 0), (0, 1)), constant_values=-1)[:, 1:]
+    starts_bt = (seg > 0) & (seg != prev)
+    ends_bt = (seg > 0) & (seg != nxt)
+    first = lambda flags: jnp.nonzero(flags, size=max_segments + 1, fill_value=-1)[0]
+    offsets_bm = jax.vmap(first)(starts_bt).astype(jnp.int32)
+    last_bm = jax.vmap(first)(ends_bt)[:, :max_segments].astype(jnp.int32)
+    lengths_bm = jnp.where(last_bm >= 0, last_bm - offsets_bm[:, :max_segments] + 1, -1)
+    # The (M + 1)-th offset is never a segment's: the bound M holds every row's count.
+    return offsets_bm.at[:, max_segments].set(-1), lengths_bm
+
+
+def choose_impl(impl: str, dtype, head_dim: int) -> str:
+    """The kernel for this backend ('auto'), or the one asked for."""
+    if impl != "auto":
+        return impl
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    backend = jax.default_backend()
+    if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and _hopper():
+        return "cudnn"
+    if backend == "tpu" and head_dim % 128 == 0:
+        return "splash"
+    return "xla"
+
+
+def _hopper() -> bool:
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return int(str(capability).split(".")[0]) >= 9
+
+
+def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto"):
+    """Packed causal attention: queries `[B, L, N, H]`, keys/values `[B, L, K, H]`
+    (K divides N), outputs `[B, L, N, H]` in the queries' dtype."""
+    impl = choose_impl(impl, q_btnh.dtype, q_btnh.shape[-1])
+    if impl == "cudnn":
+        return _cudnn(q_btnh, k_btkh, v_btkh, segments)
+    if impl == "splash":
+        return splash(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt)
+    if impl != "xla":
+        raise ValueError(f"packed attention impl must be one of {IMPLS}, got {impl!r}")
+    return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_btkh, 1, 2),
+                                        jnp.swapaxes(v_btkh, 1, 2),
+                                        dense_mask(segments.segment_ids_bt))
+
+
+def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
+    # jax.nn.dot_product_attention does not take segments; its cuDNN backend does.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    offsets, lengths = segments.offsets_bm, segments.lengths_bm
+    scale = 1.0 / float(q_btnh.shape[-1]) ** 0.5
+    # Unused slots belong to no segment: cuDNN writes neither their outputs nor their
+    # gradients (memory is left as it was). Selecting around the call makes both zero.
+    used = (segments.segment_ids_bt > 0)[:, :, None, None]
+    q_btnh, k_btkh, v_btkh = (jnp.where(used, x, jnp.zeros((), x.dtype))
+                              for x in (q_btnh, k_btkh, v_btkh))
+    out = cudnn.dot_product_attention(
+        q_btnh, k_btkh, v_btkh, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+        kv_offsets=offsets, scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL)
+    return jnp.where(used, out, jnp.zeros((), out.dtype))
+
+
+def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
+           block: int = 512):
+    """JAX's Pallas TPU splash attention with a causal mask and segment ids (`interpret`:
+    run in Pallas' TPU interpret mode, as the CPU tests do). L must divide into blocks
+    of `min(block, L)`; the queries of a key/value head share it (grouped-query)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as mask_lib,
+    )
+
+    b, length, n, h = q_btnh.shape
+    k = k_btkh.shape[2]
+    size = min(block, length)
+    block_sizes = kernel.BlockSizes(
+        block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
+        block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
+    causal = mask_lib.CausalMask((length, length))
+    multi = mask_lib.MultiHeadMask([causal] * (n // k))
+    mha = kernel.make_splash_mqa(multi, block_sizes=block_sizes, head_shards=1,
+                                 q_seq_shards=1, interpret=interpret)
+    # Unused slots are their own segment (-1) so their rows are never empty.
+    seg = jnp.where(segment_ids_bt > 0, segment_ids_bt, -1 - jnp.arange(length))
+    ids = kernel.SegmentIds(q=seg, kv=seg)
+    q_bkgth = q_btnh.reshape(b, length, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    q_bkgth = q_bkgth * jnp.asarray(1.0 / h ** 0.5, q_bkgth.dtype)
+    k_bkth, v_bkth = (jnp.swapaxes(x, 1, 2) for x in (k_btkh, v_btkh))
+    per_head = jax.vmap(mha, in_axes=(0, 0, 0, None))  # over K: [G, L, H] queries each
+    out = jax.vmap(per_head)(q_bkgth, k_bkth, v_bkth, ids)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, length, n, h).astype(q_btnh.dtype)

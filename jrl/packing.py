@@ -1,0 +1,183 @@
+"""Token-budget micro-batches: sequences packed end to end, with no padding.
+
+A pass over `n` sequences (left-padded prompts, right-padded responses) pays, in the
+padded layout, for `n * (P + R)` tokens whatever the sequences' real lengths. Packed,
+each sequence's real tokens (prompt, then response) are laid end to end into rows of
+`L` slots (the token budget, verl's `ppo_max_token_len_per_gpu`), each sequence a
+segment with its own RoPE positions from 0, attention never crossing a segment
+(`jrl.models.packed_attention`). A micro-batch is `G` such rows, one per batch shard
+(device), so a device runs `L` tokens per micro-batch however long its sequences are,
+and the number of micro-batches follows the real token count (a `lax.while_loop`).
+
+The plan is made on the device from the masks (`plan`): sequences are placed by first
+fit, longest first, into rows of `L` slots (every sequence fits one row: `L >= P + R`
+is checked with the config). Outputs are computed per slot and gathered back to the
+padded `[n, R]` grid of the response tokens, so losses, advantages and metrics see the
+arrays the padded passes give: equal up to floating-point summation order.
+
+This is jrl's form of verl's `use_dynamic_bsz` with `use_remove_padding`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jrl.models import packed_attention
+from jrl.sharding import constrain
+
+Array = jax.Array
+_ROWS = ("batch", None)
+
+
+@flax.struct.dataclass
+class Plan:
+    """Where each sequence's tokens sit in the packed rows.
+
+    Attributes:
+      slots_bt: int32 `[n, P + R]`, the flat slot of each real token (row `k` of the
+        packed rows holds slots `k L .. (k + 1) L - 1`); `num_slots` for padding.
+      micro_b: int32 `[n]`, the micro-batch that holds each sequence.
+      tokens_f: int32 `[num_slots + 1]`, the packed token ids (one slot more, so the
+        slot after each holds the token it predicts).
+      positions_f, segment_ids_f: int32 `[num_slots]`, RoPE positions (from 0 in each
+        sequence) and segment ids (the sequence's index + 1; 0 for unused slots).
+      num_micros: int32 scalar, the micro-batches holding any sequence.
+      length: L, slots per row (static).
+      rows: G, rows per micro-batch (static).
+      max_segments: a bound on the sequences of one row (static).
+    """
+
+    slots_bt: Array
+    micro_b: Array
+    tokens_f: Array
+    positions_f: Array
+    segment_ids_f: Array
+    num_micros: Array
+    length: int = flax.struct.field(pytree_node=False)
+    rows: int = flax.struct.field(pytree_node=False)
+    max_segments: int = flax.struct.field(pytree_node=False)
+
+
+def _first_fit(lengths_b: Array, length: int, num_bins: int) -> tuple[Array, Array]:
+    """(bin, offset) of each sequence: first fit, longest first, into bins of `length`."""
+    order = jnp.argsort(-lengths_b, stable=True)
+
+    def place(fills, i):
+        size = lengths_b[i]
+        index = jnp.argmax(fills + size <= length)  # an empty bin always fits
+        return fills.at[index].add(size), (index, fills[index])
+
+    _, (bins, offsets) = lax.scan(place, jnp.zeros(num_bins, jnp.int32), order)
+    unsort = lambda x: jnp.zeros_like(x).at[order].set(x)
+    return unsort(bins), unsort(offsets)
+
+
+def plan(tokens_bt: Array, mask_bt: Array, *, length: int, rows: int) -> Plan:
+    """Packs `n` sequences (`tokens_bt [n, T]`, real where `mask_bt`) into micro-batches
+    of `rows` rows of `length` slots. Every sequence must fit one row (checked with the
+    config, not here: under jit a longer one would be cut)."""
+    n, _ = tokens_bt.shape
+    mask = mask_bt.astype(bool)
+    lengths_b = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    num_bins = -(-n // rows) * rows  # at most one row per sequence
+    bin_b, offset_b = _first_fit(lengths_b, length, num_bins)
+    positions_bt = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+    num_slots = num_bins * length
+    slots_bt = jnp.where(mask, (bin_b * length + offset_b)[:, None] + positions_bt, num_slots)
+    scatter = lambda size, values: jnp.zeros(size, jnp.int32).at[slots_bt.reshape(-1)].set(
+        values.reshape(-1).astype(jnp.int32), mode="drop")
+    segment_bt = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], mask.shape)
+    used_bins = jnp.max(jnp.where(lengths_b > 0, bin_b, -1)) + 1
+    return Plan(slots_bt=slots_bt, micro_b=bin_b // rows,
+                tokens_f=scatter(num_slots + 1, tokens_bt),
+                positions_f=scatter(num_slots, positions_bt),
+                segment_ids_f=scatter(num_slots, segment_bt),
+                num_micros=(used_bins + rows - 1) // rows,
+                length=length, rows=rows, max_segments=min(n, length))
+
+
+class Micro(flax.struct.PyTreeNode):
+    """Micro-batch `index` of a plan: what a packed forward pass runs on."""
+
+    plan: Plan
+    index: Array
+
+    @property
+    def first_slot(self) -> Array:
+        return self.index * self.plan.rows * self.plan.length
+
+    def inputs(self):
+        """`(tokens, positions, segments, targets)`: the micro-batch's rows `[G, L]` (the
+        segments as `packed_attention.Segments`), and each slot's next token."""
+        p = self.plan
+        size = p.rows * p.length
+        take = lambda x, n=size: lax.dynamic_slice_in_dim(x, self.first_slot, n)
+        rows = lambda x: constrain(x.reshape(p.rows, p.length), _ROWS)
+        tokens = take(p.tokens_f, size + 1)
+        segment_ids = rows(take(p.segment_ids_f))
+        return (rows(tokens[:-1]), rows(take(p.positions_f)),
+                packed_attention.segments(segment_ids, p.max_segments), rows(tokens[1:]))
+
+    def responses(self, slot_values_gl: Array, response_mask_br: Array) -> Array:
+        """Per-slot values `[G, L, ...]` of this micro-batch as the `[n, R, ...]` grid of
+        response tokens: each token's value from the slot before it (the state that
+        predicts it), zero for padding and for the sequences of other micro-batches."""
+        p = self.plan
+        flat = slot_values_gl.reshape(p.rows * p.length, *slot_values_gl.shape[2:])
+        r = response_mask_br.shape[1]
+        index_br = p.slots_bt[:, -r:] - 1 - self.first_slot
+        live_br = (response_mask_br > 0) & (p.micro_b == self.index)[:, None]
+        values = jnp.take(flat, jnp.clip(index_br, 0, flat.shape[0] - 1), axis=0)
+        live = live_br.reshape(live_br.shape + (1,) * (values.ndim - 2))
+        return constrain(jnp.where(live, values, jnp.zeros((), values.dtype)), _ROWS)
+
+    def member(self) -> Array:
+        """bool `[n]`: the sequences this micro-batch holds."""
+        return self.plan.micro_b == self.index
+
+
+def rows_per_micro_batch() -> int:
+    """G: one packed row per batch shard of the active mesh (1 without one)."""
+    from jrl import sharding
+
+    sharder = sharding.active_sharder()
+    return 1 if sharder is None else sharder.batch_size_multiple
+
+
+def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, length: int) -> Plan:
+    """The plan of a pass over sequences given as left-padded prompts and right-padded
+    responses (`attention_mask`: the response tokens attended to)."""
+    tokens = jnp.concatenate([prompt_ids, responses], axis=1)
+    mask = jnp.concatenate([prompt_mask, attention_mask], axis=1)
+    return plan(tokens, mask, length=length, rows=rows_per_micro_batch())
+
+
+def loop(plan_: Plan, body, init):
+    """`body(Micro, carry) -> carry` over the plan's micro-batches (a `while_loop`:
+    the count is the data's)."""
+    def step(state):
+        index, carry = state
+        return index + 1, body(Micro(plan_, index), carry)
+
+    _, out = lax.while_loop(lambda state: state[0] < plan_.num_micros, step,
+                            (jnp.int32(0), init))
+    return out
+
+
+def map_responses(fn, plan_: Plan, response_mask_br: Array, out_shapes):
+    """`fn(Micro) -> per-slot outputs [G, L, ...]` over every micro-batch, gathered to
+    the `[n, R, ...]` grid of response tokens (`out_shapes`: a tree of
+    `jax.ShapeDtypeStruct` of `fn`'s outputs)."""
+    r = response_mask_br.shape[1]
+    zeros = jax.tree.map(
+        lambda s: jnp.zeros((response_mask_br.shape[0], r, *s.shape[2:]), s.dtype),
+        out_shapes)
+
+    def body(micro: Micro, acc):
+        outs = fn(micro)
+        return jax.tree.map(lambda a, y: a + micro.responses(y, response_mask_br), acc, outs)
+
+    return loop(plan_, body, zeros)

@@ -355,6 +355,10 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
     return mapped
 
 
+# Tokens per chunk of the head in packed passes (logits [tokens, V] in float32 at once).
+_HEAD_TOKENS = 2048
+
+
 def _packed_hidden(params, micro: packing.Micro, config: ModelConfig):
     """Hidden states `[G, L, D]` of a packed micro-batch, and each slot's next token."""
     tokens, positions, segments, targets = micro.inputs()
@@ -367,10 +371,16 @@ def packed_log_probs(params, micro: packing.Micro, *, config: ModelConfig,
                      with_entropy: bool = False, entropy_grad: bool = True):
     """Per slot of a packed micro-batch, the log-prob (and entropy) of the token in the
     next slot, `[G, L]` each (`packing.Micro.responses` takes them to the response grid)."""
-    hidden, targets = _packed_hidden(params, micro, config)
-    return token_log_probs(params, hidden, targets, temperature=temperature,
-                           chunk_size=chunk_size, with_entropy=with_entropy,
-                           entropy_grad=entropy_grad, impl=config.logprob_impl)
+    hidden_gld, targets_gl = _packed_hidden(params, micro, config)
+    # The head runs on the slots as `[rows, W]` so that a chunk of `chunk_size` columns
+    # spans about _HEAD_TOKENS tokens (of one packed row it would be a thin matmul).
+    g, length, d = hidden_gld.shape
+    rows = math.gcd(g * length, max(1, _HEAD_TOKENS // chunk_size))
+    log_probs, entropy = token_log_probs(
+        params, hidden_gld.reshape(rows, -1, d), targets_gl.reshape(rows, -1),
+        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, impl=config.logprob_impl)
+    return log_probs.reshape(g, length), entropy.reshape(g, length)
 
 
 def packed_values(critic_params, micro: packing.Micro, *, config: ModelConfig) -> Array:

@@ -3,15 +3,18 @@
 A pass over `n` sequences (left-padded prompts, right-padded responses) pays, in the
 padded layout, for `n * (P + R)` tokens whatever the sequences' real lengths. Packed,
 each sequence's real tokens (prompt, then response) are laid end to end into rows of
-`L` slots (the token budget, verl's `ppo_max_token_len_per_gpu`), each sequence a
-segment with its own RoPE positions from 0, attention never crossing a segment
-(`jrl.models.packed_attention`). A micro-batch is `G` such rows, one per batch shard
-(device), so a device runs `L` tokens per micro-batch however long its sequences are,
-and the number of micro-batches follows the real token count (a `lax.while_loop`).
+`L` slots (`L = P + R`, the longest possible sequence), each sequence a segment with its own
+RoPE positions from 0, attention never crossing a segment
+(`jrl.models.packed_attention`). A micro-batch is `G` such rows, as many per batch
+shard (device) as the token budget holds (verl's `ppo_max_token_len_per_gpu`), so a
+device runs at most the budget's tokens per micro-batch however its sequences' lengths
+are spread, and the number of micro-batches follows the real token count (a
+`lax.while_loop`).
 
 The plan is made on the device from the masks (`plan`): sequences are placed by first
-fit, longest first, into rows of `L` slots (every sequence fits one row: `L >= P + R`
-is checked with the config). Outputs are computed per slot and gathered back to the
+fit, longest first, into rows of `L` slots (every sequence fits one row; that the budget
+holds a row, `budget >= P + R`, is checked with the config). Outputs are computed per
+slot and gathered back to the
 padded `[n, R]` grid of the response tokens, so losses, advantages and metrics see the
 arrays the padded passes give: equal up to floating-point summation order.
 
@@ -77,8 +80,7 @@ def _first_fit(lengths_b: Array, length: int, num_bins: int) -> tuple[Array, Arr
 
 def plan(tokens_bt: Array, mask_bt: Array, *, length: int, rows: int) -> Plan:
     """Packs `n` sequences (`tokens_bt [n, T]`, real where `mask_bt`) into micro-batches
-    of `rows` rows of `length` slots. Every sequence must fit one row (checked with the
-    config, not here: under jit a longer one would be cut)."""
+    of `rows` rows of `length` slots; every sequence must fit one row."""
     n, _ = tokens_bt.shape
     mask = mask_bt.astype(bool)
     lengths_b = jnp.sum(mask, axis=1, dtype=jnp.int32)
@@ -128,31 +130,40 @@ class Micro(flax.struct.PyTreeNode):
         p = self.plan
         flat = slot_values_gl.reshape(p.rows * p.length, *slot_values_gl.shape[2:])
         r = response_mask_br.shape[1]
-        index_br = p.slots_bt[:, -r:] - 1 - self.first_slot
         live_br = (response_mask_br > 0) & (p.micro_b == self.index)[:, None]
-        values = jnp.take(flat, jnp.clip(index_br, 0, flat.shape[0] - 1), axis=0)
-        live = live_br.reshape(live_br.shape + (1,) * (values.ndim - 2))
-        return constrain(jnp.where(live, values, jnp.zeros((), values.dtype)), _ROWS)
+        # Tokens not in this micro-batch read past the end: zeros, and no gradient piles
+        # onto one slot in the backward pass (a clipped index would send them all there).
+        index_br = jnp.where(live_br, p.slots_bt[:, -r:] - 1 - self.first_slot, flat.shape[0])
+        values = jnp.take(flat, index_br, axis=0, mode="fill", fill_value=0)
+        return constrain(values, _ROWS)
 
     def member(self) -> Array:
         """bool `[n]`: the sequences this micro-batch holds."""
         return self.plan.micro_b == self.index
 
 
-def rows_per_micro_batch() -> int:
-    """G: one packed row per batch shard of the active mesh (1 without one)."""
+def batch_shards() -> int:
+    """The batch shards (devices along the batch axes) of the active mesh; 1 without one."""
     from jrl import sharding
 
     sharder = sharding.active_sharder()
     return 1 if sharder is None else sharder.batch_size_multiple
 
 
-def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, length: int) -> Plan:
+def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, budget: int) -> Plan:
     """The plan of a pass over sequences given as left-padded prompts and right-padded
-    responses (`attention_mask`: the response tokens attended to)."""
+    responses (`attention_mask`: the response tokens attended to), `budget` tokens per
+    device per micro-batch.
+
+    A packed row is as long as the longest possible sequence, `P + R` slots, so a
+    sequence of full length fills one exactly and shorter ones share rows; each device
+    runs `budget // (P + R)` rows per micro-batch (at least one).
+    """
     tokens = jnp.concatenate([prompt_ids, responses], axis=1)
     mask = jnp.concatenate([prompt_mask, attention_mask], axis=1)
-    return plan(tokens, mask, length=length, rows=rows_per_micro_batch())
+    length = tokens.shape[1]
+    rows = batch_shards() * max(1, budget // length)
+    return plan(tokens, mask, length=length, rows=rows)
 
 
 def loop(plan_: Plan, body, init):

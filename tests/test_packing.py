@@ -53,9 +53,9 @@ def make_batch(seed=0):
 
 def test_plan_places_every_token_once_within_a_row():
     prompt_ids, prompt_mask, responses, response_mask = make_batch()
-    length = 20
+    length = P + R  # a packed row holds the longest possible sequence
     plan = jax.jit(packing.for_sequences, static_argnums=4)(
-        prompt_ids, prompt_mask, responses, response_mask, length)
+        prompt_ids, prompt_mask, responses, response_mask, 2 * length + 5)
     mask = np.concatenate([prompt_mask, response_mask], 1).astype(bool)
     tokens = np.concatenate([prompt_ids, responses], 1)
     slots = np.asarray(plan.slots_bt)
@@ -69,9 +69,11 @@ def test_plan_places_every_token_once_within_a_row():
         np.testing.assert_array_equal(np.asarray(plan.tokens_f)[row], tokens[i][mask[i]])
         np.testing.assert_array_equal(np.asarray(plan.positions_f)[row], np.arange(len(row)))
         assert np.all(np.asarray(plan.segment_ids_f)[row] == i + 1)
-    # Total real tokens 78 in rows of 20: first fit, longest first, needs 4 rows (79
-    # would need more); rows are 1 per micro-batch without a mesh.
-    assert int(plan.num_micros) == 4
+    # Sequence lengths 16, 7, 1, 11, 6, 11, 9, 12 in rows of 16, first fit, longest
+    # first: [16], [12, 1], [11], [11], [9, 7], [6]: 6 rows; a budget of 37 tokens holds
+    # 2 rows per micro-batch (one device), so 3 micro-batches.
+    np.testing.assert_array_equal(np.asarray(plan.micro_b), [0, 2, 0, 1, 2, 1, 2, 0])
+    assert int(plan.num_micros) == 3
     assert np.all(np.asarray(plan.segment_ids_f)[np.setdiff1d(np.arange(8 * length), real)] == 0)
 
 

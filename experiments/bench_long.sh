@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Long responses on one GPU: the Qwen2.5-0.5B shape, GRPO, 16 prompts x 8, P512 / R8192.
+#
+#   OUT=/path/to/results bash experiments/bench_long.sh RUN [RUN ...]
+#
+# Runs (each one bench_rl_step.py process, its JSON and log written to $OUT):
+#   check           experiments/check_packed_attention.py (cuDNN packed vs XLA; timings)
+#   forced          token-budget micro-batches (--dynamic_bsz), every response 8192 tokens
+#   natural         the same, rows stopping at lengths uniform in [512, 8192] (seeded)
+#   before_forced   the tree in before/ (an export of an earlier commit), forced, with
+#                   the settings it was measured at (--micro_batch 8 --remat dots_saveable)
+#   before_natural  likewise with the uniform lengths (needs a before/ that has the flag)
+#   short / before_short   the docs/performance.md workload (64 x 8, P128 / R256), GRPO
+# Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
+# 560) caps the whole call, each run getting what is left.
+set -uo pipefail
+OUT=${OUT:-bench_out}
+BUDGET_S=${BUDGET_S:-560}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jrl_jax_cache}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site wheels/*.whl || exit 1
+ROOT=$PWD
+LONG=(--preset qwen2.5-0.5b --algo grpo --batch 16 --n 8 --prompt_len 512 --response_len 8192
+  --warmup 1 --steps 1)
+SHORT=(--preset qwen2.5-0.5b --algo grpo --batch 64 --n 8 --prompt_len 128 --response_len 256
+  --warmup 1 --steps 2)
+NATURAL=(--natural_stops --uniform_lengths 512,8192)
+
+run() {  # run NAME TREE ARGS...
+  local name=$1 tree=$2
+  shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if ((left < 45)); then echo "== $name skipped: ${left}s left"; return; fi
+  echo "== $name (timeout ${left}s, ${SECONDS}s elapsed)"
+  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout --kill-after=10 "$left" \
+    python3 experiments/bench_rl_step.py "$@" --out "$OUT/$name.json") 2>&1 \
+    | grep -v "^[WI]0000" > "$OUT/$name.log"
+  echo "== $name exit ${PIPESTATUS[0]} at ${SECONDS}s"
+  sed -n '/^| phase/,$p' "$OUT/$name.log"
+}
+
+for name in "$@"; do
+  case "$name" in
+    check) PYTHONPATH=/tmp/site:$ROOT python3 experiments/check_packed_attention.py 2>&1 \
+             | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;
+    forced) run forced "$ROOT" "${LONG[@]}" --dynamic_bsz ;;
+    natural) run natural "$ROOT" "${LONG[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
+    before_forced) run before_forced "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
+                     --remat dots_saveable ;;
+    before_natural) run before_natural "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
+                      --remat dots_saveable "${NATURAL[@]}" ;;
+    short) run short "$ROOT" "${SHORT[@]}" ;;
+    before_short) run before_short "$ROOT/before" "${SHORT[@]}" ;;
+    *) echo "unknown run $name" >&2; exit 2 ;;
+  esac
+done

@@ -11,6 +11,8 @@
 #                   the settings it was measured at (--micro_batch 8 --remat dots_saveable)
 #   before_natural  likewise with the uniform lengths (needs a before/ that has the flag)
 #   short / before_short   the docs/performance.md workload (64 x 8, P128 / R256), GRPO
+#   short_packed    that workload with token-budget micro-batches
+#   profile         forced, one traced step after the compile: where the time goes
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
 # 560) caps the whole call, each run getting what is left.
 set -uo pipefail
@@ -38,7 +40,8 @@ run() {  # run NAME TREE ARGS...
     python3 experiments/bench_rl_step.py "$@" --out "$OUT/$name.json") 2>&1 \
     | grep -v "^[WI]0000" > "$OUT/$name.log"
   echo "== $name exit ${PIPESTATUS[0]} at ${SECONDS}s"
-  sed -n '/^| phase/,$p' "$OUT/$name.log"
+  if grep -q '^| phase' "$OUT/$name.log"; then sed -n '/^| phase/,$p' "$OUT/$name.log"
+  else tail -n 70 "$OUT/$name.log"; fi
 }
 
 for name in "$@"; do
@@ -52,6 +55,8 @@ for name in "$@"; do
     before_natural) run before_natural "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
                       --remat dots_saveable "${NATURAL[@]}" ;;
     short) run short "$ROOT" "${SHORT[@]}" ;;
+    short_packed) run short_packed "$ROOT" "${SHORT[@]}" --dynamic_bsz ;;
+    profile) run profile "$ROOT" "${LONG[@]}" --dynamic_bsz --steps 0 --trace_dir /tmp/trace ;;
     before_short) run before_short "$ROOT/before" "${SHORT[@]}" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac

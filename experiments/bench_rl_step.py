@@ -403,6 +403,9 @@ def run_algo(args, algo: str) -> dict:
         del trainer
         gc.collect()
     timed = steps[args.warmup:]
+    if not timed:  # --steps 0: a compile and, with --trace_dir, a traced step only
+        return dict(algo=algo, setup_s=setup_s, memory_report=memory,
+                    warmup_wall_s=[m["wall_s"] for m in steps], **info)
     devices = jax.device_count()
     phases = {k: mean([m[f"timing_s/{k}"] for m in timed if f"timing_s/{k}" in m])
               for k in PHASES}
@@ -524,7 +527,8 @@ def main(argv=None) -> None:
         if args.out:  # after each algorithm, so a run cut short keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(dict(args=vars(args), **info, results=results), f, indent=1)
-    print_table(args, results)
+    if args.steps:
+        print_table(args, results)
     if args.out:
         print(f"wrote {args.out}")
 

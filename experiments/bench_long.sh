@@ -56,6 +56,8 @@ for name in "$@"; do
                       --remat dots_saveable "${NATURAL[@]}" ;;
     short) run short "$ROOT" "${SHORT[@]}" ;;
     short_packed) run short_packed "$ROOT" "${SHORT[@]}" --dynamic_bsz ;;
+    profile_short) run profile_short "$ROOT" "${SHORT[@]}" --dynamic_bsz --steps 0 \
+                     --trace_dir /tmp/trace_short ;;
     profile) run profile "$ROOT" "${LONG[@]}" --dynamic_bsz --steps 0 --trace_dir /tmp/trace ;;
     before_short) run before_short "$ROOT/before" "${SHORT[@]}" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;

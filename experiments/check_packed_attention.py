@@ -68,27 +68,32 @@ def bench(fn, *args, reps=10):
     return float(np.median(times)) * 1e3
 
 
+def _timing_row(rng, b, t, n, k, h):
+    """(dense-mask, is_causal, packed) fwd+bwd times of `b` sequences of `t` tokens."""
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
+    kk, v = (jnp.asarray(rng.normal(size=(b, t, k, h)), jnp.bfloat16) for _ in range(2))
+    mask = attention_mask(jnp.ones((b, t), jnp.int32), t, None)
+    segments = packed_attention.segments(layout(1, b * t, [[t] * b]), 8)
+
+    def grad_of(attention):
+        loss = lambda q, kk, v: jnp.sum(attention(q, kk, v).astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    dense = grad_of(lambda q, kk, v: jax.nn.dot_product_attention(
+        q, kk, v, mask=mask, implementation="cudnn"))
+    causal = grad_of(lambda q, kk, v: jax.nn.dot_product_attention(
+        q, kk, v, is_causal=True, implementation="cudnn"))
+    one_row = lambda x: x.reshape(1, b * t, *x.shape[2:])
+    packed = grad_of(lambda q, kk, v: packed_attention.attend(
+        one_row(q), one_row(kk), one_row(v), segments, "cudnn"))
+    return tuple(bench(fn, q, kk, v) for fn in (dense, causal, packed))
+
+
 def timing(n=14, k=2, h=64):
     rng = np.random.default_rng(0)
-    rows = []
     # One 8.7k-token sequence per padded row (P512 + R8192), 2 rows = 17.4k tokens,
     # against the same tokens packed into one row of 17,408 slots.
-    for b, t in ((2, 8704), (4, 4352)):
-        q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
-        kk, v = (jnp.asarray(rng.normal(size=(b, t, k, h)), jnp.bfloat16) for _ in range(2))
-        mask = attention_mask(jnp.ones((b, t), jnp.int32), t, None)
-        dense = jax.jit(jax.value_and_grad(lambda q, kk, v: jnp.sum(jax.nn.dot_product_attention(
-            q, kk, v, mask=mask, implementation="cudnn").astype(jnp.float32)), argnums=(0, 1, 2)))
-        causal = jax.jit(jax.value_and_grad(lambda q, kk, v: jnp.sum(jax.nn.dot_product_attention(
-            q, kk, v, is_causal=True, implementation="cudnn").astype(jnp.float32)),
-            argnums=(0, 1, 2)))
-        seg = layout(1, b * t, [[t] * b])
-        segments = packed_attention.segments(seg, 8)
-        re = lambda x: x.reshape(1, b * t, *x.shape[2:])
-        packed = jax.jit(jax.value_and_grad(lambda q, kk, v: jnp.sum(packed_attention.attend(
-            re(q), re(kk), re(v), segments, "cudnn").astype(jnp.float32)), argnums=(0, 1, 2)))
-        rows.append((b, t, bench(dense, q, kk, v), bench(causal, q, kk, v),
-                     bench(packed, q, kk, v)))
+    rows = [(b, t, *_timing_row(rng, b, t, n, k, h)) for b, t in ((2, 8704), (4, 4352))]
     print("fwd+bwd of one layer's attention (ms), Qwen2.5-0.5B heads (14 q, 2 kv, 64):")
     print(f"{'rows x T':>12} {'dense mask':>11} {'is_causal':>10} {'packed':>8}")
     for b, t, d, c, p in rows:

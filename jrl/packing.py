@@ -64,16 +64,27 @@ class Plan:
     max_segments: int = flax.struct.field(pytree_node=False)
 
 
-def _first_fit(lengths_b: Array, length: int, num_bins: int) -> tuple[Array, Array]:
-    """(bin, offset) of each sequence: first fit, longest first, into bins of `length`."""
+# The most sequences one packed row holds. cuDNN's packed attention runs some of its
+# passes over rows x MAX_SEGMENTS x L slots, so a loose bound costs time (at 128 it
+# took most of an update's attention time); rows of P + R slots rarely hold more.
+MAX_SEGMENTS = 8
+
+
+def _first_fit(lengths_b: Array, length: int, num_bins: int,
+               max_segments: int) -> tuple[Array, Array]:
+    """(bin, offset) of each sequence: first fit, longest first, into bins of `length`
+    slots holding at most `max_segments` sequences each."""
     order = jnp.argsort(-lengths_b, stable=True)
 
-    def place(fills, i):
+    def place(carry, i):
+        fills, counts = carry
         size = lengths_b[i]
-        index = jnp.argmax(fills + size <= length)  # an empty bin always fits
-        return fills.at[index].add(size), (index, fills[index])
+        # An empty bin always fits (every sequence fits one row).
+        index = jnp.argmax((fills + size <= length) & (counts < max_segments))
+        return (fills.at[index].add(size), counts.at[index].add(1)), (index, fills[index])
 
-    _, (bins, offsets) = lax.scan(place, jnp.zeros(num_bins, jnp.int32), order)
+    zeros = jnp.zeros(num_bins, jnp.int32)
+    _, (bins, offsets) = lax.scan(place, (zeros, zeros), order)
     unsort = lambda x: jnp.zeros_like(x).at[order].set(x)
     return unsort(bins), unsort(offsets)
 
@@ -85,7 +96,8 @@ def plan(tokens_bt: Array, mask_bt: Array, *, length: int, rows: int) -> Plan:
     mask = mask_bt.astype(bool)
     lengths_b = jnp.sum(mask, axis=1, dtype=jnp.int32)
     num_bins = -(-n // rows) * rows  # at most one row per sequence
-    bin_b, offset_b = _first_fit(lengths_b, length, num_bins)
+    max_segments = min(n, MAX_SEGMENTS)
+    bin_b, offset_b = _first_fit(lengths_b, length, num_bins, max_segments)
     positions_bt = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
     num_slots = num_bins * length
     slots_bt = jnp.where(mask, (bin_b * length + offset_b)[:, None] + positions_bt, num_slots)
@@ -98,7 +110,7 @@ def plan(tokens_bt: Array, mask_bt: Array, *, length: int, rows: int) -> Plan:
                 positions_f=scatter(num_slots, positions_bt),
                 segment_ids_f=scatter(num_slots, segment_bt),
                 num_micros=(used_bins + rows - 1) // rows,
-                length=length, rows=rows, max_segments=min(n, length))
+                length=length, rows=rows, max_segments=max_segments)
 
 
 class Micro(flax.struct.PyTreeNode):

@@ -44,10 +44,9 @@ def make_batch(seed=0):
     rng = np.random.default_rng(seed)
     prompt_mask = (np.arange(P)[None] >= P - PROMPT_LENS[:, None]).astype(np.int32)
     response_mask = (np.arange(R)[None] < RESPONSE_LENS[:, None]).astype(np.int32)
-    prompt_ids = np.where(prompt_mask == 1, rng.integers(3, CONFIG.vocab_size, prompt_mask.shape),
-                          0).astype(np.int32)
-    responses = np.where(response_mask == 1, rng.integers(3, CONFIG.vocab_size, response_mask.shape),
-                         0).astype(np.int32)
+    ids = lambda mask: np.where(mask == 1, rng.integers(3, CONFIG.vocab_size, mask.shape),
+                                0).astype(np.int32)
+    prompt_ids, responses = ids(prompt_mask), ids(response_mask)
     return prompt_ids, prompt_mask, responses, response_mask
 
 

@@ -536,8 +536,8 @@ def forward(
       mask: without a cache, `[B, T]` token validity, a `SharedPrompt` for the
         shared-prompt layout (each row of `tokens_bt` one prompt followed by the k
         responses sampled from it), or `packed_attention.Segments` for packed rows
-        (several sequences end to end, `jrl.packing`); with a cache, `[B, S]` slot validity including
-        the slots written by this call (1 = valid).
+        (several sequences end to end, `jrl.packing`); with a cache, `[B, S]` slot
+        validity including the slots written by this call (1 = valid).
       cache: `KVCache` of S slots, or None.
       write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
         with a cache, must be None without one.

@@ -85,8 +85,8 @@ def _accumulate_grads(loss_fn: Callable, params, mini: Batch, rng: Array, num_mi
     return jax.lax.scan(micro_step, zeros, (mini, rngs))
 
 
-def _accumulate_packed(loss_fn: Callable, params, mini: Batch, rng: Array, length: int):
-    """`_accumulate_grads` over token-budget micro-batches (`jrl.packing`, `length` slots
+def _accumulate_packed(loss_fn: Callable, params, mini: Batch, rng: Array, budget: int):
+    """`_accumulate_grads` over token-budget micro-batches (`jrl.packing`, `budget` tokens
     per device): the mini-batch's sequences packed, the loss of each micro-batch taken
     on the mini-batch's grid with only its own sequences live (`micro["packed"]`), so
     its sums and normalisers are the padded path's. The loss's means are averaged over
@@ -94,7 +94,7 @@ def _accumulate_packed(loss_fn: Callable, params, mini: Batch, rng: Array, lengt
     mask = mini["response_mask"]
     normalizer = masks.loss_normalizer(mask)
     plan = packing.for_sequences(mini["prompt_ids"], mini["prompt_mask"], mini["responses"],
-                                 _attention(mini), length)
+                                 _attention(mini), budget)
     micro0 = {**mini, "packed": packing.Micro(plan, jnp.int32(0))}
     _, (sums0, means0, tokens0) = jax.eval_shape(loss_fn, params, micro0, normalizer, rng)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, sums0, means0))

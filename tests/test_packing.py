@@ -151,3 +151,39 @@ def test_splash_attention_matches_reference_in_interpret_mode():
     grads = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.where(used, fn(*a), 0) ** 2),
                                 argnums=(0, 1, 2))(q, k, v)
     chex.assert_trees_all_close(grads(splash), grads(reference), atol=1e-4, rtol=1e-4)
+
+
+def test_splash_attention_in_the_model_matches_xla():
+    """`attention_impl='splash'` (Pallas' TPU splash attention, interpreted here): padded
+    rows of 128 tokens (one segment each) and packed rows give the XLA path's hidden
+    states and parameter gradients."""
+    rng = np.random.default_rng(2)
+    lengths = np.array([128, 70, 5])
+    mask = (np.arange(128)[None] >= 128 - lengths[:, None]).astype(np.int32)
+    tokens = jnp.asarray(np.where(mask, rng.integers(3, CONFIG.vocab_size, mask.shape), 0),
+                         jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    seg = np.zeros((1, 128), np.int32)
+    seg[0, :60], seg[0, 60:100] = 1, 2
+    packed_positions = jnp.asarray(np.concatenate([np.arange(60), np.arange(40),
+                                                   np.zeros(28, int)])[None], jnp.int32)
+    packed = packed_attention.segments(jnp.asarray(seg), 2)
+    cases = [(tokens, positions, jnp.asarray(mask), mask > 0),
+             (tokens[:1], packed_positions, packed, seg > 0)]
+    for toks, pos, how, used in cases:
+        (_, want), want_grads = _hidden_and_grads(toks, pos, how, used, "xla")
+        (_, got), got_grads = _hidden_and_grads(toks, pos, how, used, "splash")
+        np.testing.assert_allclose(np.asarray(got)[used], np.asarray(want)[used], atol=2e-5,
+                                   rtol=2e-5)
+        chex.assert_trees_all_close(got_grads, want_grads, atol=2e-4, rtol=2e-4)
+
+
+def _hidden_and_grads(tokens, positions, mask, used, impl):
+    """((loss, hidden states), parameter gradients) of a forward with `impl` attention."""
+    config = tiny_config(attention_impl=impl)
+
+    def loss(p):
+        hidden, _ = transformer.forward(p, tokens, positions, mask, config=config)
+        return jnp.sum(jnp.where(used[..., None], hidden, 0) ** 2), hidden
+
+    return jax.value_and_grad(loss, has_aux=True)(params())

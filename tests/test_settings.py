@@ -164,3 +164,28 @@ def test_settings_dataclasses_check_themselves():
             good.actor, update=dataclasses.replace(update, mini_batch=good.train_batch_size *
                                                    good.rollout.n * 2)))
     assert dataclasses.replace(good.trainer, test_freq=3.0).test_freq == 3  # normalised
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 6},
+     "actor.ppo_max_token_len_per_gpu"),
+    ({"algorithm.adv_estimator": "gae", "critic.use_dynamic_bsz": True,
+      "critic.ppo_max_token_len_per_gpu": 6}, "critic.ppo_max_token_len_per_gpu"),
+    ({"rollout.log_prob_use_dynamic_bsz": True, "rollout.log_prob_max_token_len_per_gpu": 6},
+     "rollout.log_prob_max_token_len_per_gpu"),
+])
+def test_token_budgets_must_hold_one_sequence(overrides, key):
+    """The tiny config's sequences are up to 4 + 3 tokens: a budget of 6 holds none."""
+    with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.")):
+        _settings(**overrides)
+
+
+def test_token_budgets():
+    """Budgets apply where their flags are on; the log-prob passes follow the actor's."""
+    s = _settings(**{"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 7,
+                     "rollout.log_prob_max_token_len_per_gpu": 9})
+    assert (s.actor.update.max_token_len, s.log_prob_max_token_len) == (7, 9)
+    s = _settings(**{"actor.use_dynamic_bsz": True, "rollout.log_prob_use_dynamic_bsz": False})
+    assert s.actor.update.max_token_len == 16384 and s.log_prob_max_token_len is None
+    s = _settings()
+    assert s.actor.update.max_token_len is None and s.log_prob_max_token_len is None

@@ -27,7 +27,7 @@ from jrl.models import triton_backend
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
 LOGPROB_IMPLS = ("auto", "xla", "pallas")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
@@ -89,8 +89,11 @@ class ModelConfig:
         in float32 by `unembed`).
       remat: "none", "full" (recompute each layer in the backward pass) or
         "dots_saveable" (keep matmul outputs, recompute the rest).
-      attention_impl: "auto" (cuDNN flash attention on GPU when dtype and head_dim
-        allow it, else XLA), "xla" or "cudnn".
+      attention_impl: training attention: "auto" (on GPU cuDNN flash attention when
+        dtype and head_dim allow it; on TPU Pallas splash attention for rows of a
+        multiple of 128 tokens and head_dim a multiple of 128; else XLA), "xla",
+        "cudnn" or "splash" (`jrl.models.packed_attention`; off a TPU it runs in
+        Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
         `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla" or

@@ -80,17 +80,19 @@ def segment_offsets(segment_ids_bt: jax.Array, max_segments: int):
     return offsets_bm.at[:, max_segments].set(-1), lengths_bm
 
 
-def choose_impl(impl: str, dtype, head_dim: int) -> str:
-    """The kernel for this backend ('auto'), or the one asked for."""
-    if impl != "auto":
-        return impl
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    backend = jax.default_backend()
-    if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and _hopper():
-        return "cudnn"
-    if backend == "tpu" and head_dim % 128 == 0:
-        return "splash"
-    return "xla"
+def choose_impl(impl: str, dtype, head_dim: int, length: int) -> str:
+    """The kernel for this backend ('auto') or the one asked for, for rows of `length`
+    slots: splash's blocks are multiples of 128 slots, so other rows take the reference."""
+    if impl == "auto":
+        half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        backend = jax.default_backend()
+        if backend == "tpu" and head_dim % 128 == 0:
+            impl = "splash"
+        elif backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and _hopper():
+            impl = "cudnn"
+        else:
+            impl = "xla"
+    return "xla" if impl == "splash" and length % 128 else impl
 
 
 def _hopper() -> bool:
@@ -101,11 +103,12 @@ def _hopper() -> bool:
 def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto"):
     """Packed causal attention: queries `[B, L, N, H]`, keys/values `[B, L, K, H]`
     (K divides N), outputs `[B, L, N, H]` in the queries' dtype."""
-    impl = choose_impl(impl, q_btnh.dtype, q_btnh.shape[-1])
+    impl = choose_impl(impl, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1])
     if impl == "cudnn":
         return _cudnn(q_btnh, k_btkh, v_btkh, segments)
     if impl == "splash":
-        return splash(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt)
+        return splash(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt,
+                      interpret=jax.default_backend() != "tpu")
     if impl != "xla":
         raise ValueError(f"packed attention impl must be one of {IMPLS}, got {impl!r}")
     return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_btkh, 1, 2),

@@ -161,6 +161,8 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     cuDNN needs a GPU, half precision and head_dim <= 128 (a multiple of 8); with a
     mask (which it turns into a bias) its backward pass also needs even T and S.
     """
+    if config.attention_impl == "splash":  # (where packed_attention does not apply)
+        return "xla"
     if config.attention_impl != "auto":
         return config.attention_impl
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -252,8 +254,8 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
     if isinstance(mask_b1ts, SharedPromptMask):
         return _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if isinstance(mask_b1ts, packed_attention.Segments):
-        impl = "xla" if c.attention_impl == "xla" else "auto"
-        return packed_attention.attend(q_btnh, k_btkh, v_btkh, mask_b1ts, impl), cache
+        return packed_attention.attend(q_btnh, k_btkh, v_btkh, mask_b1ts,
+                                       c.attention_impl), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     # The cache's heads-first layout (XLA cancels the transposes on its path).
@@ -410,6 +412,11 @@ class Transformer(nn.Module):
             mask_b1ts = mask.attention_masks()
         elif isinstance(mask, packed_attention.Segments):
             mask_b1ts = mask  # attention reads the segment ids themselves
+        elif packed_attention.choose_impl(c.attention_impl, c.dtype, c.head_dim,
+                                          tokens_bt.shape[1]) == "splash":
+            # A padded row's real tokens are contiguous (left-padded prompt, then the
+            # response): one segment, and splash attention needs no dense mask.
+            mask_b1ts = packed_attention.segments(mask.astype(jnp.int32), 1)
         else:
             mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
         layers = jnp.arange(c.num_layers)

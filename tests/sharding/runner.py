@@ -82,10 +82,23 @@ def tiny_mesh_config(algo: str, steps: int):
     return tiny_config(**overrides)
 
 
+def packed(config):
+    """`config` with token-budget micro-batches in every pass, 2 packed rows of P + R
+    slots per device (and a few tokens to spare)."""
+    config = config.copy_and_resolve_references()
+    budget = 2 * (config.data.max_prompt_length + config.rollout.response_length) + 3
+    for role in ("actor", "critic"):
+        config[role].use_dynamic_bsz = True
+        config[role].ppo_max_token_len_per_gpu = budget
+    config.rollout.log_prob_max_token_len_per_gpu = budget
+    return config
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--algo", choices=("grpo", "ppo", "multi_turn"), default="grpo")
-    parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'")
+    parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'; a mesh "
+                        "written 'data,fsdp,tensor+packed' runs with token-budget micro-batches")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--coordinator", default=None)
@@ -124,11 +137,13 @@ def main(argv=None) -> None:
         distributed.maybe_initialize(config)
     results = {}
     for mesh in args.meshes.split():
-        shape = tuple(int(x) for x in mesh.split(","))
+        axes, _, variant = mesh.partition("+")
+        shape = tuple(int(x) for x in axes.split(","))
+        run_config = packed(config) if variant else config
         devices = jax.devices()[: math.prod(shape)]
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(*shape), devices))
         workdir = args.workdir or tempfile.mkdtemp(prefix="jrl-mesh-")
-        train.run(config, workdir, sharder=sharder, reward_fn=varied_reward)
+        train.run(run_config, workdir, sharder=sharder, reward_fn=varied_reward)
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "metrics.jsonl")) as f:
                 results[mesh] = [json.loads(line) for line in f]

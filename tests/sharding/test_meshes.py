@@ -80,6 +80,17 @@ def test_ppo_value_pass_meshes_match_one_device(tmp_path):
     assert_same_metrics(runs["1,1,1"], runs["2,2,2"])
 
 
+def test_packed_passes_match_padded_on_meshes(tmp_path):
+    """PPO with token-budget micro-batches in every pass (value and log-prob passes, the
+    critic's and the actor's updates in two mini-batches each) on one device and on
+    (data=2, fsdp=2, tensor=2), against the padded passes on one device: the same
+    metrics, whatever the mesh and the micro-batching."""
+    runs = _run(tmp_path, "ppo", "1,1,1 1,1,1+packed 2,2,2+packed", 2, "--value_pass")
+    assert len({r["critic/score/mean"] for r in runs["1,1,1"]}) > 1
+    for mesh in ("1,1,1+packed", "2,2,2+packed"):
+        assert_same_metrics(runs["1,1,1"], runs[mesh])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

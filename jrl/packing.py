@@ -169,13 +169,17 @@ def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, budget: in
 
     A packed row is as long as the longest possible sequence, `P + R` slots, so a
     sequence of full length fills one exactly and shorter ones share rows; each device
-    runs `budget // (P + R)` rows per micro-batch (at least one).
+    runs `budget // (P + R)` rows per micro-batch (at least one, at most its share of
+    the sequences).
     """
     tokens = jnp.concatenate([prompt_ids, responses], axis=1)
     mask = jnp.concatenate([prompt_mask, attention_mask], axis=1)
-    length = tokens.shape[1]
-    rows = batch_shards() * max(1, budget // length)
-    return plan(tokens, mask, length=length, rows=rows)
+    n, length = tokens.shape
+    shards = batch_shards()
+    # Never more rows per device than it has sequences: a large budget over a small
+    # pass would run mostly empty rows.
+    per_device = max(1, min(budget // length, -(-n // shards)))
+    return plan(tokens, mask, length=length, rows=shards * per_device)
 
 
 def loop(plan_: Plan, body, init):

@@ -3,20 +3,20 @@
 A pass over `n` sequences (left-padded prompts, right-padded responses) pays, in the
 padded layout, for `n * (P + R)` tokens whatever the sequences' real lengths. Packed,
 each sequence's real tokens (prompt, then response) are laid end to end into rows of
-`L` slots (`L = P + R`, the longest possible sequence), each sequence a segment with its own
-RoPE positions from 0, attention never crossing a segment
+`L = P + R` slots (the longest possible sequence), each sequence a segment with its
+own RoPE positions from 0, attention never crossing a segment
 (`jrl.models.packed_attention`). A micro-batch is `G` such rows, as many per batch
 shard (device) as the token budget holds (verl's `ppo_max_token_len_per_gpu`), so a
-device runs at most the budget's tokens per micro-batch however its sequences' lengths
-are spread, and the number of micro-batches follows the real token count (a
+device runs at most the budget's tokens per micro-batch however its sequences'
+lengths are spread, and the number of micro-batches follows the real token count (a
 `lax.while_loop`).
 
 The plan is made on the device from the masks (`plan`): sequences are placed by first
-fit, longest first, into rows of `L` slots (every sequence fits one row; that the budget
-holds a row, `budget >= P + R`, is checked with the config). Outputs are computed per
-slot and gathered back to the
-padded `[n, R]` grid of the response tokens, so losses, advantages and metrics see the
-arrays the padded passes give: equal up to floating-point summation order.
+fit, longest first, into rows of `L` slots, at most `MAX_SEGMENTS` a row (that the
+budget holds a row, `budget >= P + R`, is checked with the config). Outputs are
+computed per slot and gathered back to the padded `[n, R]` grid of the response
+tokens, so losses, advantages and metrics see the arrays the padded passes give: equal
+up to floating-point summation order.
 
 This is jrl's form of verl's `use_dynamic_bsz` with `use_remove_padding`.
 """
@@ -65,8 +65,9 @@ class Plan:
 
 
 # The most sequences one packed row holds. cuDNN's packed attention runs some of its
-# passes over rows x MAX_SEGMENTS x L slots, so a loose bound costs time (at 128 it
-# took most of an update's attention time); rows of P + R slots rarely hold more.
+# passes over rows x MAX_SEGMENTS x L slots, so a loose bound costs time (a bound of
+# 384 at P128 / R256 cost the update 3x its padded time, docs/performance.md); rows
+# of P + R slots rarely hold more.
 MAX_SEGMENTS = 8
 
 

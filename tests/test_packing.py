@@ -187,3 +187,9 @@ def _hidden_and_grads(tokens, positions, mask, used, impl):
         return jnp.sum(jnp.where(used[..., None], hidden, 0) ** 2), hidden
 
     return jax.value_and_grad(loss, has_aux=True)(params())
+
+
+def test_a_large_budget_runs_no_more_rows_than_sequences():
+    """A budget of 100 rows over 8 sequences runs 8 rows (one micro-batch), not 100."""
+    plan = packing.for_sequences(*make_batch(), 100 * (P + R))
+    assert (plan.rows, int(plan.num_micros)) == (8, 1)

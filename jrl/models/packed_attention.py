@@ -18,6 +18,7 @@ formed on the accelerators:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -136,8 +137,9 @@ def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
 def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
            block: int = 512):
     """JAX's Pallas TPU splash attention with a causal mask and segment ids (`interpret`:
-    run in Pallas' TPU interpret mode, as the CPU tests do). L must divide into blocks
-    of `min(block, L)`; the queries of a key/value head share it (grouped-query)."""
+    run in Pallas' TPU interpret mode, as the CPU tests do). L must be a multiple of 128
+    (blocks of `gcd(L, block)` slots); the queries of a key/value head share it
+    (grouped-query)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel,
     )
@@ -147,7 +149,7 @@ def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
 
     b, length, n, h = q_btnh.shape
     k = k_btkh.shape[2]
-    size = min(block, length)
+    size = math.gcd(length, block)
     block_sizes = kernel.BlockSizes(
         block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
         block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
@@ -155,7 +157,7 @@ def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
     multi = mask_lib.MultiHeadMask([causal] * (n // k))
     mha = kernel.make_splash_mqa(multi, block_sizes=block_sizes, head_shards=1,
                                  q_seq_shards=1, interpret=interpret)
-    # Unused slots are their own segment (-1) so their rows are never empty.
+    # Each unused slot is a segment of its own (-1 - slot): no query row is empty.
     seg = jnp.where(segment_ids_bt > 0, segment_ids_bt, -1 - jnp.arange(length))
     ids = kernel.SegmentIds(q=seg, kv=seg)
     q_bkgth = q_btnh.reshape(b, length, k, n // k, h).transpose(0, 2, 3, 1, 4)

@@ -93,15 +93,16 @@ def test_dense_mask_blocks_other_segments_and_the_future():
     np.testing.assert_array_equal(mask, expected)
 
 
-@pytest.mark.parametrize("length", [16, 24, 160])
-def test_packed_log_probs_equal_padded(length):
+@pytest.mark.parametrize("budget", [16, 40, 160])
+def test_packed_log_probs_equal_padded(budget):
+    """Rows of 16 slots, 1, 2 or 8 of them per micro-batch."""
     batch = make_batch()
     config = CONFIG
     padded = jax.jit(functools.partial(logprobs.response_log_probs, config=config,
                                        with_entropy=True, temperature=0.7))(params(), *batch)
     packed_fn = logprobs.in_packed_micro_batches(
         functools.partial(logprobs.packed_log_probs, config=config, with_entropy=True,
-                          temperature=0.7), length)
+                          temperature=0.7), budget)
     packed = jax.jit(packed_fn)(params(), *batch)
     mask = batch[3]
     for got, want in zip(packed, padded, strict=True):

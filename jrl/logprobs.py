@@ -389,16 +389,12 @@ def packed_values(critic_params, micro: packing.Micro, *, config: ModelConfig) -
     return heads.values(critic_params, hidden)
 
 
-def in_packed_micro_batches(slot_fn, budget: int):
-    """`fn(params, prompt_ids, prompt_mask, responses, attention_mask) -> outputs [N, R]`
-    over token-budget micro-batches (`jrl.packing`, `budget` tokens per device): the
-    counterpart of `in_micro_batches` for `slot_fn(params, micro)` (`packed_log_probs`,
-    `packed_values`), whose per-slot outputs come back on the response grid."""
-    def run(params, prompt_ids, prompt_mask, responses, attention_mask):
-        plan = packing.for_sequences(prompt_ids, prompt_mask, responses, attention_mask,
-                                     budget)
-        fn = functools.partial(slot_fn, params)
-        shapes = jax.eval_shape(fn, packing.Micro(plan, jnp.int32(0)))
-        return packing.map_responses(fn, plan, attention_mask, shapes)
-
-    return run
+def packed_pass(slot_fn, params, plan: packing.Plan, attention_mask) -> Array:
+    """`slot_fn(params, micro)` (`packed_log_probs`, `packed_values`) over the plan's
+    token-budget micro-batches (`jrl.packing`), its per-slot outputs gathered to the
+    `[N, R]` grid of the response tokens (`attention_mask`: those attended to): the
+    counterpart of `in_micro_batches`. One plan serves every pass over the same
+    sequences."""
+    fn = functools.partial(slot_fn, params)
+    shapes = jax.eval_shape(fn, packing.Micro(plan, jnp.int32(0)))
+    return packing.map_responses(fn, plan, attention_mask, shapes)

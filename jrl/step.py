@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from jrl import advantages as adv_lib
-from jrl import kl_control, logprobs, masks, rollout_correction, update
+from jrl import kl_control, logprobs, masks, packing, rollout_correction, update
 from jrl.models import heads, lora
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
@@ -182,8 +182,9 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
     them from its own forward pass), reference log-probs (when `ref_params`) and values
     (when the state has a critic, unless its on-policy update values the batch itself) of
-    a rollout, in micro-batches of
-    `rollout.log_prob_micro_batch_size` sequences. With LoRA the reference is the
+    a rollout, in micro-batches of `rollout.log_prob_micro_batch_size` sequences or,
+    with `rollout.log_prob_use_dynamic_bsz`, of a token budget (`jrl.packing`: one plan
+    for every pass). With LoRA the reference is the
     frozen base, adapters off (`ref_params` is `frozen`: no second copy). These
     passes take no gradient, so their scan over layers stays rolled whatever
     `model.scan_unroll` says (unrolled, nothing is saved for a backward pass to gain)."""
@@ -193,12 +194,13 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     sizes = s.bucket_sizes(rollout.responses.shape[1])
     group = prompt_group(s, s.log_prob_micro_batch or rollout.responses.shape[0])
 
-    budget = s.log_prob_max_token_len
+    plan = (None if s.log_prob_max_token_len is None
+            else packing.for_sequences(*seq, s.log_prob_max_token_len))
 
     def passes(padded_fn, packed_fn):
         """The pass over micro-batches: of a token budget (`jrl.packing`), or padded."""
-        if budget is not None:
-            return logprobs.in_packed_micro_batches(packed_fn, budget)
+        if plan is not None:
+            return lambda params, *_: logprobs.packed_pass(packed_fn, params, plan, seq[3])
         return logprobs.in_micro_batches(padded_fn, s.log_prob_micro_batch, sizes, group)
 
     def log_probs(params, config, with_entropy):

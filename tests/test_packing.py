@@ -100,10 +100,10 @@ def test_packed_log_probs_equal_padded(budget):
     config = CONFIG
     padded = jax.jit(functools.partial(logprobs.response_log_probs, config=config,
                                        with_entropy=True, temperature=0.7))(params(), *batch)
-    packed_fn = logprobs.in_packed_micro_batches(
+    packed = jax.jit(lambda p: logprobs.packed_pass(
         functools.partial(logprobs.packed_log_probs, config=config, with_entropy=True,
-                          temperature=0.7), budget)
-    packed = jax.jit(packed_fn)(params(), *batch)
+                          temperature=0.7), p, packing.for_sequences(*batch, budget),
+        batch[3]))(params())
     mask = batch[3]
     for got, want in zip(packed, padded, strict=True):
         np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0),
@@ -115,8 +115,9 @@ def test_packed_values_equal_padded():
     batch = make_batch(1)
     critic = init_critic_params(params(), jax.random.key(1))
     padded = jax.jit(functools.partial(logprobs.response_values, config=CONFIG))(critic, *batch)
-    packed = jax.jit(logprobs.in_packed_micro_batches(
-        functools.partial(logprobs.packed_values, config=CONFIG), 32))(critic, *batch)
+    packed = jax.jit(lambda p: logprobs.packed_pass(
+        functools.partial(logprobs.packed_values, config=CONFIG), p,
+        packing.for_sequences(*batch, 32), batch[3]))(critic)
     np.testing.assert_allclose(np.where(batch[3], packed, 0), np.where(batch[3], padded, 0),
                                rtol=RTOL, atol=ATOL)
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jrl.models import cache as cache_lib
 from jrl.models import packed_attention
 from jrl.sharding import constrain
 
@@ -99,7 +100,7 @@ def plan(tokens_bt: Array, mask_bt: Array, *, length: int, rows: int) -> Plan:
     num_bins = -(-n // rows) * rows  # at most one row per sequence
     max_segments = min(n, MAX_SEGMENTS)
     bin_b, offset_b = _first_fit(lengths_b, length, num_bins, max_segments)
-    positions_bt = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+    positions_bt = cache_lib.positions_from_mask(mask)  # each sequence's, from 0
     num_slots = num_bins * length
     slots_bt = jnp.where(mask, (bin_b * length + offset_b)[:, None] + positions_bt, num_slots)
     scatter = lambda size, values: jnp.zeros(size, jnp.int32).at[slots_bt.reshape(-1)].set(

@@ -108,8 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--share_prompts", default="on", choices=("on", "off"),
                    help="actor.share_prompts (off: every row runs its own prompt)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
-    p.add_argument("--scan_unroll", action="store_true",
-                   help="model.scan_unroll: the training forward's layers unrolled")
+    p.add_argument("--scan_unroll", nargs="?", const="on", default="auto",
+                   choices=("auto", "on", "off"),
+                   help="model.scan_unroll: the update's layers unrolled (on), rolled (off) or "
+                   "the default (auto: unrolled with --dynamic_bsz)")
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "pallas"),
@@ -218,8 +220,8 @@ def make_config(args, algo: str):
         c.model.decode_attention_impl = args.decode_attention
     if "logprob_impl" in c.model:
         c.model.logprob_impl = args.logprob_impl
-    if args.scan_unroll:
-        c.model.scan_unroll = True
+    if args.scan_unroll != "auto":
+        c.model.scan_unroll = args.scan_unroll == "on"
     if args.lora_rank:
         c.model.lora_rank = args.lora_rank
         c.model.lora_alpha = args.lora_alpha or 2.0 * args.lora_rank

@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     # the backward pass reads and for the layers' gradients, at the price of longer
     # compilation. With remat dots_saveable XLA may also reuse the forward's attention
     # in the backward (more memory held). The log-prob and value passes stay rolled.
-    c.model.scan_unroll = False
+    # None: unrolled when the actor or critic trains on token-budget micro-batches
+    # (`use_dynamic_bsz`: long responses, where a step outlasts the extra compilation).
+    c.model.scan_unroll = config_dict.placeholder(bool)
     # Preset overrides (None keeps the preset's value).
     c.model.hidden_size = config_dict.placeholder(int)
     # MLP width override.

@@ -26,6 +26,15 @@ _MODEL_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads
                     "num_kv_heads", "head_dim")
 
 
+def scan_unroll(config) -> bool:
+    """`model.scan_unroll`, its default (None) resolved: unrolled with token-budget
+    micro-batches in the update (`actor.use_dynamic_bsz` / `critic.use_dynamic_bsz`)."""
+    unroll = config.model.get("scan_unroll")
+    if unroll is not None:
+        return bool(unroll)
+    return any(config[role].get("use_dynamic_bsz", False) for role in ("actor", "critic"))
+
+
 def build_tokenizer(config):
     name = config.tokenizer.name
     if name == "char":
@@ -165,7 +174,7 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
               "logprob_impl": config.model.get("logprob_impl", "auto"),
               "fuse_decode_projections": bool(config.model.get("fuse_decode_projections",
                                                                True)),
-              "scan_unroll": bool(config.model.get("scan_unroll", False)),
+              "scan_unroll": scan_unroll(config),
               **_lora_fields(config)}
     if config.model.path:
         shardings = None

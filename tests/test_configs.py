@@ -123,3 +123,18 @@ def test_configs_that_build_on_others_load_from_any_directory(tmp_path):
                          text=True, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "gae"
+
+
+@pytest.mark.parametrize("unroll, actor_dynamic, critic_dynamic, expected", [
+    (None, False, False, False), (None, True, False, True), (None, False, True, True),
+    (False, True, True, False), (True, False, False, True)])
+def test_scan_unroll_default_follows_token_budget_micro_batches(unroll, actor_dynamic,
+                                                                critic_dynamic, expected):
+    from jrl import experiment
+    from jrl.config_defaults import base_config
+
+    c = base_config()
+    assert c.model.scan_unroll is None  # the default: decided by the micro-batching
+    c.model.scan_unroll = unroll
+    c.actor.use_dynamic_bsz, c.critic.use_dynamic_bsz = actor_dynamic, critic_dynamic
+    assert experiment.scan_unroll(c) is expected

@@ -114,12 +114,27 @@ class UpdateSettings:
              micro_batch=_number(f"{p}.ppo_micro_batch_size", self.micro_batch, integer=True),
              shuffle=bool(self.shuffle))
         if self.mini_batch % self.micro_batch:
-            _fail(f"{p}.ppo_micro_batch_size", f"{self.micro_batch} sequences must divide "
-                  f"the mini-batch of {self.mini_batch} sequences")
+            self._fail_micro_batch()
         _choice("trainer.nan_policy", self.nan_policy, NAN_POLICIES)
         if self.max_token_len is not None:
             _set(self, max_token_len=_number(f"{p}.ppo_max_token_len_per_gpu",
                                              self.max_token_len, integer=True))
+
+
+    def _fail_micro_batch(self):
+        """Names the key that is off: the mini-batch when it is smaller than one
+        micro-batch (e.g. `ppo_mini_batch_size=7` under a preset micro-batch of 128),
+        else the micro-batch that does not divide it; the other key is named as well."""
+        p, mini, micro = self.prefix, self.mini_batch, self.micro_batch
+        mini_key, micro_key = f"{p}.ppo_mini_batch_size", f"{p}.ppo_micro_batch_size"
+        if micro > mini:
+            _fail(mini_key, f"its mini-batch of {mini} sequences ({mini_key} x rollout.n) "
+                  f"is smaller than one micro-batch of {micro_key}={micro} sequences; make "
+                  f"{mini_key} x rollout.n a multiple of {micro}, or set {micro_key} to a "
+                  f"divisor of {mini}")
+        _fail(micro_key, f"{micro} sequences must divide the mini-batch of {mini} sequences "
+              f"({mini_key} x rollout.n); set {micro_key} to a divisor of {mini}, or change "
+              f"{mini_key}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,15 +27,50 @@ _MODEL_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads
 
 
 def build_tokenizer(config):
-    name = config.tokenizer.name
+    """The tokenizer of `tokenizer.*`, checked against `model.path`'s checkpoint.
+
+    Nothing has been compiled yet: a `model.path` that does not exist, a checkpoint
+    paired with the built-in character tokenizer, or a tokenizer whose ids the model
+    cannot embed stops here, naming the keys.
+    """
+    name, model_path = config.tokenizer.name, os.path.expanduser(config.model.path or "")
+    if model_path and not os.path.isdir(model_path):
+        raise ConfigError(f"model.path: {config.model.path!r} does not exist; expected a "
+                          "checkpoint directory with config.json and safetensors weights")
     if name == "char":
-        return CharTokenizer()
-    if name == "hf":
-        path = os.path.expanduser(config.tokenizer.path or config.model.path or "")
+        tokenizer = CharTokenizer()
+    elif name == "hf":
+        path = os.path.expanduser(config.tokenizer.path or model_path)
         if not path:
             raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
-        return HFTokenizer.from_pretrained(path)
-    raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+        tokenizer = HFTokenizer.from_pretrained(path)
+    else:
+        raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+    if model_path:
+        _check_tokenizer_fits_model(config, tokenizer, model_path)
+    return tokenizer
+
+
+def _check_tokenizer_fits_model(config, tokenizer, model_path: str) -> None:
+    """The checkpoint must embed every id the tokenizer makes; the character tokenizer
+    goes only with a checkpoint of exactly its vocabulary (one trained with it) that
+    carries no tokenizer of its own."""
+    vocab = hf.read_hf_config(model_path).get("vocab_size")
+    where = f"model.path={config.model.path!r}"
+    if config.tokenizer.name == "char":
+        own = os.path.isfile(os.path.join(model_path, "tokenizer.json"))
+        if own or vocab != tokenizer.vocab_size:
+            raise ConfigError(
+                f"{where} has a {vocab}-token vocabulary{' and its own tokenizer' * own}, but "
+                f"tokenizer.name='char' is the built-in {tokenizer.vocab_size}-token character "
+                "tokenizer; add --config.tokenizer.name=hf to use the checkpoint's tokenizer")
+    elif not isinstance(vocab, int) or tokenizer.vocab_size > vocab:
+        source = config.tokenizer.path or config.model.path
+        raise ConfigError(
+            f"tokenizer.path / model.path: the tokenizer of {source!r} has "
+            f"{tokenizer.vocab_size} tokens, more than the vocab_size={vocab} in config.json "
+            f"of {where}; the model cannot embed the extra ids: use the checkpoint's own "
+            "tokenizer")
 
 
 def build_data(config, tokenizer=None, reward_fn=None):

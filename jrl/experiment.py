@@ -80,8 +80,9 @@ def build_data(config, tokenizer=None, reward_fn=None):
     Every row is checked here, before any compilation: its schema, a non-empty prompt,
     its prompt's length against `data.max_prompt_length` (with a tokenizer), and, when
     the built-in rule rewards score it (no `reward_fn`, `reward.custom_fn` or reward
-    model), a known `data_source` and a usable `reward_model.ground_truth`. An error
-    names the file, the row's index in it and the field.
+    model), a known `data_source` and a usable `reward_model.ground_truth`. One error
+    lists every bad row (`files.BadRows`): the file, the row (numbered from 1, a .jsonl
+    file's line number) and the field.
     """
     rule_reward = (reward_fn is None and not config.reward.custom_fn
                    and not config.reward_model.enable)
@@ -104,17 +105,24 @@ def build_data(config, tokenizer=None, reward_fn=None):
             seed=config.data.seed, reverse=config.data.reverse_answer,
             carry_slip_rate=config.data.carry_slip_rate)
     if tokenizer is not None:
-        where = f"data.task={config.data.task!r}"
+        bad = files.BadRows()
         for split, rows in (("train", train_rows), ("val", val_rows)):
-            for index, row in enumerate(rows):
-                _check_prompt_length(config, tokenizer, row, f"{where} ({split}): row {index}",
-                                     hint="raise data.max_prompt_length")
+            for number, row in enumerate(rows, start=1):
+                try:
+                    _check_prompt_length(config, tokenizer, row, f"row {number}",
+                                         hint="raise data.max_prompt_length")
+                except DataError as err:
+                    bad.add(f"data.task={config.data.task!r} ({split})", str(err))
+        bad.raise_any()
     return train_rows, val_rows
 
 
 def _check_prompt_length(config, tokenizer, row, where: str, hint: str) -> None:
     limit = config.data.max_prompt_length
-    length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
+    try:
+        length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
+    except ConfigError as err:  # a character the tokenizer cannot encode
+        raise DataError(f"{where}: {err}") from err
     if length > limit:
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         shown = repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")

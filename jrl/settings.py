@@ -322,6 +322,12 @@ def _multi_turn(config) -> MultiTurnSettings | None:
               "YAML or JSON file listing the tools")
     if not os.path.isfile(os.path.expanduser(path)):
         _fail(f"{key}.tool_config_path", f"{path!r} is not a file")
+    # Each class is found, is a Tool and takes its config now, before any model is built
+    # (the tools made here are dropped: the trainer makes its own).
+    try:
+        tools.load_tools(os.path.expanduser(path))
+    except ConfigError as err:
+        _fail(f"{key}.tool_config_path", str(err))
     ints = {name: int(_number(f"{key}.{name}", get(name), integer=True)) for name in (
         "max_assistant_turns", "max_user_turns", "max_parallel_calls",
         "max_tool_response_length", "max_tool_response_tokens")}

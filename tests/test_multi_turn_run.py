@@ -287,6 +287,27 @@ def test_multi_turn_settings_errors(tmp_path):
                      ).multi_turn.config.segment_end_fraction == 1.0
 
 
+def test_a_bad_tool_class_stops_before_the_warm_start(tmp_path, monkeypatch):
+    """The tool config is loaded and checked with the settings: a misspelled class stops the
+    run before any model is built, SFT warm start or not."""
+    from jrl import experiment, sft
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tool config was not checked before the model was built")
+
+    monkeypatch.setattr(experiment, "build_model", refuse)
+    monkeypatch.setattr(sft, "warm_start", refuse)
+    tools_yaml = tmp_path / "tools.yaml"
+    tools_yaml.write_text("tools:\n  - class_name: jrl.tools.Calculater\n")
+    config = tiny_config(**{**_ON, "rollout.multi_turn.tool_config_path": str(tools_yaml),
+                            "sft.steps": 5})
+    with pytest.raises(ConfigError) as err:
+        run(config, str(tmp_path / "run"))
+    assert str(err.value).startswith(
+        f"rollout.multi_turn.tool_config_path: tool config {tools_yaml}: tools[0]: class_name "
+        "'jrl.tools.Calculater' cannot be imported: AttributeError")
+
+
 @pytest.mark.parametrize("name", ["max_assistant_turns", "max_user_turns", "max_parallel_calls",
                                   "max_tool_response_length", "max_tool_response_tokens"])
 def test_multi_turn_counts_must_be_positive(name):

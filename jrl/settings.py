@@ -291,8 +291,18 @@ class TrainerSettings:
     val_before_train: bool
     critic_warmup: int  # verl's: the actor first updates at step critic_warmup (from 1)
     max_ckpt_to_keep: int | None
+    # Where each step's / validation's samples are written (`<dir>/<step>.jsonl`); None: not.
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
 
     def __post_init__(self):
+        for name in ("rollout_data_dir", "validation_data_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"trainer.{name}", f"must be a directory path (or None: off), got "
+                      f"{value!r}")
+            if value is not None and os.path.isfile(os.path.expanduser(value)):
+                _fail(f"trainer.{name}", f"{value!r} is a file; expected a directory")
         keep = self.max_ckpt_to_keep
         if keep is not None and keep < 1:
             _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got "
@@ -654,7 +664,9 @@ def _trainer(config) -> TrainerSettings:
     t = _get(config, "trainer")
     return TrainerSettings(test_freq=t.test_freq, save_freq=t.save_freq,
                            val_before_train=t.val_before_train, critic_warmup=t.critic_warmup,
-                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep)
+                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
+                           rollout_data_dir=t.rollout_data_dir,
+                           validation_data_dir=t.validation_data_dir)
 
 
 def _lora(config, prefix: str) -> dict:

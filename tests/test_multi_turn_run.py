@@ -368,9 +368,25 @@ def _metrics(workdir):
 
 
 def test_tiny_run_with_the_calculator(tmp_path, calls):
-    run(_tool_config(), str(tmp_path))
+    """Two steps, validation after the second; the samples of each step and of the
+    validation are written as verl writes them."""
+    rollouts, validations = tmp_path / "rollouts", tmp_path / "validations"
+    run(_tool_config(**{"trainer.test_freq": 2, "trainer.rollout_data_dir": str(rollouts),
+                        "trainer.validation_data_dir": str(validations)}), str(tmp_path))
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
+    outputs = _check_samples(rollouts, [1, 2], rows=4 * 2)  # train_batch_size x rollout.n
+    _check_samples(validations, [2], rows=8)  # data.num_val, one greedy sample each
+    # A multi-turn output is the whole response: turns and the tool blocks between them.
+    assert any("\nTool: 42\nAssistant: " in output for output in outputs)
+    # Validation reports the multi-turn metrics training logs, under val-aux/.
+    val = records[-1]
+    for key in ("num_turns/mean", "num_turns/max", "multi_turn/tool_calls/total",
+                "multi_turn/tool_calls/mean", "multi_turn/segments"):
+        assert f"val-aux/{key}" in val, key
+    assert 1 <= val["val-aux/num_turns/mean"] <= val["val-aux/num_turns/max"] <= 3
+    assert val["val-aux/multi_turn/tool_calls/total"] == pytest.approx(
+        8 * val["val-aux/multi_turn/tool_calls/mean"])
     for r in records:
         assert all(math.isfinite(v) for k, v in r.items() if k != "step"), r
         assert {"num_turns/mean", "num_turns/max", "multi_turn/tool_calls/total",
@@ -385,6 +401,23 @@ def test_tiny_run_with_the_calculator(tmp_path, calls):
     for expression, answer in calls:
         if expression == "6*7":
             assert answer == "42"
+
+
+def _check_samples(directory, steps, rows):
+    """`<directory>/<step>.jsonl` for each step: one line per response with verl's fields;
+    returns the outputs."""
+    assert sorted(os.listdir(directory)) == [f"{step}.jsonl" for step in steps]
+    for step in steps:
+        samples = read_jsonl(str(directory / f"{step}.jsonl"))
+        assert len(samples) == rows
+        for sample in samples:
+            assert {"input", "output", "gts", "score", "step"} <= set(sample)
+            assert sample["step"] == step and isinstance(sample["score"], float)
+            assert sample["input"].startswith("User: ") and sample["input"].endswith(
+                "Assistant: ")  # the char tokenizer's chat template
+            a, b = map(int, re.findall(r"\d+", sample["input"])[:2])
+            assert sample["gts"] == str(a * b)
+    return [s["output"] for step in steps for s in read_jsonl(str(directory / f"{step}.jsonl"))]
 
 
 def test_tiny_run_with_the_calculator_resumes_bit_identically(tmp_path, calls):

@@ -208,3 +208,15 @@ def test_token_budgets():
     assert s.actor.update.max_token_len == 16384 and s.log_prob_max_token_len is None
     s = _settings()
     assert s.actor.update.max_token_len is None and s.log_prob_max_token_len is None
+
+
+def test_sample_dump_directories(tmp_path):
+    s = _settings(**{"trainer.rollout_data_dir": "~/dumps/rollouts"})
+    assert s.trainer.rollout_data_dir == "~/dumps/rollouts"
+    assert s.trainer.validation_data_dir is None  # off by default
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^trainer\.validation_data_dir: '.*file' is a file; "
+                                          r"expected a directory"):
+        _settings(**{"trainer.validation_data_dir": str(tmp_path / "file")})
+    with pytest.raises(ConfigError, match=r"^trainer\.rollout_data_dir: must be a directory"):
+        _settings(**{"trainer.rollout_data_dir": ""})

@@ -87,8 +87,15 @@ def build_data(config, tokenizer=None, reward_fn=None):
     rule_reward = (reward_fn is None and not config.reward.custom_fn
                    and not config.reward_model.enable)
     if config.data.train_files:
-        return (_file_rows(config, tokenizer, "train", rule_reward),
-                _file_rows(config, tokenizer, "val", rule_reward))
+        splits, errors = [], []
+        for split in ("train", "val"):  # both files' bad rows in one error
+            try:
+                splits.append(_file_rows(config, tokenizer, split, rule_reward))
+            except DataError as err:
+                errors.append(str(err))
+        if errors:
+            raise DataError("\n".join(errors))
+        return tuple(splits)
     if config.data.val_files:
         raise ConfigError("data.val_files is set without data.train_files; give both, or "
                           "neither for the synthetic data.task")

@@ -86,6 +86,19 @@ def test_every_bad_row_is_listed_in_one_error_numbered_as_the_file_lines(tmp_pat
     assert message[3].startswith("  row 6: field 'data_source' is 'my_task', which has no")
 
 
+def test_bad_rows_of_the_training_and_validation_files_come_in_one_error(tmp_path, no_model):
+    paths = _files(tmp_path, _row(prompt=""))
+    with open(paths["val"], "a") as f:
+        f.write(json.dumps(_row(truth="")) + "\n")
+    with pytest.raises(DataError) as err:
+        train.run(_config(paths), str(tmp_path / "run"))
+    assert str(err.value).splitlines() == [
+        f"{paths['train']}: row 3: field 'prompt' must be a string or a non-empty list of "
+        "{'role': str, 'content': str} messages; it is empty (no text to condition on)",
+        f"{paths['val']}: row 5: field 'reward_model.ground_truth' must be a non-empty string "
+        "or a number (the answer the 'synthetic/arithmetic' reward compares with); got str ''"]
+
+
 def test_bad_rows_past_twenty_are_counted_not_listed(tmp_path):
     paths = _files(tmp_path, _row())
     with open(paths["train"], "w") as f:

@@ -460,6 +460,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.trainer.nan_policy = "skip"
     # Write the final actor as a Hugging Face checkpoint (when the model came from one).
     c.trainer.export_hf = True
+    # Write each training step's samples to <dir>/<step>.jsonl, one JSON line per response:
+    # input (prompt text), output (response text, tool blocks included), gts (ground
+    # truth), score, step and the reward's extra values (verl's; None: off).
+    c.trainer.rollout_data_dir = config_dict.placeholder(str)
+    # Write each validation's samples to <dir>/<step>.jsonl as rollout_data_dir does
+    # (step 0: the validation before training; verl's; None: off).
+    c.trainer.validation_data_dir = config_dict.placeholder(str)
     # Start of a run in a workdir that already holds one: "auto" (same config: resume;
     # changed keys: stop and list them), "disable" (start over: the workdir's
     # checkpoints, warm start and metrics are removed) or "resume_path" (resume from

@@ -36,15 +36,50 @@ def scan_unroll(config) -> bool:
 
 
 def build_tokenizer(config):
-    name = config.tokenizer.name
+    """The tokenizer of `tokenizer.*`, checked against `model.path`'s checkpoint.
+
+    Nothing has been compiled yet: a `model.path` that does not exist, a checkpoint
+    paired with the built-in character tokenizer, or a tokenizer whose ids the model
+    cannot embed stops here, naming the keys.
+    """
+    name, model_path = config.tokenizer.name, os.path.expanduser(config.model.path or "")
+    if model_path and not os.path.isdir(model_path):
+        raise ConfigError(f"model.path: {config.model.path!r} does not exist; expected a "
+                          "checkpoint directory with config.json and safetensors weights")
     if name == "char":
-        return CharTokenizer()
-    if name == "hf":
-        path = os.path.expanduser(config.tokenizer.path or config.model.path or "")
+        tokenizer = CharTokenizer()
+    elif name == "hf":
+        path = os.path.expanduser(config.tokenizer.path or model_path)
         if not path:
             raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
-        return HFTokenizer.from_pretrained(path)
-    raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+        tokenizer = HFTokenizer.from_pretrained(path)
+    else:
+        raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+    if model_path:
+        _check_tokenizer_fits_model(config, tokenizer, model_path)
+    return tokenizer
+
+
+def _check_tokenizer_fits_model(config, tokenizer, model_path: str) -> None:
+    """The checkpoint must embed every id the tokenizer makes; the character tokenizer
+    goes only with a checkpoint of exactly its vocabulary (one trained with it) that
+    carries no tokenizer of its own."""
+    vocab = hf.read_hf_config(model_path).get("vocab_size")
+    where = f"model.path={config.model.path!r}"
+    if config.tokenizer.name == "char":
+        own = os.path.isfile(os.path.join(model_path, "tokenizer.json"))
+        if own or vocab != tokenizer.vocab_size:
+            raise ConfigError(
+                f"{where} has a {vocab}-token vocabulary{' and its own tokenizer' * own}, but "
+                f"tokenizer.name='char' is the built-in {tokenizer.vocab_size}-token character "
+                "tokenizer; add --config.tokenizer.name=hf to use the checkpoint's tokenizer")
+    elif not isinstance(vocab, int) or tokenizer.vocab_size > vocab:
+        source = config.tokenizer.path or config.model.path
+        raise ConfigError(
+            f"tokenizer.path / model.path: the tokenizer of {source!r} has "
+            f"{tokenizer.vocab_size} tokens, more than the vocab_size={vocab} in config.json "
+            f"of {where}; the model cannot embed the extra ids: use the checkpoint's own "
+            "tokenizer")
 
 
 def build_data(config, tokenizer=None, reward_fn=None):
@@ -54,14 +89,22 @@ def build_data(config, tokenizer=None, reward_fn=None):
     Every row is checked here, before any compilation: its schema, a non-empty prompt,
     its prompt's length against `data.max_prompt_length` (with a tokenizer), and, when
     the built-in rule rewards score it (no `reward_fn`, `reward.custom_fn` or reward
-    model), a known `data_source` and a usable `reward_model.ground_truth`. An error
-    names the file, the row's index in it and the field.
+    model), a known `data_source` and a usable `reward_model.ground_truth`. One error
+    lists every bad row (`files.BadRows`): the file, the row (numbered from 1, a .jsonl
+    file's line number) and the field.
     """
     rule_reward = (reward_fn is None and not config.reward.custom_fn
                    and not config.reward_model.enable)
     if config.data.train_files:
-        return (_file_rows(config, tokenizer, "train", rule_reward),
-                _file_rows(config, tokenizer, "val", rule_reward))
+        splits, errors = [], []
+        for split in ("train", "val"):  # both files' bad rows in one error
+            try:
+                splits.append(_file_rows(config, tokenizer, split, rule_reward))
+            except DataError as err:
+                errors.append(str(err))
+        if errors:
+            raise DataError("\n".join(errors))
+        return tuple(splits)
     if config.data.val_files:
         raise ConfigError("data.val_files is set without data.train_files; give both, or "
                           "neither for the synthetic data.task")
@@ -78,17 +121,24 @@ def build_data(config, tokenizer=None, reward_fn=None):
             seed=config.data.seed, reverse=config.data.reverse_answer,
             carry_slip_rate=config.data.carry_slip_rate)
     if tokenizer is not None:
-        where = f"data.task={config.data.task!r}"
+        bad = files.BadRows()
         for split, rows in (("train", train_rows), ("val", val_rows)):
-            for index, row in enumerate(rows):
-                _check_prompt_length(config, tokenizer, row, f"{where} ({split}): row {index}",
-                                     hint="raise data.max_prompt_length")
+            for number, row in enumerate(rows, start=1):
+                try:
+                    _check_prompt_length(config, tokenizer, row, f"row {number}",
+                                         hint="raise data.max_prompt_length")
+                except DataError as err:
+                    bad.add(f"data.task={config.data.task!r} ({split})", str(err))
+        bad.raise_any()
     return train_rows, val_rows
 
 
 def _check_prompt_length(config, tokenizer, row, where: str, hint: str) -> None:
     limit = config.data.max_prompt_length
-    length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
+    try:
+        length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
+    except ConfigError as err:  # a character the tokenizer cannot encode
+        raise DataError(f"{where}: {err}") from err
     if length > limit:
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         shown = repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")

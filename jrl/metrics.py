@@ -198,6 +198,28 @@ def _truncate_after(path: str, step: int) -> None:
         f.writelines(kept)
 
 
+def write_samples(directory: str, step: int, columns: dict[str, Sequence]) -> str:
+    """Writes `<directory>/<step>.jsonl`, one JSON object per sample, as verl writes its
+    `trainer.rollout_data_dir` / `validation_data_dir` files; returns the path.
+
+    Args:
+      directory: created when missing (`~` allowed).
+      step: the RL step (0: the validation before training).
+      columns: one value per sample under each name: `input` (prompt text), `output`
+        (response text), `gts` (ground truth), `score`, `step` and the reward
+        function's extra values. Values JSON cannot write are written as strings.
+    """
+    directory = os.path.expanduser(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.jsonl")
+    count = len(next(iter(columns.values()), ()))
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(count):
+            sample = {name: values[i] for name, values in columns.items()}
+            f.write(json.dumps(sample, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

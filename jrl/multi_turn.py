@@ -519,6 +519,24 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                            metrics=metrics)
 
 
+def combine_metrics(batches: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several `generate` calls (validation's batches) as one set: means
+    averaged (the batches are the same size), maxima and minima kept, counts and totals
+    summed."""
+    out = {}
+    for key in dict.fromkeys(k for batch in batches for k in batch):
+        values = [batch[key] for batch in batches if key in batch]
+        if key.endswith("/mean"):
+            out[key] = float(np.mean(values))
+        elif key.endswith("/max"):
+            out[key] = float(np.max(values))
+        elif key.endswith("/min"):
+            out[key] = float(np.min(values))
+        else:
+            out[key] = float(np.sum(values))
+    return out
+
+
 def _assemble(tokens, trained, log_probs, budget: int, pad_id: int):
     """Rows of (tokens, trained flags, log-probs) as right-padded `[N, R]` arrays:
     (responses, response_mask, attention_mask, rollout_log_probs)."""

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import optax
 
-if TYPE_CHECKING:  # jrl.settings checks lr_scheduler_type against LR_SCHEDULERS
-    from jrl.settings import OptimSettings
-
-# `*.optim.lr_scheduler_type`: the decay after the warmup.
+# `*.optim.lr_scheduler_type`: the decay after the warmup (`jrl.settings` checks the key
+# against this list; this module needs nothing of `jrl.settings`).
 LR_SCHEDULERS = ("constant", "cosine")
 
 
-def learning_rate_schedule(s: OptimSettings) -> optax.Schedule:
+class Hyperparameters(Protocol):
+    """What the optimiser reads of a role's settings (`jrl.settings.OptimSettings`)."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    lr_scheduler_type: str  # one of LR_SCHEDULERS
+    min_lr_ratio: float
+    grad_clip: float
+    total_steps: int
+
+
+def learning_rate_schedule(s: Hyperparameters) -> optax.Schedule:
     """Linear warmup over `warmup_steps`, then constant or cosine down to `min_lr_ratio * lr`."""
     warmup = max(s.warmup_steps, 0)
     if s.lr_scheduler_type == "constant":
@@ -28,7 +39,7 @@ def learning_rate_schedule(s: OptimSettings) -> optax.Schedule:
     return optax.join_schedules([ramp, after], boundaries=[warmup])
 
 
-def make_optimizer(s: OptimSettings) -> optax.GradientTransformation:
+def make_optimizer(s: Hyperparameters) -> optax.GradientTransformation:
     """`clip_by_global_norm(grad_clip)` (when > 0), Adam moments, decoupled weight decay.
 
     The result is AdamW's update direction without the learning rate: the update

@@ -114,12 +114,27 @@ class UpdateSettings:
              micro_batch=_number(f"{p}.ppo_micro_batch_size", self.micro_batch, integer=True),
              shuffle=bool(self.shuffle))
         if self.mini_batch % self.micro_batch:
-            _fail(f"{p}.ppo_micro_batch_size", f"{self.micro_batch} sequences must divide "
-                  f"the mini-batch of {self.mini_batch} sequences")
+            self._fail_micro_batch()
         _choice("trainer.nan_policy", self.nan_policy, NAN_POLICIES)
         if self.max_token_len is not None:
             _set(self, max_token_len=_number(f"{p}.ppo_max_token_len_per_gpu",
                                              self.max_token_len, integer=True))
+
+
+    def _fail_micro_batch(self):
+        """Names the key that is off: the mini-batch when it is smaller than one
+        micro-batch (e.g. `ppo_mini_batch_size=7` under a preset micro-batch of 128),
+        else the micro-batch that does not divide it; the other key is named as well."""
+        p, mini, micro = self.prefix, self.mini_batch, self.micro_batch
+        mini_key, micro_key = f"{p}.ppo_mini_batch_size", f"{p}.ppo_micro_batch_size"
+        if micro > mini:
+            _fail(mini_key, f"its mini-batch of {mini} sequences ({mini_key} x rollout.n) "
+                  f"is smaller than one micro-batch of {micro_key}={micro} sequences; make "
+                  f"{mini_key} x rollout.n a multiple of {micro}, or set {micro_key} to a "
+                  f"divisor of {mini}")
+        _fail(micro_key, f"{micro} sequences must divide the mini-batch of {mini} sequences "
+              f"({mini_key} x rollout.n); set {micro_key} to a divisor of {mini}, or change "
+              f"{mini_key}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +291,18 @@ class TrainerSettings:
     val_before_train: bool
     critic_warmup: int  # verl's: the actor first updates at step critic_warmup (from 1)
     max_ckpt_to_keep: int | None
+    # Where each step's / validation's samples are written (`<dir>/<step>.jsonl`); None: not.
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
 
     def __post_init__(self):
+        for name in ("rollout_data_dir", "validation_data_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"trainer.{name}", f"must be a directory path (or None: off), got "
+                      f"{value!r}")
+            if value is not None and os.path.isfile(os.path.expanduser(value)):
+                _fail(f"trainer.{name}", f"{value!r} is a file; expected a directory")
         keep = self.max_ckpt_to_keep
         if keep is not None and keep < 1:
             _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got "
@@ -307,6 +332,12 @@ def _multi_turn(config) -> MultiTurnSettings | None:
               "YAML or JSON file listing the tools")
     if not os.path.isfile(os.path.expanduser(path)):
         _fail(f"{key}.tool_config_path", f"{path!r} is not a file")
+    # Each class is found, is a Tool and takes its config now, before any model is built
+    # (the tools made here are dropped: the trainer makes its own).
+    try:
+        tools.load_tools(os.path.expanduser(path))
+    except ConfigError as err:
+        _fail(f"{key}.tool_config_path", str(err))
     ints = {name: int(_number(f"{key}.{name}", get(name), integer=True)) for name in (
         "max_assistant_turns", "max_user_turns", "max_parallel_calls",
         "max_tool_response_length", "max_tool_response_tokens")}
@@ -633,7 +664,9 @@ def _trainer(config) -> TrainerSettings:
     t = _get(config, "trainer")
     return TrainerSettings(test_freq=t.test_freq, save_freq=t.save_freq,
                            val_before_train=t.val_before_train, critic_warmup=t.critic_warmup,
-                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep)
+                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
+                           rollout_data_dir=t.rollout_data_dir,
+                           validation_data_dir=t.validation_data_dir)
 
 
 def _lora(config, prefix: str) -> dict:

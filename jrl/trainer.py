@@ -39,7 +39,14 @@ from jrl import step as step_lib
 from jrl import tools as tools_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data import dynamic_sampling
-from jrl.data.dataset import BatchIterator, IteratorState, Row, encode_prompts
+from jrl.data.dataset import (
+    BatchIterator,
+    IteratorState,
+    Row,
+    encode_prompts,
+    ground_truth,
+    prompt_text,
+)
 from jrl.models import CACHE_LOGICAL_AXES, decode_attention, lora, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
@@ -586,7 +593,9 @@ class RLTrainer:
         """Waits for the scores; returns the experience with token-level scores, group ids
         (and ReMax's greedy baselines), and the step's host metrics."""
         s, n, rows = self.s, self.s.rollout.n, sampled.rows
-        scores, extras, num_errors, _ = sampled.scores()
+        scores, extras, num_errors, texts = sampled.scores()
+        self._write_samples(s.trainer.rollout_data_dir, self.step + 1,
+                            [(rows, (scores, extras, num_errors, texts))], n)
         host = {"token_level_scores": responses_lib.place_scores(
             scores, sharding_lib.host_array(exp.response_mask)),
             "uid": np.repeat(np.arange(len(rows)), n).astype(np.int32)}
@@ -657,18 +666,49 @@ class RLTrainer:
     # -- validation and the loop ---------------------------------------------------------------
 
     def validate(self, batch_size: int) -> dict[str, float]:
-        """Scores the validation set with `rollout.val_kwargs` sampling (`jrl.evaluate`)."""
+        """Scores the validation set with `rollout.val_kwargs` sampling (`jrl.evaluate`).
+
+        Multi-turn rollouts add their metrics as training logs them, under `val-aux/`
+        (`val-aux/num_turns/mean`, `val-aux/multi_turn/tool_calls/mean`, ...; over the
+        generated rows, the last batch's padding copies included). With
+        `trainer.validation_data_dir` the samples go to `<dir>/<step>.jsonl`.
+        """
         sampling, state = self.s.validation, self.state
         key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.step)
+        turns, samples = [], []
 
         def respond(rows, padded, start):
+            self._local.metrics = {}
             out = self._generate(state, padded, sampling, jax.random.fold_in(key, start))
-            return self.scorer.submit(rows, out.responses, out.attention_mask(), sampling.n)()
+            turns.append(dict(self._local.metrics))
+            scored = self.scorer.submit(rows, out.responses, out.attention_mask(), sampling.n)()
+            if self.s.trainer.validation_data_dir is not None:
+                samples.append((rows, scored))
+            return scored
 
         with self.sharder.active():
-            return evaluate.evaluate(self.val_rows, respond, batch_size=batch_size,
-                                     n=sampling.n,
-                                     batch_multiple=self.sharder.batch_size_multiple)
+            result = evaluate.evaluate(self.val_rows, respond, batch_size=batch_size,
+                                       n=sampling.n,
+                                       batch_multiple=self.sharder.batch_size_multiple)
+        result.update({f"val-aux/{k}": v for k, v in multi_turn.combine_metrics(turns).items()})
+        self._write_samples(self.s.trainer.validation_data_dir, self.step, samples, sampling.n)
+        return result
+
+    def _write_samples(self, directory: str | None, step: int, batches, n: int) -> None:
+        """`<directory>/<step>.jsonl` (`metrics.write_samples`) of scored batches
+        `[(rows, Scored)]`, `n` responses per row; nothing without a directory."""
+        if directory is None or jax.process_index() != 0 or not batches:
+            return
+        columns: dict[str, list] = {}
+        for rows, (scores, extras, _, texts) in batches:
+            prompts = [prompt_text(self.tokenizer, row, self.chat) for row in rows]
+            for i, text in enumerate(texts):
+                sample = {"input": prompts[i // n], "output": text,
+                          "gts": ground_truth(rows[i // n]), "score": float(scores[i]),
+                          "step": step, **{k: np.asarray(v)[i].item() for k, v in extras.items()}}
+                for name, value in sample.items():
+                    columns.setdefault(name, []).append(value)
+        metrics.write_samples(directory, step, columns)
 
     def fit(self, val_batch_size: int, writer: metrics.MetricsWriter | None = None,
             exit_after_steps: int | None = None) -> dict[str, float]:

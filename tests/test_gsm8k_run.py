@@ -165,7 +165,7 @@ def fixture(tmp_path_factory):
     train = [_row(q, a, "train", i) for i, (q, a) in enumerate(TRAIN)]
     write_parquet(train, paths["train"])
     write_parquet([_row(q, a, "test", i) for i, (q, a) in enumerate(VAL)], paths["val"])
-    # The overlong problem is row 2 of its file.
+    # The overlong problem is row 3 of its file (rows numbered from 1).
     write_parquet([*train[:2], _row(*OVERLONG, "train", 99), *train[2:]],
                   paths["with_overlong"])
     paths["reward"].write_text(REWARD_FILE)
@@ -316,7 +316,7 @@ def test_overlong_prompt_is_an_error_naming_the_row(fixture, tmp_path):
     config = _config(fixture, **{"data.train_files": str(fixture["with_overlong"]),
                                  "data.filter_overlong_prompts": False})
     tokens = _prompt_tokens(OVERLONG[0])
-    with pytest.raises(ValueError, match=rf"train_overlong\.parquet: row 2: the prompt .* "
+    with pytest.raises(ValueError, match=rf"train_overlong\.parquet: row 3: the prompt .* "
                                          rf"has {tokens} tokens, more than "
                                          rf"data\.max_prompt_length={MAX_PROMPT}"):
         run(config, str(tmp_path / "run"))

@@ -321,3 +321,14 @@ def test_both_programs_compile_as_the_samplers(monkeypatch, program):
         multi_turn.generate(init_params(config, jax.random.key(1)), ids, mask,
                             jax.random.key(7), sampling=sampling, config=config,
                             tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+
+
+def test_combine_metrics_of_validation_batches():
+    batches = [{"num_turns/mean": 1.0, "num_turns/max": 3.0, "num_turns/min": 1.0,
+                "multi_turn/tool_calls/total": 4.0, "multi_turn/segments": 2.0},
+               {"num_turns/mean": 2.0, "num_turns/max": 2.0, "num_turns/min": 0.0,
+                "multi_turn/tool_calls/total": 1.0, "multi_turn/segments": 3.0}]
+    assert multi_turn.combine_metrics(batches) == {
+        "num_turns/mean": 1.5, "num_turns/max": 3.0, "num_turns/min": 0.0,
+        "multi_turn/tool_calls/total": 5.0, "multi_turn/segments": 5.0}
+    assert multi_turn.combine_metrics([{}, {}]) == {}

@@ -287,6 +287,27 @@ def test_multi_turn_settings_errors(tmp_path):
                      ).multi_turn.config.segment_end_fraction == 1.0
 
 
+def test_a_bad_tool_class_stops_before_the_warm_start(tmp_path, monkeypatch):
+    """The tool config is loaded and checked with the settings: a misspelled class stops the
+    run before any model is built, SFT warm start or not."""
+    from jrl import experiment, sft
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tool config was not checked before the model was built")
+
+    monkeypatch.setattr(experiment, "build_model", refuse)
+    monkeypatch.setattr(sft, "warm_start", refuse)
+    tools_yaml = tmp_path / "tools.yaml"
+    tools_yaml.write_text("tools:\n  - class_name: jrl.tools.Calculater\n")
+    config = tiny_config(**{**_ON, "rollout.multi_turn.tool_config_path": str(tools_yaml),
+                            "sft.steps": 5})
+    with pytest.raises(ConfigError) as err:
+        run(config, str(tmp_path / "run"))
+    assert str(err.value).startswith(
+        f"rollout.multi_turn.tool_config_path: tool config {tools_yaml}: tools[0]: class_name "
+        "'jrl.tools.Calculater' cannot be imported: AttributeError")
+
+
 @pytest.mark.parametrize("name", ["max_assistant_turns", "max_user_turns", "max_parallel_calls",
                                   "max_tool_response_length", "max_tool_response_tokens"])
 def test_multi_turn_counts_must_be_positive(name):
@@ -347,9 +368,25 @@ def _metrics(workdir):
 
 
 def test_tiny_run_with_the_calculator(tmp_path, calls):
-    run(_tool_config(), str(tmp_path))
+    """Two steps, validation after the second; the samples of each step and of the
+    validation are written as verl writes them."""
+    rollouts, validations = tmp_path / "rollouts", tmp_path / "validations"
+    run(_tool_config(**{"trainer.test_freq": 2, "trainer.rollout_data_dir": str(rollouts),
+                        "trainer.validation_data_dir": str(validations)}), str(tmp_path))
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
+    outputs = _check_samples(rollouts, [1, 2], rows=4 * 2)  # train_batch_size x rollout.n
+    _check_samples(validations, [2], rows=8)  # data.num_val, one greedy sample each
+    # A multi-turn output is the whole response: turns and the tool blocks between them.
+    assert any("\nTool: 42\nAssistant: " in output for output in outputs)
+    # Validation reports the multi-turn metrics training logs, under val-aux/.
+    val = records[-1]
+    for key in ("num_turns/mean", "num_turns/max", "multi_turn/tool_calls/total",
+                "multi_turn/tool_calls/mean", "multi_turn/segments"):
+        assert f"val-aux/{key}" in val, key
+    assert 1 <= val["val-aux/num_turns/mean"] <= val["val-aux/num_turns/max"] <= 3
+    assert val["val-aux/multi_turn/tool_calls/total"] == pytest.approx(
+        8 * val["val-aux/multi_turn/tool_calls/mean"])
     for r in records:
         assert all(math.isfinite(v) for k, v in r.items() if k != "step"), r
         assert {"num_turns/mean", "num_turns/max", "multi_turn/tool_calls/total",
@@ -364,6 +401,23 @@ def test_tiny_run_with_the_calculator(tmp_path, calls):
     for expression, answer in calls:
         if expression == "6*7":
             assert answer == "42"
+
+
+def _check_samples(directory, steps, rows):
+    """`<directory>/<step>.jsonl` for each step: one line per response with verl's fields;
+    returns the outputs."""
+    assert sorted(os.listdir(directory)) == [f"{step}.jsonl" for step in steps]
+    for step in steps:
+        samples = read_jsonl(str(directory / f"{step}.jsonl"))
+        assert len(samples) == rows
+        for sample in samples:
+            assert {"input", "output", "gts", "score", "step"} <= set(sample)
+            assert sample["step"] == step and isinstance(sample["score"], float)
+            assert sample["input"].startswith("User: ") and sample["input"].endswith(
+                "Assistant: ")  # the char tokenizer's chat template
+            a, b = map(int, re.findall(r"\d+", sample["input"])[:2])
+            assert sample["gts"] == str(a * b)
+    return [s["output"] for step in steps for s in read_jsonl(str(directory / f"{step}.jsonl"))]
 
 
 def test_tiny_run_with_the_calculator_resumes_bit_identically(tmp_path, calls):

@@ -5,7 +5,10 @@ this checkout (`pip install <checkout>` builds the same) and installed into a
 directory of its own, and the kernel runs in an empty directory with that one
 first on its path, so the checkout's `jrl/` and `configs/` cannot be imported. The
 notebook reads `configs/*.py` from the checkout's files (`JRL_REPO_DIR`), as from
-the clone it makes on Colab.
+the clone it makes on Colab. The clone itself is tested on its own: the settings
+and install cells run as a script outside any checkout, cloning a bare copy of this
+repository through a file:// URL, and a URL that cannot be cloned stops them with
+one line.
 
 Section 8 (a user's Hugging Face checkpoint) runs on a tiny checkpoint written
 here: a random 1-layer model and a small BPE tokenizer with a chat template.
@@ -23,6 +26,7 @@ import zipfile
 import jax
 import nbclient
 import nbformat
+import pytest
 
 from jrl.data.tokenizers import HFTokenizer
 from jrl.models import hf
@@ -110,6 +114,47 @@ def _text(cell) -> str:
         elif output.get("output_type") == "error":
             parts.append("\n".join(output.get("traceback", [])))
     return "".join(parts)
+
+
+def _install_cells(tmp_path, repo_url: str) -> subprocess.CompletedProcess:
+    """Runs the notebook's settings and install cells as a script in an empty directory
+    (no checkout above it), with `REPO_URL` set through `JRL_REPO_URL` and jrl already
+    importable (a link to this checkout's package), so only the clone is exercised."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    (install,) = [c for c in notebook.cells if "find_checkout(os.getcwd())" in c.source]
+    (settings,) = [c for c in notebook.cells if 'REPO_URL = os.environ.get' in c.source]
+    site, cwd = tmp_path / "site", tmp_path / "cwd"
+    site.mkdir()
+    cwd.mkdir()
+    os.symlink(os.path.join(ROOT, "jrl"), site / "jrl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JRL_")}
+    env.update(JRL_REPO_URL=repo_url, PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", settings.source + "\n" + install.source],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_install_cell_clones_repo_url(tmp_path):
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("the checkout is not a git repository")
+    bare = tmp_path / "jrl.git"
+    subprocess.run(["git", "clone", "-q", "--bare", ROOT, str(bare)], check=True)
+    done = _install_cells(tmp_path, f"file://{bare}")
+    assert done.returncode == 0, done.stderr
+    clone = tmp_path / "cwd" / "jrl-repo"
+    assert f"configs: {clone / 'configs'}" in done.stdout
+    assert (clone / "configs" / "grpo_arith.py").is_file() and (clone / ".git").is_dir()
+    assert f"jrl package: {tmp_path / 'site' / 'jrl'}" in done.stdout  # nothing installed
+
+
+def test_install_cell_names_a_url_it_cannot_clone(tmp_path):
+    url = f"file://{tmp_path}/nowhere.git"
+    done = _install_cells(tmp_path, url)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"cannot clone jrl from REPO_URL={url!r}: set REPO_URL in section 1 to the jrl "
+        f"repository's git URL or a local checkout (fatal: '{tmp_path}/nowhere.git' does not "
+        "appear to be a git repository)")
+    assert not (tmp_path / "cwd" / "jrl-repo").exists()
 
 
 def test_notebook_runs_on_cpu(tmp_path, monkeypatch):

@@ -166,6 +166,25 @@ def test_settings_dataclasses_check_themselves():
     assert dataclasses.replace(good.trainer, test_freq=3.0).test_freq == 3  # normalised
 
 
+def test_a_mini_batch_below_one_micro_batch_is_reported_against_the_mini_batch_key():
+    """configs/grpo_arith.py sets actor.ppo_micro_batch_size to 128 sequences; a user who
+    sets only actor.ppo_mini_batch_size=7 (7 x rollout.n=8 = 56 sequences) is told about
+    the key they set, with the micro-batch key and both sizes."""
+    from configs import grpo_arith
+    from tests.trainer.tiny import apply_overrides
+
+    tok = CharTokenizer()
+    config = apply_overrides(grpo_arith.get_config(), {"actor.ppo_mini_batch_size": 7})
+    with pytest.raises(ConfigError) as err:
+        settings.from_config(config, stop_token_ids=tok.eos_token_ids,
+                             pad_token_id=tok.pad_token_id, num_train_rows=4096)
+    assert str(err.value) == (
+        "actor.ppo_mini_batch_size: its mini-batch of 56 sequences (actor.ppo_mini_batch_size"
+        " x rollout.n) is smaller than one micro-batch of actor.ppo_micro_batch_size=128 "
+        "sequences; make actor.ppo_mini_batch_size x rollout.n a multiple of 128, or set "
+        "actor.ppo_micro_batch_size to a divisor of 56")
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     ({"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 6},
      "actor.ppo_max_token_len_per_gpu"),
@@ -189,3 +208,15 @@ def test_token_budgets():
     assert s.actor.update.max_token_len == 16384 and s.log_prob_max_token_len is None
     s = _settings()
     assert s.actor.update.max_token_len is None and s.log_prob_max_token_len is None
+
+
+def test_sample_dump_directories(tmp_path):
+    s = _settings(**{"trainer.rollout_data_dir": "~/dumps/rollouts"})
+    assert s.trainer.rollout_data_dir == "~/dumps/rollouts"
+    assert s.trainer.validation_data_dir is None  # off by default
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^trainer\.validation_data_dir: '.*file' is a file; "
+                                          r"expected a directory"):
+        _settings(**{"trainer.validation_data_dir": str(tmp_path / "file")})
+    with pytest.raises(ConfigError, match=r"^trainer\.rollout_data_dir: must be a directory"):
+        _settings(**{"trainer.rollout_data_dir": ""})

@@ -70,8 +70,8 @@ class BatchIterator:
         return batch
 
 
-def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool) -> list[int]:
-    """Token ids of a row's prompt, as the policy sees it.
+def prompt_text(tokenizer, row: Row, apply_chat_template: bool) -> str:
+    """A row's prompt as the policy sees it, as text.
 
     A list of chat messages always goes through the chat template (with the
     generation prompt); a plain string does only when `apply_chat_template` is set,
@@ -81,7 +81,12 @@ def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool) -> list[int
     if apply_chat_template or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(prompt)
+    return prompt
+
+
+def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool) -> list[int]:
+    """Token ids of a row's prompt, as the policy sees it (`prompt_text`)."""
+    return tokenizer.encode(prompt_text(tokenizer, row, apply_chat_template))
 
 
 def encode_prompts(tokenizer, rows: Sequence[Row], max_prompt_length: int,

@@ -2,8 +2,9 @@
 
 `load_rows(paths)` reads the files a verl user passes as `data.train_files` /
 `data.val_files`: parquet (as written by verl's preprocessing scripts) or JSON
-lines, one row per line. Every row is checked, and a malformed one stops with its
-file, row index, field and what would be valid::
+lines, one row per line. Every row is checked, and the malformed ones stop the load
+together, each with its file, row (numbered from 1: row N of a .jsonl file is its
+line N), field and what would be valid::
 
     {"prompt": str | [{"role": str, "content": str}, ...],
      "data_source": str,
@@ -34,6 +35,8 @@ from jrl.errors import DataError
 ROW_SUFFIXES = (".parquet", ".jsonl", ".json")
 RECORD_SUFFIXES = (*ROW_SUFFIXES, ".arrow")
 _PARQUET_BATCH_ROWS = 4096
+# Bad rows listed in one error (all are counted).
+MAX_LISTED_BAD_ROWS = 20
 
 
 # --------------------------------------------------------------------------- raw records
@@ -45,25 +48,35 @@ def _iter_parquet(path: Path) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _iter_json_lines(path: Path) -> Iterator[dict]:
+def _json_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """`(line number, record, problem)` of each non-blank line; `problem` names invalid
+    JSON (the record is then None)."""
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                yield line_number, json.loads(line), None
             except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{path}: line {line_number} is not valid JSON ({err.msg}); a JSON lines "
-                    "file holds one JSON object per line"
-                ) from err
+                yield line_number, None, (f"not valid JSON ({err.msg}); a JSON lines file "
+                                          "holds one JSON object per line")
+
+
+def _iter_json_lines(path: Path) -> Iterator[dict]:
+    for line_number, record, problem in _json_lines(path):
+        if problem:
+            raise DataError(f"{path}: line {line_number} is {problem}")
+        yield record
+
+
+def _is_json_array(path: Path) -> bool:
+    with path.open(encoding="utf-8") as f:
+        return f.read(4096).lstrip().startswith("[")
 
 
 def _iter_json(path: Path) -> Iterator[dict]:
     """A `.json` file: one JSON array of objects, or JSON lines (as `datasets` accepts)."""
-    with path.open(encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith("["):
+    if not _is_json_array(path):
         yield from _iter_json_lines(path)
         return
     try:
@@ -204,7 +217,7 @@ def validate_row(row: Any, *, where: str, prompt_key: str = "prompt") -> Row:
 
     Args:
       row: the record as read.
-      where: "file: row i", for error messages.
+      where: "row N" (from 1), for error messages.
       prompt_key: the field holding the prompt (verl's `data.prompt_key`); its value
         is also stored under "prompt", where the rest of jrl reads it.
 
@@ -234,26 +247,80 @@ def validate_row(row: Any, *, where: str, prompt_key: str = "prompt") -> Row:
     return row
 
 
+def numbered_records(path: str | os.PathLike) -> Iterator[tuple[int, Any, str | None]]:
+    """`(row number, record, problem)` of each record of a data file, rows numbered from 1.
+
+    Row N of a JSON lines file is its line N (blank lines hold no row but keep their
+    numbers), so an error's row is where an editor shows it; a line that is not valid
+    JSON gives record None and the problem. Other files number their records 1, 2, ...
+    """
+    path = Path(path).expanduser()
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and path.is_file()
+                                   and not _is_json_array(path)):
+        yield from _json_lines(path)
+        return
+    for number, record in enumerate(iter_records(path), start=1):
+        yield number, record, None
+
+
+class BadRows:
+    """The bad rows of one pass over the data, reported together: one `DataError` whose
+    first line counts them and names their source, then one line per row (the first
+    `MAX_LISTED_BAD_ROWS`). A single bad row is one line, `<source>: row N: <problem>`.
+    """
+
+    def __init__(self):
+        self.problems: list[tuple[str, str]] = []  # (source, "row N: problem")
+        self.sources: dict[str, None] = {}  # every source with a bad row, in order
+        self.count = 0
+
+    def add(self, source: str, problem: str) -> None:
+        self.count += 1
+        self.sources[source] = None
+        if len(self.problems) < MAX_LISTED_BAD_ROWS:
+            self.problems.append((source, problem))
+
+    def raise_any(self) -> None:
+        """Raises the `DataError` listing the rows added, if any."""
+        if not self.count:
+            return
+        sources = list(self.sources)
+        if self.count == 1:
+            raise DataError(f"{sources[0]}: {self.problems[0][1]}")
+        listed = "" if self.count == len(self.problems) else \
+            f"; the first {len(self.problems)} are listed"
+        where = ", ".join(sources)
+        lines = [f"{where}: {self.count} bad rows (numbered from 1; row N of a .jsonl "
+                 f"file is its line N){listed}:"]
+        lines += [f"  {problem}" if len(sources) == 1 else f"  {source}: {problem}"
+                  for source, problem in self.problems]
+        raise DataError("\n".join(lines))
+
+
 def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
               prompt_key: str = "prompt", max_rows: int | None = None,
               check: Callable[[Row, str], None] | None = None) -> list[Row]:
     """Rows of verl-schema parquet / JSON lines files, validated, in file order.
 
+    Every row is read and checked before anything is reported: all the bad rows of
+    all the files come back in one error (`BadRows`), rows numbered from 1 (row N of
+    a .jsonl file is its line N).
+
     Args:
       paths: one path or a list of paths (verl's `data.train_files` accepts both).
       prompt_key: field holding the prompt (verl's `data.prompt_key`).
       max_rows: stop after this many rows in total (None: all).
-      check: `check(row, where)` run on each valid row (`where` is "file: row i"), for
-        what the caller needs of a row (its reward's fields, its prompt's length); it
-        raises to reject the row.
+      check: `check(row, where)` run on each valid row (`where` is "row N"), for what
+        the caller needs of a row (its reward's fields, its prompt's length); it raises
+        a `DataError` starting with `where` to reject the row.
 
     Returns:
       A list of plain dicts (lists and dicts, never numpy object arrays).
 
     Raises:
       FileNotFoundError: a path does not exist (named).
-      ValueError: no paths, an unsupported suffix, or a malformed row (file, row
-        index, field and what is valid named).
+      DataError: no paths, an unsupported suffix, or malformed rows (file, rows,
+        fields and what is valid named).
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
@@ -268,15 +335,23 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
             raise DataError(f"{path}: unsupported file type {Path(path).suffix!r}; expected "
                             f"one of {list(ROW_SUFFIXES)}")
     rows: list[Row] = []
+    bad = BadRows()
     for path in paths:
-        for index, record in enumerate(iter_records(path)):
+        for number, record, problem in numbered_records(path):
             if max_rows is not None and len(rows) >= max_rows:
-                return rows
-            where = f"{path}: row {index}"
-            row = validate_row(record, where=where, prompt_key=prompt_key)
-            if check is not None:
-                check(row, where)
+                break
+            where = f"row {number}"
+            try:
+                if problem:
+                    raise DataError(f"{where}: {problem}")
+                row = validate_row(record, where=where, prompt_key=prompt_key)
+                if check is not None:
+                    check(row, where)
+            except DataError as err:
+                bad.add(str(path), str(err))
+                continue
             rows.append(row)
+    bad.raise_any()
     return rows
 
 

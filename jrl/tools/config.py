@@ -3,7 +3,7 @@
     tools:
       - class_name: jrl.tools.Calculator
         config: {type: native, max_digits: 4000}
-      - class_name: my_package.search.SearchTool
+      - class_name: my_tools/search.py:SearchTool   # or my_package.search.SearchTool
         config: {type: native}
         tool_schema:
           type: function
@@ -15,6 +15,9 @@
               properties: {query: {type: string, description: What to look for.}}
               required: [query]
 
+`class_name` is a dotted import path (the module importable: an installed package,
+or its directory on PYTHONPATH) or, as `reward.custom_fn` names a function,
+`path/to/file.py:ClassName` (a relative path from the current directory).
 `tool_schema` may be left out for tools with a default schema (the built-ins).
 """
 
@@ -27,8 +30,12 @@ from typing import Any
 
 import yaml
 
+from jrl import pyfile
 from jrl.errors import ConfigError
 from jrl.tools.base import Tool, schema_problems
+
+_CLASS_FORMS = ("a dotted import path (e.g. jrl.tools.Calculator) or "
+                "'path/to/file.py:ClassName'")
 
 
 def load_tools(path: str | os.PathLike) -> dict[str, Tool]:
@@ -80,8 +87,8 @@ def _read_entries(path: str) -> list:
 
 def _build(entry: Any, where: str) -> Tool:
     if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-        raise ConfigError(f"{where}: expected a mapping with 'class_name' (e.g. "
-                          "jrl.tools.Calculator), 'config' and optionally 'tool_schema'")
+        raise ConfigError(f"{where}: expected a mapping with 'class_name' ({_CLASS_FORMS}), "
+                          "'config' and optionally 'tool_schema'")
     if unknown := sorted(set(entry) - {"class_name", "config", "tool_schema"}):
         raise ConfigError(f"{where}: unknown key(s) {unknown}; expected class_name, config, "
                           "tool_schema")
@@ -103,15 +110,25 @@ def _build(entry: Any, where: str) -> Tool:
 
 
 def _import_class(class_name: str, where: str) -> type[Tool]:
-    module_name, _, attribute = class_name.rpartition(".")
-    if not module_name:
-        raise ConfigError(f"{where}: class_name {class_name!r} must be a dotted path, e.g. "
-                          "jrl.tools.Calculator")
-    try:
-        cls = getattr(importlib.import_module(module_name), attribute)
-    except Exception as err:  # importing runs the module: anything may fail
-        raise ConfigError(f"{where}: class_name {class_name!r} cannot be imported: "
-                          f"{type(err).__name__}: {err}") from None
+    """The class a `class_name` names: `package.module.Class` (importable from
+    PYTHONPATH) or `path/to/file.py:Class` (loaded as `reward.custom_fn` is, by
+    `jrl.pyfile`; a relative path is taken from the current directory)."""
+    if pyfile.is_file_spec(class_name):
+        try:
+            cls = pyfile.load(class_name, f"{where}: class_name", _CLASS_FORMS, kind=type)
+        except (ConfigError, FileNotFoundError, ImportError) as err:
+            raise ConfigError(str(err)) from None
+    else:
+        module_name, _, attribute = class_name.rpartition(".")
+        if not module_name:
+            raise ConfigError(f"{where}: class_name {class_name!r} must be {_CLASS_FORMS}")
+        try:
+            cls = getattr(importlib.import_module(module_name), attribute)
+        except Exception as err:  # importing runs the module: anything may fail
+            raise ConfigError(f"{where}: class_name {class_name!r} cannot be imported: "
+                              f"{type(err).__name__}: {err}; a module outside an installed "
+                              "package needs its directory on PYTHONPATH, or name the file: "
+                              "'path/to/file.py:ClassName'") from None
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
         raise ConfigError(f"{where}: class_name {class_name!r} is not a subclass of "
                           "jrl.tools.Tool")

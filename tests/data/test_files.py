@@ -73,18 +73,18 @@ def test_prompt_key_is_copied_to_prompt(tmp_path):
     path = _write_jsonl(tmp_path / "q.jsonl", [row])
     (loaded,) = files.load_rows(path, prompt_key="question")
     assert loaded["prompt"] == row["question"] and loaded["question"] == row["question"]
-    with pytest.raises(ValueError, match=r"row 0: missing field 'prompt'.*\['data_source', "):
+    with pytest.raises(ValueError, match=r"row 1: missing field 'prompt'.*\['data_source', "):
         files.load_rows(path)
 
 
 @pytest.mark.parametrize(("bad", "match"), [
-    ({"prompt": 3}, r"row 1: field 'prompt' must be a string or a non-empty list.*got int"),
-    ({"prompt": []}, r"row 1: field 'prompt' must be"),
-    ({"prompt": [{"role": "user"}]}, r"row 1: .*message 0 has content=None"),
-    ({"prompt": ["hi"]}, r"row 1: .*message 0 is a str"),
-    ({"data_source": None}, r"row 1: field 'data_source' must be a string"),
-    ({"reward_model": "3"}, r"row 1: field 'reward_model' must be a dict"),
-    ({"extra_info": [1]}, r"row 1: field 'extra_info' must be a dict"),
+    ({"prompt": 3}, r"row 2: field 'prompt' must be a string or a non-empty list.*got int"),
+    ({"prompt": []}, r"row 2: field 'prompt' must be"),
+    ({"prompt": [{"role": "user"}]}, r"row 2: .*message 0 has content=None"),
+    ({"prompt": ["hi"]}, r"row 2: .*message 0 is a str"),
+    ({"data_source": None}, r"row 2: field 'data_source' must be a string"),
+    ({"reward_model": "3"}, r"row 2: field 'reward_model' must be a dict"),
+    ({"extra_info": [1]}, r"row 2: field 'extra_info' must be a dict"),
 ])
 def test_malformed_row_names_file_row_and_field(tmp_path, bad, match):
     path = _write_jsonl(tmp_path / "bad.jsonl", [TEXT_ROW, {**TEXT_ROW, **bad}])
@@ -102,8 +102,10 @@ def test_file_errors(tmp_path):
         files.load_rows(csv)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(TEXT_ROW) + "\n{not json\n")
-    with pytest.raises(ValueError, match="broken.jsonl: line 2 is not valid JSON"):
+    with pytest.raises(ValueError, match="broken.jsonl: row 2: not valid JSON"):
         files.load_rows(broken)
+    with pytest.raises(ValueError, match="broken.jsonl: line 2 is not valid JSON"):
+        files.read_records(broken)
     with pytest.raises(ValueError, match="no data files"):
         files.load_rows([])
 

@@ -427,7 +427,8 @@ _NAP = "\n  tool_schema: {type: function, function: {name: nap, parameters: {typ
     ("- class_name: jrl.tools.Nope", r"tools\[0\]: class_name 'jrl.tools.Nope' cannot be "
                                      "imported: AttributeError"),
     ("- class_name: no_such_package.Tool", "cannot be imported: ModuleNotFoundError"),
-    ("- class_name: Calculator", "must be a dotted path"),
+    ("- class_name: Calculator", r"must be a dotted import path \(e.g. jrl.tools.Calculator\) "
+                                 r"or 'path/to/file.py:ClassName'"),
     ("- class_name: tests.tools.test_tools.NotATool" + _NAP, "is not a subclass of jrl.tools.Tool"),
     ("- class_name: jrl.tools.Calculator\n- class_name: jrl.tools.Calculator",
      r"tools\[1\] \(jrl.tools.Calculator\): tool name 'calculator' is already used by "
@@ -448,6 +449,58 @@ def test_load_tools_errors_name_file_and_entry(tmp_path, entries, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_tools(path)
     assert str(info.value).startswith(f"tool config {path}: tools[")
+
+
+_TOOL_FILE = """
+from jrl.tools import Tool
+
+
+class Echo(Tool):
+    default_schema = {"type": "function", "function": {
+        "name": "echo", "parameters": {"type": "object", "properties": {
+            "text": {"type": "string"}}, "required": ["text"]}}}
+    config_defaults = {"times": 1}
+
+    def execute(self, instance_id, arguments):
+        return arguments["text"] * self.config["times"], 0.0, {}
+
+
+NOT_A_CLASS = 3
+"""
+
+
+def test_a_tool_class_named_by_its_file(tmp_path, monkeypatch):
+    """`path/to/file.py:Class` as reward.custom_fn names a function: nothing on PYTHONPATH,
+    a relative path taken from the current directory."""
+    (tmp_path / "my_tools").mkdir()
+    (tmp_path / "my_tools" / "echo.py").write_text(_TOOL_FILE)
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, """
+        tools:
+          - class_name: my_tools/echo.py:Echo
+            config: {times: 2}
+        """)
+    tools = load_tools(path)
+    assert list(tools) == ["echo"] and type(tools["echo"]).__name__ == "Echo"
+    assert execute_calls([ToolCall("echo", {"text": "ab"})], tools, ["r"], 1.0, 1)[0].text == "abab"
+
+
+@pytest.mark.parametrize(("class_name", "message"), [
+    ("my_tools/echo.py:Ecko", r"class_name: '.*echo.py' defines no 'Ecko'; its public classes "
+                              r"are \['Echo', 'Tool'\]"),
+    ("my_tools/echo.py:NOT_A_CLASS", "class_name 'my_tools/echo.py:NOT_A_CLASS' is not a "
+                                     "subclass of jrl.tools.Tool"),
+    ("my_tools/nowhere.py:Echo", r"class_name: file 'my_tools/nowhere.py' .* does not exist"),
+    ("my_tools/echo.txt:Echo", r"'my_tools/echo.txt' is not a .py file"),
+])
+def test_a_bad_tool_file_spec_is_named(tmp_path, monkeypatch, class_name, message):
+    (tmp_path / "my_tools").mkdir()
+    (tmp_path / "my_tools" / "echo.py").write_text(_TOOL_FILE)
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, f"tools:\n  - class_name: {class_name}\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_tools(path)
+    assert str(info.value).startswith(f"tool config {path}: tools[0]")
 
 
 def test_load_tools_file_errors(tmp_path):

@@ -4,6 +4,7 @@ points print config / data / run-directory errors without a traceback."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,20 +50,66 @@ def no_model(monkeypatch):
 
 
 @pytest.mark.parametrize("bad_row, message", [
-    (_row(prompt=""), r"train.jsonl: row 2: field 'prompt' must be .*; it is empty"),
-    (_row(prompt=[{"role": "user", "content": "  "}]), r"row 2: field 'prompt' .* it is empty"),
-    (_row(source="my_task"), r"train.jsonl: row 2: field 'data_source' is 'my_task', which has "
+    (_row(prompt=""), r"train.jsonl: row 3: field 'prompt' must be .*; it is empty"),
+    (_row(prompt=[{"role": "user", "content": "  "}]), r"row 3: field 'prompt' .* it is empty"),
+    (_row(source="my_task"), r"train.jsonl: row 3: field 'data_source' is 'my_task', which has "
      r"no reward function; known: \[.*'synthetic/arithmetic'.*\]\. Set reward.custom_fn"),
-    (_row(truth=...), r"train.jsonl: row 2: field 'reward_model.ground_truth' must be a "
+    (_row(truth=...), r"train.jsonl: row 3: field 'reward_model.ground_truth' must be a "
      r"non-empty string or a number .*; got nothing"),
-    (_row(truth={"answer": "3"}), r"row 2: field 'reward_model.ground_truth' .* got dict"),
-    (_row(truth=""), r"row 2: field 'reward_model.ground_truth' .* got str ''"),
-    (_row(prompt="123456789+1="), r"train.jsonl: row 2: the prompt '123456789\+1=' has 12 "
+    (_row(truth={"answer": "3"}), r"row 3: field 'reward_model.ground_truth' .* got dict"),
+    (_row(truth=""), r"row 3: field 'reward_model.ground_truth' .* got str ''"),
+    (_row(prompt="123456789+1="), r"train.jsonl: row 3: the prompt '123456789\+1=' has 12 "
      r"tokens, more than data.max_prompt_length=8"),
 ])
 def test_bad_row_stops_before_the_model_is_built(tmp_path, no_model, bad_row, message):
     with pytest.raises(DataError, match=message):
         train.run(_config(_files(tmp_path, bad_row)), str(tmp_path / "run"))
+
+
+def test_every_bad_row_is_listed_in_one_error_numbered_as_the_file_lines(tmp_path, no_model):
+    """Three defects, one run: rows numbered from 1 as the lines of the .jsonl file (a
+    blank line keeps its number), invalid JSON among them."""
+    paths = _files(tmp_path, _row())
+    good = json.dumps(_row())
+    lines = [good, json.dumps(_row(prompt="")), "", "{not json", good,
+             json.dumps(_row(source="my_task")), good]
+    with open(paths["train"], "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as err:
+        train.run(_config(paths), str(tmp_path / "run"))
+    message = str(err.value).splitlines()
+    assert message[0] == (f"{paths['train']}: 3 bad rows (numbered from 1; row N of a .jsonl "
+                          "file is its line N):")
+    assert [line.split(":")[0] for line in message[1:]] == ["  row 2", "  row 4", "  row 6"]
+    assert message[1].startswith("  row 2: field 'prompt' must be")
+    assert message[2].startswith("  row 4: not valid JSON (")
+    assert message[3].startswith("  row 6: field 'data_source' is 'my_task', which has no")
+
+
+def test_bad_rows_of_the_training_and_validation_files_come_in_one_error(tmp_path, no_model):
+    paths = _files(tmp_path, _row(prompt=""))
+    with open(paths["val"], "a") as f:
+        f.write(json.dumps(_row(truth="")) + "\n")
+    with pytest.raises(DataError) as err:
+        train.run(_config(paths), str(tmp_path / "run"))
+    assert str(err.value).splitlines() == [
+        f"{paths['train']}: row 3: field 'prompt' must be a string or a non-empty list of "
+        "{'role': str, 'content': str} messages; it is empty (no text to condition on)",
+        f"{paths['val']}: row 5: field 'reward_model.ground_truth' must be a non-empty string "
+        "or a number (the answer the 'synthetic/arithmetic' reward compares with); got str ''"]
+
+
+def test_bad_rows_past_twenty_are_counted_not_listed(tmp_path):
+    paths = _files(tmp_path, _row())
+    with open(paths["train"], "w") as f:
+        f.writelines(json.dumps(_row(prompt="")) + "\n" for _ in range(25))
+    config = _config(paths)
+    with pytest.raises(DataError) as err:
+        experiment.build_data(config, experiment.build_tokenizer(config))
+    message = str(err.value).splitlines()
+    assert message[0].endswith("25 bad rows (numbered from 1; row N of a .jsonl file is its "
+                               "line N); the first 20 are listed:")
+    assert len(message) == 21 and message[-1].startswith("  row 20: ")
 
 
 def test_rows_a_custom_reward_scores_are_not_held_to_the_built_in_rewards(tmp_path):
@@ -78,9 +125,17 @@ def test_rows_a_custom_reward_scores_are_not_held_to_the_built_in_rewards(tmp_pa
 
 def test_too_long_synthetic_prompt_stops_before_the_warm_start(tmp_path, no_model):
     config = tiny_config(**{"data.digits": 2, "data.max_prompt_length": 3, "sft.steps": 5})
-    with pytest.raises(DataError, match=r"data.task='arithmetic' \(train\): row 0: the prompt "
-                       r"'\d\d\+\d\d=' has 6 tokens, more than data.max_prompt_length=3"):
+    with pytest.raises(DataError) as err:
         train.run(config, str(tmp_path))
+    lines = str(err.value).splitlines()
+    # Every row is too long: all are counted, the first 20 listed, numbered from 1.
+    assert re.fullmatch(r"data.task='arithmetic' \(train\), data.task='arithmetic' \(val\): "
+                        r"\d+ bad rows \(numbered from 1; row N of a .jsonl file is its line N\); "
+                        r"the first 20 are listed:", lines[0]), lines[0]
+    assert len(lines) == 21
+    assert re.fullmatch(r"  data.task='arithmetic' \(train\): row 1: the prompt '\d\d\+\d\d=' "
+                        r"has 6 tokens, more than data.max_prompt_length=3; raise "
+                        r"data.max_prompt_length", lines[1]), lines[1]
 
 
 def _cli(module, *args, cwd=REPO):
@@ -105,7 +160,7 @@ def test_cli_prints_a_data_error_as_one_line_and_the_traceback_with_debug(tmp_pa
     done = _cli("jrl.train", *args)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"error: {paths['train']}: row 2: field 'prompt' must be")
+    assert lines[-1].startswith(f"error: {paths['train']}: row 3: field 'prompt' must be")
     assert not any("Traceback" in line for line in lines)
     debug = _cli("jrl.train", *args, "--debug")
     assert debug.returncode == 2 and "Traceback" in debug.stderr

@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--staleness", type=int, default=1, help="rollout.staleness")
     p.add_argument("--rollout_is", default=None, choices=("token", "sequence"),
                    help="algorithm.rollout_correction.rollout_is (truncated IS)")
-    p.add_argument("--rollout_is_threshold", type=float, default=2.0)
+    p.add_argument("--rollout_is_threshold", default="2.0", help="u (TIS) or \"l_u\" (IcePop)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--trace_dir", default=None,

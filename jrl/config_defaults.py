@@ -342,21 +342,26 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.filter_groups.max_num_gen_batches = 10
 
     c.algorithm.rollout_correction = ml_collections.ConfigDict()
+    # One of verl's named settings (e.g. "decoupled_k3_rs", "bypass_ppo_clip"; the list is
+    # in docs/from_verl.md); the keys below that are left at their defaults take its values.
+    c.algorithm.rollout_correction.preset = config_dict.placeholder(str)
     # Correct the rollout/training mismatch (the sampler's log-probs vs the trainer's)
-    # by truncated importance sampling: None (off), "token" or "sequence".
+    # by importance sampling: None (off), "token" or "sequence".
     c.algorithm.rollout_correction.rollout_is = config_dict.placeholder(str)
-    # The IS weights' truncation.
-    c.algorithm.rollout_correction.rollout_is_threshold = 2.0
+    # The IS weights' bounds, a string: "u" truncates them at u (TIS); "l_u" sets those
+    # outside [l, u] to 0 (IcePop).
+    c.algorithm.rollout_correction.rollout_is_threshold = "2.0"
     # Divide the IS weights by their batch mean.
     c.algorithm.rollout_correction.rollout_is_batch_normalize = False
-    # Rejection sampling: tokens ("token") or rows ("sequence": the product of the
-    # ratios; "geometric": their geometric mean) outside the bounds leave the loss.
+    # Rejection sampling: comma-separated options <level>_<k>, level token, seq_sum,
+    # seq_mean or seq_max, k k1 (log pi_rollout/pi_train; not with seq_max), k2 or k3
+    # (divergences), e.g. "token_k1,seq_mean_k3". A token or row outside an option's
+    # bounds leaves the loss.
     c.algorithm.rollout_correction.rollout_rs = config_dict.placeholder(str)
-    # Rejection's upper bound on the ratio (needed with rollout_rs).
-    c.algorithm.rollout_correction.rollout_rs_threshold = config_dict.placeholder(float)
-    # Rejection's lower bound (None: 1 / rollout_rs_threshold).
-    c.algorithm.rollout_correction.rollout_rs_threshold_lower = config_dict.placeholder(float)
-    # Reject a whole row when a token's ratio is below this (None: off).
+    # Rejection bounds, a string: one for all options or one per option, comma separated;
+    # "l_u" or "u" (l = 1/u) for k1, on the ratio pi_rollout/pi_train; "u" for k2 and k3.
+    c.algorithm.rollout_correction.rollout_rs_threshold = config_dict.placeholder(str)
+    # Reject a whole row when a token's ratio pi_train/pi_rollout is below this (None: off).
     c.algorithm.rollout_correction.rollout_token_veto_threshold = config_dict.placeholder(
         float)
     # The rollout's log-probs are the old ones (no old-log-prob pass).

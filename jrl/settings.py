@@ -625,7 +625,8 @@ def _rollout_correction(config) -> rollout_correction.RolloutCorrectionConfig:
     """`algorithm.rollout_correction.*` (checked by `ActorSettings`)."""
     key = "algorithm.rollout_correction"
     fields = dataclasses.fields(rollout_correction.RolloutCorrectionConfig)
-    return rollout_correction.RolloutCorrectionConfig(
+    return rollout_correction.RolloutCorrectionConfig.from_preset(
+        _get(config, f"{key}.preset"), key,
         **{f.name: _get(config, f"{key}.{f.name}") for f in fields})
 
 

@@ -46,7 +46,7 @@ def _with_rollout_log_probs(rollout, shift):
 def test_on_policy_and_separate_pass_agree_on_mismatch_and_token_is():
     """The update's own log-probs give the same mismatch metrics, IS weights and new
     parameters as a separate old-log-prob pass (float noise apart)."""
-    over = {**_ON_POLICY, f"{_C}.rollout_is": "token", f"{_C}.rollout_is_threshold": 1.5}
+    over = {**_ON_POLICY, f"{_C}.rollout_is": "token", f"{_C}.rollout_is_threshold": "1.5"}
     _, s, model, params = _setup(**over)
     _, s_pass, _, _ = _setup(**over, **{"actor.reuse_update_log_probs": False})
     assert s.actor.on_policy and not s_pass.actor.on_policy
@@ -89,11 +89,11 @@ def test_a_uniform_is_weight_scales_the_policy_gradient():
 
 
 def test_a_rejected_row_leaves_the_update():
-    """Row 0's sequence ratio is e^(5 x 3 tokens), far above rollout_rs_threshold: the
-    update is the one where row 0 has no response tokens at all."""
+    """Row 0's sequence ratio is e^(5 x 3 tokens): its seq_sum_k1 (-15) is far below
+    log(1/2); the update is the one where row 0 has no response tokens at all."""
     rollout = _with_rollout_log_probs(_rollout(), [-5.0] + [0.0] * 7)
-    _, s, model, params = _setup(**{f"{_C}.rollout_rs": "sequence",
-                                    f"{_C}.rollout_rs_threshold": 2.0})
+    _, s, model, params = _setup(**{f"{_C}.rollout_rs": "seq_sum_k1",
+                                    f"{_C}.rollout_rs_threshold": "0.5_2"})
     _, s_plain, _, _ = _setup()
     new, m = _learn(s, model, _state(s, params), _experience(rollout))
     dropped = rollout.replace(response_mask=rollout.response_mask.at[0].set(0))
@@ -111,8 +111,8 @@ def test_a_rejected_token_stays_in_the_context_of_the_tokens_after_it():
     row's attention unchanged, and not the one that drops it from the attention too."""
     rollout = _with_rollout_log_probs(_rollout(), [0.0] * 8)
     rollout = rollout.replace(rollout_log_probs=rollout.rollout_log_probs.at[0, 0].set(-5.0))
-    _, s, model, params = _setup(**{f"{_C}.rollout_rs": "token",
-                                    f"{_C}.rollout_rs_threshold": 2.0})
+    _, s, model, params = _setup(**{f"{_C}.rollout_rs": "token_k1",
+                                    f"{_C}.rollout_rs_threshold": "2.0"})
     _, s_plain, _, _ = _setup()
     new, m = _learn(s, model, _state(s, params), _experience(rollout))
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 20, rel=1e-5)
@@ -170,10 +170,44 @@ def test_settings_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"^rollout\.devices=1: a sampling group needs"):
         sharding.split_devices(1)  # one CPU device here: none would be left to train
     # Rejections and batch normalisation need the whole batch: no on-policy shortcut.
-    for key, value in (("rollout_rs", "token"), ("rollout_is_batch_normalize", True)):
-        extra = {f"{_C}.rollout_rs_threshold": 2.0} if key == "rollout_rs" else {}
+    for key, value in (("rollout_rs", "token_k1"), ("rollout_is_batch_normalize", True)):
+        extra = {f"{_C}.rollout_rs_threshold": "2.0"} if key == "rollout_rs" else {}
         s = _setup(**_ON_POLICY, **{f"{_C}.{key}": value}, **extra)[1]
         assert not s.actor.on_policy, key
     assert settings.on_policy(_setup(**_ON_POLICY, **{f"{_C}.rollout_is": "token"})[1])
     s = _setup()[1]
     assert dataclasses.replace(s, staleness=1).staleness == 1
+
+
+def test_a_preset_fills_the_keys_left_at_their_defaults():
+    """`preset` gives verl's named settings; a key set away from its default wins."""
+    c = _setup(**{f"{_C}.preset": "bypass_pg_token_icepop"})[1].actor.correction
+    assert (c.rollout_is, c.rollout_is_threshold, c.bypass_mode, c.loss_type) == (
+        "token", "0.5_5.0", True, "reinforce")
+    c = _setup(**{f"{_C}.preset": "decoupled_k3_rs_token_tis",
+                  f"{_C}.rollout_rs_threshold": "0.05"})[1].actor.correction
+    assert (c.rollout_is, c.rollout_rs, c.rollout_rs_threshold) == ("token", "seq_mean_k3", "0.05")
+    with pytest.raises(ConfigError, match=r"^algorithm\.rollout_correction\.preset: 'tis' is "):
+        _setup(**{f"{_C}.preset": "tis"})
+    with pytest.raises(ConfigError, match=r"^algorithm\.rollout_correction\.rollout_rs: "
+                                          r"'sequence' is now 'seq_sum_k1'"):
+        _setup(**{f"{_C}.rollout_rs": "sequence", f"{_C}.rollout_rs_threshold": "2.0"})
+
+
+def test_a_command_line_threshold_stays_a_string(tmp_path):
+    """`--config...rollout_rs_threshold=0.5_2` arrives as the string "0.5_2" (Python would
+    read the literal 0.5_2 as 0.52): broadcast to a k3 option it is refused by name."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    out = subprocess.run(
+        [sys.executable, "-m", "jrl.train", "--config=configs/grpo_arith.py",
+         f"--workdir={tmp_path}/run", f"--config.{_C}.rollout_rs=token_k1,token_k3",
+         f"--config.{_C}.rollout_rs_threshold=0.5_2"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: {_C}.rollout_rs_threshold: token_k3: '0.5_2': a k2 or k3 option takes one "
+        "upper bound, without '_'")

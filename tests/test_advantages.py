@@ -163,6 +163,20 @@ def test_gae_matches_python_loop_with_holes(seed):
     np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-4)
 
 
+def test_gae_bootstraps_across_a_tool_block():
+    """A multi-turn row: assistant tokens a1 a2, a tool block t1 t2 (loss mask 0, any
+    values), assistant a3 with the reward, padding. As verl, the tool tokens are no steps:
+    the returns are those of the row a1 a2 a3. By hand with gamma = lam = 0.5, V = 0.1,
+    0.2, 0.5: A3 = 1 - 0.5 = 0.5; A2 = (0.5 * 0.5 - 0.2) + 0.25 * 0.5 = 0.175;
+    A1 = (0.5 * 0.2 - 0.1) + 0.25 * 0.175 = 0.04375; returns A + V."""
+    rewards = jnp.array([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    values = jnp.array([[0.1, 0.2, 5.0, -5.0, 0.5, 3.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = adv_lib.gae_returns(rewards, mask, values, gamma=0.5, lam=0.5)
+    np.testing.assert_allclose(np.asarray(ret)[0, [0, 1, 4]], [0.14375, 0.375, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(adv)[0, [0, 1, 4]], [0.04375, 0.175, 0.5], rtol=1e-6)
+
+
 def test_registry_dispatch_and_errors():
     rewards, mask = _outcome_rewards([1.0, 0.0, 1.0])
     adv, _ = adv_lib.compute_advantages("grpo", rewards, mask, group_ids=jnp.array([0, 0, 0]))

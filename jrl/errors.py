@@ -26,3 +26,8 @@ class CheckpointError(JrlError, ValueError):
 
 class RunDirError(JrlError, RuntimeError):
     """The workdir holds another run, or is in use."""
+
+
+class RewardError(JrlError, RuntimeError):
+    """The reward function raised (or returned a non-number) on a sample, under
+    `reward.on_error='raise'`: the message names the sample and the exception."""

@@ -215,8 +215,8 @@ def probe_bad_input(case: dict, workdir: str) -> dict:
 
 
 def probe_signal(workdir: str, delay: float, signum: int, twice: bool,
-                 reference: list[dict]) -> dict:
-    proc = launch(command(workdir))
+                 reference: list[dict], **overrides) -> dict:
+    proc = launch(command(workdir, **overrides))
     time.sleep(delay)
     sent = proc.poll() is None
     if sent:  # Ctrl-C reaches the whole process group (reward workers too); SIGTERM one pid
@@ -233,6 +233,7 @@ def probe_signal(workdir: str, delay: float, signum: int, twice: bool,
     stop = re.findall(r"^stopped at step (\d+); run the same command to resume$", out, re.M)
     phase = _phase(out)
     row = {"delay_s": round(delay, 1), "signal": signal.Signals(signum).name + (" x2" * twice),
+           "workers": overrides.get("reward.num_workers", 0),
            "phase": phase, "rc": rc, "stopped_at": stop[0] if stop else "-"}
     problems = []
     expected = 128 + signum
@@ -246,7 +247,7 @@ def probe_signal(workdir: str, delay: float, signum: int, twice: bool,
         problems.append("no single stop line")
     if os.path.exists(os.path.join(workdir, "run.lock")):
         problems.append("lock left behind")
-    rc2, out2 = run(command(workdir))
+    rc2, out2 = run(command(workdir, **overrides))
     row["resume_rc"] = rc2
     if rc2 != 0:
         problems.append(f"resume exit {rc2}: {out2.strip().splitlines()[-1:]}")
@@ -311,12 +312,15 @@ def main() -> int:
         signum = signal.SIGINT if trial % 2 == 0 else signal.SIGTERM
         twice = trial % 7 == 6
         delay = rng.uniform(0.2, 0.9 * full)
+        # Every fifth run scores in two reward worker processes (Ctrl-C reaches them too).
+        workers = {"reward.num_workers": 2} if trial % 5 == 4 else {}
         rows.append({"trial": trial, **probe_signal(os.path.join(root, f"signal{trial}"),
-                                                    delay, signum, twice, reference)})
+                                                    delay, signum, twice, reference,
+                                                    **workers)})
         print(f"  trial {trial}: {rows[-1]}", flush=True)
     print("\nsignals (no crash, exit 128+signal, one stop line, resumed run = uninterrupted)")
-    print(table(rows, ["trial", "delay_s", "signal", "phase", "rc", "stopped_at", "resume_rc",
-                       "note"]))
+    print(table(rows, ["trial", "delay_s", "signal", "workers", "phase", "rc", "stopped_at",
+                       "resume_rc", "note"]))
     failures += sum(not r["ok"] for r in rows)
     print(f"\n{failures} failure(s)")
     if not args.keep:

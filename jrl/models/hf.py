@@ -157,8 +157,8 @@ def check_files(path: str | os.PathLike, key: str = "model.path") -> None:
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{key}: {err}") from None
     except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
-        raise errors.CheckpointError(f"{key}: {str(path)!r} has an unreadable {CONFIG_NAME} "
-                                     f"or {INDEX_NAME} ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"{key}: {str(path)!r} has an unreadable {CONFIG_NAME} "
+                              f"or {INDEX_NAME} ({type(err).__name__}: {err})") from None
     for name in names:
         _check_safetensors(path / name, key)
 
@@ -185,8 +185,8 @@ def _check_safetensors(file: Path, key: str) -> None:
                     problem = (f"it has {size} bytes, but its header lists tensors up to byte "
                                f"{8 + length + end}: it is truncated")
     if problem:
-        raise errors.CheckpointError(f"{key}: {str(file)!r} is not a complete safetensors file: "
-                                     f"{problem}; copy or download it again")
+        raise CheckpointError(f"{key}: {str(file)!r} is not a complete safetensors file: "
+                              f"{problem}; copy or download it again")
 
 
 class _CheckpointReader:

@@ -311,7 +311,7 @@ def main() -> int:
     for trial in range(args.trials):
         signum = signal.SIGINT if trial % 2 == 0 else signal.SIGTERM
         twice = trial % 7 == 6
-        delay = rng.uniform(0.2, 0.9 * full)
+        delay = rng.uniform(0.5, 0.9 * full)
         # Every fifth run scores in two reward worker processes (Ctrl-C reaches them too).
         workers = {"reward.num_workers": 2} if trial % 5 == 4 else {}
         rows.append({"trial": trial, **probe_signal(os.path.join(root, f"signal{trial}"),

@@ -194,15 +194,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
                 notes.append(f"resuming from {resume_from} with changed keys:\n"
                              + format_changes(changes))
     elif old is not None:
-        changes = run_changes(old, new)
-        if changes:
-            raise RunDirError(
-                f"{workdir} holds a run started with another config ({config_path}); changed "
-                f"keys, old -> new:\n{format_changes(changes)}\nPass a new --workdir for a "
-                "new run, --config.trainer.resume_mode=disable to start this one over (its "
-                "checkpoints and metrics are removed), or --config.trainer.resume_mode="
-                "resume_path --config.trainer.resume_from_path=<checkpoint dir> to continue "
-                "from a checkpoint with this config.")
+        _refuse_changes(workdir, old, new)
     elif has_checkpoint:
         notes.append(f"{workdir} has checkpoints but no {CONFIG_FILE}; recording this config")
     finished = _read_json(os.path.join(workdir, FINISHED_FILE))
@@ -222,6 +214,20 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
     if finished is not None:
         return Start("finished", notes=tuple(notes))
     return Start("resume" if has_checkpoint else "new", notes=tuple(notes))
+
+
+def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Raises `RunDirError` listing the `run_changes` (`resume_mode=auto`), if any."""
+    changes = run_changes(old, new)
+    if changes:
+        raise RunDirError(
+            f"{workdir} holds a run started with another config "
+            f"({os.path.join(workdir, CONFIG_FILE)}); changed keys, old -> new:\n"
+            f"{format_changes(changes)}\nPass a new --workdir for a new run, "
+            "--config.trainer.resume_mode=disable to start this one over (its checkpoints and "
+            "metrics are removed), or --config.trainer.resume_mode=resume_path "
+            "--config.trainer.resume_from_path=<checkpoint dir> to continue from a checkpoint "
+            "with this config.")
 
 
 def clear_run(workdir: str) -> list[str]:

@@ -30,6 +30,7 @@ from jrl import (  # noqa: E402
     sft,
     sharding,
 )
+from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
 from jrl.rewards import scoring  # noqa: E402
@@ -65,9 +66,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
         at a safe point, with a checkpoint of its last step.
     """
     distributed.maybe_initialize(config)
-    prepared = _prepare(config, workdir, reward_fn)
+    prepared = _prepare(config, workdir, reward_fn, sharder)
     with rundir.claimed(workdir, enabled=jax.process_index() == 0):
-        return _run(config, workdir, prepared, exit_after_steps, sharder, reward_fn)
+        return _run(config, workdir, prepared, exit_after_steps, reward_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,11 @@ class _Prepared:
     train_rows: list
     val_rows: list
     settings: settings.Settings
+    sharder: sharding.Sharder
+    rollout_sharder: sharding.Sharder | None
 
 
-def _prepare(config, workdir: str, reward_fn) -> _Prepared:
+def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
     """Builds and checks the inputs without writing anything; raises on the first problem."""
     tokenizer = experiment.build_tokenizer(config)
     train_rows, val_rows = experiment.build_data(config, tokenizer, reward_fn)
@@ -100,25 +103,28 @@ def _prepare(config, workdir: str, reward_fn) -> _Prepared:
             _try_reward_fn(fn, train_rows)
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
+    sharder = sharder or sharding.from_config(config)
+    rollout_sharder = sharding.rollout_from_config(config)
     interrupt.check(_checkpoint_step(workdir))
-    return _Prepared(tokenizer, train_rows, val_rows, s)
+    return _Prepared(tokenizer, train_rows, val_rows, s, sharder, rollout_sharder)
 
 
 def _try_reward_fn(fn, rows) -> None:
     """Scores the demonstrations of the first training rows, the answers the warm start
     teaches (and so the first responses RL samples), with the reward function: one that
     raises on them would stop the run at its first step, after the warm start."""
-    tried = [(i, row) for i, row in enumerate(rows[:REWARD_TRIAL_ROWS])
-             if isinstance(sft.demonstration(row), str)]
+    # Rows without an answer, and multi-turn demonstrations, are not tried.
+    tried = [row for row in rows[:REWARD_TRIAL_ROWS]
+             if (row.get("extra_info") or {}).get("demonstration", ground_truth(row)) is not None
+             and isinstance(sft.demonstration(row), str)]
     try:
-        scoring.RewardScorer(fn).score([r for _, r in tried],
-                                       [sft.demonstration(r) for _, r in tried], n=1)
+        scoring.RewardScorer(fn).score(tried, [sft.demonstration(r) for r in tried], n=1)
     except RewardError as err:
         raise RewardError(f"before the warm start, on the demonstrations of the first "
                           f"training rows as responses: {err}") from None
 
 
-def _run(config, workdir, p: _Prepared, exit_after_steps, sharder, reward_fn) -> dict:
+def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     lead = jax.process_index() == 0
     start = rundir.check_config(workdir, config, has_checkpoint=_has_checkpoint(workdir),
                                 write=lead)
@@ -131,20 +137,18 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, sharder, reward_fn) ->
             print(note, flush=True)
     if start.kind == "finished":
         return _finished(config, workdir)
-    sharder = sharder or sharding.from_config(config)
     scorer, reward_model = experiment.build_reward(config, p.settings, reward_fn)
     trainer = None
     try:  # reward workers and the checkpointer are closed however the run ends
-        model, params = experiment.build_model(config, p.tokenizer, sharder)
+        model, params = experiment.build_model(config, p.tokenizer, p.sharder)
         interrupt.check(_checkpoint_step(workdir))
         os.makedirs(workdir, exist_ok=True)
-        params = _warm_start(config, workdir, model, params, p, sharder)
+        params = _warm_start(config, workdir, model, params, p)
         trainer = RLTrainer(p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows,
                             scorer, workdir, config.seed,
                             apply_chat_template=config.data.apply_chat_template,
-                            data_seed=config.data.seed, sharder=sharder,
-                            reward_model=reward_model,
-                            rollout_sharder=sharding.rollout_from_config(config))
+                            data_seed=config.data.seed, sharder=p.sharder,
+                            reward_model=reward_model, rollout_sharder=p.rollout_sharder)
         resumed, final = _fit(config, workdir, trainer, start, exit_after_steps)
     finally:
         if trainer is not None:
@@ -154,11 +158,12 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, sharder, reward_fn) ->
     return _finish(config, workdir, trainer, model, p.settings.total_steps, summary)
 
 
-def _warm_start(config, workdir, model, params, p: _Prepared, sharder):
+def _warm_start(config, workdir, model, params, p: _Prepared):
     """The parameters RL starts from: after `config.sft`'s warm start, if any."""
     if config.sft.steps <= 0:
         return params
-    params = sft.warm_start(config, workdir, model, params, p.tokenizer, p.train_rows, sharder)
+    params = sft.warm_start(config, workdir, model, params, p.tokenizer, p.train_rows,
+                            p.sharder)
     if model.lora_rank:  # the warm start trained everything: it becomes the base
         params = lora.restart(params, model, jax.random.fold_in(jax.random.key(config.seed), 2))
     return params

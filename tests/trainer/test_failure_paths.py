@@ -167,6 +167,20 @@ def test_reward_fn_raising_on_the_demonstrations_stops_before_the_warm_start(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_reward_trial_skips_rows_without_a_demonstration():
+    def fails(data_source, solution_str, ground_truth, extra_info):
+        raise ValueError(f"cannot parse {solution_str!r}")
+
+    unanswered = [{"prompt": "1+2=", "data_source": "mine"}]
+    multi_turn = [{"prompt": "1+2=", "data_source": "mine",
+                   "extra_info": {"demonstration": [{"role": "assistant", "content": "3"}]}}]
+    train._try_reward_fn(fails, unanswered + multi_turn)  # nothing to try: no error
+    answered = {"prompt": "1+2=", "data_source": "mine", "reward_model": {"ground_truth": 3}}
+    with pytest.raises(RewardError, match=r"sample 0 \(data_source='mine'\): ValueError: "
+                       r"cannot parse '3' \(test_failure_paths.py:\d+\)"):
+        train._try_reward_fn(fails, [*unanswered, answered])
+
+
 # ----------------------------------------------------------------------------- warm start NaN
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import ml_collections
 
-from jrl import config_docs
+from jrl import config_docs, interrupt
 from jrl.errors import CheckpointError, ConfigError, RunDirError
 
 CONFIG_FILE = "config.json"
@@ -340,8 +340,6 @@ def locked(workdir: str, enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from jrl import interrupt
-
     check_writable(workdir)
     path = acquire_lock(workdir)
     forget = interrupt.on_force_exit(lambda: release_lock(path))

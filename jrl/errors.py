@@ -1,9 +1,9 @@
 """Errors in what the user gave jrl: printed by the command-line entry points as one line.
 
 Each is a `ValueError` (bad config or data) or `RuntimeError` (the run directory, a
-failing reward function), so
-library callers catch them as before; `jrl.train` and `jrl.sft` print their message
-without a traceback and exit with status 2 (the traceback with `--debug`).
+failing reward function), so library callers catch them as before; `jrl.train` and
+`jrl.sft` print their message without a traceback and exit with status 2 (the
+traceback with `--debug`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """What `python -m jrl.train` and `python -m jrl.sft` share: flags, the config's keys
-checked before parsing, and errors printed as one line.
+checked before parsing, errors printed as one line, and Ctrl-C.
 
-A config, data, checkpoint or run-directory error (`jrl.errors.JrlError`, or a missing
-file) prints `error: <message>` and exits with status 2; `--debug` adds the traceback.
-Anything else is unexpected and keeps its traceback.
+A config, data, checkpoint, reward-function or run-directory error
+(`jrl.errors.JrlError`, a missing file, or a `--config.<key>=<value>` absl cannot
+parse) prints `error: <message>` and exits with status 2; `--debug` adds the
+traceback. Anything else is unexpected and keeps its traceback. Ctrl-C or SIGTERM
+stops the run at its next safe point (`jrl.interrupt`): it prints `stopped at step N;
+run the same command to resume` and exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import difflib
 import importlib.util
 import os
 import re
-import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from jrl import rundir
+from jrl import interrupt, rundir
 from jrl.errors import ConfigError, JrlError
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -88,21 +90,23 @@ def parse_flags(argv: list[str]) -> list[str]:
     except JrlError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    return app.parse_flags_with_usage(argv)
-
-
-def _exit_on_sigterm(signum, frame):
-    del frame
-    sys.exit(128 + signum)  # unwinds: the workdir's lock and open files are released
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:  # e.g. `--config.actor.optim.lr=1e-4x`
+        print(f"error: {str(err).removeprefix('flag ')}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-    """`app.run(main)` with readable errors for bad input."""
+    """`app.run(main)` with readable errors for bad input, and Ctrl-C / SIGTERM handled by
+    `jrl.interrupt` (stop at the next safe point, one line, status 130 / 143)."""
+    interrupt.install()
 
     def wrapped(argv):
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             main(argv)
+        except interrupt.Stopped as stopped:
+            interrupt.report(stopped)
         except (JrlError, FileNotFoundError) as err:
             if DEBUG.value:
                 traceback.print_exc()

@@ -1,8 +1,9 @@
 """Errors in what the user gave jrl: printed by the command-line entry points as one line.
 
-Each is a `ValueError` (bad config or data) or `RuntimeError` (the run directory), so
-library callers catch them as before; `jrl.train` and `jrl.sft` print their message
-without a traceback and exit with status 2 (the traceback with `--debug`).
+Each is a `ValueError` (bad config or data) or `RuntimeError` (the run directory, a
+failing reward function), so library callers catch them as before; `jrl.train` and
+`jrl.sft` print their message without a traceback and exit with status 2 (the
+traceback with `--debug`).
 """
 
 from __future__ import annotations
@@ -26,3 +27,8 @@ class CheckpointError(JrlError, ValueError):
 
 class RunDirError(JrlError, RuntimeError):
     """The workdir holds another run, or is in use."""
+
+
+class RewardError(JrlError, RuntimeError):
+    """The reward function raised (or returned a non-number) on a sample, under
+    `reward.on_error='raise'`: the message names the sample and the exception."""

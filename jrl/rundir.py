@@ -10,7 +10,14 @@ A later start into the same workdir compares its config with `config.json`
 (`check_config`): the same config resumes (or reports a finished run), a changed one
 stops with the changed keys, unless `trainer.resume_mode` says otherwise (verl's
 names): `disable` starts over, `resume_path` resumes from `trainer.resume_from_path`
-whatever changed.
+whatever changed. Keys that cannot change what the steps already taken computed
+(`may_change`: loggers, devices, checkpoint and validation cadence, what to do on a
+reward or NaN error, a longer run under a constant learning rate) may differ.
+
+A start claims the workdir (`claimed`) only after everything that can be checked
+beforehand passed; a start that fails or is stopped before it wrote any output
+removes the `config.json` it wrote, and the workdir itself if it made it and left
+it empty, so the corrected command starts afresh.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 import ml_collections
 
-from jrl import config_docs
+from jrl import config_docs, interrupt
 from jrl.errors import CheckpointError, ConfigError, RunDirError
 
 CONFIG_FILE = "config.json"
@@ -38,10 +45,15 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 # What a run leaves in its workdir; `resume_mode=disable` removes these.
 RUN_OUTPUTS = ("checkpoints", "sft", "metrics.jsonl", "curves.png", "tensorboard", "hf_export",
                FINISHED_FILE, CONFIG_FILE)
-# Keys that choose how a run is started, logged, placed on devices or exported, not what it
-# learns: they may differ between the starts of one run.
+# Keys that choose how a run is started, logged, checkpointed, validated, placed on devices
+# or exported, or what stops it, not what its steps compute: they may differ between the
+# starts of one run. (Validation has its own random keys; under on_error="raise" or
+# nan_policy="raise" every step taken had no error to treat otherwise.)
 CONTROL_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
-                "trainer.export_hf", "reward.num_workers", "mesh.", "distributed.")
+                "trainer.export_hf", "trainer.save_freq", "trainer.test_freq",
+                "trainer.val_before_train", "trainer.max_actor_ckpt_to_keep",
+                "trainer.nan_policy", "reward.num_workers", "reward.on_error", "mesh.",
+                "distributed.")
 # The config keys a warm start depends on (prefixes); any change means a different one.
 WARM_START_KEYS = ("seed", "tokenizer.", "model.", "sft.", "data.", "rollout.response_length")
 # data.* keys that only the RL loop reads.
@@ -67,6 +79,36 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any],
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
             if not _matches(k, ignore) and old.get(k, ABSENT) != new.get(k, ABSENT)]
+
+
+def _constant_lr(config: Mapping[str, Any]) -> bool:
+    return all(config.get(f"{role}.optim.lr_scheduler_type", "constant") == "constant"
+               for role in ("actor", "critic"))
+
+
+def extends(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether `new` only runs `old` for more steps: a larger `trainer.total_training_steps`
+    under constant learning rates (a cosine schedule is computed from the total)."""
+    key = "trainer.total_training_steps"
+    before, after = old.get(key), new.get(key)
+    return (isinstance(before, int) and isinstance(after, int) and 0 < before < after
+            and _constant_lr(old) and _constant_lr(new))
+
+
+def may_change(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether `key` may differ between two starts of one run (flattened configs): the
+    `CONTROL_KEYS`, `reward.error_score` while the old start stopped on reward errors
+    (it scored none), and `trainer.total_training_steps` when it `extends` the run."""
+    if _matches(key, CONTROL_KEYS):
+        return True
+    if key == "reward.error_score":
+        return old.get("reward.on_error", "raise") == "raise"
+    return key == "trainer.total_training_steps" and extends(old, new)
+
+
+def run_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The `changed_keys` that stop a resume under `resume_mode=auto` (not `may_change`)."""
+    return [c for c in changed_keys(old, new, ignore=()) if not may_change(c[0], old, new)]
 
 
 def format_changes(changes) -> str:
@@ -152,28 +194,40 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
                 notes.append(f"resuming from {resume_from} with changed keys:\n"
                              + format_changes(changes))
     elif old is not None:
-        changes = changed_keys(old, new)
-        if changes:
-            raise RunDirError(
-                f"{workdir} holds a run started with another config ({config_path}); changed "
-                f"keys, old -> new:\n{format_changes(changes)}\nPass a new --workdir for a "
-                "new run, --config.trainer.resume_mode=disable to start this one over (its "
-                "checkpoints and metrics are removed), or --config.trainer.resume_mode="
-                "resume_path --config.trainer.resume_from_path=<checkpoint dir> to continue "
-                "from a checkpoint with this config.")
+        _refuse_changes(workdir, old, new)
     elif has_checkpoint:
         notes.append(f"{workdir} has checkpoints but no {CONFIG_FILE}; recording this config")
     finished = _read_json(os.path.join(workdir, FINISHED_FILE))
+    extended = old is not None and finished is not None and extends(old, new)
+    if extended:
+        notes.append(f"trainer.total_training_steps: {old['trainer.total_training_steps']} "
+                     f"-> {new['trainer.total_training_steps']}: continuing the finished run")
     if write:
         os.makedirs(workdir, exist_ok=True)
         _write_json(config_path, new)
-        if finished is not None and mode == "resume_path":
+        if finished is not None and (mode == "resume_path" or extended):
             os.remove(os.path.join(workdir, FINISHED_FILE))
+    if extended:
+        finished = None
     if mode == "resume_path":
         return Start("resume", resume_from, tuple(notes))
     if finished is not None:
         return Start("finished", notes=tuple(notes))
     return Start("resume" if has_checkpoint else "new", notes=tuple(notes))
+
+
+def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Raises `RunDirError` listing the `run_changes` (`resume_mode=auto`), if any."""
+    changes = run_changes(old, new)
+    if changes:
+        raise RunDirError(
+            f"{workdir} holds a run started with another config "
+            f"({os.path.join(workdir, CONFIG_FILE)}); changed keys, old -> new:\n"
+            f"{format_changes(changes)}\nPass a new --workdir for a new run, "
+            "--config.trainer.resume_mode=disable to start this one over (its checkpoints and "
+            "metrics are removed), or --config.trainer.resume_mode=resume_path "
+            "--config.trainer.resume_from_path=<checkpoint dir> to continue from a checkpoint "
+            "with this config.")
 
 
 def clear_run(workdir: str) -> list[str]:
@@ -281,12 +335,88 @@ def release_lock(path: str) -> None:
 
 @contextlib.contextmanager
 def locked(workdir: str, enabled: bool = True) -> Iterator[None]:
-    """Holds `workdir/run.lock` for the block (every exit path releases it)."""
+    """Holds `workdir/run.lock` for the block (every exit path releases it, and so does a
+    second Ctrl-C that exits at once: `jrl.interrupt.on_force_exit`)."""
     if not enabled:
         yield
         return
+    check_writable(workdir)
     path = acquire_lock(workdir)
+    forget = interrupt.on_force_exit(lambda: release_lock(path))
     try:
         yield
     finally:
+        forget()
         release_lock(path)
+
+
+def check_writable(workdir: str) -> None:
+    """Raises `RunDirError` unless this process can create files in `workdir` (or create
+    it: its nearest existing parent is writable)."""
+    path = os.path.abspath(workdir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise RunDirError(f"--workdir {workdir}: {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        what = "the workdir" if path == os.path.abspath(workdir) else f"its parent {path}"
+        why = "a read-only file system" if _read_only_fs(path) else "permission denied"
+        raise RunDirError(f"--workdir {workdir}: {what} is not writable ({why}); pass a "
+                          "--workdir this user can write to")
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _has_outputs(workdir: str) -> bool:
+    """Whether `workdir` holds anything a run wrote besides its config (empty directories
+    do not count)."""
+    for name in RUN_OUTPUTS:
+        path = os.path.join(workdir, name)
+        if name == CONFIG_FILE or not os.path.exists(path):
+            continue
+        if not os.path.isdir(path) or any(os.scandir(path)):
+            return True
+    return False
+
+
+def _unclaim(workdir: str, had_config: bool) -> None:
+    """Removes the traces of a start that wrote no output: its `config.json` and the
+    empty output directories."""
+    if _has_outputs(workdir):
+        return
+    for name in RUN_OUTPUTS:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+    if not had_config:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(workdir, CONFIG_FILE))
+
+
+@contextlib.contextmanager
+def claimed(workdir: str, enabled: bool = True) -> Iterator[None]:
+    """`locked(workdir)`; a start that fails or is stopped before it wrote any output
+    leaves nothing that would stop the next one: `config.json` is removed if this start
+    wrote the first one, and the workdir if this start made it and it is left empty."""
+    if not enabled:
+        yield
+        return
+    made_workdir = not os.path.exists(workdir)
+    had_config = os.path.exists(os.path.join(workdir, CONFIG_FILE))
+    try:
+        with locked(workdir):
+            try:
+                yield
+            except BaseException:
+                _unclaim(workdir, had_config)
+                raise
+    except BaseException:
+        if made_workdir:
+            with contextlib.suppress(OSError):  # not empty: kept
+                os.rmdir(workdir)
+        raise

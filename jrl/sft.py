@@ -16,12 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jrl import experiment, logprobs, masks, multi_turn, rundir, update
+from jrl import experiment, interrupt, logprobs, masks, multi_turn, rundir, update
 from jrl import sharding as sharding_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import Row, encode_prompts, ground_truth
-from jrl.errors import ConfigError, RunDirError
+from jrl.errors import ConfigError, JrlError, RunDirError
 from jrl.models.config import ModelConfig
+
+
+class NonFiniteLossError(JrlError, FloatingPointError):
+    """The warm start's loss is NaN or infinite (named with its step)."""
 
 
 def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length: int,
@@ -124,9 +128,15 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
         state, loss = sft_step(state, batch, model=model, optimizer=optimizer)
         # One step in flight at a time: on a CPU with more (fake) devices than cores, steps
         # queued behind each other can deadlock in their all-reduces.
-        loss.block_until_ready()
+        loss = float(loss)
+        if not np.isfinite(loss):
+            raise NonFiniteLossError(
+                f"sft step {step + 1} of {steps}: the loss is {loss}; the warm start stopped. "
+                "Check that the tokenizer matches the model (token ids below its vocab_size; "
+                "tokenizer.* and model.path), or lower sft.lr")
         if log_every and (step + 1) % log_every == 0:
-            print(f"sft step {step + 1}/{steps}: loss {float(loss):.4f}", flush=True)
+            print(f"sft step {step + 1}/{steps}: loss {loss:.4f}", flush=True)
+        interrupt.check(0)  # Ctrl-C: RL has not started; the warm start is not kept
     return state.params
 
 

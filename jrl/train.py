@@ -8,24 +8,50 @@ reward curves to `workdir/curves.png`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-import jax
-import ml_collections
-from absl import app, logging
+from jrl import interrupt
 
-from jrl import cli, distributed, experiment, metrics, rundir, settings, sft, sharding
-from jrl.models import hf, lora
-from jrl.trainer import RLTrainer
+if __name__ == "__main__":  # before the slow imports: a Ctrl-C during them stops cleanly
+    interrupt.install()
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, logging  # noqa: E402
+
+from jrl import (  # noqa: E402
+    cli,
+    distributed,
+    experiment,
+    metrics,
+    rundir,
+    settings,
+    sft,
+    sharding,
+)
+from jrl.data.dataset import ground_truth  # noqa: E402
+from jrl.errors import ConfigError, RewardError  # noqa: E402
+from jrl.models import hf, lora  # noqa: E402
+from jrl.rewards import scoring  # noqa: E402
+from jrl.trainer import RLTrainer  # noqa: E402
+
+# Training rows whose demonstrations a custom reward function is tried on before the
+# warm start (`_try_reward_fn`).
+REWARD_TRIAL_ROWS = 8
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int | None = None,
         sharder: sharding.Sharder | None = None, reward_fn=None) -> dict:
     """Runs the experiment; returns a summary (validation before and after, paths).
 
-    The workdir holds one run (`jrl.rundir`): its lock is held while this runs, its
-    `config.json` decides whether this start resumes, reports a finished run, or stops
-    because the config changed (`trainer.resume_mode`).
+    Everything that can be checked before training (the config, every data row, the
+    reward function, the model files, that the workdir is writable) is checked before
+    the workdir is claimed; a start that fails before it wrote any output leaves no
+    `config.json` behind (`rundir.claimed`). The workdir holds one run (`jrl.rundir`):
+    its lock is held while this runs, its `config.json` decides whether this start
+    resumes, reports a finished run, or stops because the config changed
+    (`trainer.resume_mode`).
 
     Args:
       config: the experiment config (`jrl.config_defaults.base_config` and overrides).
@@ -34,18 +60,72 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
       sharder: the mesh to use (default: built from `config.mesh` over all devices).
       reward_fn: a Python reward function with verl's signature (default: the rule
         scorer of each row's data_source).
+
+    Raises:
+      jrl.interrupt.Stopped: a signal arrived (`jrl.interrupt.install`); the run stopped
+        at a safe point, with a checkpoint of its last step.
     """
     distributed.maybe_initialize(config)
-    with rundir.locked(workdir, enabled=jax.process_index() == 0):
-        return _run(config, workdir, exit_after_steps, sharder, reward_fn)
+    prepared = _prepare(config, workdir, reward_fn, sharder)
+    with rundir.claimed(workdir, enabled=jax.process_index() == 0):
+        return _run(config, workdir, prepared, exit_after_steps, reward_fn)
 
 
-def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
-    lead = jax.process_index() == 0
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What `_prepare` built and checked: the run's inputs."""
+
+    tokenizer: object
+    train_rows: list
+    val_rows: list
+    settings: settings.Settings
+    sharder: sharding.Sharder
+    rollout_sharder: sharding.Sharder | None
+
+
+def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
+    """Builds and checks the inputs without writing anything; raises on the first problem."""
     tokenizer = experiment.build_tokenizer(config)
     train_rows, val_rows = experiment.build_data(config, tokenizer, reward_fn)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
+    if config.model.path:
+        hf.check_files(os.path.expanduser(config.model.path), "model.path")
+    if s.reward.model_path:
+        hf.check_files(os.path.expanduser(s.reward.model_path), "reward_model.model.path")
+    custom = reward_fn or s.reward.custom_fn
+    if custom and not s.reward.model_path:
+        try:
+            fn = scoring.resolve_fn(custom)
+        except (ImportError, TypeError) as err:
+            raise ConfigError(f"reward.custom_fn: {err}") from err
+        if s.reward.on_error == "raise" and config.sft.steps > 0:
+            _try_reward_fn(fn, train_rows)
+    if jax.process_index() == 0:
+        rundir.check_writable(workdir)
+    sharder = sharder or sharding.from_config(config)
+    rollout_sharder = sharding.rollout_from_config(config)
+    interrupt.check(_checkpoint_step(workdir))
+    return _Prepared(tokenizer, train_rows, val_rows, s, sharder, rollout_sharder)
+
+
+def _try_reward_fn(fn, rows) -> None:
+    """Scores the demonstrations of the first training rows, the answers the warm start
+    teaches (and so the first responses RL samples), with the reward function: one that
+    raises on them would stop the run at its first step, after the warm start."""
+    # Rows without an answer, and multi-turn demonstrations, are not tried.
+    tried = [row for row in rows[:REWARD_TRIAL_ROWS]
+             if (row.get("extra_info") or {}).get("demonstration", ground_truth(row)) is not None
+             and isinstance(sft.demonstration(row), str)]
+    try:
+        scoring.RewardScorer(fn).score(tried, [sft.demonstration(r) for r in tried], n=1)
+    except RewardError as err:
+        raise RewardError(f"before the warm start, on the demonstrations of the first "
+                          f"training rows as responses: {err}") from None
+
+
+def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
+    lead = jax.process_index() == 0
     start = rundir.check_config(workdir, config, has_checkpoint=_has_checkpoint(workdir),
                                 write=lead)
     if jax.process_count() > 1:  # process 0 has written config.json (or cleared the workdir)
@@ -57,44 +137,60 @@ def _run(config, workdir, exit_after_steps, sharder, reward_fn) -> dict:
             print(note, flush=True)
     if start.kind == "finished":
         return _finished(config, workdir)
-    sharder = sharder or sharding.from_config(config)
-    rollout_sharder = sharding.rollout_from_config(config)
-    scorer, reward_model = experiment.build_reward(config, s, reward_fn)
+    scorer, reward_model = experiment.build_reward(config, p.settings, reward_fn)
     trainer = None
     try:  # reward workers and the checkpointer are closed however the run ends
-        model, params = experiment.build_model(config, tokenizer, sharder)
+        model, params = experiment.build_model(config, p.tokenizer, p.sharder)
+        interrupt.check(_checkpoint_step(workdir))
         os.makedirs(workdir, exist_ok=True)
-        if config.sft.steps > 0:
-            params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows,
-                                      sharder)
-            if model.lora_rank:  # the warm start trained everything: it becomes the base
-                params = lora.restart(params, model,
-                                      jax.random.fold_in(jax.random.key(config.seed), 2))
-        trainer = RLTrainer(s, model, params, tokenizer, train_rows, val_rows,
+        params = _warm_start(config, workdir, model, params, p)
+        trainer = RLTrainer(p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows,
                             scorer, workdir, config.seed,
                             apply_chat_template=config.data.apply_chat_template,
-                            data_seed=config.data.seed, sharder=sharder,
-                            reward_model=reward_model, rollout_sharder=rollout_sharder)
-        if lead:
-            print(trainer.memory_report(), flush=True)
-            print(trainer.prompt_sharing_report(), flush=True)
-        resumed = trainer.maybe_restore(start.resume_from)
-        writer = metrics.MetricsWriter(workdir, config.trainer.logger, s.total_steps,
-                                       config.to_dict(), start_step=trainer.step,
-                                       enabled=lead)
-        try:
-            final = trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
-        finally:
-            writer.close()
+                            data_seed=config.data.seed, sharder=p.sharder,
+                            reward_model=reward_model, rollout_sharder=p.rollout_sharder)
+        resumed, final = _fit(config, workdir, trainer, start, exit_after_steps)
     finally:
         if trainer is not None:
             trainer.close()
         scorer.close()
-    step = trainer.step
-    if step == s.total_steps and lead:
-        rundir.mark_finished(workdir, step, s.total_steps)
-    summary = {"resumed": resumed, "step": step, **_results(config, workdir, final)}
-    if config.model.path and config.trainer.export_hf and step == s.total_steps:
+    summary = {"resumed": resumed, "step": trainer.step, **_results(config, workdir, final)}
+    return _finish(config, workdir, trainer, model, p.settings.total_steps, summary)
+
+
+def _warm_start(config, workdir, model, params, p: _Prepared):
+    """The parameters RL starts from: after `config.sft`'s warm start, if any."""
+    if config.sft.steps <= 0:
+        return params
+    params = sft.warm_start(config, workdir, model, params, p.tokenizer, p.train_rows,
+                            p.sharder)
+    if model.lora_rank:  # the warm start trained everything: it becomes the base
+        params = lora.restart(params, model, jax.random.fold_in(jax.random.key(config.seed), 2))
+    return params
+
+
+def _fit(config, workdir, trainer: RLTrainer, start: rundir.Start, exit_after_steps):
+    """Restores the latest checkpoint (if any) and trains; returns (resumed, the last
+    validation metrics)."""
+    lead = jax.process_index() == 0
+    if lead:
+        print(trainer.memory_report(), flush=True)
+        print(trainer.prompt_sharing_report(), flush=True)
+    resumed = trainer.maybe_restore(start.resume_from)
+    writer = metrics.MetricsWriter(workdir, config.trainer.logger, trainer.s.total_steps,
+                                   config.to_dict(), start_step=trainer.step, enabled=lead)
+    try:
+        return resumed, trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+    finally:
+        writer.close()
+
+
+def _finish(config, workdir, trainer: RLTrainer, model, total_steps: int, summary: dict):
+    """Marks a complete run finished and exports it (`trainer.export_hf`)."""
+    lead, step = jax.process_index() == 0, trainer.step
+    if step == total_steps and lead:
+        rundir.mark_finished(workdir, step, total_steps)
+    if config.model.path and config.trainer.export_hf and step == total_steps:
         export = os.path.join(workdir, "hf_export")
         # Every process takes part in gathering the parameters; process 0 writes.
         params = jax.tree.map(sharding.host_array, trainer.actor_params())
@@ -123,6 +219,15 @@ def _finished(config, workdir: str) -> dict:
 def _has_checkpoint(workdir: str) -> bool:
     directory = os.path.join(workdir, "checkpoints")
     return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def _checkpoint_step(workdir: str) -> int:
+    """The step of the workdir's latest complete checkpoint (0: none), where a stopped
+    start resumes."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return 0
+    return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
 
 
 def _results(config, workdir: str, final: dict) -> dict:
@@ -163,7 +268,9 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     workdir = cli.WORKDIR.value or os.path.join("runs", cli.config_name())
-    print_summary(run(config, workdir))
+    summary = run(config, workdir)
+    interrupt.check(summary["step"])  # a signal after the last step: no summary, same status
+    print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import evaluate, logprobs, metrics, multi_turn, types
+from jrl import evaluate, interrupt, logprobs, metrics, multi_turn, types
 from jrl import sharding as sharding_lib
 from jrl import step as step_lib
 from jrl import tools as tools_lib
@@ -187,6 +187,7 @@ class RLTrainer:
         key = jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
         self.state: types.TrainState = self._init(actor_params, key, self.frozen)
         self.step, self.data = 0, IteratorState()  # the host's part of the state
+        self._saved_step = 0  # the step of the latest checkpoint (saved or restored)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
 
@@ -412,6 +413,7 @@ class RLTrainer:
         try:
             self.state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, self.sharder.replicated)
+            self._saved_step = self.step
             if self.rollout_sharder is not None and checkpointer.has_item(
                     step, "rollout_weights"):
                 like = jax.tree.map(
@@ -433,6 +435,16 @@ class RLTrainer:
         sampling weights it reads, so that a resumed run samples it again exactly."""
         extra = {} if self._pending is None else {"rollout_weights": self._pending.weights}
         self.checkpointer.save_train_state(self.step, self.state, self.data, **extra)
+        self._saved_step = self.step
+
+    def _stop_if_asked(self) -> None:
+        """Between steps: after Ctrl-C / SIGTERM (`jrl.interrupt`), checkpoints the last
+        step (unless saved already) and raises `interrupt.Stopped`."""
+        if interrupt.requested() is None:
+            return
+        if self.step > 0 and self.step != self._saved_step:
+            self.save()
+        interrupt.check(self.step)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -727,6 +739,7 @@ class RLTrainer:
         for _ in itertools.islice(itertools.count(), exit_after_steps):
             if self.step >= s.total_steps:
                 break
+            self._stop_if_asked()
             step_metrics = self.train_step(iterator)
             if self.val_rows and due(t.test_freq):
                 last_val = self.validate(val_batch_size)

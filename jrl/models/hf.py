@@ -140,6 +140,55 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
+def check_files(path: str | os.PathLike, key: str = "model.path") -> None:
+    """Checks a checkpoint directory without reading its tensors: config.json parses,
+    the weight files exist, and each safetensors file has a readable header and is as
+    long as the header says (a copy cut short is found here, not while loading).
+
+    Raises:
+      FileNotFoundError: missing directory, config.json or weight files (named).
+      CheckpointError: an unreadable config.json or index, or a truncated or corrupt
+        safetensors file (its path named, with `key`, the config key that gave it).
+    """
+    path = Path(path)
+    try:
+        read_hf_config(path)
+        names = sorted(set(_CheckpointReader.weight_files(path)))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{key}: {err}") from None
+    except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"{key}: {str(path)!r} has an unreadable {CONFIG_NAME} "
+                              f"or {INDEX_NAME} ({type(err).__name__}: {err})") from None
+    for name in names:
+        _check_safetensors(path / name, key)
+
+
+def _check_safetensors(file: Path, key: str) -> None:
+    """A safetensors file is an 8-byte little-endian header length, a JSON header and the
+    tensors' bytes, whose extent the header's `data_offsets` give."""
+    size = file.stat().st_size
+    problem = None
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            problem = "its header is cut short or corrupt"
+        else:
+            try:
+                header = json.loads(f.read(length))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                           if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                problem = "its header is not valid safetensors JSON"
+            else:
+                if 8 + length + end > size:
+                    problem = (f"it has {size} bytes, but its header lists tensors up to byte "
+                               f"{8 + length + end}: it is truncated")
+    if problem:
+        raise CheckpointError(f"{key}: {str(file)!r} is not a complete safetensors file: "
+                              f"{problem}; copy or download it again")
+
+
 class _CheckpointReader:
     """Name -> tensor access over a single or sharded safetensors checkpoint."""
 
@@ -150,7 +199,15 @@ class _CheckpointReader:
         self._weight_map = self._find_weight_map(path)
 
     @staticmethod
-    def _find_weight_map(path: Path) -> dict[str, str]:
+    def weight_files(path: Path) -> list[str]:
+        """The names of the weight files of a checkpoint directory (checked to exist)."""
+        if (path / INDEX_NAME).is_file():
+            return sorted(set(_CheckpointReader._find_weight_map(path).values()))
+        _CheckpointReader._find_weight_map(path, read=False)
+        return [WEIGHTS_NAME]
+
+    @staticmethod
+    def _find_weight_map(path: Path, read: bool = True) -> dict[str, str]:
         if (path / INDEX_NAME).is_file():
             weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
             for file_name in sorted(set(weight_map.values())):
@@ -161,6 +218,8 @@ class _CheckpointReader:
                     )
             return weight_map
         if (path / WEIGHTS_NAME).is_file():
+            if not read:
+                return {}
             with safe_open(path / WEIGHTS_NAME, framework="np") as f:
                 return {name: WEIGHTS_NAME for name in f.keys()}
         raise FileNotFoundError(

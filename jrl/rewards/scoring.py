@@ -28,6 +28,8 @@ import concurrent.futures as cf
 import math
 import multiprocessing
 import numbers
+import os
+import signal
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -35,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jrl.data.dataset import Row, ground_truth
+from jrl.errors import RewardError
 
 ON_ERROR = ("raise", "score")
 CHUNKS_PER_WORKER = 4
@@ -90,14 +93,21 @@ def _as_outcome(result: Any) -> tuple:
     return ("ok", float(result), extras)
 
 
+def describe_error(err: BaseException) -> str:
+    """`ValueError: cannot parse '17' (reward.py:12)`: the exception on one line, with
+    the file and line where it was raised."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}{where}"
+
+
 def _score_tasks(fn: Callable, tasks: Sequence[tuple]) -> list[tuple]:
     outcomes = []
     for _, data_source, text, truth, extra_info in tasks:
         try:
             outcomes.append(_as_outcome(fn(data_source, text, truth, extra_info)))
         except Exception as err:  # reported per sample; the caller decides to raise
-            detail = "".join(traceback.format_exception(err, limit=-3)).rstrip()
-            outcomes.append(("error", f"{type(err).__name__}: {err}\n{detail}"))
+            outcomes.append(("error", describe_error(err)))
     return outcomes
 
 
@@ -108,6 +118,9 @@ _WORKER_FN: Callable | None = None
 
 def _init_worker(fn_spec: str | None) -> None:
     global _WORKER_FN
+    # Ctrl-C reaches the terminal's whole process group: the main process stops the run
+    # (`jrl.interrupt`) and then these workers; they must not die under it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_FN = resolve_fn(fn_spec)
 
 
@@ -138,9 +151,9 @@ class RewardScorer:
         "path/to/file.py:name" for a user function, or the function itself (scored in
         this process only).
       num_workers: worker processes; 0 scores in this process, synchronously.
-      on_error: "raise" stops at the first failing sample with a RuntimeError naming
-        its index, data source and the exception; "score" gives it `error_score` and
-        counts it.
+      on_error: "raise" stops at the first failing sample with a `RewardError` (a
+        RuntimeError) naming its index, data source and the exception on one line;
+        "score" gives it `error_score` and counts it.
       error_score: score of a failed sample with `on_error="score"`.
 
     Raises:
@@ -216,7 +229,9 @@ class RewardScorer:
                 message = (f"reward function failed on sample {i} "
                            f"(data_source={data_source!r}): {outcome[1]}")
                 if self.on_error == "raise":
-                    raise RuntimeError(message)
+                    raise RewardError(f"{message}; set reward.on_error=score to give such "
+                                      f"samples reward.error_score={self.error_score:g} "
+                                      "and go on")
                 num_errors, first_error = num_errors + 1, first_error or message
                 scores[i] = self.error_score
                 continue

@@ -52,7 +52,8 @@ RUN_OUTPUTS = ("checkpoints", "sft", "metrics.jsonl", "curves.png", "tensorboard
 CONTROL_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.logger",
                 "trainer.export_hf", "trainer.save_freq", "trainer.test_freq",
                 "trainer.val_before_train", "trainer.max_actor_ckpt_to_keep",
-                "trainer.nan_policy", "reward.num_workers", "reward.on_error", "mesh.",
+                "trainer.nan_policy", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+                "reward.num_workers", "reward.on_error", "mesh.",
                 "distributed.")
 # The config keys a warm start depends on (prefixes); any change means a different one.
 WARM_START_KEYS = ("seed", "tokenizer.", "model.", "sft.", "data.", "rollout.response_length")

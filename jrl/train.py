@@ -34,7 +34,7 @@ from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
 from jrl.rewards import scoring  # noqa: E402
-from jrl.trainer import RLTrainer  # noqa: E402
+from jrl.trainer import RLTrainer, check_batch_sizes  # noqa: E402
 
 # Training rows whose demonstrations a custom reward function is tried on before the
 # warm start (`_try_reward_fn`).
@@ -105,6 +105,7 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
         rundir.check_writable(workdir)
     sharder = sharder or sharding.from_config(config)
     rollout_sharder = sharding.rollout_from_config(config)
+    check_batch_sizes(s, sharder)
     interrupt.check(_checkpoint_step(workdir))
     return _Prepared(tokenizer, train_rows, val_rows, s, sharder, rollout_sharder)
 

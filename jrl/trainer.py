@@ -110,6 +110,20 @@ class _Pending(NamedTuple):
     data: concurrent.futures.Future  # -> the data position before its prompts
 
 
+def check_batch_sizes(s: Settings, sharder: sharding_lib.Sharder) -> None:
+    """Every batch the steps split over the mesh must divide evenly (checked before the
+    run claims its workdir, and again by the trainer, before compiling)."""
+    check = sharder.check_batch
+    check(s.train_batch_size, "data.train_batch_size (prompts)")
+    if s.filter_groups is not None:
+        check(s.filter_groups.gen_batch_size, "data.gen_batch_size (prompts)")
+    if s.log_prob_micro_batch is not None:
+        check(s.log_prob_micro_batch, "rollout.log_prob_micro_batch_size")
+    for role, settings in (("actor", s.actor), ("critic", s.critic)):
+        if settings is not None:
+            check(settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
+
+
 class RLTrainer:
     """Builds the jitted step functions for a mesh and runs the loop.
 
@@ -150,7 +164,7 @@ class RLTrainer:
         self._local, self._pending, self._resume_weights = threading.local(), None, None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jrl-rollout") \
             if rollout_sharder is not None else None
-        self._check_batch_sizes()
+        check_batch_sizes(settings, self.sharder)
         self.model, self.tokenizer = model, tokenizer
         self.train_rows, self.val_rows = train_rows, val_rows
         if not isinstance(reward_fn, scoring.RewardScorer):
@@ -192,18 +206,6 @@ class RLTrainer:
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
 
     # -- construction --------------------------------------------------------------------------
-
-    def _check_batch_sizes(self) -> None:
-        """Every batch the steps split over the mesh must divide evenly (before compiling)."""
-        s, check = self.s, self.sharder.check_batch
-        check(s.train_batch_size, "data.train_batch_size (prompts)")
-        if s.filter_groups is not None:
-            check(s.filter_groups.gen_batch_size, "data.gen_batch_size (prompts)")
-        if s.log_prob_micro_batch is not None:
-            check(s.log_prob_micro_batch, "rollout.log_prob_micro_batch_size")
-        for role, settings in (("actor", s.actor), ("critic", s.critic)):
-            if settings is not None:
-                check(settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
 
     def _build_shardings(self, actor_params) -> None:
         """Shardings of parameters, optimizer states and the train state from their

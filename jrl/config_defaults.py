@@ -297,6 +297,11 @@ def base_config() -> ml_collections.ConfigDict:
     # Decoding returns to the host (to run tools) once this share of the rows have
     # ended their turn; the rest resume where they stopped (1.0: wait for every row).
     c.rollout.multi_turn.segment_end_fraction = 0.5
+    # Add the sum of a row's tool rewards (each call's step reward and each tool's
+    # calc_reward) to its score. Either way the reward function gets them by tool name
+    # in extra_info["rollout_reward_scores"], as verl's; False, as verl, leaves adding
+    # them to the function.
+    c.rollout.multi_turn.add_tool_rewards = False
     c.rollout.val_kwargs = ml_collections.ConfigDict()
     # Validation samples per prompt.
     c.rollout.val_kwargs.n = 1

@@ -289,7 +289,10 @@ class MultiTurnOutput:
     response_mask: np.ndarray  # int32 [N, R]
     attention_mask: np.ndarray  # int32 [N, R]
     rollout_log_probs: np.ndarray  # float32 [N, R]
-    tool_rewards: np.ndarray  # float32 [N]: the tools' step rewards and final rewards
+    tool_rewards: np.ndarray  # float32 [N]: the sum of `reward_scores[row]`
+    # Per row, {tool name: its step rewards summed plus its `calc_reward`}, every loaded
+    # tool; the reward function gets it as verl's `extra_info["rollout_reward_scores"]`.
+    reward_scores: list[dict[str, float]]
     tool_calls: np.ndarray  # int32 [N]: calls each row made (parsed, run or not)
     metrics: dict[str, float]
 
@@ -425,7 +428,7 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     assistant_turns = np.zeros(num_rows, np.int32)
     user_turns = np.zeros(num_rows, np.int32)
     calls_per_row = np.zeros(num_rows, np.int32)
-    tool_rewards = np.zeros(num_rows, np.float32)
+    reward_scores = [dict.fromkeys(tools, 0.0) for _ in range(num_rows)]
     all_results, parse_errors, cut_blocks, cache_cuts, segments = [], 0, 0, 0, 0
     while True:
         segments += 1
@@ -465,7 +468,8 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
         for (row, _), result in zip(flat, results, strict=True):
             by_row.setdefault(row, []).append(result)
             all_results.append(result)
-            tool_rewards[row] += result.reward
+            if result.name in tools:  # a call to an unknown tool is an error, rewarded 0
+                reward_scores[row][result.name] += result.reward
         for row, calls, errors in pending_calls:
             calls_per_row[row] += len(calls)
             parse_errors += len(errors)
@@ -498,7 +502,9 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                                **program)
 
     for row, row_id in enumerate(row_ids):
-        tool_rewards[row] += sum(tools_lib.release_instances(tools, row_id).values())
+        for name, reward in tools_lib.release_instances(tools, row_id).items():
+            reward_scores[row][name] += reward
+    tool_rewards = np.asarray([sum(scores.values()) for scores in reward_scores], np.float32)
     out = _assemble(tokens, trained, log_probs, budget, sampling.pad_token_id)
     turns = assistant_turns + user_turns
     calls = tools_lib.call_metrics(all_results)
@@ -515,7 +521,8 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                "multi_turn/tool_latency_s/max": calls["tools/latency_max_s"]}
     return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
                            np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
-                           tool_rewards=tool_rewards, tool_calls=calls_per_row,
+                           tool_rewards=tool_rewards, reward_scores=reward_scores,
+                           tool_calls=calls_per_row,
                            metrics=metrics)
 
 

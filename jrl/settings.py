@@ -319,6 +319,7 @@ class MultiTurnSettings:
 
     config: multi_turn.MultiTurnConfig
     tool_config_path: str
+    add_tool_rewards: bool = False  # the tools' rewards added to the score (verl: not)
 
 
 def _multi_turn(config) -> MultiTurnSettings | None:
@@ -356,7 +357,8 @@ def _multi_turn(config) -> MultiTurnSettings | None:
                                             multi_turn.TRUNCATE_SIDES),
         tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
         turn_stop_ids=stops, segment_end_fraction=float(fraction))
-    return MultiTurnSettings(mt, os.path.expanduser(path))
+    return MultiTurnSettings(mt, os.path.expanduser(path), _flag(
+        f"{key}.add_tool_rewards", get("add_tool_rewards")))
 
 
 @dataclasses.dataclass(frozen=True)

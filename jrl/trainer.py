@@ -171,9 +171,11 @@ class RLTrainer:
             reward_fn = scoring.RewardScorer(
                 reward_fn, on_error=settings.reward.on_error,
                 error_score=settings.reward.error_score)
-        self.scorer = responses_lib.ResponseScorer(tokenizer, reward_fn, reward_model,
-                                                   settings.reward,
-                                                   settings.rollout.max_new_tokens)
+        self.scorer = responses_lib.ResponseScorer(
+            tokenizer, reward_fn, reward_model, settings.reward,
+            settings.rollout.max_new_tokens,
+            add_tool_rewards=settings.multi_turn is not None
+            and settings.multi_turn.add_tool_rewards)
         self.chat, self.data_seed = apply_chat_template, data_seed
         self.tools, self.turn_template = {}, None
         if settings.multi_turn is not None:
@@ -547,7 +549,8 @@ class RLTrainer:
 
     def _generate_turns(self, state, rows, prompt_ids, prompt_mask, sampling, key, weights):
         """A multi-turn rollout with tools (`jrl.multi_turn`): the device decodes, the
-        host runs the tools between turns. Its metrics go to `_local.metrics`."""
+        host runs the tools between turns. Its metrics go to `_local.metrics`, the tools'
+        rewards to `_local.reward_scores` (for `_score`)."""
         sharder = self.sharder if weights is None else self.rollout_sharder
         if weights is None:
             weights = self._rollout_params(state, self.frozen)
@@ -559,11 +562,17 @@ class RLTrainer:
             tokenizer=self.tokenizer, tools=self.tools, mt=self.s.multi_turn.config,
             tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs") for row in rows],
             put=sharder.put_batch, template=self.turn_template)
-        self._local.metrics = out.metrics
+        self._local.metrics, self._local.reward_scores = out.metrics, out.reward_scores
         return types.Rollout(**sharder.put_batch(dict(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
             response_mask=out.response_mask, response_attention_mask=out.attention_mask,
             rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)))
+
+    def _score(self, rows, out: types.Rollout, n: int):
+        """Starts scoring the rollout `_generate` just made on this thread
+        (`ResponseScorer.submit`), with a multi-turn rollout's tool rewards."""
+        reward_scores = self._local.__dict__.pop("reward_scores", None)
+        return self.scorer.submit(rows, out.responses, out.attention_mask(), n, reward_scores)
 
     def _sample(self, state, iterator: BatchIterator, key, weights=None) -> Sampled:
         """The step's rollout, its scoring started; with `algorithm.filter_groups`, DAPO's
@@ -574,16 +583,13 @@ class RLTrainer:
         if fg is None:
             rows = iterator.next_batch()
             out = self._generate(state, rows, self.s.rollout, key, weights)
-            return Sampled(rows, out, self.scorer.submit(rows, out.responses,
-                                                         out.attention_mask(), n),
-                           dict(self._local.metrics))
+            return Sampled(rows, out, self._score(rows, out, n), dict(self._local.metrics))
         errors = []
 
         def sample(rows, round_):
             out = self._generate(state, rows, self.s.rollout, jax.random.fold_in(key, round_),
                                  weights)
-            scores, extras, num_errors, texts = self.scorer.submit(
-                rows, out.responses, out.attention_mask(), n)()
+            scores, extras, num_errors, texts = self._score(rows, out, n)()
             errors.append(num_errors)
             arrays = {k: sharding_lib.host_array(v)[:len(rows) * n]
                       for k, v in _fields(out).items() if v is not None}
@@ -616,7 +622,7 @@ class RLTrainer:
         if self.estimator.needs_baseline:
             greedy = dataclasses.replace(s.rollout, n=1, do_sample=False)
             base = self._generate(state, rows, greedy, gen_key)
-            base_scores = self.scorer.submit(rows, base.responses, base.attention_mask(), 1)()[0]
+            base_scores = self._score(rows, base, 1)()[0]
             host["reward_baselines"] = np.repeat(base_scores, n)
         out = {**sampled.metrics,
                **{f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}}
@@ -695,7 +701,7 @@ class RLTrainer:
             self._local.metrics = {}
             out = self._generate(state, padded, sampling, jax.random.fold_in(key, start))
             turns.append(dict(self._local.metrics))
-            scored = self.scorer.submit(rows, out.responses, out.attention_mask(), sampling.n)()
+            scored = self._score(rows, out, sampling.n)()
             if self.s.trainer.validation_data_dir is not None:
                 samples.append((rows, scored))
             return scored

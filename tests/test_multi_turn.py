@@ -332,3 +332,33 @@ def test_combine_metrics_of_validation_batches():
         "num_turns/mean": 1.5, "num_turns/max": 3.0, "num_turns/min": 0.0,
         "multi_turn/tool_calls/total": 5.0, "multi_turn/segments": 5.0}
     assert multi_turn.combine_metrics([{}, {}]) == {}
+
+
+class _Judge(tools_lib.Tool):
+    """Never called; rewards each row 2 at its end (`calc_reward`)."""
+
+    def execute(self, instance_id, arguments):
+        return "", 0.0, {}
+
+    def calc_reward(self, instance_id):
+        return 2.0
+
+
+def test_tool_rewards_by_tool_name(monkeypatch):
+    """Row 0 calls echo twice in one turn and an unknown tool (step rewards 0.5, 0.5 and
+    0); row 1 answers at once. Each row holds every tool's step rewards summed plus its
+    calc_reward: verl's `rollout_reward_scores`, {tool name: reward}."""
+    echo = '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>'
+    first = "\n".join([echo, echo, echo.replace("echo", "nosuch")])
+    _scripted(monkeypatch, [[CHAR.encode(first + "\n"), CHAR.encode("ok\n")],
+                            [CHAR.encode("ok\n")]])
+    tools = {"echo": _Echo({}, _ECHO_SCHEMA), "judge": _Judge({}, _schema("judge"))}
+    ids = np.asarray([CHAR.encode("User: go\nAssistant: ")] * 2, np.int32)
+    sampling = SamplingConfig(n=1, max_new_tokens=600, stop_token_ids=(CHAR.eos_token_id,))
+    mt = multi_turn.MultiTurnConfig(max_tool_response_tokens=300)
+    out = multi_turn.generate(None, ids, np.ones_like(ids), jax.random.key(0),
+                              sampling=sampling, config=None, tokenizer=CHAR, tools=tools, mt=mt,
+                              put=lambda xs: xs)
+    assert out.tool_calls.tolist() == [3, 0]
+    assert out.reward_scores == [{"echo": 1.0, "judge": 2.0}, {"echo": 0.0, "judge": 2.0}]
+    np.testing.assert_array_equal(out.tool_rewards, [3.0, 2.0])

@@ -247,6 +247,9 @@ def test_multi_turn_settings():
             mt.tool_response_truncate_side, mt.tool_timeout_s, mt.max_parallel_calls) == (
         64, 256, "middle", 5.0, 16)
     assert _settings().multi_turn is None
+    assert s.multi_turn.add_tool_rewards is False  # verl's: the reward function decides
+    assert _settings(**_ON, **{"rollout.multi_turn.add_tool_rewards": True}
+                     ).multi_turn.add_tool_rewards is True
 
 
 def test_multi_turn_off_checks_nothing(tmp_path):
@@ -432,3 +435,30 @@ def test_tiny_run_with_the_calculator_resumes_bit_identically(tmp_path, calls):
     chex.assert_trees_all_equal(_final_state(straight, 2), _final_state(resumed, 2))
     assert _metrics(straight) == _metrics(resumed)
     assert sum(r["multi_turn/tool_calls/total"] for r in _metrics(resumed)) > 0
+
+
+_TOOL_REWARD_FN = '''
+from jrl.rewards import tool_arithmetic
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    out = tool_arithmetic.compute_score(data_source, solution_str, ground_truth, extra_info)
+    return {**out, "calc_seen": extra_info["rollout_reward_scores"]["calculator"]}
+'''
+
+
+def test_tool_rewards_reach_the_score_in_a_run(tmp_path, calls, monkeypatch):
+    """The calculator rewards every row 0.25 at its end (`calc_reward`; no step
+    rewards): a custom reward function sees 0.25 under its name, and with
+    `add_tool_rewards` each score is the function's plus 0.25."""
+    monkeypatch.setattr(tools_lib.Calculator, "calc_reward", lambda self, instance_id: 0.25)
+    fn = tmp_path / "reward.py"
+    fn.write_text(_TOOL_REWARD_FN)
+    run(_tool_config(**{"reward.custom_fn": f"{fn}:compute_score",
+                        "rollout.multi_turn.add_tool_rewards": True}), str(tmp_path / "run"))
+    records = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    assert len(records) == 2
+    for r in records:
+        assert r["reward_extra/calc_seen/mean"] == 0.25
+        assert r["critic/score/mean"] == pytest.approx(r["reward_extra/score/mean"] + 0.25,
+                                                       abs=1e-6)

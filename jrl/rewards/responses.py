@@ -19,8 +19,9 @@ from jrl.data.dataset import Row
 from jrl.rewards import overlong, scoring
 
 # What `ResponseScorer.submit`'s function returns: (scores [N] with DAPO's overlong
-# penalty, extras {name: [N]} (extras["score"] is then the reward function's own
-# score), the number of failed reward calls, the response texts).
+# penalty and, with `add_tool_rewards`, the tools' rewards; extras {name: [N]}
+# (extras["score"] is then the reward function's own score); the number of failed
+# reward calls; the response texts).
 Scored = tuple[np.ndarray, dict[str, np.ndarray], int, list[str]]
 
 
@@ -69,40 +70,51 @@ class ResponseScorer:
         rule rewards (None: rule rewards).
       settings: `Settings.reward`.
       max_new_tokens: the rollout's response length (the overlong penalty's limit).
+      add_tool_rewards: add the sum of a multi-turn response's tool rewards to its
+        score (`rollout.multi_turn.add_tool_rewards`).
     """
 
     def __init__(self, tokenizer, scorer: scoring.RewardScorer, reward_model, settings,
-                 max_new_tokens: int):
+                 max_new_tokens: int, add_tool_rewards: bool = False):
         self.tokenizer, self.scorer, self.reward_model = tokenizer, scorer, reward_model
         self.settings, self.max_new_tokens = settings, max_new_tokens
+        self.add_tool_rewards = add_tool_rewards
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "jrl-reward")
 
-    def submit(self, rows: Sequence[Row], responses, response_mask, n: int
+    def submit(self, rows: Sequence[Row], responses, response_mask, n: int,
+               reward_scores: Sequence[dict[str, float]] | None = None
                ) -> Callable[[], Scored]:
         """Starts scoring the first `len(rows) * n` responses (rows padded for the mesh
         are not scored); returns a function that waits for the result. Only the
-        responses come to the host."""
+        responses come to the host. `reward_scores`: a multi-turn rollout's tool rewards
+        per response (`MultiTurnOutput.reward_scores`), given to the reward function as
+        `extra_info["rollout_reward_scores"]`."""
         count = len(rows) * n
         responses = sharding.host_array(responses)[:count]
         response_mask = sharding.host_array(response_mask)[:count]
+        reward_scores = None if reward_scores is None else reward_scores[:count]
         texts = decode_responses(self.tokenizer, responses, response_mask)
         if self.reward_model is None:
-            future = self._thread.submit(self.scorer.score, rows, texts, n)
+            future = self._thread.submit(self.scorer.score, rows, texts, n, reward_scores)
         return lambda: self._collect(rows, texts, n, response_mask,
-                                     None if self.reward_model else future)
+                                     None if self.reward_model else future, reward_scores)
 
-    def _collect(self, rows, texts, n, response_mask, future) -> Scored:
+    def _collect(self, rows, texts, n, response_mask, future, reward_scores) -> Scored:
         reward = self.settings
         if future is None:
             result = scoring.ScoreResult(self.reward_model.score(rows, texts, n), {}, 0)
         else:
             result = future.result()
         scores, extras = result.scores, dict(result.extras)
+        if self.add_tool_rewards and reward_scores is not None:
+            extras.setdefault("score", scores)
+            scores = scores + np.asarray([sum(r.values()) for r in reward_scores], np.float32)
         if reward.overlong_buffer_len:
             penalty = overlong.overlong_penalty(
                 response_mask.sum(-1), self.max_new_tokens, reward.overlong_buffer_len,
                 reward.overlong_penalty_factor)
-            extras.update(overlong.overlong_extras(penalty), score=scores)
+            extras.update(overlong.overlong_extras(penalty))
+            extras.setdefault("score", scores)
             scores = scores + penalty
         if result.num_errors:
             logging.warning("%d reward failures scored %s; first: %s", result.num_errors,

@@ -4,6 +4,8 @@ Sample `i` of a step answers prompt row `i // n` (the n samples of a prompt are
 adjacent). Each is scored with verl's signature
 `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`; a dict
 must hold "score", and its other numeric entries (e.g. "acc") come back as extras.
+A multi-turn sample's `extra_info` is a copy of its row's with verl's
+`"rollout_reward_scores"` added: `{tool name: the tool's reward for this sample}`.
 
 With `num_workers > 0` a persistent pool of worker processes scores contiguous
 chunks of samples. Workers are started with "spawn", never forked from a process
@@ -135,12 +137,21 @@ def _worker_score(tasks: Sequence[tuple]) -> list[tuple]:
 # --------------------------------------------------------------------------- scorer
 
 
-def _tasks(rows: Sequence[Row], texts: Sequence[str], n: int) -> list[tuple]:
+def _tasks(rows: Sequence[Row], texts: Sequence[str], n: int,
+           reward_scores: Sequence[Mapping[str, float]] | None = None) -> list[tuple]:
     if n < 1 or len(texts) != len(rows) * n:
         raise ValueError(f"{len(texts)} responses for {len(rows)} prompts with n={n}; expected "
                          f"{len(rows)} * {n} = {len(rows) * n}")
-    return [(i, rows[i // n]["data_source"], text, ground_truth(rows[i // n]),
-             rows[i // n].get("extra_info")) for i, text in enumerate(texts)]
+    if reward_scores is not None and len(reward_scores) != len(texts):
+        raise ValueError(f"{len(reward_scores)} tool reward sets for {len(texts)} responses")
+    tasks = []
+    for i, text in enumerate(texts):
+        row = rows[i // n]
+        extra_info = row.get("extra_info")
+        if reward_scores is not None:  # verl's key, in a copy: the n samples differ
+            extra_info = {**(extra_info or {}), "rollout_reward_scores": dict(reward_scores[i])}
+        tasks.append((i, row["data_source"], text, ground_truth(row), extra_info))
+    return tasks
 
 
 class RewardScorer:
@@ -191,17 +202,20 @@ class RewardScorer:
                                "in this process") from err
         return pool
 
-    def submit(self, rows: Sequence[Row], texts: Sequence[str], n: int) -> cf.Future:
+    def submit(self, rows: Sequence[Row], texts: Sequence[str], n: int,
+               reward_scores: Sequence[Mapping[str, float]] | None = None) -> cf.Future:
         """Starts scoring; returns a future of `ScoreResult` (already done without workers).
 
         Args:
           rows: the B prompt rows (verl schema).
           texts: the B·n decoded responses; sample i answers rows[i // n].
           n: responses per prompt.
+          reward_scores: per response, a multi-turn rollout's tool rewards by tool name,
+            given as `extra_info["rollout_reward_scores"]` (None: single-turn, no key).
         """
         if self._closed:
             raise RuntimeError("RewardScorer.submit after close()")
-        tasks = _tasks(rows, texts, n)
+        tasks = _tasks(rows, texts, n, reward_scores)
         if self._pool is None:
             future = cf.Future()
             try:
@@ -216,9 +230,10 @@ class RewardScorer:
         return self._collector.submit(
             lambda: self._assemble(tasks, [o for f in pending for o in f.result()]))
 
-    def score(self, rows: Sequence[Row], texts: Sequence[str], n: int) -> ScoreResult:
+    def score(self, rows: Sequence[Row], texts: Sequence[str], n: int,
+              reward_scores: Sequence[Mapping[str, float]] | None = None) -> ScoreResult:
         """`submit(...).result()`: scores `[N]`, extras `{name: [N]}`, error count."""
-        return self.submit(rows, texts, n).result()
+        return self.submit(rows, texts, n, reward_scores).result()
 
     def _assemble(self, tasks: Sequence[tuple], outcomes: Sequence[tuple]) -> ScoreResult:
         scores = np.zeros(len(tasks), np.float32)

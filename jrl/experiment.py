@@ -95,11 +95,13 @@ def build_data(config, tokenizer=None, reward_fn=None):
     """
     rule_reward = (reward_fn is None and not config.reward.custom_fn
                    and not config.reward_model.enable)
+    # Prompts are measured as the rollout renders them: with the tool schemas.
+    tools = settings.prompt_tools(config) if tokenizer is not None else None
     if config.data.train_files:
         splits, errors = [], []
         for split in ("train", "val"):  # both files' bad rows in one error
             try:
-                splits.append(_file_rows(config, tokenizer, split, rule_reward))
+                splits.append(_file_rows(config, tokenizer, split, rule_reward, tools))
             except DataError as err:
                 errors.append(str(err))
         if errors:
@@ -126,17 +128,17 @@ def build_data(config, tokenizer=None, reward_fn=None):
             for number, row in enumerate(rows, start=1):
                 try:
                     _check_prompt_length(config, tokenizer, row, f"row {number}",
-                                         hint="raise data.max_prompt_length")
+                                         hint="raise data.max_prompt_length", tools=tools)
                 except DataError as err:
                     bad.add(f"data.task={config.data.task!r} ({split})", str(err))
         bad.raise_any()
     return train_rows, val_rows
 
 
-def _check_prompt_length(config, tokenizer, row, where: str, hint: str) -> None:
+def _check_prompt_length(config, tokenizer, row, where: str, hint: str, tools=None) -> None:
     limit = config.data.max_prompt_length
     try:
-        length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template))
+        length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template, tools))
     except ConfigError as err:  # a character the tokenizer cannot encode
         raise DataError(f"{where}: {err}") from err
     if length > limit:
@@ -152,9 +154,9 @@ def param_shardings(sharder: sharding.Sharder, model: ModelConfig, head: str = "
     return sharder.params(param_logical_axes(model, head), shapes)
 
 
-def _file_rows(config, tokenizer, split: str, rule_reward: bool) -> list:
+def _file_rows(config, tokenizer, split: str, rule_reward: bool, tools=None) -> list:
     """Rows of `data.<split>_files`, checked (see `build_data`), with overlong prompts
-    dropped or reported."""
+    (as rendered with the tool schemas `tools`) dropped or reported."""
     key = f"data.{split}_files"
     paths = config.data[f"{split}_files"]
     if not paths:
@@ -168,11 +170,11 @@ def _file_rows(config, tokenizer, split: str, rule_reward: bool) -> list:
         if tokenizer is not None and not filter_overlong:
             _check_prompt_length(config, tokenizer, row, where,
                                  hint="raise the limit or set data.filter_overlong_prompts="
-                                 "True to drop such rows")
+                                 "True to drop such rows", tools=tools)
 
     rows = files.load_rows(paths, prompt_key=config.data.prompt_key, check=check)
     if tokenizer is not None and filter_overlong:
-        rows, dropped = files.filter_overlong_prompts(rows, tokenizer, limit, chat)
+        rows, dropped = files.filter_overlong_prompts(rows, tokenizer, limit, chat, tools)
         if jax.process_index() == 0:
             print(f"{key}: dropped {dropped} rows with prompts over data.max_prompt_length="
                   f"{limit} tokens; {len(rows)} remain", flush=True)

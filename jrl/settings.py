@@ -320,6 +320,9 @@ class MultiTurnSettings:
     config: multi_turn.MultiTurnConfig
     tool_config_path: str
     add_tool_rewards: bool = False  # the tools' rewards added to the score (verl: not)
+    # The tools' schemas, in file order: every prompt renders them through the chat
+    # template's `tools` variable (`jrl.data.dataset.prompt_text`), as verl's agent loop.
+    tool_schemas: tuple[dict, ...] = ()
 
 
 def _multi_turn(config) -> MultiTurnSettings | None:
@@ -334,9 +337,9 @@ def _multi_turn(config) -> MultiTurnSettings | None:
     if not os.path.isfile(os.path.expanduser(path)):
         _fail(f"{key}.tool_config_path", f"{path!r} is not a file")
     # Each class is found, is a Tool and takes its config now, before any model is built
-    # (the tools made here are dropped: the trainer makes its own).
+    # (the tools made here are dropped, their schemas kept: the trainer makes its own).
     try:
-        tools.load_tools(os.path.expanduser(path))
+        schemas = tuple(t.schema for t in tools.load_tools(os.path.expanduser(path)).values())
     except ConfigError as err:
         _fail(f"{key}.tool_config_path", str(err))
     ints = {name: int(_number(f"{key}.{name}", get(name), integer=True)) for name in (
@@ -358,7 +361,15 @@ def _multi_turn(config) -> MultiTurnSettings | None:
         tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
         turn_stop_ids=stops, segment_end_fraction=float(fraction))
     return MultiTurnSettings(mt, os.path.expanduser(path), _flag(
-        f"{key}.add_tool_rewards", get("add_tool_rewards")))
+        f"{key}.add_tool_rewards", get("add_tool_rewards")), schemas)
+
+
+def prompt_tools(config) -> list[dict] | None:
+    """The tool schemas every prompt renders (`MultiTurnSettings.tool_schemas`): those of
+    `rollout.multi_turn.tool_config_path` with multi-turn rollouts on, else None. The
+    tool config is checked as `from_config` checks it (a `ConfigError` naming the key)."""
+    mt = _multi_turn(config) if "rollout" in config else None
+    return list(mt.tool_schemas) if mt is not None and mt.tool_schemas else None
 
 
 @dataclasses.dataclass(frozen=True)

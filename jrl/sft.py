@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jrl import experiment, interrupt, logprobs, masks, multi_turn, rundir, update
+from jrl import experiment, interrupt, logprobs, masks, multi_turn, rundir, settings, update
 from jrl import sharding as sharding_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import Row, encode_prompts, ground_truth
@@ -29,16 +29,17 @@ class NonFiniteLossError(JrlError, FloatingPointError):
 
 
 def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length: int,
-                    apply_chat_template: bool = False):
+                    apply_chat_template: bool = False, tools=None):
     """Left-padded prompts and right-padded responses, as numpy arrays: `(prompt_ids,
     prompt_mask, responses, response_mask, attention_mask)`.
 
     A response is `answer + eos`, or for a multi-turn demonstration (a list of assistant
     and tool messages) the rollout's layout (`multi_turn.demonstration_tokens`): the
     loss (`response_mask`) covers the assistant turns, the attention every token.
+    Prompts render the multi-turn tool schemas `tools` as the rollout's do.
     """
     prompt_ids, prompt_mask = encode_prompts(tokenizer, rows, max_prompt_length,
-                                             apply_chat_template)
+                                             apply_chat_template, tools)
     responses = np.full((len(rows), max_response_length), tokenizer.pad_token_id, np.int32)
     response_mask = np.zeros_like(responses)
     attention_mask = np.zeros_like(responses)
@@ -87,7 +88,7 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
               batch_size: int, lr: float, max_prompt_length: int, max_response_length: int,
               seed: int = 0, lr_warmup_steps: int = 0, apply_chat_template: bool = False,
               log_every: int = 0,
-              sharder: sharding_lib.Sharder | None = None):
+              sharder: sharding_lib.Sharder | None = None, tools=None):
     """Runs `steps` AdamW steps on random batches of `rows`; returns the new params.
 
     The learning rate rises linearly from 0 over `lr_warmup_steps`, then stays at `lr`.
@@ -113,13 +114,15 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
         return _sft_loop(state, rows, tokenizer, optimizer, put, model=model, steps=steps,
                          batch_size=batch_size, max_prompt_length=max_prompt_length,
                          max_response_length=max_response_length, seed=seed,
-                         apply_chat_template=apply_chat_template, log_every=log_every)
+                         apply_chat_template=apply_chat_template, log_every=log_every,
+                         tools=tools)
 
 
 def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_size,
-              max_prompt_length, max_response_length, seed, apply_chat_template, log_every):
+              max_prompt_length, max_response_length, seed, apply_chat_template, log_every,
+              tools):
     examples = encode_examples(tokenizer, rows, max_prompt_length, max_response_length,
-                               apply_chat_template)
+                               apply_chat_template, tools)
     rng = np.random.default_rng(seed)
     for step in range(steps):
         pick = rng.choice(len(rows), size=batch_size, replace=False)
@@ -175,7 +178,8 @@ def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=No
                            max_response_length=config.rollout.response_length,
                            seed=config.seed, lr_warmup_steps=config.sft.lr_warmup_steps,
                            apply_chat_template=config.data.apply_chat_template,
-                           log_every=max(config.sft.steps // 5, 1), sharder=sharder)
+                           log_every=max(config.sft.steps // 5, 1), sharder=sharder,
+                           tools=settings.prompt_tools(config))
         ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
         return params
     finally:

@@ -177,10 +177,12 @@ class RLTrainer:
             add_tool_rewards=settings.multi_turn is not None
             and settings.multi_turn.add_tool_rewards)
         self.chat, self.data_seed = apply_chat_template, data_seed
-        self.tools, self.turn_template = {}, None
+        self.tools, self.turn_template, self.prompt_tools = {}, None, None
         if settings.multi_turn is not None:
             self.tools = tools_lib.load_tools(settings.multi_turn.tool_config_path)
             self.turn_template = multi_turn.TurnTemplate(tokenizer)
+            # Every prompt renders the tool schemas (`prompt_text`), as verl's agent loop.
+            self.prompt_tools = list(settings.multi_turn.tool_schemas) or None
         self.root_key = jax.random.key(seed)
         self.estimator = adv_lib.get_estimator(settings.algorithm.adv_estimator)
         self._build_shardings(actor_params)
@@ -535,7 +537,7 @@ class RLTrainer:
         (the sampling group's copy, `_sampler_weights`) the sampling group samples, and
         the rollout is on its devices."""
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, rows, self.s.max_prompt_length,
-                                                 self.chat)
+                                                 self.chat, self.prompt_tools)
         check_inputs(prompt_ids, prompt_mask, sampling, self.model)
         if self.s.multi_turn is not None:
             return self._generate_turns(state, rows, prompt_ids, prompt_mask, sampling, key,
@@ -721,7 +723,8 @@ class RLTrainer:
             return
         columns: dict[str, list] = {}
         for rows, (scores, extras, _, texts) in batches:
-            prompts = [prompt_text(self.tokenizer, row, self.chat) for row in rows]
+            prompts = [prompt_text(self.tokenizer, row, self.chat, self.prompt_tools)
+                       for row in rows]
             for i, text in enumerate(texts):
                 sample = {"input": prompts[i // n], "output": text,
                           "gts": ground_truth(rows[i // n]), "score": float(scores[i]),

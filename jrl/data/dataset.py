@@ -11,7 +11,7 @@ A row is a dict with verl's keys::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -70,35 +70,42 @@ class BatchIterator:
         return batch
 
 
-def prompt_text(tokenizer, row: Row, apply_chat_template: bool) -> str:
+def prompt_text(tokenizer, row: Row, apply_chat_template: bool,
+                tools: Sequence[Mapping] | None = None) -> str:
     """A row's prompt as the policy sees it, as text.
 
     A list of chat messages always goes through the chat template (with the
     generation prompt); a plain string does only when `apply_chat_template` is set,
-    as a single user message.
+    as a single user message. `tools` (the multi-turn tool schemas) go to the template
+    as its `tools` variable, as verl's agent loop passes them (a template that does not
+    use it, such as the character tokenizer's, renders the same text); a plain string
+    without the template shows none.
     """
     prompt = row["prompt"]
     if apply_chat_template or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        kwargs = {"tools": list(tools)} if tools else {}
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     return prompt
 
 
-def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool) -> list[int]:
+def prompt_token_ids(tokenizer, row: Row, apply_chat_template: bool,
+                     tools: Sequence[Mapping] | None = None) -> list[int]:
     """Token ids of a row's prompt, as the policy sees it (`prompt_text`)."""
-    return tokenizer.encode(prompt_text(tokenizer, row, apply_chat_template))
+    return tokenizer.encode(prompt_text(tokenizer, row, apply_chat_template, tools))
 
 
 def encode_prompts(tokenizer, rows: Sequence[Row], max_prompt_length: int,
-                   apply_chat_template: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded prompt ids and mask `[B, max_prompt_length]`.
+                   apply_chat_template: bool, tools: Sequence[Mapping] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt ids and mask `[B, max_prompt_length]` (`prompt_text`).
 
     A prompt longer than `max_prompt_length` stops with an error naming the row.
     """
     ids = np.full((len(rows), max_prompt_length), tokenizer.pad_token_id, np.int32)
     mask = np.zeros((len(rows), max_prompt_length), np.int32)
     for i, row in enumerate(rows):
-        tokens = prompt_token_ids(tokenizer, row, apply_chat_template)
+        tokens = prompt_token_ids(tokenizer, row, apply_chat_template, tools)
         if len(tokens) > max_prompt_length:
             raise ConfigError(
                 f"prompt of row {i} ({row.get('data_source')}) has {len(tokens)} tokens, more "

@@ -356,17 +356,19 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 
 
 def filter_overlong_prompts(rows: Sequence[Row], tokenizer, max_prompt_length: int,
-                            apply_chat_template: bool) -> tuple[list[Row], int]:
+                            apply_chat_template: bool, tools: Sequence[dict] | None = None
+                            ) -> tuple[list[Row], int]:
     """Drops rows whose prompt has more than `max_prompt_length` tokens.
 
-    Prompts are encoded exactly as `dataset.encode_prompts` encodes them (verl's
-    `data.filter_overlong_prompts`).
+    Prompts are encoded exactly as `dataset.encode_prompts` encodes them, with the
+    multi-turn tool schemas `tools` (verl's `data.filter_overlong_prompts`).
 
     Returns:
       `(kept_rows, num_dropped)`, the kept rows in their original order.
     """
     kept = [row for row in rows
-            if len(prompt_token_ids(tokenizer, row, apply_chat_template)) <= max_prompt_length]
+            if len(prompt_token_ids(tokenizer, row, apply_chat_template, tools))
+            <= max_prompt_length]
     return kept, len(rows) - len(kept)
 
 

@@ -78,7 +78,8 @@ class CharTokenizer(Tokenizer):
     """One token per character of `CHAR_ALPHABET`; ids 0, 1, 2 are pad, bos, eos.
 
     Chat template: each message becomes "<Role>: <content>\\n" (System/User/Assistant)
-    and the generation prompt is "Assistant: ".
+    and the generation prompt is "Assistant: ". Template variables (`tools=`, ...) are
+    ignored: tool schemas do not appear in its prompts.
     """
 
     def __init__(self):

@@ -56,7 +56,9 @@ CONTROL_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.logg
                 "reward.num_workers", "reward.on_error", "mesh.",
                 "distributed.")
 # The config keys a warm start depends on (prefixes); any change means a different one.
-WARM_START_KEYS = ("seed", "tokenizer.", "model.", "sft.", "data.", "rollout.response_length")
+# (The tool config: multi-turn prompts render its schemas through the chat template.)
+WARM_START_KEYS = ("seed", "tokenizer.", "model.", "sft.", "data.", "rollout.response_length",
+                   "rollout.multi_turn.tool_config_path")
 # data.* keys that only the RL loop reads.
 _RL_ONLY_DATA_KEYS = ("data.train_batch_size", "data.val_batch_size", "data.gen_batch_size",
                       "data.val_files")

@@ -209,3 +209,14 @@ def test_warm_start_saved_without_settings_is_checked_by_its_steps(tmp_path):
     ckpt.close()
     with pytest.raises(RunDirError, match="sft.steps: 25 -> 2"):
         _warm_start(config, str(tmp_path))
+
+
+def test_warm_start_settings_hold_what_the_demonstrations_depend_on():
+    """The tool config decides multi-turn prompts (its schemas go through the chat
+    template), so it is a warm-start key; the RL-only keys are not."""
+    config = _config()
+    config.rollout.multi_turn.tool_config_path = "configs/tools/calculator.yaml"
+    settings = rundir.warm_start_settings(config)
+    assert settings["rollout.multi_turn.tool_config_path"] == "configs/tools/calculator.yaml"
+    assert settings["rollout.response_length"] == config.rollout.response_length
+    assert "data.train_batch_size" not in settings and "actor.optim.lr" not in settings

@@ -158,9 +158,13 @@ def bad_input_cases(root: str) -> list[dict]:
         dict(name="malformed float on the command line",
              bad={"actor.optim.lr": "1e-4x"}, good={"actor.optim.lr": "1e-4"},
              expect=r"--config.actor.optim.lr=1e-4x: could not convert string to float"),
-        dict(name="NaN loss in the warm start (vocabulary too small)",
+        dict(name="checkpoint vocabulary smaller than the tokenizer's",
              bad={"model.path": paths["small_vocab"]}, good=model,
-             expect=r"sft step 1 of 4: the loss is nan; the warm start stopped"),
+             expect=r"has a 4-token vocabulary, but tokenizer.name='char' is the built-in "
+             r"99-token character tokenizer; add --config.tokenizer.name=hf"),
+        dict(name="NaN loss in the warm start (learning rate 1e30)",
+             bad={"sft.lr": "1e30"}, good={"sft.lr": "1e-3"},  # the default
+             expect=r"sft step \d+ of 4: the loss is (nan|inf); the warm start stopped"),
         dict(name="read-only --workdir", bad={}, good={}, read_only=True,
              expect=r"is not writable \(a read-only file system|is not writable \(permission"),
     ]

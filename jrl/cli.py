@@ -112,5 +112,7 @@ def run(main: Callable[[list[str]], None]) -> None:
                 traceback.print_exc()
             print(f"error: {err}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
+        finally:
+            interrupt.finish()
 
     app.run(wrapped, flags_parser=parse_flags)

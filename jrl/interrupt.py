@@ -80,6 +80,14 @@ def check(step: int) -> None:
         raise Stopped(_received[0], step)
 
 
+def finish() -> None:
+    """The run is over, whichever way: signals from here on are ignored. (While Python
+    shuts down it puts the default handlers back, and a signal then would kill the
+    process with no line and a status of -2; an ignored signal survives that.)"""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def reset() -> None:
     """Forgets received signals (tests)."""
     _received.clear()

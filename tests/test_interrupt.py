@@ -74,6 +74,31 @@ def test_cli_run_turns_a_signal_into_the_stop_line_and_status():
     assert "not reached" not in done.stdout
 
 
+def test_a_signal_while_python_shuts_down_after_the_run_is_ignored():
+    """Once `cli.run`'s main has returned, signals are ignored: a Ctrl-C then (here from
+    an atexit hook) neither prints a stop notice nor, later in the shutdown, when Python
+    has put the default handlers back, kills the finished run with status -2."""
+    done = _python("""
+        import atexit, os, signal, sys, time
+        from jrl import cli
+
+        def late_signal():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+
+        atexit.register(late_signal)
+
+        def main(argv):
+            print("run finished")
+
+        sys.argv = ["prog"]
+        cli.run(main)
+    """)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.splitlines() == ["run finished"]
+    assert done.stderr == ""
+
+
 def test_second_signal_exits_at_once_after_the_cleanup(tmp_path):
     marker = tmp_path / "released"
     done = _python("""

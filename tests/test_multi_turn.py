@@ -1,22 +1,20 @@
 """Multi-turn rollouts: the kept cache gives the log-probs of the whole row, and the
 rows' tokens and masks are the chat template applied to the whole conversation."""
 
-import json
 import re
-import string
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models
 
 from jrl import logprobs, multi_turn
 from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.models import ModelConfig, init_params
 from jrl.rollout import SamplingConfig
+from tests import char_tokenizer
 from tests.markers import NEEDS_TRITON
 
 CHAR = CharTokenizer()
@@ -130,17 +128,7 @@ _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</too
 def qwen_style(tmp_path_factory):
     """A character-level HF tokenizer with Qwen's special tokens and tool-role template."""
     path = tmp_path_factory.mktemp("qwen_style")
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(["<unk>", *chars])},
-                               merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(_SPECIAL)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-        "chat_template": QWEN_STYLE_TEMPLATE}))
-    return HFTokenizer.from_pretrained(path)
+    return HFTokenizer.from_pretrained(char_tokenizer.write(path, _SPECIAL, QWEN_STYLE_TEMPLATE))
 
 
 def _by_hand(text: str, specials) -> list[str]:

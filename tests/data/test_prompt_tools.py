@@ -4,11 +4,9 @@ measures that rendering."""
 
 import json
 import os
-import string
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models
 
 from jrl import experiment, settings
 from jrl import tools as tools_lib
@@ -18,6 +16,7 @@ from jrl.data.synthetic import TOOL_DATA_SOURCE
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.errors import ConfigError, DataError
 from jrl.sft import encode_examples
+from tests import char_tokenizer
 from tests.trainer.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,18 +36,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory):
     """A character-level HF tokenizer (each special token one id) with TOOLS_TEMPLATE."""
-    path = tmp_path_factory.mktemp("tools_template")
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(["<unk>", *chars])},
-                                     merges=[], unk_token="<unk>"))
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(SPECIAL)
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-        "chat_template": TOOLS_TEMPLATE}))
-    return path
+    return char_tokenizer.write(tmp_path_factory.mktemp("tools_template"), SPECIAL,
+                                TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

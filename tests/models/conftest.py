@@ -3,6 +3,8 @@
 References come from transformers (PyTorch, CPU), never from jrl itself.
 """
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from jrl.models import init_params
+from jrl.models import ModelConfig, init_params, save_pretrained
 
 VOCAB = 128
 PAD = 0
@@ -144,3 +146,20 @@ def random_params():
         return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.2, s.shape), s.dtype), shapes)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, random_params):
+    """A valid tiny untied checkpoint; tests copy it (`broken`) and break the copy."""
+    config = ModelConfig.preset("tiny", tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("valid")
+    save_pretrained(path, config, random_params(config))
+    return path
+
+
+@pytest.fixture
+def broken(checkpoint, tmp_path):
+    """A copy of `checkpoint` to break."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    return path

@@ -3,27 +3,11 @@ workdir, without reading tensors; each problem names the file with its path."""
 
 import json
 import os
-import shutil
 
 import pytest
 
 from jrl.models import ModelConfig, save_pretrained
 from jrl.models.hf import CheckpointError, check_files
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, random_params):
-    config = ModelConfig.preset("tiny", tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("valid")
-    save_pretrained(path, config, random_params(config))
-    return path
-
-
-@pytest.fixture
-def broken(checkpoint, tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, path)
-    return path
 
 
 def test_valid_checkpoint_passes(checkpoint):

@@ -1,7 +1,6 @@
 """load_pretrained fails early with messages that name the file, tensor or key."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -9,22 +8,6 @@ from safetensors.numpy import load_file, save_file
 
 from jrl.models import ModelConfig, load_pretrained, save_pretrained
 from jrl.models.hf import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, random_params):
-    """A valid tiny untied checkpoint; tests copy it and break the copy."""
-    config = ModelConfig.preset("tiny", tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("valid")
-    save_pretrained(path, config, random_params(config))
-    return path
-
-
-@pytest.fixture
-def broken(checkpoint, tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, path)
-    return path
 
 
 def _edit_config(path, **changes):

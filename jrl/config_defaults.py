@@ -484,6 +484,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.trainer.resume_mode = "auto"
     # With resume_mode="resume_path": a checkpoint directory, <workdir>/checkpoints/<step>.
     c.trainer.resume_from_path = config_dict.placeholder(str)
+    # Runs trained at once in one program, vmapped (needs reward.in_graph_fn; jrl.runs):
+    # seeds seed, seed + 1, ... for each setting of trainer.sweep.
+    c.trainer.runs = 1
+    # Hyperparameters that differ between the runs, crossed with the seeds, as
+    # "key=v1,v2,..." (several joined by ";"); sweepable: actor.optim.lr. None: none.
+    c.trainer.sweep = config_dict.placeholder(str)
+    # RL and warm-start steps per device program (a lax.scan; needs reward.in_graph_fn).
+    # Validation and checkpoints happen between calls; a call never crosses their steps.
+    c.trainer.steps_per_call = 1
     return c
 
 

@@ -11,6 +11,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 
 from jrl import rewards, settings, sharding
 from jrl.data import files, synthetic
@@ -209,6 +210,16 @@ def _lora_fields(config) -> dict:
             "lora_rollout": config.model.get("lora_rollout", "merged")}
 
 
+def _model_dtypes(config) -> dict:
+    """The `ModelConfig` fields the config sets besides the architecture."""
+    return {"dtype": config.model.dtype, "remat": config.model.remat,
+            "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
+            "logprob_impl": config.model.get("logprob_impl", "auto"),
+            "fuse_decode_projections": bool(config.model.get("fuse_decode_projections", True)),
+            "scan_unroll": scan_unroll(config),
+            **_lora_fields(config)}
+
+
 def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
                 ) -> tuple[ModelConfig, dict]:
     """(architecture, initial actor params) from model.path or a preset.
@@ -221,13 +232,7 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     lora_base = bool(_lora_fields(config).get("lora_rank")) and not (
         "sft" in config and config.sft.steps > 0)
     base_dtype = config.model.dtype if lora_base else config.model.param_dtype
-    dtypes = {"dtype": config.model.dtype, "remat": config.model.remat,
-              "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
-              "logprob_impl": config.model.get("logprob_impl", "auto"),
-              "fuse_decode_projections": bool(config.model.get("fuse_decode_projections",
-                                                               True)),
-              "scan_unroll": scan_unroll(config),
-              **_lora_fields(config)}
+    dtypes = _model_dtypes(config)
     if config.model.path:
         shardings = None
         if sharder is not None:
@@ -240,6 +245,13 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
             key = jax.random.fold_in(jax.random.key(config.seed), 1)
             params = lora.combine(params, lora.init_adapters(model, key))
         return model, params
+    model, init = _fresh_model(config, tokenizer, lora_base, base_dtype, dtypes)
+    shardings = None if sharder is None else param_shardings(sharder, model)
+    return model, jax.jit(init, out_shardings=shardings)(jax.random.key(config.seed))
+
+
+def _fresh_model(config, tokenizer, lora_base: bool, base_dtype, dtypes: dict):
+    """(architecture of a preset, `init(key)` of its parameters)."""
     overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
     # never sample an id the tokenizer cannot decode.
@@ -247,7 +259,6 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
         config.model.preset, param_dtype=config.model.param_dtype, vocab_size=tokenizer.vocab_size,
         pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
         **dtypes, **overrides)
-    key = jax.random.key(config.seed)
 
     def init(key):
         params = init_params(model, key)
@@ -256,5 +267,17 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
         base, adapters = lora.split(params)
         return lora.combine(jax.tree.map(lambda x: x.astype(base_dtype), base), adapters)
 
-    shardings = None if sharder is None else param_shardings(sharder, model)
-    return model, jax.jit(init, out_shardings=shardings)(key)
+    return model, init
+
+
+def build_models(config, tokenizer, seeds) -> tuple[ModelConfig, dict]:
+    """(architecture, the initial actor params of one run per seed, stacked on a leading
+    runs axis): a preset initialised from each `key(seed)` as `build_model` would, or
+    `model.path`'s weights repeated."""
+    if config.model.path:
+        model, params = build_model(config, tokenizer)
+        return model, jax.tree.map(lambda x: jnp.stack([x] * len(seeds)), params)
+    dtypes = _model_dtypes(config)
+    model, init = _fresh_model(config, tokenizer, False, config.model.param_dtype, dtypes)
+    keys = jnp.stack([jax.random.key(seed) for seed in seeds])
+    return model, jax.jit(jax.vmap(init))(keys)

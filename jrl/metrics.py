@@ -110,19 +110,30 @@ class MetricsWriter:
                 logging.warning("trainer.logger has 'wandb' but wandb is not installed")
         self._jsonl = "jsonl" in loggers
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float], run: int | None = None) -> None:
+        """Writes a step's metrics; with `run` (one run of several, `jrl.runs`) the
+        record gets a `run` field and the TensorBoard / wandb keys a `run<r>/` prefix,
+        and the console is left to `show`."""
         if not self.enabled:
             return
+        record = {"step": step, **metrics} if run is None else {"step": step, "run": run,
+                                                                 **metrics}
         if self._jsonl:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        prefix = "" if run is None else f"run{run}/"
         if self._tb is not None:
             for key, value in metrics.items():
-                self._tb.add_scalar(key, value, step)
+                self._tb.add_scalar(prefix + key, value, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
-        if self._bar is not None:
+            self._wandb.log({prefix + k: v for k, v in metrics.items()}, step=step)
+        if run is None:
+            self.show(step, metrics)
+
+    def show(self, step: int, metrics: dict[str, float]) -> None:
+        """Updates the console (progress bar, validation lines) alone."""
+        if self.enabled and self._bar is not None:
             self._write_console(step, metrics)
 
     def _write_console(self, step: int, metrics: dict[str, float]) -> None:
@@ -272,6 +283,44 @@ def curves_figure(records: Sequence[dict], val_key: str | None = None) -> Figure
     for ax in fig.axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
+    return fig
+
+
+def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None) -> Figure:
+    """A matplotlib Figure of several runs (records with a `run` field, `jrl.runs`): per
+    panel (the training score, each `val-core/` key) every run's curve thin, their mean
+    bold and the band between their min and max. `labels`: each run's name (legend of
+    the runs when there are at most 8)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = sorted({r["run"] for r in records if "run" in r})
+    keys = ["critic/score/mean"] + sorted(
+        {k for r in records for k in r if k.startswith("val-core/")})
+    series = {}
+    for key in keys:
+        per_run = {run: sorted((r["step"], r[key]) for r in records
+                               if r.get("run") == run and key in r) for run in runs}
+        if any(per_run.values()):
+            series[key] = per_run
+    fig = Figure(figsize=(5 * max(len(series), 1), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, max(len(series), 1), squeeze=False)[0]
+    for ax, (key, per_run) in zip(axes, series.items(), strict=False):
+        for run, points in per_run.items():
+            label = labels[run] if labels is not None and len(runs) <= 8 else None
+            ax.plot(*zip(*points, strict=True), lw=0.8, alpha=0.5, label=label)
+        steps = sorted(set.intersection(*(set(s for s, _ in p) for p in per_run.values())))
+        values = np.array([[dict(p)[s] for s in steps] for p in per_run.values()])
+        ax.fill_between(steps, values.min(0), values.max(0), color="gray", alpha=0.2,
+                        label=f"min-max of {len(runs)} runs")
+        ax.plot(steps, values.mean(0), color="black", lw=2, label="mean")
+        ax.set_ylabel(key)
+        if _validation_variable(key) == "acc":
+            ax.set_ylim(0, 1)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", ncol=2)
     return fig
 
 

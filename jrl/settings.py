@@ -294,8 +294,22 @@ class TrainerSettings:
     # Where each step's / validation's samples are written (`<dir>/<step>.jsonl`); None: not.
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
+    # Runs in one program (`jrl.runs`): seeds per setting, the sweep, steps per call.
+    runs: int = 1
+    sweep: str | None = None
+    steps_per_call: int = 1
+
+    @property
+    def multi_run(self) -> bool:
+        """Whether the run is `jrl.runs`' device program rather than the host loop."""
+        return self.runs > 1 or bool(self.sweep) or self.steps_per_call > 1
 
     def __post_init__(self):
+        for name in ("runs", "steps_per_call"):
+            _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), integer=True)})
+        if self.sweep is not None and not isinstance(self.sweep, str):
+            _fail("trainer.sweep", f"must be a string key=v1,v2,... (or None), got "
+                  f"{self.sweep!r}")
         for name in ("rollout_data_dir", "validation_data_dir"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -680,7 +694,8 @@ def _trainer(config) -> TrainerSettings:
                            val_before_train=t.val_before_train, critic_warmup=t.critic_warmup,
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
                            rollout_data_dir=t.rollout_data_dir,
-                           validation_data_dir=t.validation_data_dir)
+                           validation_data_dir=t.validation_data_dir,
+                           **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
 
 
 def _lora(config, prefix: str) -> dict:

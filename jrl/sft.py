@@ -8,7 +8,6 @@ entry point runs the same warm start first when `sft.steps > 0`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import jax
@@ -76,12 +75,23 @@ def sft_loss(params, batch, *, model: ModelConfig):
     return -masks.masked_mean(log_probs, batch["response_mask"])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "optimizer"), donate_argnums=0)
-def sft_step(state: update.ModelState, batch, *, model: ModelConfig,
-             optimizer: optax.GradientTransformation):
+def sft_update(state: update.ModelState, batch, *, model: ModelConfig,
+               optimizer: optax.GradientTransformation):
+    """One optimizer step on a batch: (new state, the loss before it)."""
     loss, grads = jax.value_and_grad(sft_loss)(state.params, batch, model=model)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     return update.ModelState(optax.apply_updates(state.params, updates), opt_state), loss
+
+
+sft_step = jax.jit(sft_update, static_argnames=("model", "optimizer"), donate_argnums=0)
+
+
+def sft_optimizer(lr: float, lr_warmup_steps: int) -> optax.GradientTransformation:
+    """AdamW whose rate rises linearly from 0 over `lr_warmup_steps`, then stays at `lr`."""
+    if lr_warmup_steps < 0:
+        raise ConfigError(f"sft.lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
+    schedule = optax.linear_schedule(0.0, lr, lr_warmup_steps) if lr_warmup_steps else lr
+    return optax.adamw(schedule, weight_decay=0.0)
 
 
 def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: int,
@@ -96,10 +106,7 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
     With a `sharder`, batches are split over its batch axes and the optimizer state
     follows the parameters' shardings.
     """
-    if lr_warmup_steps < 0:
-        raise ConfigError(f"sft.lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
-    schedule = optax.linear_schedule(0.0, lr, lr_warmup_steps) if lr_warmup_steps else lr
-    optimizer = optax.adamw(schedule, weight_decay=0.0)
+    optimizer = sft_optimizer(lr, lr_warmup_steps)
     if sharder is None:
         state = update.ModelState(params, optimizer.init(params))
         put, context = (lambda batch: jax.tree.map(jnp.asarray, batch)), contextlib.nullcontext()

@@ -18,6 +18,7 @@ if __name__ == "__main__":  # before the slow imports: a Ctrl-C during them stop
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, logging  # noqa: E402
 
 from jrl import (  # noqa: E402
@@ -138,6 +139,8 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
             print(note, flush=True)
     if start.kind == "finished":
         return _finished(config, workdir)
+    if p.settings.reward.in_graph_fn or p.settings.trainer.multi_run:
+        return _run_multi(config, workdir, p, exit_after_steps)
     scorer, reward_model = experiment.build_reward(config, p.settings, reward_fn)
     trainer = None
     try:  # reward workers and the checkpointer are closed however the run ends
@@ -157,6 +160,39 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
         scorer.close()
     summary = {"resumed": resumed, "step": trainer.step, **_results(config, workdir, final)}
     return _finish(config, workdir, trainer, model, p.settings.total_steps, summary)
+
+
+def _run_multi(config, workdir, p: _Prepared, exit_after_steps) -> dict:
+    """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.runs`)."""
+    from jrl import runs as runs_lib
+
+    t, lead = p.settings.trainer, jax.process_index() == 0
+    plan = runs_lib.plan(config.seed, t.runs, t.sweep, config.actor.optim.lr)
+    model, params = experiment.build_models(config, p.tokenizer, [r.seed for r in plan])
+    os.makedirs(workdir, exist_ok=True)
+    if config.sft.steps > 0:
+        params = runs_lib.warm_start(config, workdir, model, params, p.tokenizer,
+                                     p.train_rows, plan, t.steps_per_call)
+    trainer = runs_lib.MultiRunTrainer(
+        p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows, plan, workdir,
+        apply_chat_template=config.data.apply_chat_template, data_seed=config.data.seed,
+        steps_per_call=t.steps_per_call)
+    try:
+        resumed = trainer.maybe_restore()
+        if lead:
+            print(f"{len(plan)} runs in one program, {t.steps_per_call} steps a call: "
+                  + "; ".join(r.label for r in plan), flush=True)
+        writer = metrics.MetricsWriter(workdir, config.trainer.logger, p.settings.total_steps,
+                                       config.to_dict(), start_step=trainer.step, enabled=lead)
+        try:
+            trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+        finally:
+            writer.close()
+    finally:
+        trainer.close()
+    if trainer.step == p.settings.total_steps and lead:
+        rundir.mark_finished(workdir, trainer.step, p.settings.total_steps)
+    return {"resumed": resumed, "step": trainer.step, **_results(config, workdir, final={})}
 
 
 def _warm_start(config, workdir, model, params, p: _Prepared):
@@ -238,6 +274,8 @@ def _results(config, workdir: str, final: dict) -> dict:
     if not os.path.exists(jsonl):
         return out
     records = metrics.read_jsonl(jsonl)
+    if any("run" in r for r in records):
+        return {**out, **_run_results(config, workdir, records)}
     validations = [{k: v for k, v in r.items() if k.startswith("val-")} for r in records]
     validations = [v for v in validations if v]
     if validations:
@@ -249,7 +287,30 @@ def _results(config, workdir: str, final: dict) -> dict:
     return out
 
 
+def _run_results(config, workdir: str, records: list[dict]) -> dict:
+    """Each run's validation before and after RL (`jrl.runs`), and their curves."""
+    from jrl import runs as runs_lib
+
+    t = config.trainer
+    plan = runs_lib.plan(config.seed, t.runs, t.sweep, config.actor.optim.lr)
+    table = []
+    for index, run in enumerate(plan):
+        validations = [{k: v for k, v in r.items() if k.startswith("val-")}
+                       for r in records if r.get("run") == index]
+        validations = [v for v in validations if v]
+        table.append({"run": index, "seed": run.seed, "lr": run.lr,
+                      "initial": validations[0] if validations and t.val_before_train else {},
+                      "final": validations[-1] if validations else {}})
+    curves = os.path.join(workdir, "curves.png")
+    if jax.process_index() == 0:
+        metrics.runs_figure(records, [r.label for r in plan]).savefig(curves, dpi=120)
+    return {"runs": table, "curves": curves}
+
+
 def print_summary(summary: dict) -> None:
+    if "runs" in summary:
+        _print_runs(summary)
+        return
     final, initial = summary.get("final", {}), summary.get("initial", {})
     for key in sorted(k for k in final if k.startswith("val-core/")):
         before, after = initial.get(key), final[key]
@@ -260,6 +321,31 @@ def print_summary(summary: dict) -> None:
     for key in ("curves", "hf_export"):
         if key in summary:
             print(f"{key}: {summary[key]}")
+
+
+def _print_runs(summary: dict) -> None:
+    """One line per run and validation key (before, after, gain), then their spread."""
+    table = summary["runs"]
+    keys = sorted({k for row in table for k in row["final"] if k.startswith("val-core/")})
+    for key in keys:
+        print(f"{key}:")
+        gains = []
+        for row in table:
+            before, after = row["initial"].get(key), row["final"].get(key)
+            line = f"  run {row['run']:>3} seed {row['seed']:>4} lr {row['lr']:<8g}"
+            if after is not None:
+                line += f" {after:.3f} after RL"
+            if before is not None and after is not None:
+                gains.append(after - before)
+                line += f", {before:.3f} before ({100 * (after - before):+.1f} points)"
+            print(line)
+        finals = [row["final"][key] for row in table if key in row["final"]]
+        if finals:
+            print(f"  after RL: mean {np.mean(finals):.3f}, min {min(finals):.3f}, "
+                  f"max {max(finals):.3f} over {len(finals)} runs"
+                  + (f"; gain mean {100 * np.mean(gains):+.1f} points" if gains else ""))
+    if "curves" in summary:
+        print(f"curves: {summary['curves']}")
 
 
 def main(argv):

@@ -124,6 +124,33 @@ def check_batch_sizes(s: Settings, sharder: sharding_lib.Sharder) -> None:
             check(settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
 
 
+# Metrics of `step.learn` that are not the actor's update (kept during critic warm-up).
+_NOT_ACTOR_UPDATE = ("actor/entropy", "actor/reward_kl_penalty",
+                     "actor/reward_kl_penalty_coeff")
+
+
+def learn_metrics(m: dict, s: Settings, step: int) -> dict[str, float]:
+    """`step.learn`'s metrics of step `step` (counted from 0) as floats, without the
+    actor's while it waits out the critic warm-up; raises under
+    `trainer.nan_policy='raise'` after a skipped update."""
+    # A data statistic over an empty selection (no response tokens at all) is NaN: left out.
+    m = {k: float(v) for k, v in m.items()
+         if not (np.isnan(v) and k.startswith(step_lib.DATA_METRICS))}
+    if not m.pop("actor/updated"):
+        # Without an old-log-prob pass the mismatch is measured by the update's pass.
+        from_update = ("actor/", "rollout_corr/", "training/rollout_") if \
+            s.actor.skips_old_pass else ("actor/",)
+        m = {k: v for k, v in m.items()
+             if not k.startswith(from_update) or k in _NOT_ACTOR_UPDATE}
+    for role in ("critic", "actor"):
+        skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
+        if skipped and s.actor.update.nan_policy == "raise":
+            raise NonFiniteUpdateError(
+                f"step {step}: non-finite {role} loss or gradient in "
+                f"{int(skipped)} update(s); parameters were left unchanged")
+    return m
+
+
 class RLTrainer:
     """Builds the jitted step functions for a mesh and runs the loop.
 
@@ -632,29 +659,8 @@ class RLTrainer:
             out["reward/num_errors"] = float(num_errors)
         return exp.replace(**self.sharder.put_batch(host)), out
 
-    # Metrics of `step.learn` that are not the actor's update (kept during critic warm-up).
-    _NOT_ACTOR_UPDATE = ("actor/entropy", "actor/reward_kl_penalty",
-                         "actor/reward_kl_penalty_coeff")
-
     def _learn_metrics(self, m: dict) -> dict[str, float]:
-        """`learn`'s metrics as floats, without the actor's while it waits out the critic
-        warm-up; raises under `trainer.nan_policy='raise'` after a skipped update."""
-        # A data statistic over an empty selection (no response tokens at all) is NaN: left out.
-        m = {k: float(v) for k, v in m.items()
-             if not (np.isnan(v) and k.startswith(step_lib.DATA_METRICS))}
-        if not m.pop("actor/updated"):
-            # Without an old-log-prob pass the mismatch is measured by the update's pass.
-            from_update = ("actor/", "rollout_corr/", "training/rollout_") if \
-                self.s.actor.skips_old_pass else ("actor/",)
-            m = {k: v for k, v in m.items()
-                 if not k.startswith(from_update) or k in self._NOT_ACTOR_UPDATE}
-        for role in ("critic", "actor"):
-            skipped = m.get(f"{role}/nan_skipped_updates", 0.0)
-            if skipped and self.s.actor.update.nan_policy == "raise":
-                raise NonFiniteUpdateError(
-                    f"step {self.step}: non-finite {role} loss or gradient in "
-                    f"{int(skipped)} update(s); parameters were left unchanged")
-        return m
+        return learn_metrics(m, self.s, self.step)
 
     def _perf_metrics(self, m: dict, seconds: dict[str, float]) -> dict[str, float]:
         tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * self.batch_sequences

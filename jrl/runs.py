@@ -1,0 +1,411 @@
+"""Many runs in one program: rewards in the graph, steps scanned, runs vmapped.
+
+With a reward that is a JAX function of token ids (`reward.in_graph_fn`,
+`jrl.rewards.in_graph`) a whole RL step needs nothing from the host but its prompts:
+
+    rl_step(state, prompts, targets) = generate -> reward -> forward -> learn   (one program)
+
+`trainer.steps_per_call=K` runs K steps as one `lax.scan` (their prompts drawn on the
+host beforehand, the metrics stacked and written after the call), and `trainer.runs`
+/ `trainer.sweep` run R independent runs at once, `jax.vmap`ped over a leading runs
+axis of the state: each run its own seed (initial weights, warm-start batches,
+sampling) and, in a sweep, its own peak learning rate. All runs read the same prompts
+(the data order is `data.seed`'s, as in a single run), so run r is step for step the
+run that `seed = seeds[r]` (and its learning rate) would make alone, up to the
+summation order of batched matrix products.
+
+The warm start (`sft`) is vmapped too, K steps a call. Metrics carry a `run` field
+(`metrics.jsonl`; TensorBoard tags `run<r>/...`); the console shows their mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl import evaluate, interrupt, metrics, rundir, sft, update
+from jrl import step as step_lib
+from jrl.checkpoint import Checkpointer
+from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
+from jrl.errors import ConfigError, RunDirError
+from jrl.models.config import ModelConfig
+from jrl.optim import make_optimizer
+from jrl.rewards import in_graph
+from jrl.rewards.responses import decode_responses
+from jrl.settings import Settings
+from jrl.trainer import learn_metrics
+
+# Hyperparameters a sweep (`trainer.sweep`) may give per run.
+SWEEPABLE = ("actor.optim.lr",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of a multi-run program: its seed and peak actor learning rate."""
+
+    seed: int
+    lr: float
+
+    @property
+    def label(self) -> str:
+        return f"seed={self.seed} lr={self.lr:g}"
+
+
+def parse_sweep(spec: str | None) -> dict[str, list[float]]:
+    """`trainer.sweep`, e.g. "actor.optim.lr=1e-4,3e-4": {key: values}."""
+    out = {}
+    for part in filter(None, (spec or "").split(";")):
+        key, _, values = part.partition("=")
+        key = key.strip()
+        if key not in SWEEPABLE:
+            raise ConfigError(f"trainer.sweep: {key!r} cannot vary per run; sweepable keys: "
+                              f"{', '.join(SWEEPABLE)} (as key=v1,v2,...)")
+        try:
+            out[key] = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"trainer.sweep: {part!r} must be key=v1,v2,... with numbers") \
+                from None
+        if not out[key] or any(not math.isfinite(v) or v < 0 for v in out[key]):
+            raise ConfigError(f"trainer.sweep: {part!r} needs at least one finite value >= 0")
+    return out
+
+
+def plan(seed: int, runs: int, sweep: str | None, lr: float) -> list[Run]:
+    """The runs: `runs` seeds (`seed`, `seed + 1`, ...) for each setting of the sweep
+    (its values crossed; settings outer, seeds inner)."""
+    if runs < 1:
+        raise ConfigError(f"trainer.runs must be >= 1, got {runs}")
+    lrs = parse_sweep(sweep).get("actor.optim.lr", [lr])
+    return [Run(seed + i, value) for value, i in itertools.product(lrs, range(runs))]
+
+
+def place_scores(scores, response_mask):
+    """`jrl.rewards.responses.place_scores` on the device: each score at its row's last
+    response token (0 in an empty row)."""
+    valid = response_mask > 0
+    width = valid.shape[-1]
+    last = jnp.where(valid.any(-1), width - 1 - jnp.argmax(valid[:, ::-1], axis=-1), 0)
+    return jnp.where(jnp.arange(width) == last[:, None], scores[:, None], 0.0).astype(jnp.float32)
+
+
+def rl_step(state, ref, root, lr, batch, *, s: Settings, model: ModelConfig,
+            reward: in_graph.InGraphReward, actor_opt, critic_opt):
+    """One run's RL step on the device: the trainer's data path with the reward in the
+    graph. `batch`: prompt ids/mask `[B, P]`, target ids/mask `[B, T]`, source `[B]`;
+    `root`: the run's key (`key(seed)`); `lr`: its peak actor learning rate."""
+    key = jax.random.fold_in(root, state.step)
+    gen_key = jax.random.split(key, 3)[0]
+    rollout = step_lib.generate(state, batch["prompt_ids"], batch["prompt_mask"], gen_key,
+                                sampling=s.rollout, model=model)
+    exp = step_lib.forward(state, ref, rollout, s=s, model=model)
+    n, prompts = s.rollout.n, batch["prompt_ids"].shape[0]
+    scores, extras = reward.score(
+        rollout.responses, rollout.attention_mask(),
+        *(jnp.repeat(batch[k], n, axis=0) for k in ("targets", "target_mask", "source")))
+    exp = exp.replace(token_level_scores=place_scores(scores, exp.response_mask),
+                      uid=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), n))
+    state, m = step_lib.learn(state, exp, key, s=s, model=model, actor_opt=actor_opt,
+                              critic_opt=critic_opt, critic_warmup=s.trainer.critic_warmup,
+                              actor_lr=lr)
+    return state, {**m, **{f"reward_extra/{k}/mean": v.mean() for k, v in extras.items()}}
+
+
+def rl_steps(states, refs, roots, lrs, batches, **kw):
+    """K steps (`lax.scan` over the leading axis of `batches`) of R runs (`vmap` over the
+    leading axis of `states`, `refs`, `roots`, `lrs`); metrics `[K, R]`."""
+    one = jax.vmap(functools.partial(rl_step, **kw), in_axes=(0, 0, 0, 0, None))
+    return jax.lax.scan(lambda st, batch: one(st, refs, roots, lrs, batch), states, batches)
+
+
+def sft_steps(states, batches, *, model: ModelConfig, optimizer):
+    """K warm-start steps of R runs: `batches` `[K, R, ...]`; losses `[K, R]`."""
+    one = jax.vmap(functools.partial(sft.sft_update, model=model, optimizer=optimizer))
+    return jax.lax.scan(one, states, batches)
+
+
+def validation_rollouts(states, roots, step, start, batch, *, s: Settings,
+                        model: ModelConfig, reward: in_graph.InGraphReward):
+    """Every run's validation rollout of one batch of prompts and its in-graph scores,
+    sampled with the key the trainer's validation uses."""
+    n = s.validation.n
+
+    def one(state, root):
+        key = jax.random.fold_in(jax.random.fold_in(root, 2**31 - 2), step)
+        rollout = step_lib.generate(state, batch["prompt_ids"], batch["prompt_mask"],
+                                    jax.random.fold_in(key, start), sampling=s.validation,
+                                    model=model)
+        mask = rollout.attention_mask()
+        scores, extras = reward.score(
+            rollout.responses, mask,
+            *(jnp.repeat(batch[k], n, axis=0) for k in ("targets", "target_mask", "source")))
+        return rollout.responses, mask, scores, extras
+
+    return jax.vmap(one)(states, roots)
+
+
+class Prompts:
+    """The rows' prompts and targets encoded once, as arrays (`[N, ...]`), and batches of
+    them by row index."""
+
+    def __init__(self, tokenizer, rows, s: Settings, chat: bool, reward):
+        self.rows = rows
+        ids, mask = encode_prompts(tokenizer, rows, s.max_prompt_length, chat, None)
+        targets, target_mask, source, _ = in_graph.encode_targets(tokenizer, rows)
+        self.arrays = dict(prompt_ids=ids, prompt_mask=mask, targets=targets,
+                           target_mask=target_mask, source=source)
+
+    def take(self, index) -> dict[str, np.ndarray]:
+        return {k: v[np.asarray(index)] for k, v in self.arrays.items()}
+
+
+class MultiRunTrainer:
+    """R runs of one config trained in one program (the module docstring).
+
+    Args:
+      settings: validated settings (with `reward.in_graph_fn`).
+      model: the architecture.
+      params: the runs' initial actor parameters, stacked (`[R, ...]` leaves).
+      tokenizer: encodes prompts and targets, decodes validation answers.
+      train_rows, val_rows: prompt rows in verl's schema.
+      runs: one `Run` per leading index of `params`.
+      workdir: checkpoints and metrics.
+      apply_chat_template, data_seed: as `jrl.trainer.RLTrainer`'s.
+      steps_per_call: RL steps per program call (`trainer.steps_per_call`).
+    """
+
+    def __init__(self, settings: Settings, model: ModelConfig, params, tokenizer, train_rows,
+                 val_rows, runs: list[Run], workdir: str, apply_chat_template: bool = False,
+                 data_seed: int = 0, steps_per_call: int = 1):
+        s = self.s = settings
+        self.model, self.tokenizer, self.runs = model, tokenizer, runs
+        self.steps_per_call, self.data_seed = steps_per_call, data_seed
+        self.reward = in_graph.resolve(s.reward.in_graph_fn, tokenizer)
+        self.train = Prompts(tokenizer, train_rows, s, apply_chat_template, self.reward)
+        self.val = Prompts(tokenizer, val_rows, s, apply_chat_template, self.reward) \
+            if val_rows else None
+        self.actor_opt = make_optimizer(s.actor.optim)
+        self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None
+        self.roots = jnp.stack([jax.random.key(r.seed) for r in runs])
+        self.lrs = jnp.asarray([r.lr for r in runs], jnp.float32)
+        init = functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,
+                                 critic_opt=self.critic_opt, model=model)
+        init_keys = jax.vmap(lambda root: jax.random.fold_in(root, 2**31 - 1))(self.roots)
+        copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, model))
+        self.refs = jax.jit(copy)(params) if s.needs_reference else None
+        self.state = jax.jit(jax.vmap(init))(params, init_keys)
+        self.step, self.data, self._saved_step = 0, IteratorState(), 0
+        kw = dict(s=s, model=model, reward=self.reward)
+        self._steps = jax.jit(functools.partial(
+            rl_steps, **kw, actor_opt=self.actor_opt, critic_opt=self.critic_opt),
+            donate_argnums=0)
+        self._validate = jax.jit(functools.partial(validation_rollouts, **kw))
+        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                         max_to_keep=s.trainer.max_ckpt_to_keep)
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.runs)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Checkpoints every run's state (stacked), the step and the data position."""
+        self.checkpointer.save_train_state(self.step, self.state, self.data)
+        self._saved_step = self.step
+
+    def _stop_if_asked(self) -> None:
+        """Between calls: after Ctrl-C / SIGTERM, checkpoints the last step (unless saved
+        already) and raises `interrupt.Stopped`."""
+        if interrupt.requested() is None:
+            return
+        if self.step > 0 and self.step != self._saved_step:
+            self.save()
+        interrupt.check(self.step)
+
+    def maybe_restore(self) -> bool:
+        """Continues from the workdir's latest checkpoint, if any."""
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return False
+        state, self.step, self.data = self.checkpointer.restore_train_state(
+            step, self.state, None)
+        self.state = state.replace(step=jnp.full((self.num_runs,), self.step, jnp.int32))
+        self._saved_step = self.step
+        if jax.process_index() == 0:
+            print(f"resumed from step {self.step} (of {self.s.total_steps})", flush=True)
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train_steps(self, iterator: BatchIterator, count: int) -> list[list[dict]]:
+        """`count` RL steps of every run in one call; per step, each run's metrics."""
+        index = [iterator.next_batch() for _ in range(count)]
+        batches = jax.tree.map(lambda *x: np.stack(x), *[self.train.take(i) for i in index])
+        start = time.perf_counter()
+        self.state, m = self._steps(self.state, self.refs, self.roots, self.lrs, batches)
+        m = jax.device_get(m)
+        seconds = time.perf_counter() - start
+        self.step, self.data = self.step + count, iterator.state
+        out = []
+        for k in range(count):
+            per_run = []
+            for r in range(self.num_runs):
+                record = learn_metrics({name: v[k, r] for name, v in m.items()}, self.s,
+                                        self.step - count + k)
+                record.update({"timing_s/step": seconds / count,
+                               "perf/time_per_step": seconds / count})
+                per_run.append(record)
+            out.append(per_run)
+        return out
+
+    def validate(self, batch_size: int) -> list[dict[str, float]]:
+        """Every run's validation metrics (`jrl.evaluate`, with in-graph scores)."""
+        rows, n = self.val.rows, self.s.validation.n
+        results = {}
+
+        def respond(run, batch, padded, start):
+            if start not in results:
+                index = list(range(start, start + len(batch)))
+                index += [index[-1]] * (len(padded) - len(batch))
+                out = self._validate(self.state, self.roots, self.step, start,
+                                     self.val.take(index))
+                results[start] = jax.device_get(out)
+            responses, mask, scores, extras = results[start]
+            count = len(batch) * n
+            texts = decode_responses(self.tokenizer, responses[run][:count], mask[run][:count])
+            return (scores[run][:count], {k: v[run][:count] for k, v in extras.items()}, 0,
+                    texts)
+
+        return [evaluate.evaluate(rows, functools.partial(respond, r), batch_size=batch_size,
+                                  n=n) for r in range(self.num_runs)]
+
+    def fit(self, val_batch_size: int, writer: metrics.MetricsWriter | None = None,
+            exit_after_steps: int | None = None) -> list[dict[str, float]]:
+        """Runs every run to `total_steps` (or `exit_after_steps` more); returns each run's
+        last validation metrics."""
+        s, t = self.s, self.s.trainer
+        iterator = BatchIterator(list(range(len(self.train.rows))), s.train_batch_size,
+                                 self.data_seed, shuffle=True, state=self.data)
+        last = [{} for _ in self.runs]
+        if t.val_before_train and self.step == 0 and self.val is not None:
+            last = self.validate(val_batch_size)
+            _write(writer, 0, last)
+        end = s.total_steps if exit_after_steps is None else min(
+            s.total_steps, self.step + exit_after_steps)
+        while self.step < end:
+            self._stop_if_asked()
+            count = _steps_to_boundary(self.step, end, self.steps_per_call,
+                                       (t.test_freq, t.save_freq))
+            for k, per_run in enumerate(self.train_steps(iterator, count)):
+                step = self.step - count + k + 1
+                if k == count - 1 and self.val is not None and _due(step, t.test_freq,
+                                                                    s.total_steps):
+                    last = self.validate(val_batch_size)
+                    per_run = [{**m, **v} for m, v in zip(per_run, last, strict=True)]
+                _write(writer, step, per_run)
+            if _due(self.step, t.save_freq, s.total_steps):
+                self.save()
+        return last
+
+
+def _due(step: int, every: int, total: int) -> bool:
+    return bool(every) and (step % every == 0 or step == total)
+
+
+def _steps_to_boundary(step: int, end: int, most: int, every: tuple[int, ...]) -> int:
+    """Steps of the next call: at most `most`, ending at `end` or at the next multiple of
+    any of `every` (validation and checkpoints happen between calls)."""
+    count = min(most, end - step)
+    for e in every:
+        if e:
+            count = min(count, e - step % e)
+    return max(count, 1)
+
+
+def _write(writer, step: int, per_run: list[dict]) -> None:
+    """Each run's metrics under its index; the console shows their mean."""
+    if writer is None:
+        return
+    for r, m in enumerate(per_run):
+        writer.write(step, m, run=r)
+    keys = set.intersection(*(set(m) for m in per_run))
+    writer.show(step, {k: float(np.mean([m[k] for m in per_run])) for k in keys})
+
+
+# -- warm start ------------------------------------------------------------------------------
+
+
+def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, train_rows,
+               runs: list[Run], steps_per_call: int):
+    """Every run's supervised warm start (`config.sft`), vmapped, `steps_per_call` steps
+    a call; or the workdir's, made with the same settings and seeds. Run r's batches are
+    those `jrl.sft.train_sft` draws with `seed = runs[r].seed`."""
+    directory = os.path.join(workdir, "sft")
+    ckpt = Checkpointer(directory)
+    wanted = {**rundir.warm_start_settings(config), "seeds": [r.seed for r in runs]}
+    try:
+        step = ckpt.latest_step()
+        if step is not None:
+            stored = ckpt.read_meta(step).get("settings", {})
+            changes = rundir.changed_keys(stored, wanted, ignore=())
+            if changes:
+                raise RunDirError(
+                    f"{directory} holds a warm start made with other settings; changed keys, "
+                    f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
+                    "--config.trainer.resume_mode=disable to replace it.")
+            print(f"sft: reusing the warm starts in {directory}", flush=True)
+            return ckpt.restore(step, params)[0]
+        print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}, "
+              f"{len(runs)} runs at once", flush=True)
+        params = train_sft_runs(params, train_rows, tokenizer, model=model, config=config,
+                                seeds=[r.seed for r in runs], steps_per_call=steps_per_call)
+        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
+        return params
+    finally:
+        ckpt.close()
+
+
+def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig, config, seeds: list[int],
+                   steps_per_call: int):
+    """`jrl.sft.train_sft` for each seed at once: `params` stacked per run."""
+    c = config.sft
+    optimizer = sft.sft_optimizer(c.lr, c.lr_warmup_steps)
+    examples = sft.encode_examples(tokenizer, rows, config.data.max_prompt_length,
+                                   config.rollout.response_length,
+                                   config.data.apply_chat_template, None)
+    names = ("prompt_ids", "prompt_mask", "responses", "response_mask", "attention_mask")
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    state = jax.jit(jax.vmap(lambda p: update.ModelState(p, optimizer.init(p))))(params)
+    program = jax.jit(functools.partial(sft_steps, model=model, optimizer=optimizer),
+                      donate_argnums=0)
+    done = 0
+    while done < c.steps:
+        count = min(steps_per_call, c.steps - done)
+        picks = np.stack([[rng.choice(len(rows), size=c.batch_size, replace=False)
+                           for rng in rngs] for _ in range(count)])  # [K, R, B]
+        state, losses = program(state, dict(zip(names, (x[picks] for x in examples),
+                                                strict=True)))
+        losses = np.asarray(jax.device_get(losses))
+        done += count
+        if not np.isfinite(losses).all():
+            raise sft.NonFiniteLossError(
+                f"sft steps {done - count + 1}-{done} of {c.steps}: a loss is not finite "
+                f"(runs {sorted(set(np.nonzero(~np.isfinite(losses))[1].tolist()))}); the "
+                "warm start stopped. Lower sft.lr")
+        every = max(c.steps // 5, 1)
+        if done // every > (done - count) // every:
+            print(f"sft step {done}/{c.steps}: loss {losses[-1].mean():.4f} (mean of runs)",
+                  flush=True)
+        interrupt.check(0)
+    return state.params

@@ -420,6 +420,13 @@ def base_config() -> ml_collections.ConfigDict:
     # fn(data_source, solution_str, ground_truth, extra_info) -> float | dict (verl's
     # custom_reward_function.path and .name). None: the built-in scorer of each data_source.
     c.reward.custom_fn = config_dict.placeholder(str)
+    # A reward computed on the device, a JAX function of token ids (jrl/rewards/in_graph.py):
+    # "exact_match", "path/to/file.py:name" or "package.module:name", called per sample as
+    # fn(data_source, solution_ids, solution_mask, ground_truth_ids, ground_truth_mask).
+    # For runs whose steps stay on the device; it excludes host-only rewards and features
+    # (reward.custom_fn, a reward model, overlong shaping, multi-turn, dynamic sampling,
+    # remax). None: rewards scored on the host.
+    c.reward.in_graph_fn = config_dict.placeholder(str)
     # Worker processes scoring responses in parallel (0: a background thread of this
     # process; use workers for reward code that needs a main thread, e.g. signal timeouts).
     c.reward.num_workers = 0

@@ -17,7 +17,7 @@ from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
 from jrl.models import triton_backend
-from jrl.rewards import custom, reward_model, scoring
+from jrl.rewards import custom, in_graph, reward_model, scoring
 from jrl.rollout import SamplingConfig
 
 # The lists of valid values below are the ones this module owns; every other choice key
@@ -29,6 +29,12 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 def _fail(key: str, message: str):
     raise ConfigError(f"{key}: {message}")
+
+
+def fail_in_graph(spec: str, key: str, what: str):
+    """Stops a run that sets `reward.in_graph_fn` beside `key`, which needs host scores."""
+    _fail(in_graph.KEY, f"{spec!r} scores on the device and cannot be combined with "
+          f"{key}{what}; unset one of them")
 
 
 def _number(key: str, value, *, allow_zero: bool = False, integer: bool = False):
@@ -236,9 +242,13 @@ class RewardSettings:
     model_micro_batch_size: int | None
     overlong_buffer_len: int  # 0: no overlong shaping
     overlong_penalty_factor: float
+    # A reward computed on the device (`jrl.rewards.in_graph`); None: host rewards.
+    in_graph_fn: str | None = None
 
     def __post_init__(self):
         _choice("reward.on_error", self.on_error, scoring.ON_ERROR)
+        if self.in_graph_fn is not None:
+            self._check_in_graph()
         if self.custom_fn is not None:
             # The loader's own parser, so `~` and the spec rules are the same here and there.
             try:
@@ -262,6 +272,20 @@ class RewardSettings:
                  "reward_model.overlong_buffer.penalty_factor", self.overlong_penalty_factor,
                  allow_zero=True)))
         _choice("reward_model.truncation", self.model_truncation, reward_model.TRUNCATION)
+
+    def _check_in_graph(self) -> None:
+        """`reward.in_graph_fn` is well formed and no host-only reward is set beside it."""
+        in_graph.check_spec(self.in_graph_fn)
+        conflicts = {
+            "reward.custom_fn": (self.custom_fn is not None,
+                                 f"={self.custom_fn!r}, a reward function run on the host"),
+            "reward_model.enable": (self.model_path is not None,
+                                    "=True, a reward model scored on the host"),
+            "reward_model.overlong_buffer.enable": (
+                self.overlong_buffer_len > 0, "=True, overlong shaping added on the host")}
+        for key, (conflict, what) in conflicts.items():
+            if conflict:
+                fail_in_graph(self.in_graph_fn, key, what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,6 +500,8 @@ class Settings:
                   f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
         if self.filter_groups is not None:
             self._check_filter_groups()
+        if self.reward.in_graph_fn is not None:
+            self._check_in_graph()
         _set(self, sampling_devices=_number("rollout.devices", self.sampling_devices,
                                             allow_zero=True, integer=True))
         if self.staleness not in (0, 1):
@@ -496,6 +522,18 @@ class Settings:
             _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
                   "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
                   "warm-up")
+
+    def _check_in_graph(self) -> None:
+        """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
+        spec, estimator = self.reward.in_graph_fn, self.algorithm.adv_estimator
+        if self.multi_turn is not None:
+            fail_in_graph(spec, "rollout.multi_turn.enable", "=True, tool calls run on the host")
+        if self.filter_groups is not None:
+            fail_in_graph(spec, "algorithm.filter_groups.enable",
+                          "=True, dynamic sampling that filters groups by host scores")
+        if advantages.get_estimator(estimator).needs_baseline:
+            fail_in_graph(spec, "algorithm.adv_estimator", f"={estimator!r}, whose greedy "
+                          "baseline rollout is scored on the host")
 
     def _check_filter_groups(self) -> None:
         metric = self.filter_groups.metric
@@ -612,6 +650,7 @@ def _reward(config) -> RewardSettings:
     on = bool(overlong.enable)
     return RewardSettings(
         custom_fn=_get(config, "reward.custom_fn"),
+        in_graph_fn=_get(config, "reward.in_graph_fn"),
         num_workers=_get(config, "reward.num_workers"), on_error=_get(config, "reward.on_error"),
         error_score=_get(config, "reward.error_score"), model_path=model_path,
         model_max_length=_get(config, "reward_model.max_length"),

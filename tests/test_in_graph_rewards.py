@@ -1,6 +1,7 @@
 """In-graph rewards (`jrl.rewards.in_graph`): exact_match against the host scorer, user
 functions, `encode_targets`, the `reward.in_graph_fn` config checks, jit and vmap."""
 
+import json
 import os
 import textwrap
 
@@ -12,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jrl import settings
+from jrl import experiment, settings
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.errors import ConfigError, DataError
 from jrl.rewards import arithmetic, in_graph
@@ -138,6 +139,14 @@ def test_token_tables_of_the_char_tokenizer():
     assert np.flatnonzero(blank).tolist() == [0, 1, 2, *CHAR.encode(" \n")]
 
 
+def test_token_tables_of_a_bpe_tokenizer(bpe):
+    silent, blank = in_graph.token_tables(bpe)
+    specials = [bpe.encode(t)[0] for t in ("<pad>", "<|im_start|>", "<|im_end|>")]
+    assert np.flatnonzero(silent).tolist() == sorted(specials)
+    assert blank[bpe.encode(" ")].all() and blank[bpe.encode("\n")].all()
+    assert not blank[bpe.encode(" 42")].any()
+
+
 # --------------------------------------------------------------------------- user functions
 
 USER_FILE = textwrap.dedent('''
@@ -233,6 +242,16 @@ def test_bad_user_functions_stop_before_compiling(user_file, name, message):
         in_graph.resolve(f"{user_file}:{name}", CHAR)
     assert str(err.value).startswith("reward.in_graph_fn")
     assert message in str(err.value)
+
+
+def test_a_file_that_fails_to_import(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(ConfigError) as err:
+        in_graph.resolve(f"{path}:fn", CHAR)
+    assert str(err.value).startswith(f"reward.in_graph_fn: loading '{path}:fn' failed: "
+                                     "ImportError: importing")
+    assert "no GPU here" in str(err.value) and "PYTHONPATH" not in str(err.value)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -353,3 +372,17 @@ def test_host_only_rewards_and_features_conflict(key, overrides, user_file, tmp_
         f"reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
         f"{key}=")
     assert str(err.value).endswith("; unset one of them")
+
+
+def test_rows_an_in_graph_reward_scores_are_not_held_to_the_built_in_rewards(tmp_path):
+    row = {"prompt": "1+2=", "data_source": "my_task",
+           "reward_model": {"ground_truth": "3", "style": "rule"}}
+    for split in ("train", "val"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    files = {"data.train_files": str(tmp_path / "train.jsonl"),
+             "data.val_files": str(tmp_path / "val.jsonl"), "data.max_prompt_length": 8}
+    with pytest.raises(DataError, match="field 'data_source' is 'my_task', which has no reward"):
+        experiment.build_data(tiny_config(**files), CHAR)
+    config = tiny_config(**files, **{"reward.in_graph_fn": "exact_match"})
+    train_rows, _ = experiment.build_data(config, CHAR)
+    assert [r["data_source"] for r in train_rows] == ["my_task"]

@@ -261,6 +261,7 @@ def test_a_file_that_fails_to_import(tmp_path):
                       "not exist"),
     ("no-such.module:fn", "reward.in_graph_fn: 'no-such.module:fn' is not valid; expected "
                           "'exact_match', 'path/to/file.py:name' or 'package.module:name'"),
+    (":fn", "reward.in_graph_fn: ':fn' is not valid; expected 'exact_match', "),
     ("no_such_module_xyz:fn", "reward.in_graph_fn: loading 'no_such_module_xyz:fn' failed: "
                               "ModuleNotFoundError"),
 ])

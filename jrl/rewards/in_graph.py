@@ -117,7 +117,7 @@ def check_spec(spec) -> None:
       ConfigError: naming the key and the valid forms.
     """
     source, name = _split_spec(spec)
-    if not source:
+    if spec in BUILTINS:
         return
     if _is_file(source):
         path, _ = pyfile.parse_spec(spec, KEY, SPEC_FORMS)

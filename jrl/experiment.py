@@ -89,13 +89,14 @@ def build_data(config, tokenizer=None, reward_fn=None):
 
     Every row is checked here, before any compilation: its schema, a non-empty prompt,
     its prompt's length against `data.max_prompt_length` (with a tokenizer), and, when
-    the built-in rule rewards score it (no `reward_fn`, `reward.custom_fn` or reward
-    model), a known `data_source` and a usable `reward_model.ground_truth`. One error
+    the built-in rule rewards score it (no `reward_fn`, `reward.custom_fn`,
+    `reward.in_graph_fn` or reward model), a known `data_source` and a usable
+    `reward_model.ground_truth`. One error
     lists every bad row (`files.BadRows`): the file, the row (numbered from 1, a .jsonl
     file's line number) and the field.
     """
     rule_reward = (reward_fn is None and not config.reward.custom_fn
-                   and not config.reward_model.enable)
+                   and not config.reward.in_graph_fn and not config.reward_model.enable)
     # Prompts are measured as the rollout renders them: with the tool schemas.
     tools = settings.prompt_tools(config) if tokenizer is not None else None
     if config.data.train_files:

@@ -31,7 +31,7 @@ def _fail(key: str, message: str):
     raise ConfigError(f"{key}: {message}")
 
 
-def fail_in_graph(spec: str, key: str, what: str):
+def _fail_in_graph(spec: str, key: str, what: str):
     """Stops a run that sets `reward.in_graph_fn` beside `key`, which needs host scores."""
     _fail(in_graph.KEY, f"{spec!r} scores on the device and cannot be combined with "
           f"{key}{what}; unset one of them")
@@ -285,7 +285,7 @@ class RewardSettings:
                 self.overlong_buffer_len > 0, "=True, overlong shaping added on the host")}
         for key, (conflict, what) in conflicts.items():
             if conflict:
-                fail_in_graph(self.in_graph_fn, key, what)
+                _fail_in_graph(self.in_graph_fn, key, what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,12 +527,12 @@ class Settings:
         """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
         spec, estimator = self.reward.in_graph_fn, self.algorithm.adv_estimator
         if self.multi_turn is not None:
-            fail_in_graph(spec, "rollout.multi_turn.enable", "=True, tool calls run on the host")
+            _fail_in_graph(spec, "rollout.multi_turn.enable", "=True, tool calls run on the host")
         if self.filter_groups is not None:
-            fail_in_graph(spec, "algorithm.filter_groups.enable",
+            _fail_in_graph(spec, "algorithm.filter_groups.enable",
                           "=True, dynamic sampling that filters groups by host scores")
         if advantages.get_estimator(estimator).needs_baseline:
-            fail_in_graph(spec, "algorithm.adv_estimator", f"={estimator!r}, whose greedy "
+            _fail_in_graph(spec, "algorithm.adv_estimator", f"={estimator!r}, whose greedy "
                           "baseline rollout is scored on the host")
 
     def _check_filter_groups(self) -> None:

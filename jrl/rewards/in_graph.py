@@ -117,7 +117,7 @@ def check_spec(spec) -> None:
       ConfigError: naming the key and the valid forms.
     """
     source, name = _split_spec(spec)
-    if not source:
+    if spec in BUILTINS:
         return
     if _is_file(source):
         path, _ = pyfile.parse_spec(spec, KEY, SPEC_FORMS)
@@ -140,9 +140,11 @@ def _load(spec: str) -> Callable:
     except ConfigError:
         raise
     except Exception as err:  # importing runs user code: anything may fail
-        raise ConfigError(f"{KEY}: loading {spec!r} failed: {describe_error(err)}; a module "
-                          "outside an installed package needs its directory on PYTHONPATH, "
-                          "or name the file: 'path/to/file.py:name'") from None
+        hint = "" if _is_file(source) else (
+            "; a module outside an installed package needs its directory on PYTHONPATH, or "
+            "name the file: 'path/to/file.py:name'")
+        raise ConfigError(f"{KEY}: loading {spec!r} failed: {describe_error(err)}{hint}"
+                          ) from None
     if not callable(fn):
         raise ConfigError(f"{KEY}: {name!r} of {spec!r} is a {type(fn).__name__}, not a "
                           "function")
@@ -281,12 +283,16 @@ def token_tables(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Per-vocabulary tables, from each token decoded alone as `decode_responses` does.
 
     Returns:
-      (silent bool `[V]`: tokens that add no text, i.e. special tokens that decoding
-      skips, and the stop tokens `tokenizer.eos_token_ids`; blank bool `[V]`: tokens
-      whose text is only whitespace, silent ones included).
+      (silent bool `[V]`: the special tokens that decoding skips, and the stop tokens
+      `tokenizer.eos_token_ids`; blank bool `[V]`: tokens whose text is only whitespace
+      or empty, silent ones included).
     """
-    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in range(tokenizer.vocab_size)]
-    silent = np.asarray([text == "" for text in texts], bool)
+    ids = range(tokenizer.vocab_size)
+    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    # Skipped as special: text with the specials, none without. A token that decodes
+    # to "" either way (a SentencePiece "▁" alone) is blank, not silent.
+    silent = np.asarray([text == "" and tokenizer.decode([i], skip_special_tokens=False) != ""
+                         for i, text in zip(ids, texts, strict=True)], bool)
     silent[[i for i in tokenizer.eos_token_ids if i < len(silent)]] = True
     blank = np.asarray([not text.strip() for text in texts], bool) | silent
     return silent, blank

@@ -155,10 +155,11 @@ class Prompts:
     """The rows' prompts and targets encoded once, as arrays (`[N, ...]`), and batches of
     them by row index."""
 
-    def __init__(self, tokenizer, rows, s: Settings, chat: bool, reward):
+    def __init__(self, tokenizer, rows, s: Settings, chat: bool, sources: list[str]):
         self.rows = rows
         ids, mask = encode_prompts(tokenizer, rows, s.max_prompt_length, chat, None)
-        targets, target_mask, source, _ = in_graph.encode_targets(tokenizer, rows)
+        targets, target_mask, source, _ = in_graph.encode_targets(tokenizer, rows,
+                                                                  sources=sources)
         self.arrays = dict(prompt_ids=ids, prompt_mask=mask, targets=targets,
                            target_mask=target_mask, source=source)
 
@@ -188,8 +189,9 @@ class MultiRunTrainer:
         self.model, self.tokenizer, self.runs = model, tokenizer, runs
         self.steps_per_call, self.data_seed = steps_per_call, data_seed
         self.reward = in_graph.resolve(s.reward.in_graph_fn, tokenizer)
-        self.train = Prompts(tokenizer, train_rows, s, apply_chat_template, self.reward)
-        self.val = Prompts(tokenizer, val_rows, s, apply_chat_template, self.reward) \
+        sources = sorted({row["data_source"] for row in [*train_rows, *val_rows]})
+        self.train = Prompts(tokenizer, train_rows, s, apply_chat_template, sources)
+        self.val = Prompts(tokenizer, val_rows, s, apply_chat_template, sources) \
             if val_rows else None
         self.actor_opt = make_optimizer(s.actor.optim)
         self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None

@@ -502,6 +502,13 @@ class Settings:
             self._check_filter_groups()
         if self.reward.in_graph_fn is not None:
             self._check_in_graph()
+        elif self.trainer.multi_run:
+            t = self.trainer
+            key = next(f"trainer.{k}={getattr(t, k)!r}" for k in ("runs", "sweep", "steps_per_call")
+                       if getattr(t, k) not in (1, None))
+            _fail("reward.in_graph_fn", f"is needed by {key}: runs and steps in one device "
+                  "program score their responses on the device (e.g. "
+                  "reward.in_graph_fn=exact_match, or a JAX function as path/to/file.py:name)")
         _set(self, sampling_devices=_number("rollout.devices", self.sampling_devices,
                                             allow_zero=True, integer=True))
         if self.staleness not in (0, 1):
@@ -528,6 +535,9 @@ class Settings:
         spec, estimator = self.reward.in_graph_fn, self.algorithm.adv_estimator
         if self.multi_turn is not None:
             _fail_in_graph(spec, "rollout.multi_turn.enable", "=True, tool calls run on the host")
+        if self.sampling_devices:
+            _fail_in_graph(spec, "rollout.devices", f"={self.sampling_devices}, one-step "
+                          "asynchronous training, which runs its rollouts on the host's thread")
         if self.filter_groups is not None:
             _fail_in_graph(spec, "algorithm.filter_groups.enable",
                           "=True, dynamic sampling that filters groups by host scores")

@@ -34,7 +34,7 @@ from jrl import (  # noqa: E402
 from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
-from jrl.rewards import scoring  # noqa: E402
+from jrl.rewards import in_graph, scoring  # noqa: E402
 from jrl.trainer import RLTrainer, check_batch_sizes  # noqa: E402
 
 # Training rows whose demonstrations a custom reward function is tried on before the
@@ -102,6 +102,8 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
             raise ConfigError(f"reward.custom_fn: {err}") from err
         if s.reward.on_error == "raise" and config.sft.steps > 0:
             _try_reward_fn(fn, train_rows)
+    if s.reward.in_graph_fn or s.trainer.multi_run:
+        _check_multi_run(config, s, tokenizer)
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
     sharder = sharder or sharding.from_config(config)
@@ -109,6 +111,21 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
     check_batch_sizes(s, sharder)
     interrupt.check(_checkpoint_step(workdir))
     return _Prepared(tokenizer, train_rows, val_rows, s, sharder, rollout_sharder)
+
+
+def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
+    """What the device program of `jrl.runs` does not do (yet) stops before the run."""
+    from jrl import runs as runs_lib
+
+    runs_lib.plan(config.seed, s.trainer.runs, s.trainer.sweep, config.actor.optim.lr)
+    critic = config.get("critic", {}).get("model", {})
+    for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
+                      ("critic.model.lora_rank", critic.get("lora_rank", 0))):
+        if rank:
+            raise ConfigError(f"{key}={rank}: LoRA is not supported with "
+                              "reward.in_graph_fn (runs in one device program); use "
+                              f"{key}=0, or rewards on the host")
+    in_graph.resolve(s.reward.in_graph_fn, tokenizer)
 
 
 def _try_reward_fn(fn, rows) -> None:

@@ -63,6 +63,9 @@ def test_tool_multiplication_rows():
         assert row["data_source"] == "synthetic/tool_multiplication"
         product = a * b
         assert row["reward_model"]["ground_truth"] == str(product)
+        # verl's place for a tool's per-row state, as its GSM8K rows give their answer.
+        assert row["extra_info"]["tools_kwargs"] == {
+            "calculator": {"create_kwargs": {"ground_truth": str(product)}}}
         shown = row["extra_info"]["demonstration"]
         if len(shown) == 3:
             with_tool += 1

@@ -2,6 +2,7 @@
 encoding of multi-turn demonstrations, the `rollout.multi_turn.*` settings, and a tiny
 RL run with the calculator (and its resume)."""
 
+import itertools
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from jrl.models import ModelConfig, init_params
 from jrl.rewards import tool_arithmetic
 from jrl.sft import encode_examples, sft_loss
 from jrl.train import run
-from tests.trainer.tiny import tiny_config
+from tests.trainer.tiny import apply_overrides, tiny_config
 
 CHAR = CharTokenizer()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +64,9 @@ def test_tool_multiplication_rows():
         assert row["data_source"] == "synthetic/tool_multiplication"
         product = a * b
         assert row["reward_model"]["ground_truth"] == str(product)
+        # verl's place for a tool's per-row state, as its GSM8K rows give their answer.
+        assert row["extra_info"]["tools_kwargs"] == {
+            "calculator": {"create_kwargs": {"ground_truth": str(product)}}}
         shown = row["extra_info"]["demonstration"]
         if len(shown) == 3:
             with_tool += 1
@@ -443,22 +447,83 @@ from jrl.rewards import tool_arithmetic
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     out = tool_arithmetic.compute_score(data_source, solution_str, ground_truth, extra_info)
-    return {**out, "calc_seen": extra_info["rollout_reward_scores"]["calculator"]}
+    return {**out, "own_score": out["score"],
+            "calc_seen": extra_info["rollout_reward_scores"]["calculator"]}
 '''
 
 
-def test_tool_rewards_reach_the_score_in_a_run(tmp_path, calls, monkeypatch):
-    """The calculator rewards every row 0.25 at its end (`calc_reward`; no step
-    rewards): a custom reward function sees 0.25 under its name, and with
-    `add_tool_rewards` each score is the function's plus 0.25."""
-    monkeypatch.setattr(tools_lib.Calculator, "calc_reward", lambda self, instance_id: 0.25)
+@pytest.fixture
+def graded_calls(monkeypatch):
+    """As `calls`, for the graded calculator (configs/tools/graded_calculator.py): a
+    first turn without a call is read as a call, in turn `6*7` (wrong: every product of
+    two three-digit numbers exceeds 42) and `answer`, which the calculator answers with
+    the row's ground truth (right)."""
+    parse = tools_lib.parse_tool_calls
+    forced = itertools.cycle(["6*7", "answer"])
+
+    def parse_or_call(text, fmt):
+        calls, errors = parse(text, fmt)
+        if not calls and not errors:
+            calls = [tools_lib.ToolCall("calculator", {"expression": next(forced)})]
+        return calls, errors
+
+    execute = tools_lib.Calculator.execute
+
+    def answering(self, instance_id, arguments):
+        if arguments["expression"] == "answer":
+            return self.instances[instance_id]["ground_truth"], 0.0, {}
+        return execute(self, instance_id, arguments)
+
+    monkeypatch.setattr(tools_lib, "parse_tool_calls", parse_or_call)
+    monkeypatch.setattr(tools_lib.Calculator, "execute", answering)
+
+
+def _tiny_grpo_tool_calc(**overrides):
+    """configs/grpo_tool_calc.py as written (three-digit products, the two-turn response
+    budget), with a smaller model, batch and warm start."""
+    from configs import grpo_tool_calc
+
+    return apply_overrides(grpo_tool_calc.get_config(), {
+        "model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 1,
+        "model.head_dim": 8, "data.num_train": 64, "data.num_val": 8,
+        "data.train_batch_size": 4, "data.val_batch_size": 8, "rollout.n": 2,
+        "rollout.decode_buckets": 1, "actor.ppo_mini_batch_size": 4,
+        "actor.ppo_micro_batch_size": 8, "sft.steps": 5, "sft.batch_size": 16,
+        "trainer.total_training_steps": 2, "trainer.test_freq": 0,
+        "trainer.val_before_train": False, "trainer.logger": ("jsonl",), **overrides})
+
+
+@pytest.mark.parametrize("add_tool_rewards", [True, False])
+def test_graded_calculator_rewards_reach_the_score_in_a_run(tmp_path, graded_calls, monkeypatch,
+                                                             add_tool_rewards):
+    """configs/grpo_tool_calc.py with configs/tools/graded_calculator.yaml, run from the
+    repository root. A custom reward function sees each sample's tool reward (steps plus
+    calc_reward) as `extra_info["rollout_reward_scores"]["calculator"]`: -0.05 for a
+    wrong call (-0.05 + 0), 1 for a right one (0 + 1), 0 without a call. With
+    `add_tool_rewards` the sample's score is the function's plus that reward; without,
+    the function's alone."""
+    monkeypatch.chdir(REPO)
     fn = tmp_path / "reward.py"
     fn.write_text(_TOOL_REWARD_FN)
-    run(_tool_config(**{"reward.custom_fn": f"{fn}:compute_score",
-                        "rollout.multi_turn.add_tool_rewards": True}), str(tmp_path / "run"))
+    rollouts = tmp_path / "rollouts"
+    run(_tiny_grpo_tool_calc(**{
+        "rollout.multi_turn.tool_config_path": "configs/tools/graded_calculator.yaml",
+        "rollout.multi_turn.add_tool_rewards": add_tool_rewards,
+        "reward.custom_fn": f"{fn}:compute_score",
+        "trainer.rollout_data_dir": str(rollouts)}), str(tmp_path / "run"))
+    samples = [s for step in (1, 2) for s in read_jsonl(str(rollouts / f"{step}.jsonl"))]
+    assert len(samples) == 2 * 4 * 2  # steps x train_batch_size x rollout.n
+    seen = {round(s["calc_seen"], 6) for s in samples}
+    assert seen <= {-0.05, 1.0, 0.0} and {-0.05, 1.0} <= seen, seen
     records = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
     assert len(records) == 2
     for r in records:
-        assert r["reward_extra/calc_seen/mean"] == 0.25
-        assert r["critic/score/mean"] == pytest.approx(r["reward_extra/score/mean"] + 0.25,
+        added = r["reward_extra/calc_seen/mean"] if add_tool_rewards else 0.0
+        assert r["critic/score/mean"] == pytest.approx(r["reward_extra/own_score/mean"] + added,
                                                        abs=1e-6)
+        # With the tool rewards added, reward_extra/score/mean is the function's own score.
+        if add_tool_rewards:
+            assert r["reward_extra/score/mean"] == r["reward_extra/own_score/mean"]
+        else:
+            assert "reward_extra/score/mean" not in r
+    assert sum(r["reward_extra/calc_seen/mean"] for r in records) != 0.0

@@ -129,6 +129,10 @@ def tool_multiplication(digits: int = 3, num_val: int = 256, num_train: int = 40
     answer is <a guess of the right length>." for the rest: the warm-started model
     mostly guesses when decoding greedily (every guess starts alike, every call with
     `<tool_call>`) but calls the tool now and then when sampling, the gap RL closes.
+    Every row gives the calculator its product, as verl's GSM8K rows give their tool
+    the answer: `extra_info["tools_kwargs"] = {"calculator": {"create_kwargs":
+    {"ground_truth": product}}}` (the built-in calculator ignores it; a grading one,
+    configs/tools/graded_calculator.py, rewards a call that computes it).
 
     Returns:
       `(train_rows, val_rows)`, disjoint, in verl's schema (the prompt a message list).
@@ -157,6 +161,8 @@ def tool_multiplication(digits: int = 3, num_val: int = 256, num_train: int = 40
             "prompt": [{"role": "user", "content": f"{a}*{b}"}],
             "data_source": TOOL_DATA_SOURCE,
             "reward_model": {"ground_truth": product, "style": "rule"},
-            "extra_info": {"a": a, "b": b, "demonstration": shown},
+            "extra_info": {"a": a, "b": b, "demonstration": shown,
+                           "tools_kwargs": {"calculator": {
+                               "create_kwargs": {"ground_truth": product}}}},
         })
     return rows[num_val:], rows[:num_val]

@@ -149,6 +149,10 @@ def _decimal(value: Fraction, max_digits: int) -> str | None:
 class Calculator(Tool):
     """Exact arithmetic on an `expression` argument (see `calculate`); no step reward.
 
+    `create` keeps whatever the row's `create_kwargs` hold and reads none of them (the
+    `tool_multiplication` rows give a `ground_truth`: configs/tools/graded_calculator.py
+    grades calls by it).
+
     Config:
       max_length: the longest expression accepted, in characters.
       max_digits: the most digits of a power, literal or result.

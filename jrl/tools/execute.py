@@ -10,6 +10,7 @@ process's exit, and it does not occupy a pool thread, so later calls still start
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,9 @@ from typing import NamedTuple
 from jrl.errors import DataError
 from jrl.tools.base import Tool, ToolError, argument_problems
 from jrl.tools.calls import ToolCall
+
+# Names in rows' `tools_kwargs` of tools that were not loaded, already warned about.
+_IGNORED_NAMES: set[str] = set()
 
 
 class ToolResult(NamedTuple):
@@ -135,6 +139,11 @@ def create_instances(tools: Mapping[str, Tool], instance_id: str,
                      tools_kwargs: Mapping | None = None) -> None:
     """Creates one row's instance of every tool, under the same id.
 
+    As verl's tool agent loop, which looks up `tools_kwargs` by the name of the tool a
+    call runs, entries for tools the tool config does not load are ignored (logged
+    once per name), so a data set that carries kwargs for its own tools runs with
+    another tool set.
+
     Args:
       tools: the tools by name.
       instance_id: the row's id.
@@ -142,12 +151,14 @@ def create_instances(tools: Mapping[str, Tool], instance_id: str,
         `{tool_name: {"create_kwargs": {...}}}`; tools it does not name get none.
 
     Raises:
-      DataError: `tools_kwargs` names a tool that is not loaded, or is malformed.
+      DataError: the entry of a loaded tool is malformed.
     """
     tools_kwargs = dict(tools_kwargs or {})
-    if unknown := sorted(set(tools_kwargs) - set(tools)):
-        raise DataError(f"extra_info.tools_kwargs names tool(s) {unknown} that the tool "
-                        f"config does not load; loaded: {sorted(tools)}")
+    if unknown := set(tools_kwargs) - set(tools) - _IGNORED_NAMES:
+        _IGNORED_NAMES.update(unknown)
+        logging.warning("extra_info.tools_kwargs names tool(s) %s that the tool config "
+                        "does not load (loaded: %s); their create_kwargs are ignored",
+                        sorted(unknown), sorted(tools))
     for name, tool in tools.items():
         entry = tools_kwargs.get(name) or {}
         if not isinstance(entry, Mapping):

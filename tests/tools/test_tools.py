@@ -353,8 +353,37 @@ def test_instances_carry_row_state_and_rewards():
     assert sorted(r.text for r in results[:2]) == ["11", "12"] and results[2].text == "101"
     assert release_instances(tools, "row0") == {"counter": 2.0, "calculator": 0.0}
     assert "row0" not in tools["counter"].instances and "row1" in tools["counter"].instances
-    with pytest.raises(DataError, match=r"names tool\(s\) \['search'\]"):
-        create_instances(tools, "row2", {"search": {"create_kwargs": {}}})
+    with pytest.raises(DataError, match=r"tools_kwargs\.counter\.create_kwargs must be a "):
+        create_instances(tools, "row2", {"counter": {"create_kwargs": [10]}})
+
+
+def test_kwargs_of_tools_not_loaded_are_ignored(caplog, monkeypatch):
+    """As verl's tool agent loop: a row may name tools of another tool set (the
+    `tool_multiplication` rows name the calculator); only loaded tools get kwargs, and
+    the unknown names are logged once."""
+    from jrl.tools import execute
+
+    monkeypatch.setattr(execute, "_IGNORED_NAMES", set())
+    tools = {"counter": Counter({}, _schema("counter", required=()))}
+    row = {"counter": {"create_kwargs": {"start": 5}},
+           "calculator": {"create_kwargs": {"ground_truth": "42"}}}
+    create_instances(tools, "row0", row)
+    create_instances(tools, "row1", row)
+    assert tools["counter"].instances == {"row0": {"start": 5}, "row1": {"start": 5}}
+    warnings = [r.getMessage() for r in caplog.records if "tools_kwargs" in r.getMessage()]
+    assert warnings == ["extra_info.tools_kwargs names tool(s) ['calculator'] that the tool "
+                        "config does not load (loaded: ['counter']); their create_kwargs "
+                        "are ignored"]
+
+
+def test_calculator_ignores_a_ground_truth():
+    calculator = Calculator()
+    create_instances({"calculator": calculator}, "row0",
+                     {"calculator": {"create_kwargs": {"ground_truth": "56088"}}})
+    [result] = execute_calls([ToolCall("calculator", {"expression": "123*456"})],
+                             {"calculator": calculator}, ["row0"], 1.0)
+    assert (result.text, result.reward, result.error) == ("56088", 0.0, None)
+    assert release_instances({"calculator": calculator}, "row0") == {"calculator": 0.0}
 
 
 def test_tool_base_defaults():

@@ -286,14 +286,9 @@ def curves_figure(records: Sequence[dict], val_key: str | None = None) -> Figure
     return fig
 
 
-def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None) -> Figure:
-    """A matplotlib Figure of several runs (records with a `run` field, `jrl.runs`): per
-    panel (the training score, each `val-core/` key) every run's curve thin, their mean
-    bold and the band between their min and max. `labels`: each run's name (legend of
-    the runs when there are at most 8)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+def run_series(records: Sequence[dict]) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """{curve: {run: [(step, value)]}} of records with a `run` field (`jrl.runs`): the
+    training score and each `val-core/` key."""
     runs = sorted({r["run"] for r in records if "run" in r})
     keys = ["critic/score/mean"] + sorted(
         {k for r in records for k in r if k.startswith("val-core/")})
@@ -303,24 +298,41 @@ def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None) ->
                                if r.get("run") == run and key in r) for run in runs}
         if any(per_run.values()):
             series[key] = per_run
+    return series
+
+
+def draw_runs(ax, key: str, per_run: dict[int, list], labels: Sequence[str] | None = None):
+    """One curve of several runs on `ax`: each run thin, their mean bold and the band
+    between their min and max (at the steps every run has)."""
+    for run, points in per_run.items():
+        label = labels[run] if labels is not None and len(per_run) <= 8 else None
+        ax.plot(*zip(*points, strict=True), lw=0.8, alpha=0.5, label=label)
+    steps = sorted(set.intersection(*(set(s for s, _ in p) for p in per_run.values())))
+    values = np.array([[dict(p)[s] for s in steps] for p in per_run.values()])
+    ax.fill_between(steps, values.min(0), values.max(0), color="gray", alpha=0.2,
+                    label=f"min-max of {len(per_run)} runs")
+    ax.plot(steps, values.mean(0), color="black", lw=2, label="mean")
+    ax.set_ylabel(key)
+    if _validation_variable(key) == "acc":
+        ax.set_ylim(0, 1)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", ncol=2)
+
+
+def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None) -> Figure:
+    """A matplotlib Figure of several runs (records with a `run` field, `jrl.runs`): a
+    panel per curve (`run_series`), drawn by `draw_runs`. `labels`: each run's name
+    (a legend of the runs when there are at most 8)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    series = run_series(records)
     fig = Figure(figsize=(5 * max(len(series), 1), 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, max(len(series), 1), squeeze=False)[0]
     for ax, (key, per_run) in zip(axes, series.items(), strict=False):
-        for run, points in per_run.items():
-            label = labels[run] if labels is not None and len(runs) <= 8 else None
-            ax.plot(*zip(*points, strict=True), lw=0.8, alpha=0.5, label=label)
-        steps = sorted(set.intersection(*(set(s for s, _ in p) for p in per_run.values())))
-        values = np.array([[dict(p)[s] for s in steps] for p in per_run.values()])
-        ax.fill_between(steps, values.min(0), values.max(0), color="gray", alpha=0.2,
-                        label=f"min-max of {len(runs)} runs")
-        ax.plot(steps, values.mean(0), color="black", lw=2, label="mean")
-        ax.set_ylabel(key)
-        if _validation_variable(key) == "acc":
-            ax.set_ylim(0, 1)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", ncol=2)
+        draw_runs(ax, key, per_run, labels)
     return fig
 
 

@@ -296,11 +296,17 @@ def test_print_summary_of_runs(capsys):
      "trainer.sweep: 'actor.optim.lr' is given twice; give its values once"),
     ({**IN_GRAPH, "model.lora_rank": 4},
      "model.lora_rank=4: LoRA is not supported with reward.in_graph_fn"),
+    ({**IN_GRAPH, "trainer.rollout_data_dir": "samples"},
+     "trainer.rollout_data_dir='samples': runs in one program (reward.in_graph_fn) do not "
+     "write samples"),
+    ({**IN_GRAPH, "trainer.validation_data_dir": "samples"},
+     "trainer.validation_data_dir='samples': runs in one program"),
     ({**IN_GRAPH, "rollout.devices": 1},
      "reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
      "rollout.devices=1"),
 ], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_value",
-        "sweep_empty", "sweep_negative", "sweep_twice", "lora", "rollout_devices"])
+        "sweep_empty", "sweep_negative", "sweep_twice", "lora", "rollout_data_dir",
+        "validation_data_dir", "rollout_devices"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "run"
     with pytest.raises(ConfigError) as err:

@@ -65,6 +65,9 @@ def parse_sweep(spec: str | None) -> dict[str, list[float]]:
     for part in filter(None, (spec or "").split(";")):
         key, _, values = part.partition("=")
         key = key.strip()
+        if key in out:
+            raise ConfigError(f"trainer.sweep: {key!r} is given twice; give its values once "
+                              "(key=v1,v2,...)")
         if key not in SWEEPABLE:
             raise ConfigError(f"trainer.sweep: {key!r} cannot vary per run; sweepable keys: "
                               f"{', '.join(SWEEPABLE)} (as key=v1,v2,...)")

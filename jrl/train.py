@@ -125,6 +125,11 @@ def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
             raise ConfigError(f"{key}={rank}: LoRA is not supported with "
                               "reward.in_graph_fn (runs in one device program); use "
                               f"{key}=0, or rewards on the host")
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        if getattr(s.trainer, key):
+            raise ConfigError(f"trainer.{key}={getattr(s.trainer, key)!r}: runs in one "
+                              "program (reward.in_graph_fn) do not write samples; unset it, "
+                              "or use rewards on the host")
     in_graph.resolve(s.reward.in_graph_fn, tokenizer)
 
 

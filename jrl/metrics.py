@@ -301,17 +301,25 @@ def run_series(records: Sequence[dict]) -> dict[str, dict[int, list[tuple[int, f
     return series
 
 
-def draw_runs(ax, key: str, per_run: dict[int, list], labels: Sequence[str] | None = None):
+def draw_runs(ax, key: str, per_run: dict[int, list], labels: Sequence[str] | None = None,
+              groups: Sequence[str] | None = None):
     """One curve of several runs on `ax`: each run thin, their mean bold and the band
-    between their min and max (at the steps every run has)."""
-    for run, points in per_run.items():
-        label = labels[run] if labels is not None and len(per_run) <= 8 else None
-        ax.plot(*zip(*points, strict=True), lw=0.8, alpha=0.5, label=label)
-    steps = sorted(set.intersection(*(set(s for s, _ in p) for p in per_run.values())))
-    values = np.array([[dict(p)[s] for s in steps] for p in per_run.values()])
-    ax.fill_between(steps, values.min(0), values.max(0), color="gray", alpha=0.2,
-                    label=f"min-max of {len(per_run)} runs")
-    ax.plot(steps, values.mean(0), color="black", lw=2, label="mean")
+    between their min and max (at the steps every run has). With `groups` (a name per
+    run, e.g. its learning rate in a sweep) each group gets its own colour, mean and band."""
+    names = [None] * (max(per_run) + 1) if groups is None else list(groups)
+    for index, name in enumerate(dict.fromkeys(names[run] for run in per_run)):
+        members = {run: p for run, p in per_run.items() if names[run] == name}
+        color = "black" if groups is None else f"C{index % 10}"
+        for run, points in members.items():
+            label = labels[run] if labels is not None and len(per_run) <= 8 else None
+            ax.plot(*zip(*points, strict=True), lw=0.8, alpha=0.5, label=label,
+                    color=None if groups is None else color)
+        steps = sorted(set.intersection(*(set(s for s, _ in p) for p in members.values())))
+        values = np.array([[dict(p)[s] for s in steps] for p in members.values()])
+        prefix = "" if name is None else f"{name}: "
+        ax.fill_between(steps, values.min(0), values.max(0), color="gray" if groups is None
+                        else color, alpha=0.2, label=f"{prefix}min-max of {len(members)} runs")
+        ax.plot(steps, values.mean(0), color=color, lw=2, label=f"{prefix}mean")
     ax.set_ylabel(key)
     if _validation_variable(key) == "acc":
         ax.set_ylim(0, 1)
@@ -320,19 +328,21 @@ def draw_runs(ax, key: str, per_run: dict[int, list], labels: Sequence[str] | No
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", ncol=2)
 
 
-def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None) -> Figure:
+def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None,
+                groups: Sequence[str] | None = None) -> Figure:
     """A matplotlib Figure of several runs (records with a `run` field, `jrl.runs`): a
     panel per curve (`run_series`), drawn by `draw_runs`. `labels`: each run's name
-    (a legend of the runs when there are at most 8)."""
+    (a legend of the runs when there are at most 8); `groups`: see `draw_runs`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     series = run_series(records)
-    fig = Figure(figsize=(5 * max(len(series), 1), 4.5), layout="constrained")
+    fig = Figure(figsize=(5 * max(len(series), 1), 4.5 + (groups is not None)),
+                 layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, max(len(series), 1), squeeze=False)[0]
     for ax, (key, per_run) in zip(axes, series.items(), strict=False):
-        draw_runs(ax, key, per_run, labels)
+        draw_runs(ax, key, per_run, labels, groups)
     return fig
 
 

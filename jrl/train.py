@@ -325,7 +325,9 @@ def _run_results(config, workdir: str, records: list[dict]) -> dict:
                       "final": validations[-1] if validations else {}})
     curves = os.path.join(workdir, "curves.png")
     if jax.process_index() == 0:
-        metrics.runs_figure(records, [r.label for r in plan]).savefig(curves, dpi=120)
+        settings = [f"lr={r.lr:g}" for r in plan]
+        groups = settings if len(set(settings)) > 1 else None
+        metrics.runs_figure(records, [r.label for r in plan], groups).savefig(curves, dpi=120)
     return {"runs": table, "curves": curves}
 
 

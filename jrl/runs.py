@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import evaluate, interrupt, metrics, rundir, sft, update
+from jrl import evaluate, interrupt, kl_control, metrics, rundir, sft, update
 from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
@@ -43,20 +43,28 @@ from jrl.rewards.responses import decode_responses
 from jrl.settings import Settings
 from jrl.trainer import learn_metrics
 
-# Hyperparameters a sweep (`trainer.sweep`) may give per run.
-SWEEPABLE = ("actor.optim.lr",)
+# Hyperparameters a sweep (`trainer.sweep`) may give per run: the `Run` field of each.
+SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One run of a multi-run program: its seed and peak actor learning rate."""
+    """One run of a multi-run program: its seed, peak actor learning rate and initial
+    in-reward KL coefficient, and the keys its sweep varies (`swept`)."""
 
     seed: int
     lr: float
+    kl_coef: float = 0.0
+    swept: tuple[str, ...] = ()
+
+    @property
+    def setting(self) -> str:
+        """The swept values, e.g. "lr=0.0001" ("" without a sweep)."""
+        return " ".join(f"{SWEEPABLE[k]}={getattr(self, SWEEPABLE[k]):g}" for k in self.swept)
 
     @property
     def label(self) -> str:
-        return f"seed={self.seed} lr={self.lr:g}"
+        return f"seed={self.seed} {self.setting}".strip()
 
 
 def parse_sweep(spec: str | None) -> dict[str, list[float]]:
@@ -70,7 +78,8 @@ def parse_sweep(spec: str | None) -> dict[str, list[float]]:
                               "(key=v1,v2,...)")
         if key not in SWEEPABLE:
             raise ConfigError(f"trainer.sweep: {key!r} cannot vary per run; sweepable keys: "
-                              f"{', '.join(SWEEPABLE)} (as key=v1,v2,...)")
+                              f"{', '.join(SWEEPABLE)} (as key=v1,v2,...; several joined "
+                              "by ';')")
         try:
             out[key] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
@@ -81,13 +90,21 @@ def parse_sweep(spec: str | None) -> dict[str, list[float]]:
     return out
 
 
-def plan(seed: int, runs: int, sweep: str | None, lr: float) -> list[Run]:
-    """The runs: `runs` seeds (`seed`, `seed + 1`, ...) for each setting of the sweep
-    (its values crossed; settings outer, seeds inner)."""
-    if runs < 1:
-        raise ConfigError(f"trainer.runs must be >= 1, got {runs}")
-    lrs = parse_sweep(sweep).get("actor.optim.lr", [lr])
-    return [Run(seed + i, value) for value, i in itertools.product(lrs, range(runs))]
+def plan(config) -> list[Run]:
+    """The runs of `config`: `trainer.runs` seeds (`seed`, `seed + 1`, ...) for each
+    setting of `trainer.sweep` (its keys' values crossed; settings outer, seeds inner)."""
+    t, a = config.trainer, config.algorithm
+    if t.runs < 1:
+        raise ConfigError(f"trainer.runs must be >= 1, got {t.runs}")
+    sweep = parse_sweep(t.sweep)
+    if "algorithm.kl_ctrl.kl_coef" in sweep and not a.use_kl_in_reward:
+        raise ConfigError("trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the "
+                          "reward, which algorithm.use_kl_in_reward=False leaves out; set it "
+                          "True or sweep another key")
+    lrs = sweep.get("actor.optim.lr", [config.actor.optim.lr])
+    kls = sweep.get("algorithm.kl_ctrl.kl_coef", [a.kl_ctrl.kl_coef])
+    return [Run(config.seed + i, lr, kl, tuple(sweep))
+            for lr, kl, i in itertools.product(lrs, kls, range(t.runs))]
 
 
 def place_scores(scores, response_mask):
@@ -205,7 +222,9 @@ class MultiRunTrainer:
         init_keys = jax.vmap(lambda root: jax.random.fold_in(root, 2**31 - 1))(self.roots)
         copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, model))
         self.refs = jax.jit(copy)(params) if s.needs_reference else None
-        self.state = jax.jit(jax.vmap(init))(params, init_keys)
+        # Each run's in-reward KL coefficient starts at its own value (a sweep's).
+        kl = kl_control.KLControlState(jnp.asarray([r.kl_coef for r in runs], jnp.float32))
+        self.state = jax.jit(jax.vmap(init))(params, init_keys).replace(kl=kl)
         self.step, self.data, self._saved_step = 0, IteratorState(), 0
         kw = dict(s=s, model=model, reward=self.reward)
         self._steps = jax.jit(functools.partial(

@@ -117,7 +117,7 @@ def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
     """What the device program of `jrl.runs` does not do (yet) stops before the run."""
     from jrl import runs as runs_lib
 
-    runs_lib.plan(config.seed, s.trainer.runs, s.trainer.sweep, config.actor.optim.lr)
+    runs_lib.plan(config)
     critic = config.get("critic", {}).get("model", {})
     for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
                       ("critic.model.lora_rank", critic.get("lora_rank", 0))):
@@ -189,7 +189,7 @@ def _run_multi(config, workdir, p: _Prepared, exit_after_steps) -> dict:
     from jrl import runs as runs_lib
 
     t, lead = p.settings.trainer, jax.process_index() == 0
-    plan = runs_lib.plan(config.seed, t.runs, t.sweep, config.actor.optim.lr)
+    plan = runs_lib.plan(config)
     model, params = experiment.build_models(config, p.tokenizer, [r.seed for r in plan])
     os.makedirs(workdir, exist_ok=True)
     if config.sft.steps > 0:
@@ -314,18 +314,18 @@ def _run_results(config, workdir: str, records: list[dict]) -> dict:
     from jrl import runs as runs_lib
 
     t = config.trainer
-    plan = runs_lib.plan(config.seed, t.runs, t.sweep, config.actor.optim.lr)
+    plan = runs_lib.plan(config)
     table = []
     for index, run in enumerate(plan):
         validations = [{k: v for k, v in r.items() if k.startswith("val-")}
                        for r in records if r.get("run") == index]
         validations = [v for v in validations if v]
-        table.append({"run": index, "seed": run.seed, "lr": run.lr,
+        table.append({"run": index, "seed": run.seed, "lr": run.lr, "setting": run.setting,
                       "initial": validations[0] if validations and t.val_before_train else {},
                       "final": validations[-1] if validations else {}})
     curves = os.path.join(workdir, "curves.png")
     if jax.process_index() == 0:
-        settings = [f"lr={r.lr:g}" for r in plan]
+        settings = [r.setting for r in plan]
         groups = settings if len(set(settings)) > 1 else None
         metrics.runs_figure(records, [r.label for r in plan], groups).savefig(curves, dpi=120)
     return {"runs": table, "curves": curves}
@@ -356,7 +356,8 @@ def _print_runs(summary: dict) -> None:
         gains = []
         for row in table:
             before, after = row["initial"].get(key), row["final"].get(key)
-            line = f"  run {row['run']:>3} seed {row['seed']:>4} lr {row['lr']:<8g}"
+            setting = row.get("setting") or f"lr={row['lr']:g}"
+            line = f"  run {row['run']:>3} seed {row['seed']:>4} {setting:<12}"
             if after is not None:
                 line += f" {after:.3f} after RL"
             if before is not None and after is not None:

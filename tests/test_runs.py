@@ -178,6 +178,19 @@ def test_run_of_a_sweep_is_the_single_run_of_its_learning_rate(runs):
     assert slow[2]["actor/entropy"] != fast[2]["actor/entropy"]
 
 
+def test_run_of_a_kl_sweep_is_the_single_run_of_its_coefficient(runs):
+    # PPO has the KL penalty in the reward: each run's controller starts at its value.
+    key = "algorithm.kl_ctrl.kl_coef"
+    summary, swept = runs("ppo", **IN_GRAPH, **{"trainer.sweep": f"{key}=0.001,0.3"})
+    assert [row["setting"] for row in summary["runs"]] == ["kl_coef=0.001", "kl_coef=0.3"]
+    for run, coef in enumerate((0.001, 0.3)):
+        # The config's own coefficient is the single run the seed test made already.
+        _, single = _single(runs, "ppo") if coef == 0.001 else runs("ppo", **{key: coef})
+        got, want = _per_step(swept, run), _per_step(single)
+        _assert_same_steps(got, want, PPO_COMPARED)
+        assert got[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(coef)
+
+
 def _run_of(stacked, run: int):
     """Run `run`'s parameters of a stacked tree (`[R, ...]` leaves)."""
     return jax.tree.map(lambda x: x[run], stacked)
@@ -249,8 +262,8 @@ def test_outputs_of_a_multi_run(runs, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{ACC}:"
     assert [line.split(" after RL")[0] for line in lines[1:3]] == [
-        f"  run   0 seed    0 lr 0.0001   {summary['runs'][0]['final'][ACC]:.3f}",
-        f"  run   1 seed    1 lr 0.0001   {summary['runs'][1]['final'][ACC]:.3f}"]
+        f"  run   0 seed    0 lr=0.0001    {summary['runs'][0]['final'][ACC]:.3f}",
+        f"  run   1 seed    1 lr=0.0001    {summary['runs'][1]['final'][ACC]:.3f}"]
     assert lines[3].startswith("  after RL: mean ") and lines[3].count("over 2 runs") == 1
     assert lines[-1] == f"curves: {summary['curves']}"
 
@@ -260,14 +273,15 @@ def test_print_summary_of_runs(capsys):
     summary = {"runs": [
         {"run": 0, "seed": 0, "lr": 1e-4, "initial": {key: 0.25}, "final": {key: 0.75}},
         {"run": 1, "seed": 1, "lr": 1e-4, "initial": {key: 0.5}, "final": {key: 0.5}},
-        {"run": 2, "seed": 0, "lr": 3e-4, "initial": {}, "final": {key: 1.0}},
+        {"run": 2, "seed": 0, "lr": 3e-4, "setting": "lr=0.0003 kl_coef=0.01", "initial": {},
+         "final": {key: 1.0}},
     ], "curves": "w/curves.png"}
     train.print_summary(summary)
     assert capsys.readouterr().out.splitlines() == [
         f"{key}:",
-        "  run   0 seed    0 lr 0.0001   0.750 after RL, 0.250 before (+50.0 points)",
-        "  run   1 seed    1 lr 0.0001   0.500 after RL, 0.500 before (+0.0 points)",
-        "  run   2 seed    0 lr 0.0003   1.000 after RL",
+        "  run   0 seed    0 lr=0.0001    0.750 after RL, 0.250 before (+50.0 points)",
+        "  run   1 seed    1 lr=0.0001    0.500 after RL, 0.500 before (+0.0 points)",
+        "  run   2 seed    0 lr=0.0003 kl_coef=0.01 1.000 after RL",
         "  after RL: mean 0.750, min 0.500, max 1.000 over 3 runs; gain mean +25.0 points",
         "curves: w/curves.png",
     ]
@@ -285,7 +299,11 @@ def test_print_summary_of_runs(capsys):
                                                "trainer.sweep='actor.optim.lr=1e-4'"),
     ({**IN_GRAPH, "trainer.runs": 0}, "trainer.runs: must be a positive number, got 0"),
     ({**IN_GRAPH, "trainer.sweep": "critic.optim.lr=1e-3"},
-     "trainer.sweep: 'critic.optim.lr' cannot vary per run; sweepable keys: actor.optim.lr"),
+     "trainer.sweep: 'critic.optim.lr' cannot vary per run; sweepable keys: actor.optim.lr, "
+     "algorithm.kl_ctrl.kl_coef"),
+    ({**IN_GRAPH, "trainer.sweep": "algorithm.kl_ctrl.kl_coef=0.01,0.1"},
+     "trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the reward, which "
+     "algorithm.use_kl_in_reward=False leaves out"),
     ({**IN_GRAPH, "trainer.sweep": "actor.optim.lr=1e-4,fast"},
      "trainer.sweep: 'actor.optim.lr=1e-4,fast' must be key=v1,v2,... with numbers"),
     ({**IN_GRAPH, "trainer.sweep": "actor.optim.lr="},
@@ -304,7 +322,7 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "rollout.devices": 1},
      "reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
      "rollout.devices=1"),
-], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_value",
+], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused", "sweep_value",
         "sweep_empty", "sweep_negative", "sweep_twice", "lora", "rollout_data_dir",
         "validation_data_dir", "rollout_devices"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):

@@ -20,6 +20,7 @@ The warm start (`sft`) is vmapped too, K steps a call. Metrics carry a `run` fie
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -44,17 +45,19 @@ from jrl.settings import Settings
 from jrl.trainer import learn_metrics
 
 # Hyperparameters a sweep (`trainer.sweep`) may give per run: the `Run` field of each.
-SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef"}
+SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
+             "actor.clip_ratio": "clip_ratio"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One run of a multi-run program: its seed, peak actor learning rate and initial
-    in-reward KL coefficient, and the keys its sweep varies (`swept`)."""
+    """One run of a multi-run program: its seed, peak actor learning rate, initial
+    in-reward KL coefficient and PPO clip ratio, and the keys its sweep varies."""
 
     seed: int
     lr: float
     kl_coef: float = 0.0
+    clip_ratio: float = 0.2
     swept: tuple[str, ...] = ()
 
     @property
@@ -101,10 +104,18 @@ def plan(config) -> list[Run]:
         raise ConfigError("trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the "
                           "reward, which algorithm.use_kl_in_reward=False leaves out; set it "
                           "True or sweep another key")
-    lrs = sweep.get("actor.optim.lr", [config.actor.optim.lr])
-    kls = sweep.get("algorithm.kl_ctrl.kl_coef", [a.kl_ctrl.kl_coef])
-    return [Run(config.seed + i, lr, kl, tuple(sweep))
-            for lr, kl, i in itertools.product(lrs, kls, range(t.runs))]
+    if "actor.clip_ratio" in sweep:
+        for key in ("clip_ratio_low", "clip_ratio_high"):
+            if config.actor[key] is not None:
+                raise ConfigError(f"trainer.sweep: actor.clip_ratio is overridden by "
+                                  f"actor.{key}={config.actor[key]}, so its values would not "
+                                  f"apply; unset actor.{key} or sweep another key")
+    single = {"actor.optim.lr": config.actor.optim.lr,
+              "algorithm.kl_ctrl.kl_coef": a.kl_ctrl.kl_coef,
+              "actor.clip_ratio": config.actor.clip_ratio}
+    values = [sweep.get(key, [single[key]]) for key in SWEEPABLE]
+    return [Run(config.seed + i, lr, kl, clip, tuple(sweep))
+            for lr, kl, clip, i in itertools.product(*values, range(t.runs))]
 
 
 def place_scores(scores, response_mask):
@@ -116,11 +127,31 @@ def place_scores(scores, response_mask):
     return jnp.where(jnp.arange(width) == last[:, None], scores[:, None], 0.0).astype(jnp.float32)
 
 
-def rl_step(state, ref, root, lr, batch, *, s: Settings, model: ModelConfig,
+def with_run_settings(s: Settings, hp: dict) -> Settings:
+    """`s` with the run's own values of the sweepable settings that live in it (`hp`:
+    traced scalars by `Run` field). The copies skip the settings' checks, which the
+    config's values passed and which cannot look at traced values."""
+    if "clip_ratio" not in hp:
+        return s
+    loss = _unchecked(s.actor.loss, clip_ratio=hp["clip_ratio"])
+    return _unchecked(s, actor=_unchecked(s.actor, loss=loss))
+
+
+def _unchecked(settings, **changes):
+    """A copy of a frozen settings dataclass with `changes`, without `__post_init__`."""
+    out = copy.copy(settings)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+def rl_step(state, ref, root, hp, batch, *, s: Settings, model: ModelConfig,
             reward: in_graph.InGraphReward, actor_opt, critic_opt):
     """One run's RL step on the device: the trainer's data path with the reward in the
     graph. `batch`: prompt ids/mask `[B, P]`, target ids/mask `[B, T]`, source `[B]`;
-    `root`: the run's key (`key(seed)`); `lr`: its peak actor learning rate."""
+    `root`: the run's key (`key(seed)`); `hp`: its swept hyperparameters (`"lr"`, its
+    peak actor learning rate, and those of `with_run_settings`)."""
+    s = with_run_settings(s, hp)
     key = jax.random.fold_in(root, state.step)
     gen_key = jax.random.split(key, 3)[0]
     rollout = step_lib.generate(state, batch["prompt_ids"], batch["prompt_mask"], gen_key,
@@ -134,15 +165,15 @@ def rl_step(state, ref, root, lr, batch, *, s: Settings, model: ModelConfig,
                       uid=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), n))
     state, m = step_lib.learn(state, exp, key, s=s, model=model, actor_opt=actor_opt,
                               critic_opt=critic_opt, critic_warmup=s.trainer.critic_warmup,
-                              actor_lr=lr)
+                              actor_lr=hp["lr"])
     return state, {**m, **{f"reward_extra/{k}/mean": v.mean() for k, v in extras.items()}}
 
 
-def rl_steps(states, refs, roots, lrs, batches, **kw):
+def rl_steps(states, refs, roots, hps, batches, **kw):
     """K steps (`lax.scan` over the leading axis of `batches`) of R runs (`vmap` over the
-    leading axis of `states`, `refs`, `roots`, `lrs`); metrics `[K, R]`."""
+    leading axis of `states`, `refs`, `roots`, `hps`); metrics `[K, R]`."""
     one = jax.vmap(functools.partial(rl_step, **kw), in_axes=(0, 0, 0, 0, None))
-    return jax.lax.scan(lambda st, batch: one(st, refs, roots, lrs, batch), states, batches)
+    return jax.lax.scan(lambda st, batch: one(st, refs, roots, hps, batch), states, batches)
 
 
 def sft_steps(states, batches, *, model: ModelConfig, optimizer):
@@ -216,7 +247,9 @@ class MultiRunTrainer:
         self.actor_opt = make_optimizer(s.actor.optim)
         self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None
         self.roots = jnp.stack([jax.random.key(r.seed) for r in runs])
-        self.lrs = jnp.asarray([r.lr for r in runs], jnp.float32)
+        # The swept values a step reads (the KL coefficient is the state's).
+        fields = ["lr"] + [SWEEPABLE[k] for k in ("actor.clip_ratio",) if k in runs[0].swept]
+        self.hps = {f: jnp.asarray([getattr(r, f) for r in runs], jnp.float32) for f in fields}
         init = functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,
                                  critic_opt=self.critic_opt, model=model)
         init_keys = jax.vmap(lambda root: jax.random.fold_in(root, 2**31 - 1))(self.roots)
@@ -277,7 +310,7 @@ class MultiRunTrainer:
         index = [iterator.next_batch() for _ in range(count)]
         batches = jax.tree.map(lambda *x: np.stack(x), *[self.train.take(i) for i in index])
         start = time.perf_counter()
-        self.state, m = self._steps(self.state, self.refs, self.roots, self.lrs, batches)
+        self.state, m = self._steps(self.state, self.refs, self.roots, self.hps, batches)
         m = jax.device_get(m)
         seconds = time.perf_counter() - start
         self.step, self.data = self.step + count, iterator.state

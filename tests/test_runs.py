@@ -191,6 +191,18 @@ def test_run_of_a_kl_sweep_is_the_single_run_of_its_coefficient(runs):
         assert got[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(coef)
 
 
+def test_run_of_a_clip_sweep_is_the_single_run_of_its_clip_ratio(runs):
+    summary, swept = runs("grpo", **IN_GRAPH, **{"trainer.sweep": "actor.clip_ratio=0.2,0.01"})
+    assert [row["setting"] for row in summary["runs"]] == ["clip_ratio=0.2", "clip_ratio=0.01"]
+    clipped = []
+    for run, clip in enumerate((0.2, 0.01)):
+        _, single = _single(runs) if clip == 0.2 else runs("grpo", **{"actor.clip_ratio": clip})
+        got = _per_step(swept, run)
+        _assert_same_steps(got, _per_step(single), COMPARED + ("actor/pg_clipfrac",))
+        clipped.append(max(got[s]["actor/pg_clipfrac"] for s in range(1, STEPS + 1)))
+    assert clipped[1] > clipped[0]  # the narrow clip range does clip more
+
+
 def _run_of(stacked, run: int):
     """Run `run`'s parameters of a stacked tree (`[R, ...]` leaves)."""
     return jax.tree.map(lambda x: x[run], stacked)
@@ -300,10 +312,12 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "trainer.runs": 0}, "trainer.runs: must be a positive number, got 0"),
     ({**IN_GRAPH, "trainer.sweep": "critic.optim.lr=1e-3"},
      "trainer.sweep: 'critic.optim.lr' cannot vary per run; sweepable keys: actor.optim.lr, "
-     "algorithm.kl_ctrl.kl_coef"),
+     "algorithm.kl_ctrl.kl_coef, actor.clip_ratio"),
     ({**IN_GRAPH, "trainer.sweep": "algorithm.kl_ctrl.kl_coef=0.01,0.1"},
      "trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the reward, which "
      "algorithm.use_kl_in_reward=False leaves out"),
+    ({**IN_GRAPH, "trainer.sweep": "actor.clip_ratio=0.1,0.3", "actor.clip_ratio_high": 0.28},
+     "trainer.sweep: actor.clip_ratio is overridden by actor.clip_ratio_high=0.28"),
     ({**IN_GRAPH, "trainer.sweep": "actor.optim.lr=1e-4,fast"},
      "trainer.sweep: 'actor.optim.lr=1e-4,fast' must be key=v1,v2,... with numbers"),
     ({**IN_GRAPH, "trainer.sweep": "actor.optim.lr="},
@@ -322,7 +336,7 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "rollout.devices": 1},
      "reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
      "rollout.devices=1"),
-], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused", "sweep_value",
+], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused", "sweep_clip_overridden", "sweep_value",
         "sweep_empty", "sweep_negative", "sweep_twice", "lora", "rollout_data_dir",
         "validation_data_dir", "rollout_devices"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):

@@ -382,6 +382,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     # Devices on the tensor-parallel axis (heads, MLP width and vocabulary split).
     c.mesh.tensor = 1
+    # Devices the runs of one program (trainer.runs, reward.in_graph_fn) are split over,
+    # each holding runs / mesh.runs of them (-1: all devices); with runs, the other axes
+    # do not apply.
+    c.mesh.runs = 1
     c.mesh.rules = ml_collections.ConfigDict()
     # Mesh axes (comma-separated, "" for none) each logical axis is split over: batch rows.
     c.mesh.rules.batch = "data,fsdp"

@@ -31,6 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jrl import evaluate, interrupt, kl_control, metrics, rundir, sft, update
 from jrl import step as step_lib
@@ -202,6 +204,36 @@ def validation_rollouts(states, roots, step, start, batch, *, s: Settings,
     return jax.vmap(one)(states, roots)
 
 
+class RunsMesh:
+    """The devices the runs are split over (`mesh.runs`): every stacked array's leading
+    runs axis sharded over them (a device holds R / devices runs), prompts replicated."""
+
+    def __init__(self, devices: int = 1):
+        self.mesh = Mesh(np.asarray(jax.devices()[:devices]), ("runs",))
+        self.stacked = NamedSharding(self.mesh, P("runs"))  # [R, ...]
+        self.scanned = NamedSharding(self.mesh, P(None, "runs"))  # [K, R, ...]
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    def put(self, tree):
+        """`tree`'s stacked leaves (`[R, ...]`) split over the runs' devices."""
+        return jax.device_put(tree, self.stacked)
+
+
+def runs_devices(config, runs: int) -> int:
+    """`mesh.runs` resolved (-1: every device), checked to divide the `runs` runs."""
+    count, size = jax.device_count(), int(config.mesh.get("runs", 1))
+    size = count if size == -1 else size
+    if size < 1 or size > count or runs % size:
+        raise ConfigError(f"mesh.runs={config.mesh.get('runs', 1)}: the runs are split over "
+                          f"this many of the {count} devices, which must divide the {runs} "
+                          f"runs (trainer.runs x the sweep's settings); use 1, -1 or a "
+                          "divisor of both")
+    return size
+
+
 class Prompts:
     """The rows' prompts and targets encoded once, as arrays (`[N, ...]`), and batches of
     them by row index."""
@@ -235,8 +267,10 @@ class MultiRunTrainer:
 
     def __init__(self, settings: Settings, model: ModelConfig, params, tokenizer, train_rows,
                  val_rows, runs: list[Run], workdir: str, apply_chat_template: bool = False,
-                 data_seed: int = 0, steps_per_call: int = 1):
+                 data_seed: int = 0, steps_per_call: int = 1, mesh: RunsMesh | None = None):
         s = self.s = settings
+        mesh = self.mesh = mesh or RunsMesh()
+        params = mesh.put(params)
         self.model, self.tokenizer, self.runs = model, tokenizer, runs
         self.steps_per_call, self.data_seed = steps_per_call, data_seed
         self.reward = in_graph.resolve(s.reward.in_graph_fn, tokenizer)
@@ -246,24 +280,29 @@ class MultiRunTrainer:
             if val_rows else None
         self.actor_opt = make_optimizer(s.actor.optim)
         self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None
-        self.roots = jnp.stack([jax.random.key(r.seed) for r in runs])
+        self.roots = mesh.put(jnp.stack([jax.random.key(r.seed) for r in runs]))
         # The swept values a step reads (the KL coefficient is the state's).
         fields = ["lr"] + [SWEEPABLE[k] for k in ("actor.clip_ratio",) if k in runs[0].swept]
-        self.hps = {f: jnp.asarray([getattr(r, f) for r in runs], jnp.float32) for f in fields}
+        self.hps = mesh.put({f: jnp.asarray([getattr(r, f) for r in runs], jnp.float32)
+                             for f in fields})
         init = functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,
                                  critic_opt=self.critic_opt, model=model)
         init_keys = jax.vmap(lambda root: jax.random.fold_in(root, 2**31 - 1))(self.roots)
         copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, model))
-        self.refs = jax.jit(copy)(params) if s.needs_reference else None
+        self.refs = jax.jit(copy, out_shardings=mesh.stacked)(params) \
+            if s.needs_reference else None
         # Each run's in-reward KL coefficient starts at its own value (a sweep's).
-        kl = kl_control.KLControlState(jnp.asarray([r.kl_coef for r in runs], jnp.float32))
-        self.state = jax.jit(jax.vmap(init))(params, init_keys).replace(kl=kl)
+        kl = kl_control.KLControlState(mesh.put(jnp.asarray([r.kl_coef for r in runs],
+                                                            jnp.float32)))
+        self.state = jax.jit(jax.vmap(init), out_shardings=mesh.stacked)(
+            params, init_keys).replace(kl=kl)
         self.step, self.data, self._saved_step = 0, IteratorState(), 0
         kw = dict(s=s, model=model, reward=self.reward)
         self._steps = jax.jit(functools.partial(
             rl_steps, **kw, actor_opt=self.actor_opt, critic_opt=self.critic_opt),
-            donate_argnums=0)
-        self._validate = jax.jit(functools.partial(validation_rollouts, **kw))
+            out_shardings=(mesh.stacked, mesh.scanned), donate_argnums=0)
+        self._validate = jax.jit(functools.partial(validation_rollouts, **kw),
+                                 out_shardings=mesh.stacked)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          max_to_keep=s.trainer.max_ckpt_to_keep)
 
@@ -297,7 +336,8 @@ class MultiRunTrainer:
             return False
         state, self.step, self.data = self.checkpointer.restore_train_state(
             step, self.state, None)
-        self.state = state.replace(step=jnp.full((self.num_runs,), self.step, jnp.int32))
+        self.state = state.replace(step=self.mesh.put(jnp.full((self.num_runs,), self.step,
+                                                               jnp.int32)))
         self._saved_step = self.step
         if jax.process_index() == 0:
             print(f"resumed from step {self.step} (of {self.s.total_steps})", flush=True)
@@ -404,7 +444,7 @@ def _write(writer, step: int, per_run: list[dict]) -> None:
 
 
 def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, train_rows,
-               runs: list[Run], steps_per_call: int):
+               runs: list[Run], steps_per_call: int, mesh: RunsMesh | None = None):
     """Every run's supervised warm start (`config.sft`), vmapped, `steps_per_call` steps
     a call; or the workdir's, made with the same settings and seeds. Run r's batches are
     those `jrl.sft.train_sft` draws with `seed = runs[r].seed`."""
@@ -422,11 +462,12 @@ def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, trai
                     f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
                     "--config.trainer.resume_mode=disable to replace it.")
             print(f"sft: reusing the warm starts in {directory}", flush=True)
-            return ckpt.restore(step, params)[0]
+            return ckpt.restore(step, (mesh or RunsMesh()).put(params))[0]
         print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}, "
               f"{len(runs)} runs at once", flush=True)
         params = train_sft_runs(params, train_rows, tokenizer, model=model, config=config,
-                                seeds=[r.seed for r in runs], steps_per_call=steps_per_call)
+                                seeds=[r.seed for r in runs], steps_per_call=steps_per_call,
+                                mesh=mesh)
         ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
         return params
     finally:
@@ -434,18 +475,20 @@ def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, trai
 
 
 def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig, config, seeds: list[int],
-                   steps_per_call: int):
-    """`jrl.sft.train_sft` for each seed at once: `params` stacked per run."""
-    c = config.sft
+                   steps_per_call: int, mesh: RunsMesh | None = None):
+    """`jrl.sft.train_sft` for each seed at once: `params` stacked per run (split over
+    `mesh`'s devices)."""
+    c, mesh = config.sft, mesh or RunsMesh()
     optimizer = sft.sft_optimizer(c.lr, c.lr_warmup_steps)
     examples = sft.encode_examples(tokenizer, rows, config.data.max_prompt_length,
                                    config.rollout.response_length,
                                    config.data.apply_chat_template, None)
     names = ("prompt_ids", "prompt_mask", "responses", "response_mask", "attention_mask")
     rngs = [np.random.default_rng(seed) for seed in seeds]
-    state = jax.jit(jax.vmap(lambda p: update.ModelState(p, optimizer.init(p))))(params)
+    state = jax.jit(jax.vmap(lambda p: update.ModelState(p, optimizer.init(p))),
+                    out_shardings=mesh.stacked)(mesh.put(params))
     program = jax.jit(functools.partial(sft_steps, model=model, optimizer=optimizer),
-                      donate_argnums=0)
+                      out_shardings=(mesh.stacked, mesh.scanned), donate_argnums=0)
     done = 0
     while done < c.steps:
         count = min(steps_per_call, c.steps - done)

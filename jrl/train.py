@@ -104,6 +104,10 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
             _try_reward_fn(fn, train_rows)
     if s.reward.in_graph_fn or s.trainer.multi_run:
         _check_multi_run(config, s, tokenizer)
+    elif config.mesh.get("runs", 1) != 1:
+        raise ConfigError(f"mesh.runs={config.mesh.runs}: splits runs in one program "
+                          "(trainer.runs with reward.in_graph_fn) over devices; a single "
+                          "run with host rewards uses mesh.data/fsdp/tensor, leave it 1")
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
     sharder = sharder or sharding.from_config(config)
@@ -117,7 +121,7 @@ def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
     """What the device program of `jrl.runs` does not do (yet) stops before the run."""
     from jrl import runs as runs_lib
 
-    runs_lib.plan(config)
+    runs_lib.runs_devices(config, len(runs_lib.plan(config)))
     critic = config.get("critic", {}).get("model", {})
     for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
                       ("critic.model.lora_rank", critic.get("lora_rank", 0))):
@@ -190,19 +194,21 @@ def _run_multi(config, workdir, p: _Prepared, exit_after_steps) -> dict:
 
     t, lead = p.settings.trainer, jax.process_index() == 0
     plan = runs_lib.plan(config)
+    mesh = runs_lib.RunsMesh(runs_lib.runs_devices(config, len(plan)))
     model, params = experiment.build_models(config, p.tokenizer, [r.seed for r in plan])
     os.makedirs(workdir, exist_ok=True)
     if config.sft.steps > 0:
         params = runs_lib.warm_start(config, workdir, model, params, p.tokenizer,
-                                     p.train_rows, plan, t.steps_per_call)
+                                     p.train_rows, plan, t.steps_per_call, mesh)
     trainer = runs_lib.MultiRunTrainer(
         p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows, plan, workdir,
         apply_chat_template=config.data.apply_chat_template, data_seed=config.data.seed,
-        steps_per_call=t.steps_per_call)
+        steps_per_call=t.steps_per_call, mesh=mesh)
     try:
         resumed = trainer.maybe_restore()
         if lead:
-            print(f"{len(plan)} runs in one program, {t.steps_per_call} steps a call: "
+            print(f"{len(plan)} runs in one program on {mesh.size} device(s), "
+                  f"{t.steps_per_call} steps a call: "
                   + "; ".join(r.label for r in plan), flush=True)
         writer = metrics.MetricsWriter(workdir, config.trainer.logger, p.settings.total_steps,
                                        config.to_dict(), start_step=trainer.step, enabled=lead)

@@ -18,7 +18,10 @@ are made once and shared between tests (`runs`).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -326,6 +329,9 @@ def test_print_summary_of_runs(capsys):
      "trainer.sweep: 'actor.optim.lr=1e-4,-1' needs at least one finite value >= 0"),
     ({**IN_GRAPH, "trainer.sweep": "actor.optim.lr=1e-4;actor.optim.lr=3e-4"},
      "trainer.sweep: 'actor.optim.lr' is given twice; give its values once"),
+    ({**IN_GRAPH, "trainer.runs": 3, "mesh.runs": 2},
+     "mesh.runs=2: the runs are split over this many of the"),
+    ({"mesh.runs": 2}, "mesh.runs=2: splits runs in one program"),
     ({**IN_GRAPH, "model.lora_rank": 4},
      "model.lora_rank=4: LoRA is not supported with reward.in_graph_fn"),
     ({**IN_GRAPH, "trainer.rollout_data_dir": "samples"},
@@ -336,8 +342,9 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "rollout.devices": 1},
      "reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
      "rollout.devices=1"),
-], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused", "sweep_clip_overridden", "sweep_value",
-        "sweep_empty", "sweep_negative", "sweep_twice", "lora", "rollout_data_dir",
+], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused",
+        "sweep_clip_overridden", "sweep_value", "sweep_empty", "sweep_negative", "sweep_twice",
+        "mesh_runs_divisor", "mesh_runs_host_loop", "lora", "rollout_data_dir",
         "validation_data_dir", "rollout_devices"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "run"
@@ -346,3 +353,35 @@ def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides
     assert str(err.value).startswith(message), str(err.value)
     assert "\n" not in str(err.value)
     assert not workdir.exists()
+
+
+# --------------------------------------------------------------------------- devices
+
+_SPLIT_RUNS = """
+import json, os, sys
+from jrl import train
+from jrl.metrics import read_jsonl
+from tests.test_runs import IN_GRAPH, _config
+out = {}
+for devices in (2, 1):
+    workdir = os.path.join(sys.argv[1], str(devices))
+    train.run(_config("grpo", **IN_GRAPH, **{"trainer.runs": 4, "mesh.runs": devices,
+                                             "sft.steps": 3}), workdir)
+    out[devices] = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+print(json.dumps(out))
+"""
+
+
+def test_runs_split_over_devices_are_the_runs_on_one(tmp_path):
+    """`mesh.runs=2` on two CPU devices (a fresh process: the device count is fixed at
+    start-up) gives every run's steps as one device does."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _SPLIT_RUNS, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    split, single = out["2"], out["1"]
+    assert len(split) == len(single) == 4 * (STEPS + 1)
+    for run in range(4):
+        _assert_same_steps(_per_step(split, run), _per_step(single, run), COMPARED)

@@ -38,7 +38,7 @@ from jrl import evaluate, interrupt, kl_control, metrics, rundir, sft, update
 from jrl import step as step_lib
 from jrl.checkpoint import Checkpointer
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
-from jrl.errors import ConfigError, RunDirError
+from jrl.errors import ConfigError
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import in_graph
@@ -454,13 +454,7 @@ def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, trai
     try:
         step = ckpt.latest_step()
         if step is not None:
-            stored = ckpt.read_meta(step).get("settings", {})
-            changes = rundir.changed_keys(stored, wanted, ignore=())
-            if changes:
-                raise RunDirError(
-                    f"{directory} holds a warm start made with other settings; changed keys, "
-                    f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
-                    "--config.trainer.resume_mode=disable to replace it.")
+            sft.check_stored(directory, ckpt.read_meta(step).get("settings", {}), wanted)
             print(f"sft: reusing the warm starts in {directory}", flush=True)
             return ckpt.restore(step, (mesh or RunsMesh()).put(params))[0]
         print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}, "

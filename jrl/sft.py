@@ -150,6 +150,17 @@ def _sft_loop(state, rows, tokenizer, optimizer, put, *, model, steps, batch_siz
     return state.params
 
 
+def check_stored(directory: str, stored: dict, wanted: dict) -> None:
+    """Stops when the warm start stored in `directory` was made with settings other than
+    `wanted` (flattened config keys), listing the changed keys."""
+    changes = rundir.changed_keys(stored, wanted, ignore=())
+    if changes:
+        raise RunDirError(
+            f"{directory} holds a warm start made with other settings; changed keys, "
+            f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
+            "--config.trainer.resume_mode=disable to replace it.")
+
+
 def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=None):
     """Runs the supervised warm start of `config.sft`, or restores the workdir's.
 
@@ -167,12 +178,7 @@ def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=No
             # Warm starts saved before their settings were recorded carry only `steps`.
             stored = meta.get("settings") or {"sft.steps": meta.get("steps")}
             current = wanted if "settings" in meta else {k: wanted.get(k) for k in stored}
-            changes = rundir.changed_keys(stored, current, ignore=())
-            if changes:
-                raise RunDirError(
-                    f"{directory} holds a warm start made with other settings; changed keys, "
-                    f"old -> new:\n{rundir.format_changes(changes)}\nPass a new --workdir, or "
-                    "--config.trainer.resume_mode=disable to replace it.")
+            check_stored(directory, stored, current)
             if jax.process_index() == 0:
                 print(f"sft: reusing the warm start in {directory} ({meta.get('steps')} steps)",
                       flush=True)

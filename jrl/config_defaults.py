@@ -499,8 +499,8 @@ def base_config() -> ml_collections.ConfigDict:
     # seeds seed, seed + 1, ... for each setting of trainer.sweep.
     c.trainer.runs = 1
     # Hyperparameters that differ between the runs, crossed with the seeds, as
-    # "key=v1,v2,..." (several joined by ";"); sweepable: actor.optim.lr, actor.clip_ratio
-    # and algorithm.kl_ctrl.kl_coef (with use_kl_in_reward). None: none.
+    # "key=v1,v2,..." (several joined by ";"); sweepable: actor.optim.lr, actor.clip_ratio,
+    # rollout.temperature and algorithm.kl_ctrl.kl_coef (with use_kl_in_reward). None: none.
     c.trainer.sweep = config_dict.placeholder(str)
     # RL and warm-start steps per device program (a lax.scan; needs reward.in_graph_fn).
     # Validation and checkpoints happen between calls; a call never crosses their steps.

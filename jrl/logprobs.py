@@ -76,22 +76,23 @@ def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, wit
     return log_probs_bc, entropy_bc, log_z_bc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused_log_probs(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
                      entropy_grad, impl):
-    """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
-    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-                        entropy_grad, impl)
+    """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`).
+    `temperature` is an operand (one run's own in a sweep, `jrl.runs`), not differentiated."""
+    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first,
+                        with_entropy, entropy_grad, impl)
     return out
 
 
-def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+def _fused_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
                entropy_grad, impl):
     del entropy_grad
     if impl == "pallas":
         lp, ent, log_z = _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first,
                                          temperature, with_entropy)
-        return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
+        return (lp, ent), (weight, hidden_nbcd, targets_nbc, temperature, log_z, ent)
     compute_weight = weight.astype(hidden_nbcd.dtype)
 
     def body(_, xs):
@@ -99,7 +100,7 @@ def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_
                                     with_entropy)
 
     _, (lp, ent, log_z) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
-    return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
+    return (lp, ent), (weight, hidden_nbcd, targets_nbc, temperature, log_z, ent)
 
 
 def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
@@ -116,8 +117,7 @@ def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, 
     return chunks(target - log_z), chunks(ent), chunks(log_z)
 
 
-def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, residuals,
-               cotangents):
+def _fused_bwd(vocab_first, with_entropy, entropy_grad, impl, residuals, cotangents):
     """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
 
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
@@ -127,7 +127,7 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
     says why).
     """
     del impl
-    weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
+    weight, hidden_nbcd, targets_nbc, temperature, log_z_nbc, ent_nbc = residuals
     g_lp_nbc, g_ent_nbc = cotangents
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
     w = weight.astype(hidden_nbcd.dtype)
@@ -154,7 +154,7 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
 
     xs = (hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc, g_lp_nbc, g_ent_nbc)
     grad_w, grad_h_nbcd = jax.lax.scan(body, jnp.zeros(weight.shape, jnp.float32), xs)
-    return grad_w.astype(weight.dtype), grad_h_nbcd, None
+    return grad_w.astype(weight.dtype), grad_h_nbcd, None, None
 
 
 _fused_log_probs.defvjp(_fused_fwd, _fused_bwd)
@@ -202,9 +202,11 @@ def token_log_probs(
     targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
 
     weight, vocab_first = _unembedding(params)
-    impl = head_kernel.choose_impl(impl, d, with_entropy)
-    lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
-                                       temperature, with_entropy, entropy_grad, impl)
+    # The kernel takes the temperature as a constant; a traced one (a sweep's) takes XLA.
+    impl = head_kernel.choose_impl(impl, d, with_entropy) \
+        if isinstance(temperature, int | float) else "xla"
+    lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, temperature,
+                                       vocab_first, with_entropy, entropy_grad, impl)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 

@@ -48,18 +48,20 @@ from jrl.trainer import learn_metrics
 
 # Hyperparameters a sweep (`trainer.sweep`) may give per run: the `Run` field of each.
 SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
-             "actor.clip_ratio": "clip_ratio"}
+             "actor.clip_ratio": "clip_ratio", "rollout.temperature": "temperature"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One run of a multi-run program: its seed, peak actor learning rate, initial
-    in-reward KL coefficient and PPO clip ratio, and the keys its sweep varies."""
+    in-reward KL coefficient, PPO clip ratio and sampling temperature, and the keys its
+    sweep varies."""
 
     seed: int
     lr: float
     kl_coef: float = 0.0
     clip_ratio: float = 0.2
+    temperature: float = 1.0
     swept: tuple[str, ...] = ()
 
     @property
@@ -114,10 +116,13 @@ def plan(config) -> list[Run]:
                                   f"apply; unset actor.{key} or sweep another key")
     single = {"actor.optim.lr": config.actor.optim.lr,
               "algorithm.kl_ctrl.kl_coef": a.kl_ctrl.kl_coef,
-              "actor.clip_ratio": config.actor.clip_ratio}
+              "actor.clip_ratio": config.actor.clip_ratio,
+              "rollout.temperature": config.rollout.temperature}
+    if any(v <= 0 for v in sweep.get("rollout.temperature", [])):
+        raise ConfigError("trainer.sweep: rollout.temperature values must be > 0")
     values = [sweep.get(key, [single[key]]) for key in SWEEPABLE]
-    return [Run(config.seed + i, lr, kl, clip, tuple(sweep))
-            for lr, kl, clip, i in itertools.product(*values, range(t.runs))]
+    return [Run(config.seed + i, lr, kl, clip, temp, tuple(sweep))
+            for lr, kl, clip, temp, i in itertools.product(*values, range(t.runs))]
 
 
 def place_scores(scores, response_mask):
@@ -133,10 +138,12 @@ def with_run_settings(s: Settings, hp: dict) -> Settings:
     """`s` with the run's own values of the sweepable settings that live in it (`hp`:
     traced scalars by `Run` field). The copies skip the settings' checks, which the
     config's values passed and which cannot look at traced values."""
-    if "clip_ratio" not in hp:
-        return s
-    loss = _unchecked(s.actor.loss, clip_ratio=hp["clip_ratio"])
-    return _unchecked(s, actor=_unchecked(s.actor, loss=loss))
+    if "clip_ratio" in hp:
+        loss = _unchecked(s.actor.loss, clip_ratio=hp["clip_ratio"])
+        s = _unchecked(s, actor=_unchecked(s.actor, loss=loss))
+    if "temperature" in hp:  # the sampler's, and the log-prob passes' that match it
+        s = _unchecked(s, rollout=_unchecked(s.rollout, temperature=hp["temperature"]))
+    return s
 
 
 def _unchecked(settings, **changes):
@@ -282,7 +289,8 @@ class MultiRunTrainer:
         self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None
         self.roots = mesh.put(jnp.stack([jax.random.key(r.seed) for r in runs]))
         # The swept values a step reads (the KL coefficient is the state's).
-        fields = ["lr"] + [SWEEPABLE[k] for k in ("actor.clip_ratio",) if k in runs[0].swept]
+        fields = ["lr"] + [SWEEPABLE[k] for k in ("actor.clip_ratio", "rollout.temperature")
+                           if k in runs[0].swept]
         self.hps = mesh.put({f: jnp.asarray([getattr(r, f) for r in runs], jnp.float32)
                              for f in fields})
         init = functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,

@@ -206,6 +206,17 @@ def test_run_of_a_clip_sweep_is_the_single_run_of_its_clip_ratio(runs):
     assert clipped[1] > clipped[0]  # the narrow clip range does clip more
 
 
+def test_run_of_a_temperature_sweep_is_the_single_run_of_its_temperature(runs):
+    key = "rollout.temperature"
+    summary, swept = runs("grpo", **IN_GRAPH, **{"trainer.sweep": f"{key}=1.0,0.5"})
+    assert [row["setting"] for row in summary["runs"]] == ["temperature=1", "temperature=0.5"]
+    for run, temperature in enumerate((1.0, 0.5)):
+        _, single = _single(runs) if temperature == 1.0 else runs("grpo", **{key: temperature})
+        _assert_same_steps(_per_step(swept, run), _per_step(single), COMPARED)
+    cold, hot = _per_step(swept, 1), _per_step(swept, 0)
+    assert cold[1]["actor/entropy"] < hot[1]["actor/entropy"]  # sharper at 0.5
+
+
 def _run_of(stacked, run: int):
     """Run `run`'s parameters of a stacked tree (`[R, ...]` leaves)."""
     return jax.tree.map(lambda x: x[run], stacked)
@@ -315,7 +326,7 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "trainer.runs": 0}, "trainer.runs: must be a positive number, got 0"),
     ({**IN_GRAPH, "trainer.sweep": "critic.optim.lr=1e-3"},
      "trainer.sweep: 'critic.optim.lr' cannot vary per run; sweepable keys: actor.optim.lr, "
-     "algorithm.kl_ctrl.kl_coef, actor.clip_ratio"),
+     "algorithm.kl_ctrl.kl_coef, actor.clip_ratio, rollout.temperature"),
     ({**IN_GRAPH, "trainer.sweep": "algorithm.kl_ctrl.kl_coef=0.01,0.1"},
      "trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the reward, which "
      "algorithm.use_kl_in_reward=False leaves out"),

@@ -76,23 +76,22 @@ def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, wit
     return log_probs_bc, entropy_bc, log_z_bc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused_log_probs(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
                      entropy_grad, impl):
-    """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`).
-    `temperature` is an operand (one run's own in a sweep, `jrl.runs`), not differentiated."""
-    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first,
-                        with_entropy, entropy_grad, impl)
+    """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
+    out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
+                        entropy_grad, impl)
     return out
 
 
-def _fused_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
+def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
                entropy_grad, impl):
     del entropy_grad
     if impl == "pallas":
         lp, ent, log_z = _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first,
                                          temperature, with_entropy)
-        return (lp, ent), (weight, hidden_nbcd, targets_nbc, temperature, log_z, ent)
+        return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
     compute_weight = weight.astype(hidden_nbcd.dtype)
 
     def body(_, xs):
@@ -100,7 +99,7 @@ def _fused_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_
                                     with_entropy)
 
     _, (lp, ent, log_z) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
-    return (lp, ent), (weight, hidden_nbcd, targets_nbc, temperature, log_z, ent)
+    return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
 
 
 def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy):
@@ -117,7 +116,8 @@ def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, 
     return chunks(target - log_z), chunks(ent), chunks(log_z)
 
 
-def _fused_bwd(vocab_first, with_entropy, entropy_grad, impl, residuals, cotangents):
+def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, residuals,
+               cotangents):
     """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
 
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
@@ -127,7 +127,7 @@ def _fused_bwd(vocab_first, with_entropy, entropy_grad, impl, residuals, cotange
     says why).
     """
     del impl
-    weight, hidden_nbcd, targets_nbc, temperature, log_z_nbc, ent_nbc = residuals
+    weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
     g_lp_nbc, g_ent_nbc = cotangents
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
     w = weight.astype(hidden_nbcd.dtype)
@@ -154,10 +154,36 @@ def _fused_bwd(vocab_first, with_entropy, entropy_grad, impl, residuals, cotange
 
     xs = (hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc, g_lp_nbc, g_ent_nbc)
     grad_w, grad_h_nbcd = jax.lax.scan(body, jnp.zeros(weight.shape, jnp.float32), xs)
-    return grad_w.astype(weight.dtype), grad_h_nbcd, None, None
+    return grad_w.astype(weight.dtype), grad_h_nbcd, None
 
 
 _fused_log_probs.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _traced_temperature_log_probs(weight, hidden_nbcd, targets_nbc, temperature, vocab_first,
+                                  with_entropy, entropy_grad):
+    """`_fused_log_probs` (XLA) with `temperature` a traced operand (one run's own in a
+    sweep, `jrl.runs`), not differentiated: the same forward and backward passes."""
+    return _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature,
+                      with_entropy, entropy_grad, "xla")[0]
+
+
+def _traced_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
+                entropy_grad):
+    out, residuals = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature,
+                                with_entropy, entropy_grad, "xla")
+    return out, (residuals, temperature)
+
+
+def _traced_bwd(vocab_first, with_entropy, entropy_grad, residuals, cotangents):
+    residuals, temperature = residuals
+    grads = _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, "xla", residuals,
+                       cotangents)
+    return (*grads, None)
+
+
+_traced_temperature_log_probs.defvjp(_traced_fwd, _traced_bwd)
 
 
 def token_log_probs(
@@ -202,11 +228,14 @@ def token_log_probs(
     targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
 
     weight, vocab_first = _unembedding(params)
-    # The kernel takes the temperature as a constant; a traced one (a sweep's) takes XLA.
-    impl = head_kernel.choose_impl(impl, d, with_entropy) \
-        if isinstance(temperature, int | float) else "xla"
-    lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, temperature,
-                                       vocab_first, with_entropy, entropy_grad, impl)
+    if isinstance(temperature, int | float):
+        impl = head_kernel.choose_impl(impl, d, with_entropy)
+        lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
+                                           temperature, with_entropy, entropy_grad, impl)
+    else:  # traced (a sweep's run): an operand, and the XLA head (the kernel's is static)
+        lp_nbc, ent_nbc = _traced_temperature_log_probs(
+            weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
+            entropy_grad)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 

@@ -165,6 +165,31 @@ def test_token_log_probs_values_and_gradients_per_chunk_size(name, entropy_weigh
         chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
 
 
+def test_a_traced_temperature_gives_the_static_ones_values_and_gradients():
+    """A temperature passed as an array under jit (one run's own in a sweep, `jrl.runs`)
+    takes the same forward and backward passes as the same number given as a constant,
+    vmapped over two temperatures as a sweep's runs are."""
+    config, params = CONFIGS["untied"], params_for("untied")
+    tokens, hidden, _ = naive_full(params, config, *make_batch(seed=2))
+    hidden_brd, targets = hidden[:, P - 1:P + R - 1], tokens[:, P:]
+    weight = params["lm_head"]["kernel"]
+
+    def loss(w, h, temperature):
+        p = {**params, "lm_head": {"kernel": w}}
+        lp, ent = logprobs.token_log_probs(p, h, targets, temperature=temperature,
+                                           chunk_size=4, with_entropy=True)
+        return jnp.sum(lp) + 0.1 * jnp.sum(ent), (lp, ent)
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+    traced = jax.jit(jax.vmap(grad, in_axes=(None, None, 0)))(
+        weight, hidden_brd, jnp.asarray([0.7, 1.3]))
+    for index, temperature in enumerate((0.7, 1.3)):
+        static = jax.jit(functools.partial(grad, temperature=temperature))(weight, hidden_brd)
+        chex.assert_trees_all_close(jax.tree.map(lambda x, i=index: x[i], traced), static,
+                                    rtol=1e-5, atol=1e-6)
+    assert not np.allclose(traced[1][0][0], traced[1][0][1])  # the temperatures differ
+
+
 def test_entropy_without_its_gradient_is_a_metric_only():
     """`entropy_grad=False`: the entropy's values are computed, but a loss that includes
     it gets the gradient of its log-prob part alone (the stop-gradient autodiff one)."""

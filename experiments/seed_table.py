@@ -9,7 +9,8 @@ into one PNG (a panel per algorithm and curve).
     python experiments/seed_table.py --workdir=runs/seed_table [--runs=5] [-- --config.k=v]
 
 The workdirs (`<workdir>/grpo`, `<workdir>/ppo`) keep each run's metrics; running the
-command again reuses finished ones.
+command again reuses finished ones. (`experiments/seed_table.sh` runs seeds as separate
+processes with rewards on the host instead, each on its own pair of cores.)
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ With a reward that is a JAX function of token ids (`reward.in_graph_fn`,
 host beforehand, the metrics stacked and written after the call), and `trainer.runs`
 / `trainer.sweep` run R independent runs at once, `jax.vmap`ped over a leading runs
 axis of the state: each run its own seed (initial weights, warm-start batches,
-sampling) and, in a sweep, its own peak learning rate. All runs read the same prompts
-(the data order is `data.seed`'s, as in a single run), so run r is step for step the
-run that `seed = seeds[r]` (and its learning rate) would make alone, up to the
-summation order of batched matrix products.
+sampling) and, in a sweep, its own values of the `SWEEPABLE` hyperparameters. All runs
+read the same prompts (the data order is `data.seed`'s, as in a single run), so run r is
+step for step the run that `seed = seeds[r]` (and its settings) would make alone, up to
+the summation order of batched matrix products. `mesh.runs` splits the runs axis over
+devices (`RunsMesh`).
 
 The warm start (`sft`) is vmapped too, K steps a call. Metrics carry a `run` field
 (`metrics.jsonl`; TensorBoard tags `run<r>/...`); the console shows their mean.

@@ -24,21 +24,18 @@ class Hyperparameters(Protocol):
     total_steps: int
 
 
-def learning_rate_schedule(s: Hyperparameters, lr=None) -> optax.Schedule:
-    """Linear warmup over `warmup_steps`, then constant or cosine down to `min_lr_ratio * lr`.
-
-    `lr`: the peak rate in place of `s.lr` (it may be traced: one per run of a sweep)."""
-    peak = s.lr if lr is None else lr
+def learning_rate_schedule(s: Hyperparameters) -> optax.Schedule:
+    """Linear warmup over `warmup_steps`, then constant or cosine down to `min_lr_ratio * lr`."""
     warmup = max(s.warmup_steps, 0)
     if s.lr_scheduler_type == "constant":
-        after = optax.constant_schedule(peak)
+        after = optax.constant_schedule(s.lr)
     else:
         after = optax.cosine_decay_schedule(
-            peak, decay_steps=max(s.total_steps - warmup, 1), alpha=s.min_lr_ratio
+            s.lr, decay_steps=max(s.total_steps - warmup, 1), alpha=s.min_lr_ratio
         )
     if warmup == 0:
         return after
-    ramp = optax.linear_schedule(0.0, peak, transition_steps=warmup)
+    ramp = optax.linear_schedule(0.0, s.lr, transition_steps=warmup)
     return optax.join_schedules([ramp, after], boundaries=[warmup])
 
 

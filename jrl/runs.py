@@ -139,6 +139,9 @@ def with_run_settings(s: Settings, hp: dict) -> Settings:
     """`s` with the run's own values of the sweepable settings that live in it (`hp`:
     traced scalars by `Run` field). The copies skip the settings' checks, which the
     config's values passed and which cannot look at traced values."""
+    if "lr" in hp:  # the schedule's peak (`optim.learning_rate_schedule`)
+        optim = _unchecked(s.actor.optim, lr=hp["lr"])
+        s = _unchecked(s, actor=_unchecked(s.actor, optim=optim))
     if "clip_ratio" in hp:
         loss = _unchecked(s.actor.loss, clip_ratio=hp["clip_ratio"])
         s = _unchecked(s, actor=_unchecked(s.actor, loss=loss))
@@ -159,8 +162,8 @@ def rl_step(state, ref, root, hp, batch, *, s: Settings, model: ModelConfig,
             reward: in_graph.InGraphReward, actor_opt, critic_opt):
     """One run's RL step on the device: the trainer's data path with the reward in the
     graph. `batch`: prompt ids/mask `[B, P]`, target ids/mask `[B, T]`, source `[B]`;
-    `root`: the run's key (`key(seed)`); `hp`: its swept hyperparameters (`"lr"`, its
-    peak actor learning rate, and those of `with_run_settings`)."""
+    `root`: the run's key (`key(seed)`); `hp`: its swept hyperparameters
+    (`with_run_settings`)."""
     s = with_run_settings(s, hp)
     key = jax.random.fold_in(root, state.step)
     gen_key = jax.random.split(key, 3)[0]
@@ -174,8 +177,7 @@ def rl_step(state, ref, root, hp, batch, *, s: Settings, model: ModelConfig,
     exp = exp.replace(token_level_scores=place_scores(scores, exp.response_mask),
                       uid=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), n))
     state, m = step_lib.learn(state, exp, key, s=s, model=model, actor_opt=actor_opt,
-                              critic_opt=critic_opt, critic_warmup=s.trainer.critic_warmup,
-                              actor_lr=hp["lr"])
+                              critic_opt=critic_opt, critic_warmup=s.trainer.critic_warmup)
     return state, {**m, **{f"reward_extra/{k}/mean": v.mean() for k, v in extras.items()}}
 
 

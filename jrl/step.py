@@ -288,8 +288,8 @@ def _named(role: str, m: dict, lr) -> dict:
 def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
           model: ModelConfig,
           actor_opt: optax.GradientTransformation,
-          critic_opt: optax.GradientTransformation | None, critic_warmup: int = 0,
-          actor_lr=None) -> tuple[TrainState, dict]:
+          critic_opt: optax.GradientTransformation | None, critic_warmup: int = 0
+          ) -> tuple[TrainState, dict]:
     """One step's update from its experience; `key` is the step's key (`fold_in(seed, step)`).
 
     Returns the new state and the step's scalar metrics (verl's names: the update's, the
@@ -298,9 +298,7 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     only then). With LoRA (`frozen`, the base) only the adapters in `state.actor` are
     updated. Rollout correction (`algorithm.rollout_correction`) with a separate
     old-log-prob pass applies here, to the whole batch, before the advantages: its
-    rejections leave the loss mask and its IS weights go to the update. `actor_lr`:
-    the actor's peak learning rate in place of `actor.optim.lr` (a traced value: one per
-    run of a sweep, `jrl.runs`).
+    rejections leave the loss mask and its IS weights go to the update.
     """
     _, actor_key, critic_key = jax.random.split(key, 3)
     c, response_mask = s.actor.correction, exp.response_mask
@@ -336,8 +334,7 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
                                                    model=model, critic_opt=critic_opt)
     metrics.update(critic_metrics)
     actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
-                                     actor_opt=actor_opt, critic_warmup=critic_warmup,
-                                     peak_lr=actor_lr)
+                                     actor_opt=actor_opt, critic_warmup=critic_warmup)
     metrics.update(m)
     if exp.rollout_log_probs is not None:  # the trainer's log-probs against the sampler's
         trained = exp.old_log_probs if exp.old_log_probs is not None else tokens["log_probs"]
@@ -371,11 +368,11 @@ def _critic_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
 
 
 def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
-                  model: ModelConfig, actor_opt, critic_warmup: int, peak_lr=None):
+                  model: ModelConfig, actor_opt, critic_warmup: int):
     """The actor's update, from the step where verl's does (it counts steps from 1 and
     updates the actor once `critic_warmup <= step`); before it, the actor unchanged."""
     first = max(critic_warmup - 1, 0)
-    lr = learning_rate_schedule(s.actor.optim, peak_lr)(jnp.maximum(state.step - first, 0))
+    lr = learning_rate_schedule(s.actor.optim)(jnp.maximum(state.step - first, 0))
     with_base = (lambda params: params) if frozen is None else (
         lambda adapters: lora.combine(frozen, adapters))
     group = prompt_group(s, s.actor.update.micro_batch)

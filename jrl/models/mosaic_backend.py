@@ -1,0 +1,52 @@
+"""Pallas' Mosaic GPU backend (`jax.experimental.pallas.mosaic_gpu`), where the
+installed jax has it.
+
+Mosaic GPU compiles Pallas kernels for Hopper (sm_90a) with the chip's own
+instructions: bulk tensor copies (TMA) completing on barriers, and warpgroup matrix
+multiplies (`wgmma`) from shared memory. Off a GPU, its kernels run in Pallas' GPU
+interpret mode (`interpret()`), which simulates shared memory, barriers and the
+warpgroup matmuls on the CPU: that is how the CPU tests run a kernel's own code.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jrl.errors import ConfigError
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    _IMPORT_ERROR = None
+except ImportError as e:  # an older jax, or one built without it
+    plgpu = InterpretGPUParams = None
+    _IMPORT_ERROR = e
+
+
+def available() -> bool:
+    return plgpu is not None
+
+
+def on_hopper() -> bool:
+    """A GPU of compute capability 9.0 (H100, H200): the one Mosaic GPU's Hopper
+    kernels (wgmma) compile for."""
+    if jax.default_backend() != "gpu":
+        return False
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def require(key: str) -> None:
+    """Stops with a ConfigError naming `key` where the backend is missing."""
+    if not available():
+        raise ConfigError(
+            f"{key}='mosaic' needs Pallas' Mosaic GPU backend "
+            f"(jax.experimental.pallas.mosaic_gpu), which does not import with jax "
+            f"{jax.__version__} ({_IMPORT_ERROR}); use 'auto' or 'xla'")
+
+
+def interpret(force: bool = False):
+    """The `interpret` argument of a kernel call: GPU interpret mode off a GPU (or when
+    `force`d), else False (compiled)."""
+    if force or jax.default_backend() != "gpu":
+        return InterpretGPUParams()
+    return False

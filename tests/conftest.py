@@ -8,6 +8,14 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    # On a GPU the tests compile hundreds of small programs: XLA's autotuning of each
+    # matmul and fusion (several seconds a program, no effect on results at the tests'
+    # float32 precision) is skipped, and memory is taken as needed so that several
+    # pytest workers (`-n`) can share one GPU.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_autotune_level=0").strip()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 

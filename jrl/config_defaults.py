@@ -505,6 +505,12 @@ def base_config() -> ml_collections.ConfigDict:
     # RL and warm-start steps per device program (a lax.scan; needs reward.in_graph_fn).
     # Validation and checkpoints happen between calls; a call never crosses their steps.
     c.trainer.steps_per_call = 1
+    # JAX's persistent compilation cache, set by `python -m jrl.train` before anything
+    # compiles, so a second start of a config reads its programs back instead of
+    # compiling them (jrl.compilation_cache). A path wins over the environment; None:
+    # $JAX_COMPILATION_CACHE_DIR when set, else $XDG_CACHE_HOME/jrl/xla (~/.cache/jrl/xla);
+    # "": off (jax's own setting left alone). Library use of jrl never sets it.
+    c.trainer.compilation_cache_dir = config_dict.placeholder(str)
     return c
 
 

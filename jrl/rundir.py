@@ -53,6 +53,7 @@ CONTROL_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.logg
                 "trainer.export_hf", "trainer.save_freq", "trainer.test_freq",
                 "trainer.val_before_train", "trainer.max_actor_ckpt_to_keep",
                 "trainer.nan_policy", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+                "trainer.compilation_cache_dir",
                 "reward.num_workers", "reward.on_error", "mesh.",
                 "distributed.")
 # The config keys a warm start depends on (prefixes); any change means a different one.

@@ -23,6 +23,7 @@ from absl import app, logging  # noqa: E402
 
 from jrl import (  # noqa: E402
     cli,
+    compilation_cache,
     distributed,
     experiment,
     metrics,
@@ -386,6 +387,7 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     workdir = cli.WORKDIR.value or os.path.join("runs", cli.config_name())
+    compilation_cache.configure(config)  # before anything compiles
     summary = run(config, workdir)
     interrupt.check(summary["step"])  # a signal after the last step: no summary, same status
     print_summary(summary)

@@ -25,7 +25,10 @@ import jax  # noqa: E402
 if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "float32")
 
-_CACHE = os.path.join(tempfile.gettempdir(), "jrl-jax-cache")
-jax.config.update("jax_compilation_cache_dir", os.environ.get("JRL_TEST_COMPILATION_CACHE", _CACHE))
+_CACHE = os.environ.get("JRL_TEST_COMPILATION_CACHE",
+                        os.path.join(tempfile.gettempdir(), "jrl-jax-cache"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+# `python -m jrl.train` started by the tests caches there too, not in ~/.cache/jrl/xla.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -56,7 +56,7 @@ class Tiles:
 
 
 # Among the fastest of a sweep on an H200 at batch 64, 256 and 512
-# (experiments/bench_decode_kernel.py; docs/performance.md, round six).
+# (experiments/bench_decode_kernel.py; docs/performance_history.md, round six).
 TILES = Tiles()
 
 

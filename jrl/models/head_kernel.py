@@ -21,7 +21,7 @@ This is the forward pass only. The backward pass (`jrl.logprobs._fused_bwd`) sti
 recomputes each chunk's float32 logits in XLA: a kernel that recomputed a block's
 logits and wrote `d loss / dz` straight away was no faster there (its Triton matmul
 runs at about 450 TFLOP/s on an H200 against cuBLAS's ~620, which ate the memory
-traffic it saved; docs/performance.md, round five).
+traffic it saved; docs/performance_history.md, round five).
 
 `choose_impl("auto", ...)` takes the kernel on GPU (where jax has Pallas' Triton
 backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; CPU tests
@@ -63,7 +63,8 @@ FORWARD = Blocks()
 # `auto` takes the kernel up to this hidden size. Its matmul runs at ~70% of cuBLAS's
 # rate, so it wins only while the float32 logits' memory passes it saves outweigh
 # that: on an H200 with V = 151,936 the head's forward was 26% faster at D = 896, even
-# at 1,536 and 2,048, and 3-36% slower at 3,584 (docs/performance.md, round five).
+# at 1,536 and 2,048, and 3-36% slower at 3,584 (docs/performance_history.md,
+# round five).
 MAX_HIDDEN = 1024
 
 
@@ -75,7 +76,7 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     backend stops with a ConfigError).
 
     Without the entropy XLA reads the logits twice rather than three times, and in the
-    GRPO step the reference pass was no faster through the kernel (docs/performance.md,
+    GRPO step the reference pass was no faster through the kernel (docs/performance_history.md,
     round five). Under tensor parallelism XLA splits the logits over the vocabulary,
     while the kernel would run the whole vocabulary on every device of a `tensor` group.
     """

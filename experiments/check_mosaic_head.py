@@ -1,0 +1,236 @@
+"""The log-prob head's Mosaic GPU kernel against the Triton one and XLA, on a Hopper GPU.
+
+At the Qwen2.5-0.5B shape (D 896, V 151,936, tied embedding, bf16 hidden states and
+unembedding) and `--tokens` tokens (16,384 and 32,768 by default), with and without the
+entropy, each variant's `(log_z, target_logit, entropy)` is compared with an XLA
+reference (float32 logits of the same bf16 operands, 1,024 tokens at a time) and timed
+(median of `--iters` calls after two warm-ups): the reference, the Triton kernel
+(`impl="pallas"`, its default `Blocks`) and the Mosaic GPU kernel (`impl="mosaic"`) over
+several `MosaicBlocks` (`--configs`). A variant that fails (a compile error, say) is
+recorded with the first lines of its error and the sweep goes on; variants left when
+`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the
+log-probs and entropy of `jrl.logprobs.token_log_probs` and their gradients (the
+entropy as a metric, as in the update) with `impl` "mosaic" (`MOSAIC_FORWARD`),
+"pallas" and "xla". Writes `--out` (JSON) and prints a table.
+
+    python experiments/check_mosaic_head.py --out mosaic_head.json
+    python experiments/check_mosaic_head.py --smoke   # toy sizes, interpret mode, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from jrl import logprobs
+from jrl.models import head_kernel as hk
+
+# t, v, k, stages, overlap
+CONFIGS = ("64,256,64,4,1", "64,128,64,4,1", "64,256,64,3,1", "64,256,64,4,0",
+           "128,128,64,4,1", "64,256,64,6,1", "128,256,64,2,1")
+SMOKE_CONFIGS = ("64,128,64,2,1", "64,64,64,3,0")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="toy sizes in interpret mode (checks the script on a CPU)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="MosaicBlocks to try: t,v,k,stages,overlap each")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="skip the variants left after this many seconds")
+    p.add_argument("--out", default="mosaic_head.json")
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.hidden, args.vocab, args.iters = [96], 128, 1000, 2
+        args.configs = args.configs or list(SMOKE_CONFIGS)
+    args.configs = args.configs or list(CONFIGS)
+    return args
+
+
+def mosaic_blocks(text):
+    t, v, k, stages, overlap = map(int, text.split(","))
+    return hk.MosaicBlocks(t=t, v=v, k=k, stages=stages, overlap=bool(overlap))
+
+
+def timed(fn, *args, iters):
+    """Median milliseconds of `iters` calls after two warm-ups."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def reference(h_td, w_vd, y_t, with_entropy, chunk=1024):
+    """XLA: `(log_z, target_logit, entropy)` from float32 logits, `chunk` tokens at a time."""
+    t, d = h_td.shape
+    chunk = min(chunk, t)
+
+    def one(xs):
+        h, y = xs
+        z = jnp.einsum("td,vd->tv", h, w_vd, preferred_element_type=jnp.float32)
+        log_z = jax.nn.logsumexp(z, axis=-1)
+        target = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
+        if not with_entropy:
+            return log_z, target, jnp.zeros_like(log_z)
+        p = jnp.exp(z - log_z[:, None])
+        return log_z, target, log_z - jnp.sum(p * z, axis=-1)
+
+    out = jax.lax.map(one, (h_td.reshape(-1, chunk, d), y_t.reshape(-1, chunk)))
+    return tuple(x.reshape(t) for x in out)
+
+
+def errors(got, want):
+    names = ("log_z", "target", "entropy")
+    out = {f"err_{n}": float(jnp.max(jnp.abs(g - w)))
+           for n, g, w in zip(names, got, want, strict=True)}
+    out["err_log_prob"] = float(jnp.max(jnp.abs((got[1] - got[0]) - (want[1] - want[0]))))
+    return out
+
+
+def first_lines(e, n=6):
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return "\n".join(text[:n])
+
+
+class Sweep:
+    """Runs variants in turn within the time budget, recording each as a row."""
+
+    def __init__(self, args):
+        self.args, self.rows, self.start = args, [], time.perf_counter()
+
+    def run(self, row, fn):
+        if time.perf_counter() - self.start > self.args.budget_s:
+            row["skipped"] = "time budget"
+        else:
+            try:
+                row.update(fn())
+            except Exception as e:  # a compile error or a wrong shape: record, go on
+                row["error"] = first_lines(e)
+                traceback.print_exc(limit=3)
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def kernel_rows(sweep, tokens, with_entropy, inputs, want):
+    """The reference, Triton and Mosaic variants at one shape."""
+    args = sweep.args
+    h, w, y = inputs
+    flops = 2 * tokens * args.hidden * args.vocab
+    base = dict(tokens=tokens, with_entropy=with_entropy)
+
+    def measure(fn, *operands):
+        out = fn(*operands)
+        ms = timed(fn, *operands, iters=args.iters)
+        return dict(errors(out, want), ms=ms, tflops=flops / ms / 1e9)
+
+    ref = jax.jit(lambda h, w, y: reference(h, w, y, with_entropy))
+    sweep.run(dict(base, variant="xla reference"), lambda: measure(ref, h, w, y))
+
+    def kernel(impl, blocks):
+        padded = hk.pad_vocab(w, True, blocks)
+        fn = jax.jit(lambda h, w, y: tuple(x[0] for x in hk.log_softmax_stats(
+            h[None], w, y[None], vocab=args.vocab, vocab_first=True,
+            with_entropy=with_entropy, impl=impl, blocks=blocks)))
+        return lambda: measure(fn, h, padded, y)
+
+    sweep.run(dict(base, variant="pallas (triton) default"), kernel("pallas", hk.FORWARD))
+    for text in args.configs:
+        sweep.run(dict(base, variant=f"mosaic {text}"), kernel("mosaic", mosaic_blocks(text)))
+
+
+def trainer_rows(sweep, tokens, inputs):
+    """`token_log_probs` (log-probs, entropy and their gradients) per impl against XLA's."""
+    h, w, y = inputs
+    rows = max(1, tokens // 256)
+    hidden = h.reshape(rows, -1, h.shape[-1])
+    targets = y.reshape(rows, -1)
+    params = {"embed": {"embedding": w.astype(jnp.float32)}}
+    g_lp = jax.random.normal(jax.random.key(7), targets.shape, jnp.float32)
+
+    def make(impl):
+        fwd = jax.jit(lambda p, h: logprobs.token_log_probs(
+            p, h, targets, chunk_size=64, with_entropy=True, impl=impl))
+
+        def loss(p, h):
+            lp, ent = logprobs.token_log_probs(p, h, targets, chunk_size=64, with_entropy=True,
+                                               entropy_grad=False, impl=impl)
+            return jnp.sum(lp * g_lp), ent
+
+        return fwd, jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+    fwd, grad = make("xla")
+    want = fwd(params, hidden), grad(params, hidden)[0]
+
+    def check(impl):
+        def go():
+            f, g = make(impl)
+            (lp, ent), (gp, gh) = f(params, hidden), g(params, hidden)[0]
+            diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32)
+                                                      - b.astype(jnp.float32))))
+            return dict(err_log_prob=diff(lp, want[0][0]), err_entropy=diff(ent, want[0][1]),
+                        err_grad_w=diff(gp["embed"]["embedding"],
+                                        want[1][0]["embed"]["embedding"]),
+                        err_grad_h=diff(gh, want[1][1]),
+                        ms=timed(f, params, hidden, iters=sweep.args.iters))
+        return go
+
+    for impl in ("xla", "pallas", "mosaic"):
+        sweep.run(dict(tokens=tokens, with_entropy=True, variant=f"token_log_probs {impl}"),
+                  check(impl))
+
+
+def table(rows):
+    print("| tokens | entropy | variant | ms | TFLOP/s | err log_z | err target | err entropy "
+          "| err log-prob | err grad h | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        f = lambda k, fmt, r=r: format(r[k], fmt) if k in r else "-"
+        note = (r.get("error") or r.get("skipped") or "").splitlines()
+        print(f"| {r['tokens']} | {r['with_entropy']} | {r['variant']} | {f('ms', '.2f')} "
+              f"| {f('tflops', '.0f')} | {f('err_log_z', '.1e')} | {f('err_target', '.1e')} "
+              f"| {f('err_entropy', '.1e')} | {f('err_log_prob', '.1e')} "
+              f"| {f('err_grad_h', '.1e')} | {note[0][:90] if note else ''} |")
+
+
+def main():
+    args = parse_args()
+    if not args.smoke and jax.default_backend() != "gpu":
+        raise SystemExit("no GPU: run with --smoke for the toy sizes in interpret mode")
+    sweep = Sweep(args)
+    key = jax.random.split(jax.random.key(0), 3)
+    w = (0.05 * jax.random.normal(key[1], (args.vocab, args.hidden))).astype(jnp.bfloat16)
+    for tokens in args.tokens:
+        h = jax.random.normal(key[0], (tokens, args.hidden), jnp.bfloat16)
+        y = jax.random.randint(key[2], (tokens,), 0, args.vocab)
+        for with_entropy in (True, False):
+            want = jax.jit(lambda h, w, y, e=with_entropy: reference(h, w, y, e))(h, w, y)
+            kernel_rows(sweep, tokens, with_entropy, (h, w, y), want)
+    h = jax.random.normal(key[0], (args.tokens[0], args.hidden), jnp.bfloat16)
+    y = jax.random.randint(key[2], (args.tokens[0],), 0, args.vocab)
+    trainer_rows(sweep, args.tokens[0], (h, w, y))
+    device = jax.devices()[0].device_kind
+    print(f"\n{device}; jax {jax.__version__}; D {args.hidden}, V {args.vocab}; "
+          f"{time.perf_counter() - sweep.start:.0f} s")
+    table(sweep.rows)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=device, jax=jax.__version__, args=vars(args), rows=sweep.rows),
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

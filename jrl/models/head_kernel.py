@@ -92,6 +92,11 @@ class MosaicBlocks:
     stages: int = 4
     overlap: bool = True
 
+    def __post_init__(self):
+        if self.t % 64 or self.v % 8 or not 8 <= self.v <= 256 or self.stages < 2:
+            raise ValueError(f"MosaicBlocks needs t a multiple of 64, v a multiple of 8 "
+                             f"from 8 to 256 and stages >= 2, got {self}")
+
 
 # Not yet measured on a GPU (experiments/check_mosaic_head.py sweeps the tiles).
 MOSAIC_FORWARD = MosaicBlocks()
@@ -238,7 +243,7 @@ def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, depth, vocab_first, blocks, emulat
     itemsize = jnp.dtype(h_gmem.dtype).itemsize
     swizzle = mgpu.find_swizzle(blocks.k * itemsize * 8)
     tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
-    delay = int(blocks.overlap)
+    delay = int(blocks.overlap and depth > blocks.k)  # one step: nothing to overlap
     spec = lambda shape, index: mgpu.BlockSpec(shape, index, transforms=tiled,
                                                delay_release=delay)
     vocab_slice = pl.ds(v0, blocks.v)

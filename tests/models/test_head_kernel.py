@@ -231,6 +231,26 @@ def test_mosaic_is_taken_only_when_forced(monkeypatch):
     assert hk.choose_impl("auto", 896) in ("pallas", "xla")
     assert hk.default_blocks("mosaic") is hk.MOSAIC_FORWARD
     assert hk.pad_vocab(jnp.zeros((101, 8)), True, SMALL_MOSAIC).shape == (128, 8)
+    with pytest.raises(ValueError, match="t a multiple of 64"):
+        hk.MosaicBlocks(t=32)
+    with pytest.raises(ValueError, match="stages >= 2"):
+        hk.MosaicBlocks(stages=1)
+
+
+@NEEDS_MOSAIC
+def test_mosaic_with_one_pipeline_step():
+    """A hidden size of one `k` step (no wgmma to overlap with the next step's copies)."""
+    rng = np.random.default_rng(6)
+    h = jnp.asarray(rng.normal(size=(1, 5, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
+    y = jnp.asarray([[0, 39, 7, 39, 20]], jnp.int32)
+    log_z, target, _ = hk.log_softmax_stats(h, hk.pad_vocab(w, True, SMALL_MOSAIC), y,
+                                            vocab=40, vocab_first=True, impl="mosaic",
+                                            blocks=SMALL_MOSAIC, interpret=True)
+    z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
+    np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target[0], z[np.arange(5), [0, 39, 7, 39, 20]], rtol=1e-5,
+                               atol=1e-5)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

@@ -31,12 +31,13 @@ import jax.numpy as jnp
 from jrl import logprobs
 from jrl.models import head_kernel as hk
 
-# t, v, k, stages, overlap
-# (64 + 256) x 64 bf16 = 40 KB of SMEM a stage: 2 stages leave room for two programs
-# on an SM (one's epilogue beside the other's matmuls), 5 fill the 227 KB.
+# t, v, k, stages, overlap[, group] (MosaicBlocks). (64 + 256) x 64 bf16 = 40 KB of SMEM
+# a stage: 2 stages leave room for two programs on an SM (one's epilogue beside the
+# other's matmuls), 5 fill the 227 KB.
 CONFIGS = ("64,256,64,4,1", "64,256,64,2,1", "64,128,64,3,1", "64,256,64,3,1",
-           "64,256,64,5,1", "64,256,64,4,0", "128,128,64,4,1", "128,128,64,2,1")
-SMOKE_CONFIGS = ("64,128,64,2,1", "64,64,64,3,0")
+           "64,256,64,5,1", "64,256,64,4,0", "64,256,64,4,1,0", "64,256,64,4,1,8",
+           "128,128,64,4,1", "128,128,64,2,1")
+SMOKE_CONFIGS = ("64,128,64,2,1", "64,64,64,3,0,1")
 
 
 def parse_args():
@@ -47,7 +48,7 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--configs", nargs="+", default=None,
-                   help="MosaicBlocks to try: t,v,k,stages,overlap each")
+                   help="MosaicBlocks to try: t,v,k,stages,overlap[,group] each")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="skip the variants left after this many seconds")
@@ -61,8 +62,9 @@ def parse_args():
 
 
 def mosaic_blocks(text):
-    t, v, k, stages, overlap = map(int, text.split(","))
-    return hk.MosaicBlocks(t=t, v=v, k=k, stages=stages, overlap=bool(overlap))
+    t, v, k, stages, overlap, *group = map(int, text.split(","))
+    return hk.MosaicBlocks(t=t, v=v, k=k, stages=stages, overlap=bool(overlap),
+                           **dict(zip(["group"], group, strict=False)))
 
 
 def timed(fn, *args, iters):

@@ -84,13 +84,18 @@ class MosaicBlocks:
     up to 256) per program, `k` hidden units per pipeline step (the 128-byte swizzle's
     width: 64 for 16-bit inputs), `stages` steps' tiles in flight (TMA copies ahead of
     the wgmma). `overlap`: keep one wgmma in flight while the next step's tiles arrive
-    (the pipeline then holds on to a step's buffers one step longer)."""
+    (the pipeline then holds on to a step's buffers one step longer). `group`: token
+    blocks per group of the launch order (at most; the largest divisor of the launch's
+    token blocks): the programs run a group's token blocks against every vocabulary
+    block before the next group's, so that W is read from memory once per group and a
+    group's hidden states stay in L2 (0: one group)."""
 
     t: int = 64
     v: int = 256
     k: int = 64
     stages: int = 4
     overlap: bool = True
+    group: int = 32
 
     def __post_init__(self):
         if self.t % 64 or self.v % 8 or not 8 <= self.v <= 256 or self.stages < 2:
@@ -276,13 +281,13 @@ def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, depth, vocab_first, blocks, emulat
 
 
 def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *, vocab,
-                   vocab_first, inv_temperature, with_entropy, blocks, emulated):
+                   vocab_first, inv_temperature, with_entropy, blocks, group, emulated):
     """One `[t, v]` block: its logits reduced to `(m, l, zt[, a])` per token, written to
     `out_gmem[:, j, t0:t0 + t]` through SMEM (the `_stats_kernel`'s statistics)."""
     mgpu = mosaic_backend.plgpu
     barrier = barriers.at[0]
     j = jax.lax.axis_index("v")
-    t0 = jax.lax.axis_index("t") * blocks.t
+    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
     v0 = j * blocks.v
     mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
     z_tv = _mosaic_logits(h_gmem, w_gmem, t0, v0, depth=h_gmem.shape[1],
@@ -310,23 +315,26 @@ def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers,
 def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
                   interpret):
     """The Mosaic GPU kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`:
-    a grid of `T / t` token blocks (the fastest-varying axis: the programs running at
-    once share a block of W) by `V / v` vocabulary blocks."""
+    a grid of groups of token blocks, by `V / v` vocabulary blocks, by a group's token
+    blocks (the last axis varies fastest: the programs running at once share a block of
+    W, and a group's hidden states are read again from L2)."""
     mosaic_backend.require("model.logprob_impl")
     mgpu = mosaic_backend.plgpu
     tp = h_td.shape[0]
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
+    nt = tp // blocks.t
+    group = max(g for g in range(1, min(blocks.group or nt, nt) + 1) if nt % g == 0)
     stats = 4 if with_entropy else 3
     mode = mosaic_backend.interpret(force=bool(interpret))
     kernel = functools.partial(_mosaic_kernel, vocab=vocab, vocab_first=vocab_first,
                                inv_temperature=1.0 / temperature, with_entropy=with_entropy,
-                               blocks=blocks, emulated=mode is not False)
+                               blocks=blocks, group=group, emulated=mode is not False)
     out = mgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
         scratch_types=[mgpu.SMEM((blocks.t,), jnp.int32),
                        mgpu.SMEM((stats, blocks.t), jnp.float32),
                        mgpu.Barrier(num_barriers=1)],
-        grid=(tp // blocks.t, nv), grid_names=("t", "v"),
+        grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
         compiler_params=mgpu.CompilerParams(approx_math=True),
         interpret=mode,
     )(h_td, w, y_t.astype(jnp.int32))

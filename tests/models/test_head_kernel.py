@@ -238,18 +238,21 @@ def test_mosaic_is_taken_only_when_forced(monkeypatch):
 
 
 @NEEDS_MOSAIC
-def test_mosaic_with_one_pipeline_step():
-    """A hidden size of one `k` step (no wgmma to overlap with the next step's copies)."""
+@pytest.mark.parametrize(("tokens", "group"), [(5, 32), (200, 2)])
+def test_mosaic_one_pipeline_step_and_groups_of_token_blocks(tokens, group):
+    """A hidden size of one `k` step (no wgmma to overlap with the next step's copies);
+    200 tokens are 4 token blocks, launched as 2 groups of 2."""
     rng = np.random.default_rng(6)
-    h = jnp.asarray(rng.normal(size=(1, 5, 16)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(1, tokens, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
-    y = jnp.asarray([[0, 39, 7, 39, 20]], jnp.int32)
-    log_z, target, _ = hk.log_softmax_stats(h, hk.pad_vocab(w, True, SMALL_MOSAIC), y,
-                                            vocab=40, vocab_first=True, impl="mosaic",
-                                            blocks=SMALL_MOSAIC, interpret=True)
+    y = jnp.asarray(rng.integers(0, 40, (1, tokens)), jnp.int32).at[0, :2].set(39)
+    blocks = hk.MosaicBlocks(t=64, v=32, k=16, stages=2, group=group)
+    log_z, target, _ = hk.log_softmax_stats(h, hk.pad_vocab(w, True, blocks), y, vocab=40,
+                                            vocab_first=True, impl="mosaic", blocks=blocks,
+                                            interpret=True)
     z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
     np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(target[0], z[np.arange(5), [0, 39, 7, 39, 20]], rtol=1e-5,
+    np.testing.assert_allclose(target[0], z[np.arange(tokens), np.asarray(y[0])], rtol=1e-5,
                                atol=1e-5)
 
 

@@ -217,6 +217,9 @@ def _triton_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy
     )(h_td, w, y_t.astype(jnp.int32))
 
 
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
 # jax 0.10 takes `plgpu.load(ref, idx, layout=...)`, 0.11 `plgpu.load(ref.at[idx], layout=...)`.
 _LOAD_TAKES_INDEX = (mosaic_backend.available() and inspect.signature(
     mosaic_backend.plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
@@ -280,10 +283,34 @@ def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, depth, vocab_first, blocks, emulat
     return pl.run_scoped(compute, mgpu.ACC((blocks.t, blocks.v), jnp.float32))
 
 
+def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy, masked,
+                       emulated):
+    """Writes a block's `(m, l, zt[, a])` per token to `out_smem` from its accumulator
+    `z_tv` (`h W` without the temperature). The logits are kept in base 2 (`z log2 e`:
+    `exp2` is the chip's own exponential) and the statistics taken back to base e per
+    token. `masked`: the block holds padding (entries from `vocab` on)."""
+    z_tv = z_tv * scale  # log2(e) / temperature
+    cols_tv = _columns(z_tv.shape, v0, emulated)
+    if masked:
+        valid_tv = cols_tv < vocab
+        z_tv = jnp.where(valid_tv, z_tv, -jnp.inf)
+    rows = lambda x_t: jax.lax.broadcast_in_dim(x_t, z_tv.shape, [0])
+    m_t = jnp.max(z_tv, axis=1)
+    e_tv = jnp.exp2(z_tv - rows(m_t))
+    out_smem.at[0][...] = m_t * _LN2
+    out_smem.at[1][...] = jnp.sum(e_tv, axis=1)
+    hit_tv = cols_tv == rows(_load_rows(y_smem, emulated))
+    out_smem.at[2][...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1) * _LN2
+    if with_entropy:  # padding: 0 * -inf, taken out
+        ez_tv = jnp.where(valid_tv, e_tv * z_tv, 0.0) if masked else e_tv * z_tv
+        out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
+
+
 def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *, vocab,
                    vocab_first, inv_temperature, with_entropy, blocks, group, emulated):
     """One `[t, v]` block: its logits reduced to `(m, l, zt[, a])` per token, written to
-    `out_gmem[:, j, t0:t0 + t]` through SMEM (the `_stats_kernel`'s statistics)."""
+    `out_gmem[:, j, t0:t0 + t]` through SMEM (the `_stats_kernel`'s statistics). Only
+    the last vocabulary block masks padding."""
     mgpu = mosaic_backend.plgpu
     barrier = barriers.at[0]
     j = jax.lax.axis_index("v")
@@ -291,21 +318,16 @@ def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers,
     v0 = j * blocks.v
     mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
     z_tv = _mosaic_logits(h_gmem, w_gmem, t0, v0, depth=h_gmem.shape[1],
-                          vocab_first=vocab_first, blocks=blocks,
-                          emulated=emulated) * inv_temperature
-    cols_tv = _columns(z_tv.shape, v0, emulated)
-    valid_tv = cols_tv < vocab
-    z_tv = jnp.where(valid_tv, z_tv, -jnp.inf)
-    rows = lambda x_t: jax.lax.broadcast_in_dim(x_t, z_tv.shape, [0])
-    m_t = jnp.max(z_tv, axis=1)
-    e_tv = jnp.exp(z_tv - rows(m_t))
-    out_smem.at[0][...] = m_t
-    out_smem.at[1][...] = jnp.sum(e_tv, axis=1)
+                          vocab_first=vocab_first, blocks=blocks, emulated=emulated)
     mgpu.barrier_wait(barrier)
-    hit_tv = cols_tv == rows(_load_rows(y_smem, emulated))
-    out_smem.at[2][...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1)
-    if with_entropy:
-        out_smem.at[3][...] = jnp.sum(jnp.where(valid_tv, e_tv * z_tv, 0.0), axis=1)
+    stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=v0, vocab=vocab,
+                              scale=inv_temperature * _LOG2E, with_entropy=with_entropy,
+                              emulated=emulated)
+    if vocab % blocks.v:
+        pl.when(j == vocab // blocks.v)(lambda: stats(masked=True))
+        pl.when(j != vocab // blocks.v)(lambda: stats(masked=False))
+    else:
+        stats(masked=False)
     mgpu.commit_smem()
     for i in range(out_smem.shape[0]):
         mgpu.copy_smem_to_gmem(out_smem.at[i], out_gmem.at[i, j, pl.ds(t0, blocks.t)])

@@ -238,22 +238,25 @@ def test_mosaic_is_taken_only_when_forced(monkeypatch):
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize(("tokens", "group"), [(5, 32), (200, 2)])
-def test_mosaic_one_pipeline_step_and_groups_of_token_blocks(tokens, group):
+@pytest.mark.parametrize(("tokens", "group", "vocab"), [(5, 32, 40), (200, 2, 64)])
+def test_mosaic_one_pipeline_step_groups_and_no_padding(tokens, group, vocab):
     """A hidden size of one `k` step (no wgmma to overlap with the next step's copies);
-    200 tokens are 4 token blocks, launched as 2 groups of 2."""
+    200 tokens are 4 token blocks, launched as 2 groups of 2; a vocabulary of whole
+    blocks (no block masks)."""
     rng = np.random.default_rng(6)
     h = jnp.asarray(rng.normal(size=(1, tokens, 16)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 40, (1, tokens)), jnp.int32).at[0, :2].set(39)
+    w = jnp.asarray(rng.normal(size=(vocab, 16)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, vocab, (1, tokens)), jnp.int32).at[0, :2].set(vocab - 1)
     blocks = hk.MosaicBlocks(t=64, v=32, k=16, stages=2, group=group)
-    log_z, target, _ = hk.log_softmax_stats(h, hk.pad_vocab(w, True, blocks), y, vocab=40,
-                                            vocab_first=True, impl="mosaic", blocks=blocks,
-                                            interpret=True)
-    z, ref_log_z, _, _, _ = _reference(h, w, y, 1.0)
+    log_z, target, ent = hk.log_softmax_stats(h, hk.pad_vocab(w, True, blocks), y,
+                                              vocab=vocab, vocab_first=True,
+                                              with_entropy=True, impl="mosaic",
+                                              blocks=blocks, interpret=True)
+    z, ref_log_z, _, _, ref_ent = _reference(h, w, y, 1.0)
     np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(target[0], z[np.arange(tokens), np.asarray(y[0])], rtol=1e-5,
                                atol=1e-5)
+    np.testing.assert_allclose(ent[0], ref_ent, rtol=1e-5, atol=1e-5)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

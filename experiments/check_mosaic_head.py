@@ -6,12 +6,15 @@ entropy, each variant's `(log_z, target_logit, entropy)` is compared with an XLA
 reference (float32 logits of the same bf16 operands, 1,024 tokens at a time) and timed
 (median of `--iters` calls after two warm-ups): the reference, the Triton kernel
 (`impl="pallas"`, its default `Blocks`) and the Mosaic GPU kernel (`impl="mosaic"`) over
-several `MosaicBlocks` (`--configs`). A variant that fails (a compile error, say) is
+several `MosaicBlocks` (`--configs`, all at the first shape, then the three fastest
+there). First, small probes try the Mosaic kernel's constructs one by one (the
+pipelined wgmma with each W layout, the int32 row load against an iota), to pin down
+a compile error of the whole kernel. A variant that fails (a compile error, say) is
 recorded with the first lines of its error and the sweep goes on; variants left when
-`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the
-log-probs and entropy of `jrl.logprobs.token_log_probs` and their gradients (the
-entropy as a metric, as in the update) with `impl` "mosaic" (`MOSAIC_FORWARD`),
-"pallas" and "xla". Writes `--out` (JSON) and prints a table.
+`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the log-probs
+and entropy of `jrl.logprobs.token_log_probs` and their gradients (the entropy as a
+metric, as in the update) with `impl` "mosaic" (the fastest config as
+`MOSAIC_FORWARD`), "pallas" and "xla". Writes `--out` (JSON) and prints a table.
 
     python experiments/check_mosaic_head.py --out mosaic_head.json
     python experiments/check_mosaic_head.py --smoke   # toy sizes, interpret mode, CPU
@@ -27,6 +30,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from jrl import logprobs
 from jrl.models import head_kernel as hk
@@ -50,7 +54,7 @@ def parse_args():
     p.add_argument("--configs", nargs="+", default=None,
                    help="MosaicBlocks to try: t,v,k,stages,overlap[,group] each")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=200.0,
+    p.add_argument("--budget-s", type=float, default=180.0,
                    help="skip the variants left after this many seconds")
     p.add_argument("--out", default="mosaic_head.json")
     args = p.parse_args()
@@ -130,8 +134,71 @@ class Sweep:
         print(json.dumps(row), flush=True)
 
 
-def kernel_rows(sweep, tokens, with_entropy, inputs, want):
-    """The reference, Triton and Mosaic variants at one shape."""
+def probe_rows(sweep):
+    """Small kernels that each try one construct of the Mosaic kernel on its own (so that
+    a compile error of the whole kernel can be pinned down): the pipelined wgmma with W
+    `[v, k]` (transposed B operand) or `[k, v]`, each reduced to per-row sums; a row
+    vector of int32 loaded from SMEM and compared with an iota."""
+    mgpu = hk.mosaic_backend.plgpu
+    emulated = hk.mosaic_backend.interpret() is not False
+    blocks = hk.MosaicBlocks(t=64, v=128, k=64, stages=2)
+    tokens, depth = 128, 256
+    key = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(key[0], (tokens, depth), jnp.bfloat16)
+    w = (0.1 * jax.random.normal(key[1], (blocks.v, depth))).astype(jnp.bfloat16)
+    y = jax.random.randint(key[2], (tokens,), 0, blocks.v)
+
+    def launch(body, *operands):
+        def kernel(*refs):
+            *gmem, out_gmem, out_smem, barriers = refs
+            t0 = jax.lax.axis_index("t") * blocks.t
+            body(*gmem, t0, out_smem, barriers.at[0])
+            mgpu.commit_smem()
+            mgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(t0, blocks.t)])
+            mgpu.wait_smem_to_gmem(0)
+
+        return mgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((tokens,), jnp.float32),
+                           scratch_types=[mgpu.SMEM((blocks.t,), jnp.float32),
+                                          mgpu.Barrier(num_barriers=1)],
+                           grid=(tokens // blocks.t,), grid_names=("t",),
+                           interpret=hk.mosaic_backend.interpret())(*operands)
+
+    def row_sums(vocab_first):
+        def body(h_gmem, w_gmem, t0, out_smem, _):
+            z = hk._mosaic_logits(h_gmem, w_gmem, t0, 0, depth=depth, vocab_first=vocab_first,
+                                  blocks=blocks, emulated=emulated)
+            out_smem[...] = jnp.sum(z, axis=1)
+
+        def go():
+            got = launch(body, h, w if vocab_first else w.T)
+            want = jnp.sum(jnp.dot(h, w.T, preferred_element_type=jnp.float32), axis=1)
+            return dict(err=float(jnp.max(jnp.abs(got - want))))
+        return go
+
+    def target_hits():
+        def body(y_gmem, t0, out_smem, barrier):
+            y_smem_shape = mgpu.SMEM((blocks.t,), jnp.int32)
+
+            def scoped(y_smem):
+                mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
+                mgpu.barrier_wait(barrier)
+                cols = hk._columns((blocks.t, blocks.v), 0, emulated)
+                y_rows = jax.lax.broadcast_in_dim(hk._load_rows(y_smem, emulated),
+                                                  (blocks.t, blocks.v), [0])
+                out_smem[...] = jnp.sum(jnp.where(cols == y_rows, 1.0, 0.0), axis=1)
+            pl.run_scoped(scoped, y_smem_shape)
+
+        # Each token's target is one column of the block: one hit a row.
+        return lambda: dict(err=float(jnp.max(jnp.abs(launch(body, y) - 1.0))))
+
+    for name, fn in (("probe: pipelined wgmma, W [v, k] (transposed B)", row_sums(True)),
+                     ("probe: pipelined wgmma, W [k, v]", row_sums(False)),
+                     ("probe: int32 rows from SMEM against an iota", target_hits())):
+        sweep.run(dict(tokens=tokens, with_entropy=False, variant=name), fn)
+
+
+def kernel_rows(sweep, tokens, with_entropy, inputs, want, configs):
+    """The reference, Triton and Mosaic (`configs`) variants at one shape."""
     args = sweep.args
     h, w, y = inputs
     flops = 2 * tokens * args.hidden * args.vocab
@@ -153,8 +220,15 @@ def kernel_rows(sweep, tokens, with_entropy, inputs, want):
         return lambda: measure(fn, h, padded, y)
 
     sweep.run(dict(base, variant="pallas (triton) default"), kernel("pallas", hk.FORWARD))
-    for text in args.configs:
+    for text in configs:
         sweep.run(dict(base, variant=f"mosaic {text}"), kernel("mosaic", mosaic_blocks(text)))
+
+
+def fastest(rows, n):
+    """The `n` fastest Mosaic configs among `rows` that ran and matched the reference."""
+    ok = [r for r in rows if r["variant"].startswith("mosaic ") and "ms" in r
+          and r["err_log_prob"] < 0.05 and r["err_entropy"] < 0.05]
+    return [r["variant"].split()[1] for r in sorted(ok, key=lambda r: r["ms"])[:n]]
 
 
 def trainer_rows(sweep, tokens, inputs):
@@ -205,6 +279,7 @@ def table(rows):
     for r in rows:
         f = lambda k, fmt, r=r: format(r[k], fmt) if k in r else "-"
         note = (r.get("error") or r.get("skipped") or "").splitlines()
+        note = note or ([f"max abs error {r['err']:.1e}"] if "err" in r else [])
         print(f"| {r['tokens']} | {r['with_entropy']} | {r['variant']} | {f('ms', '.2f')} "
               f"| {f('tflops', '.0f')} | {f('err_log_z', '.1e')} | {f('err_target', '.1e')} "
               f"| {f('err_entropy', '.1e')} | {f('err_log_prob', '.1e')} "
@@ -216,16 +291,22 @@ def main():
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit("no GPU: run with --smoke for the toy sizes in interpret mode")
     sweep = Sweep(args)
+    probe_rows(sweep)
     key = jax.random.split(jax.random.key(0), 3)
     w = (0.05 * jax.random.normal(key[1], (args.vocab, args.hidden))).astype(jnp.bfloat16)
+    configs = args.configs  # all at the first shape, then its three fastest
     for tokens in args.tokens:
         h = jax.random.normal(key[0], (tokens, args.hidden), jnp.bfloat16)
         y = jax.random.randint(key[2], (tokens,), 0, args.vocab)
         for with_entropy in (True, False):
             want = jax.jit(lambda h, w, y, e=with_entropy: reference(h, w, y, e))(h, w, y)
-            kernel_rows(sweep, tokens, with_entropy, (h, w, y), want)
+            kernel_rows(sweep, tokens, with_entropy, (h, w, y), want, configs)
+            configs = fastest(sweep.rows, 3) if configs is args.configs else configs
     h = jax.random.normal(key[0], (args.tokens[0], args.hidden), jnp.bfloat16)
     y = jax.random.randint(key[2], (args.tokens[0],), 0, args.vocab)
+    best = fastest(sweep.rows, 1)
+    hk.MOSAIC_FORWARD = mosaic_blocks(best[0]) if best else hk.MOSAIC_FORWARD
+    print(f"token_log_probs with MOSAIC_FORWARD = {hk.MOSAIC_FORWARD}", flush=True)
     trainer_rows(sweep, args.tokens[0], (h, w, y))
     device = jax.devices()[0].device_kind
     print(f"\n{device}; jax {jax.__version__}; D {args.hidden}, V {args.vocab}; "

@@ -35,13 +35,14 @@ from jax.experimental import pallas as pl
 from jrl import logprobs
 from jrl.models import head_kernel as hk
 
-# t, v, k, stages, overlap[, group] (MosaicBlocks). (64 + 256) x 64 bf16 = 40 KB of SMEM
-# a stage: 2 stages leave room for two programs on an SM (one's epilogue beside the
-# other's matmuls), 5 fill the 227 KB.
+# t, v, k, stages, overlap[, group[, consumers]] (MosaicBlocks). (64 + 256) x 64 bf16 =
+# 40 KB of SMEM a stage: 2 stages leave room for two programs on an SM (one's epilogue
+# beside the other's matmuls), 5 fill the 227 KB. Two consumers: 128 tokens a program.
 CONFIGS = ("64,256,64,4,1", "64,256,64,2,1", "64,128,64,3,1", "64,256,64,3,1",
            "64,256,64,5,1", "64,256,64,4,0", "64,256,64,4,1,0", "64,256,64,4,1,8",
-           "128,128,64,4,1", "128,128,64,2,1")
-SMOKE_CONFIGS = ("64,128,64,2,1", "64,64,64,3,0,1")
+           "128,128,64,4,1", "128,256,64,4,1,16,2", "128,128,64,4,1,16,2",
+           "128,256,64,3,1,16,2")
+SMOKE_CONFIGS = ("64,128,64,2,1", "64,64,64,3,0,1", "128,128,64,2,1,32,2")
 
 
 def parse_args():
@@ -52,23 +53,23 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--configs", nargs="+", default=None,
-                   help="MosaicBlocks to try: t,v,k,stages,overlap[,group] each")
+                   help="MosaicBlocks to try: t,v,k,stages,overlap[,group[,consumers]] each")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="skip the variants left after this many seconds")
     p.add_argument("--out", default="mosaic_head.json")
     args = p.parse_args()
     if args.smoke:
-        args.tokens, args.hidden, args.vocab, args.iters = [96], 128, 1000, 2
+        args.tokens, args.hidden, args.vocab, args.iters = [96], 128, 1000, 1
         args.configs = args.configs or list(SMOKE_CONFIGS)
     args.configs = args.configs or list(CONFIGS)
     return args
 
 
 def mosaic_blocks(text):
-    t, v, k, stages, overlap, *group = map(int, text.split(","))
+    t, v, k, stages, overlap, *rest = map(int, text.split(","))
     return hk.MosaicBlocks(t=t, v=v, k=k, stages=stages, overlap=bool(overlap),
-                           **dict(zip(["group"], group, strict=False)))
+                           **dict(zip(["group", "consumers"], rest, strict=False)))
 
 
 def timed(fn, *args, iters):
@@ -165,7 +166,7 @@ def probe_rows(sweep):
 
     def row_sums(vocab_first):
         def body(h_gmem, w_gmem, t0, out_smem, _):
-            z = hk._mosaic_logits(h_gmem, w_gmem, t0, 0, depth=depth, vocab_first=vocab_first,
+            z = hk._mosaic_logits(h_gmem, w_gmem, t0, 0, vocab_first=vocab_first,
                                   blocks=blocks, emulated=emulated)
             out_smem[...] = jnp.sum(z, axis=1)
 

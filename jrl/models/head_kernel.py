@@ -80,7 +80,7 @@ MAX_HIDDEN = 1024
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
     """Tiles of the Mosaic GPU kernel (`impl="mosaic"`): `t` tokens (64 per warpgroup
-    matmul; 128 runs two of them) by `v` vocabulary entries (wgmma's N, a multiple of 8
+    matmul) by `v` vocabulary entries (wgmma's N, a multiple of 8
     up to 256) per program, `k` hidden units per pipeline step (the 128-byte swizzle's
     width: 64 for 16-bit inputs), `stages` steps' tiles in flight (TMA copies ahead of
     the wgmma). `overlap`: keep one wgmma in flight while the next step's tiles arrive
@@ -88,7 +88,9 @@ class MosaicBlocks:
     blocks per group of the launch order (at most; the largest divisor of the launch's
     token blocks): the programs run a group's token blocks against every vocabulary
     block before the next group's, so that W is read from memory once per group and a
-    group's hidden states stay in L2 (0: one group)."""
+    group's hidden states stay in L2 (0: one group). `consumers`: warpgroups that
+    multiply and reduce, `t / consumers` tokens each; above 1, one more warpgroup issues
+    the copies (warp specialisation), and the consumers share each tile of W."""
 
     t: int = 64
     v: int = 256
@@ -96,11 +98,13 @@ class MosaicBlocks:
     stages: int = 4
     overlap: bool = True
     group: int = 32
+    consumers: int = 1
 
     def __post_init__(self):
-        if self.t % 64 or self.v % 8 or not 8 <= self.v <= 256 or self.stages < 2:
-            raise ValueError(f"MosaicBlocks needs t a multiple of 64, v a multiple of 8 "
-                             f"from 8 to 256 and stages >= 2, got {self}")
+        if (self.consumers < 1 or self.t % (64 * self.consumers) or self.v % 8
+                or not 8 <= self.v <= 256 or self.stages < 2):
+            raise ValueError(f"MosaicBlocks needs t a multiple of 64 per consumer, v a "
+                             f"multiple of 8 from 8 to 256 and stages >= 2, got {self}")
 
 
 # Not yet measured on a GPU (experiments/check_mosaic_head.py sweeps the tiles).
@@ -243,15 +247,15 @@ def _columns(shape, v0, emulated):
     return mgpu.broadcasted_iota(jnp.int32, shape, 1, layout=mgpu.Layout.WGMMA) + v0
 
 
-def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, depth, vocab_first, blocks, emulated):
-    """float32 `[t, v]` block of `h @ W` at tokens `t0:` and vocabulary `v0:`: TMA copies
-    of `[t, k]` and `[v, k]` (or `[k, v]`) tiles into swizzled SMEM, `blocks.stages`
-    deep, each step's wgmma accumulating into registers."""
+def _pipeline_specs(h_gmem, w_gmem, t0, v0, *, vocab_first, blocks):
+    """The pipeline over the hidden dimension of a `[t, v]` block at tokens `t0:` and
+    vocabulary `v0:`: its in_specs (`[t, k]` tiles of h, `[v, k]` or `[k, v]` tiles of
+    W, in swizzled SMEM), its GMEM operands and the wgmmas each step leaves in flight."""
     mgpu = mosaic_backend.plgpu
     itemsize = jnp.dtype(h_gmem.dtype).itemsize
     swizzle = mgpu.find_swizzle(blocks.k * itemsize * 8)
     tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
-    delay = int(blocks.overlap and depth > blocks.k)  # one step: nothing to overlap
+    delay = int(blocks.overlap and h_gmem.shape[1] > blocks.k)  # one step: no overlap
     spec = lambda shape, index: mgpu.BlockSpec(shape, index, transforms=tiled,
                                                delay_release=delay)
     vocab_slice = pl.ds(v0, blocks.v)
@@ -259,24 +263,44 @@ def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, depth, vocab_first, blocks, emulat
         w_spec, w_rows = spec((blocks.v, blocks.k), lambda k: (0, k)), w_gmem.at[vocab_slice]
     else:
         w_spec, w_rows = spec((blocks.k, blocks.v), lambda k: (k, 0)), w_gmem.at[:, vocab_slice]
+    h_spec = spec((blocks.t, blocks.k), lambda k: (0, k))
+    return [h_spec, w_spec], (h_gmem.at[pl.ds(t0, blocks.t)], w_rows), delay
+
+
+def _wgmma_step(acc_ref, h_smem, w_smem, *, vocab_first, delay, emulated, w_kv=None):
+    """`acc += h_smem @ W`'s tile (transposed where W is `[v, k]`), `delay` left running.
+
+    The interpreter's wgmma takes no transposed operand: `emulated`, W's tile is copied
+    transposed, to `w_kv` (a `[k, v]` SMEM ref; allocated here if None)."""
+    mgpu = mosaic_backend.plgpu
+    if not vocab_first:
+        mgpu.wgmma(acc_ref, h_smem, w_smem)
+    elif not emulated:
+        mgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)))
+    else:
+        def transposed(w_kv):
+            w_kv[...] = w_smem[...].T
+            mgpu.wgmma(acc_ref, h_smem, w_kv)
+        if w_kv is None:
+            pl.run_scoped(transposed, mgpu.SMEM(w_smem.shape[::-1], w_smem.dtype))
+        else:
+            transposed(w_kv)
+    mgpu.wgmma_wait(delay)
+
+
+def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, vocab_first, blocks, emulated):
+    """float32 `[t, v]` block of `h @ W` at tokens `t0:` and vocabulary `v0:`: TMA copies
+    of its tiles into SMEM, `blocks.stages` deep, each step's wgmma accumulating into
+    registers (one warpgroup issues both)."""
+    mgpu = mosaic_backend.plgpu
+    specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, v0, vocab_first=vocab_first,
+                                             blocks=blocks)
 
     def compute(acc_ref):
-        def step(_, h_smem, w_smem):
-            if not vocab_first:
-                mgpu.wgmma(acc_ref, h_smem, w_smem)
-            elif not emulated:
-                mgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)))
-            else:  # the interpreter's wgmma takes no transposed operand: a transposed copy
-                def transposed(w_kv):
-                    w_kv[...] = w_smem[...].T
-                    mgpu.wgmma(acc_ref, h_smem, w_kv)
-                pl.run_scoped(transposed, mgpu.SMEM((blocks.k, blocks.v), w_smem.dtype))
-            mgpu.wgmma_wait(delay)
-
-        mgpu.emit_pipeline(step, grid=(depth // blocks.k,),
-                           in_specs=[spec((blocks.t, blocks.k), lambda k: (0, k)), w_spec],
-                           max_concurrent_steps=blocks.stages,
-                           )(h_gmem.at[pl.ds(t0, blocks.t)], w_rows)
+        step = lambda _, h_smem, w_smem: _wgmma_step(
+            acc_ref, h_smem, w_smem, vocab_first=vocab_first, delay=delay, emulated=emulated)
+        mgpu.emit_pipeline(step, grid=(h_gmem.shape[1] // blocks.k,), in_specs=specs,
+                           max_concurrent_steps=blocks.stages)(*operands)
         return acc_ref[...]
 
     # The accumulator alone in its scope (register and SMEM allocations do not mix).
@@ -306,22 +330,13 @@ def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy
         out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
 
 
-def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *, vocab,
-                   vocab_first, inv_temperature, with_entropy, blocks, group, emulated):
-    """One `[t, v]` block: its logits reduced to `(m, l, zt[, a])` per token, written to
-    `out_gmem[:, j, t0:t0 + t]` through SMEM (the `_stats_kernel`'s statistics). Only
-    the last vocabulary block masks padding."""
+def _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, *, vocab, blocks, scale,
+                      with_entropy, emulated):
+    """A block's statistics (`_mosaic_statistics`; only the last vocabulary block masks
+    padding) to `out_gmem[:, j, t0:]` through `out_smem`."""
     mgpu = mosaic_backend.plgpu
-    barrier = barriers.at[0]
-    j = jax.lax.axis_index("v")
-    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
-    v0 = j * blocks.v
-    mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
-    z_tv = _mosaic_logits(h_gmem, w_gmem, t0, v0, depth=h_gmem.shape[1],
-                          vocab_first=vocab_first, blocks=blocks, emulated=emulated)
-    mgpu.barrier_wait(barrier)
-    stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=v0, vocab=vocab,
-                              scale=inv_temperature * _LOG2E, with_entropy=with_entropy,
+    stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=j * blocks.v,
+                              vocab=vocab, scale=scale, with_entropy=with_entropy,
                               emulated=emulated)
     if vocab % blocks.v:
         pl.when(j == vocab // blocks.v)(lambda: stats(masked=True))
@@ -329,9 +344,76 @@ def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers,
     else:
         stats(masked=False)
     mgpu.commit_smem()
+    rows = out_smem.shape[1]
     for i in range(out_smem.shape[0]):
-        mgpu.copy_smem_to_gmem(out_smem.at[i], out_gmem.at[i, j, pl.ds(t0, blocks.t)])
+        mgpu.copy_smem_to_gmem(out_smem.at[i], out_gmem.at[i, j, pl.ds(t0, rows)])
     mgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *,
+                   vocab_first, blocks, group, emulated, **stats):
+    """One `[t, v]` block on one warpgroup: its logits reduced to `(m, l, zt[, a])` per
+    token, written to `out_gmem[:, j, t0:t0 + t]` (the `_stats_kernel`'s statistics)."""
+    mgpu = mosaic_backend.plgpu
+    barrier = barriers.at[0]
+    j = jax.lax.axis_index("v")
+    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
+    mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
+    z_tv = _mosaic_logits(h_gmem, w_gmem, t0, j * blocks.v, vocab_first=vocab_first,
+                          blocks=blocks, emulated=emulated)
+    mgpu.barrier_wait(barrier)
+    _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, blocks=blocks,
+                      emulated=emulated, **stats)
+
+
+def _mosaic_kernel_specialized(h_gmem, w_gmem, y_gmem, out_gmem, *, vocab_first, blocks,
+                               group, emulated, **stats):
+    """One `[t, v]` block on `blocks.consumers` warpgroups, each multiplying and reducing
+    its `t / consumers` tokens, fed by one more warpgroup that only issues the TMA copies
+    (`emit_pipeline_warp_specialized`, the tiles of W shared by the consumers)."""
+    mgpu = mosaic_backend.plgpu
+    n, rows = blocks.consumers, blocks.t // blocks.consumers
+    j = jax.lax.axis_index("v")
+    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
+    specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, j * blocks.v,
+                                             vocab_first=vocab_first, blocks=blocks)
+    pipeline = lambda body, context: mgpu.emit_pipeline_warp_specialized(
+        body, grid=(h_gmem.shape[1] // blocks.k,), memory_registers=40, in_specs=specs,
+        wg_axis="wg", num_compute_wgs=n, max_concurrent_steps=blocks.stages,
+        compute_context=context)
+    ignore = lambda *_, **__: None  # allocations depend on neither function
+
+    def scoped(allocations, y_smem, out_smem, barriers, w_kv):
+        wg = jax.lax.axis_index("wg")
+        mine = t0 + wg * rows
+
+        def context(run_pipeline):
+            mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(mine, rows)], y_smem.at[wg],
+                                   barriers.at[wg])
+
+            def with_accumulator(acc_ref):
+                run_pipeline(acc_ref)
+                z_tv = acc_ref[...]
+                mgpu.barrier_wait(barriers.at[wg])
+                _write_statistics(z_tv, y_smem.at[wg], out_smem.at[wg], out_gmem, j, mine,
+                                  blocks=blocks, emulated=emulated, **stats)
+            pl.run_scoped(with_accumulator, mgpu.ACC((rows, blocks.v), jnp.float32))
+
+        def body(_, h_smem, w_smem, acc_ref):
+            _wgmma_step(acc_ref, h_smem.at[pl.ds(wg * rows, rows)], w_smem,
+                        vocab_first=vocab_first, delay=delay, emulated=emulated,
+                        w_kv=None if w_kv is None else w_kv.at[wg])
+            return acc_ref
+
+        pipeline(body, context)(*operands, allocations=allocations)
+
+    stat_count = 4 if stats["with_entropy"] else 3
+    # Interpreted, the transposed copies of W's tiles (`_wgmma_step`), allocated by all.
+    w_kv = (mgpu.SMEM((n, blocks.k, blocks.v), w_gmem.dtype) if emulated and vocab_first
+            else None)
+    pl.run_scoped(scoped, pipeline(ignore, ignore).get_allocations(*operands),
+                  mgpu.SMEM((n, rows), jnp.int32), mgpu.SMEM((n, stat_count, rows), jnp.float32),
+                  mgpu.Barrier(num_barriers=n), w_kv, collective_axes="wg")
 
 
 def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
@@ -348,17 +430,21 @@ def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy
     group = max(g for g in range(1, min(blocks.group or nt, nt) + 1) if nt % g == 0)
     stats = 4 if with_entropy else 3
     mode = mosaic_backend.interpret(force=bool(interpret))
-    kernel = functools.partial(_mosaic_kernel, vocab=vocab, vocab_first=vocab_first,
-                               inv_temperature=1.0 / temperature, with_entropy=with_entropy,
-                               blocks=blocks, group=group, emulated=mode is not False)
+    settings = dict(vocab=vocab, vocab_first=vocab_first, scale=_LOG2E / temperature,
+                    with_entropy=with_entropy, blocks=blocks, group=group,
+                    emulated=mode is not False)
+    if blocks.consumers == 1:
+        kernel = functools.partial(_mosaic_kernel, **settings)
+        threads = dict(scratch_types=[mgpu.SMEM((blocks.t,), jnp.int32),
+                                      mgpu.SMEM((stats, blocks.t), jnp.float32),
+                                      mgpu.Barrier(num_barriers=1)])
+    else:  # the consumers and one memory warpgroup
+        kernel = functools.partial(_mosaic_kernel_specialized, **settings)
+        threads = dict(num_threads=blocks.consumers + 1, thread_name="wg")
     out = mgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
-        scratch_types=[mgpu.SMEM((blocks.t,), jnp.int32),
-                       mgpu.SMEM((stats, blocks.t), jnp.float32),
-                       mgpu.Barrier(num_barriers=1)],
         grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
-        compiler_params=mgpu.CompilerParams(approx_math=True),
-        interpret=mode,
+        compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode, **threads,
     )(h_td, w, y_t.astype(jnp.int32))
     return tuple(out)
 

@@ -231,8 +231,10 @@ def test_mosaic_is_taken_only_when_forced(monkeypatch):
     assert hk.choose_impl("auto", 896) in ("pallas", "xla")
     assert hk.default_blocks("mosaic") is hk.MOSAIC_FORWARD
     assert hk.pad_vocab(jnp.zeros((101, 8)), True, SMALL_MOSAIC).shape == (128, 8)
-    with pytest.raises(ValueError, match="t a multiple of 64"):
+    with pytest.raises(ValueError, match="t a multiple of 64 per consumer"):
         hk.MosaicBlocks(t=32)
+    with pytest.raises(ValueError, match="t a multiple of 64 per consumer"):
+        hk.MosaicBlocks(t=64, consumers=2)
     with pytest.raises(ValueError, match="stages >= 2"):
         hk.MosaicBlocks(stages=1)
 
@@ -255,6 +257,24 @@ def test_mosaic_one_pipeline_step_groups_and_no_padding(tokens, group, vocab):
     z, ref_log_z, _, _, ref_ent = _reference(h, w, y, 1.0)
     np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(target[0], z[np.arange(tokens), np.asarray(y[0])], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(ent[0], ref_ent, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("vocab_first", [True, False])
+def test_mosaic_two_consumer_warpgroups(vocab_first):
+    """`consumers=2`: 128 tokens a program, 64 per warpgroup, fed by a third one."""
+    h, w, y = _inputs(seed=2)
+    y = y.at[0, :3].set(V - 1)
+    blocks = hk.MosaicBlocks(t=128, v=64, k=16, stages=2, consumers=2)
+    weight = hk.pad_vocab(w if vocab_first else w.T, vocab_first, blocks)
+    log_z, target, ent = hk.log_softmax_stats(h, weight, y, vocab=V, vocab_first=vocab_first,
+                                              temperature=TEMPERATURE, with_entropy=True,
+                                              impl="mosaic", blocks=blocks, interpret=True)
+    z, ref_log_z, _, _, ref_ent = _reference(h, w, y, TEMPERATURE)
+    np.testing.assert_allclose(log_z[0], ref_log_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(target[0], z[np.arange(T), np.asarray(y[0])], rtol=1e-5,
                                atol=1e-5)
     np.testing.assert_allclose(ent[0], ref_ent, rtol=1e-5, atol=1e-5)
 

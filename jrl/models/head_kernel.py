@@ -28,8 +28,10 @@ and on its Mosaic GPU backend (`impl="mosaic"`, `MosaicBlocks`, Hopper only), wh
 program copies `[t, k]` tiles of h and `[v, k]` tiles of W (tied embeddings; `[k, v]`
 untied) into swizzled shared memory with TMA, `stages` steps ahead, multiplies them
 with `wgmma` into a float32 accumulator in registers, reduces the accumulator to the
-four statistics on its own layout and writes them out through shared memory. Both
-share the merge, the launches of `tokens_per_call` tokens and the per-shard wrapper.
+four statistics on its own layout and writes them out through shared memory (with
+`MosaicBlocks.consumers=2`, two warpgroups do that for 64 tokens each while a third
+issues the copies). Both share the merge, the launches of `tokens_per_call` tokens and
+the per-shard wrapper.
 
 `choose_impl("auto", ...)` takes the Triton kernel on GPU (where jax has Pallas' Triton
 backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; the Mosaic
@@ -51,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from jrl import sharding
 from jrl.models import mosaic_backend, triton_backend
 
-plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_call` says so)
+plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_triton_parts` says so)
 
 Array = jax.Array
 

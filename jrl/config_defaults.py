@@ -56,8 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
     # Pallas kernel that keeps the logits on chip, on GPU with jax's Pallas Triton
     # backend, for passes with the entropy and hidden sizes up to 1,024, where it is
-    # faster; else XLA), xla (chunked float32 logits) or pallas (every pass; a
-    # ConfigError where jax lacks that backend).
+    # faster; else XLA), xla (chunked float32 logits), pallas (every pass; a
+    # ConfigError where jax lacks that backend) or mosaic (every pass, the kernel on
+    # Pallas' Mosaic GPU backend, for Hopper GPUs; a ConfigError where jax lacks it).
     c.model.logprob_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).

@@ -77,6 +77,18 @@ def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
             _settings(**{key: "pallas"})
 
 
+def test_the_mosaic_head_kernel_needs_the_mosaic_backend(monkeypatch):
+    """model.logprob_impl='mosaic' is accepted, and stops with the settings where jax lacks
+    Pallas' Mosaic GPU backend."""
+    from jrl.models import mosaic_backend
+
+    if mosaic_backend.available():
+        _settings(**{"model.logprob_impl": "mosaic"})
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    with pytest.raises(ConfigError, match=r"^model\.logprob_impl='mosaic' needs Pallas' Mosaic"):
+        _settings(**{"model.logprob_impl": "mosaic"})
+
+
 def test_loggers():
     _settings(**{"trainer.logger": settings.LOGGERS})
 

@@ -22,14 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from jrl.errors import ConfigError
-from jrl.models import triton_backend
+from jrl.models import mosaic_backend, triton_backend
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
-LOGPROB_IMPLS = ("auto", "xla", "pallas")
+LOGPROB_IMPLS = ("auto", "xla", "pallas", "mosaic")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_ROLLOUTS = ("merged", "unmerged")
@@ -101,8 +101,9 @@ class ModelConfig:
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
         pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"
-        (chunked float32 logits) or "pallas" (every pass; a ConfigError where jax
-        lacks Pallas' Triton backend).
+        (chunked float32 logits), "pallas" (every pass; a ConfigError where jax
+        lacks Pallas' Triton backend) or "mosaic" (every pass, the kernel on Pallas'
+        Mosaic GPU backend, for Hopper GPUs; a ConfigError where jax lacks it).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.
@@ -174,6 +175,8 @@ class ModelConfig:
         for key in ("decode_attention_impl", "logprob_impl"):
             if getattr(self, key) == "pallas":
                 triton_backend.require(f"model.{key}")
+        if self.logprob_impl == "mosaic":
+            mosaic_backend.require("model.logprob_impl")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

@@ -23,15 +23,27 @@ logits and wrote `d loss / dz` straight away was no faster there (its Triton mat
 runs at about 450 TFLOP/s on an H200 against cuBLAS's ~620, which ate the memory
 traffic it saved; docs/performance_history.md, round five).
 
-`choose_impl("auto", ...)` takes the kernel on GPU (where jax has Pallas' Triton
-backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; CPU tests
-run the kernel in Pallas' interpret mode against the reference.
+The same kernel exists twice: on Pallas' Triton backend (`impl="pallas"`, `Blocks`)
+and on its Mosaic GPU backend (`impl="mosaic"`, `MosaicBlocks`, Hopper only), whose
+program copies `[t, k]` tiles of h and `[v, k]` tiles of W (tied embeddings; `[k, v]`
+untied) into swizzled shared memory with TMA, `stages` steps ahead, multiplies them
+with `wgmma` into a float32 accumulator in registers, reduces the accumulator to the
+four statistics on its own layout and writes them out through shared memory (with
+`MosaicBlocks.consumers=2`, two warpgroups do that for 64 tokens each while a third
+issues the copies). Both share the merge, the launches of `tokens_per_call` tokens and
+the per-shard wrapper.
+
+`choose_impl("auto", ...)` takes the Triton kernel on GPU (where jax has Pallas' Triton
+backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; the Mosaic
+one only when forced. CPU tests run the kernels in Pallas' interpret modes against the
+reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +51,9 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import triton_backend
+from jrl.models import mosaic_backend, triton_backend
 
-plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_call` says so)
+plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_triton_parts` says so)
 
 Array = jax.Array
 
@@ -68,22 +80,63 @@ FORWARD = Blocks()
 MAX_HIDDEN = 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+    """Tiles of the Mosaic GPU kernel (`impl="mosaic"`): `t` tokens (64 per warpgroup
+    matmul) by `v` vocabulary entries (wgmma's N, a multiple of 8
+    up to 256) per program, `k` hidden units per pipeline step (the 128-byte swizzle's
+    width: 64 for 16-bit inputs), `stages` steps' tiles in flight (TMA copies ahead of
+    the wgmma). `overlap`: keep one wgmma in flight while the next step's tiles arrive
+    (the pipeline then holds on to a step's buffers one step longer). `group`: token
+    blocks per group of the launch order (at most; the largest divisor of the launch's
+    token blocks): the programs run a group's token blocks against every vocabulary
+    block before the next group's, so that W is read from memory once per group and a
+    group's hidden states stay in L2 (0: one group). `consumers`: warpgroups that
+    multiply and reduce, `t / consumers` tokens each; above 1, one more warpgroup issues
+    the copies (warp specialisation), and the consumers share each tile of W."""
+
+    t: int = 64
+    v: int = 256
+    k: int = 64
+    stages: int = 4
+    overlap: bool = True
+    group: int = 32
+    consumers: int = 1
+
+    def __post_init__(self):
+        if (self.consumers < 1 or self.t % (64 * self.consumers) or self.v % 8
+                or not 8 <= self.v <= 256 or self.stages < 2):
+            raise ValueError(f"MosaicBlocks needs t a multiple of 64 per consumer, v a "
+                             f"multiple of 8 from 8 to 256 and stages >= 2, got {self}")
+
+
+# Not yet measured on a GPU (experiments/check_mosaic_head.py sweeps the tiles).
+MOSAIC_FORWARD = MosaicBlocks()
+
+
+IMPLS = ("auto", "xla", "pallas", "mosaic")
+
+
 def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     """`"pallas"` where the kernel applies and pays (GPU, Pallas' Triton backend
     installed, a pass that computes the entropy, a hidden size of whole `FORWARD.k`
     blocks up to `MAX_HIDDEN`, no `tensor` axis over 1 in the active mesh), else
     `"xla"`; a forced `impl` is returned as is (a forced `"pallas"` without the Triton
-    backend stops with a ConfigError).
+    backend, or `"mosaic"` without Mosaic GPU, stops with a ConfigError). `"mosaic"`
+    (the same kernel on Pallas' Mosaic GPU backend) is taken only when forced.
 
     Without the entropy XLA reads the logits twice rather than three times, and in the
     GRPO step the reference pass was no faster through the kernel (docs/performance_history.md,
     round five). Under tensor parallelism XLA splits the logits over the vocabulary,
     while the kernel would run the whole vocabulary on every device of a `tensor` group.
     """
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"log-prob impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"log-prob impl must be one of {', '.join(map(repr, IMPLS))}, "
+                         f"got {impl!r}")
     if impl == "pallas":
         triton_backend.require("model.logprob_impl")
+    if impl == "mosaic":
+        mosaic_backend.require("model.logprob_impl")
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
@@ -93,7 +146,8 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     return "pallas" if ok else "xla"
 
 
-def pad_vocab(weight: Array, vocab_first: bool, blocks: Blocks | None = None) -> Array:
+def pad_vocab(weight: Array, vocab_first: bool,
+              blocks: Blocks | MosaicBlocks | None = None) -> Array:
     """The unembedding (`[V, D]` if `vocab_first`, else `[D, V]`) with zero entries
     appended up to whole `blocks.v` blocks (the kernel masks them out); `blocks`
     defaults to `FORWARD`."""
@@ -147,9 +201,9 @@ def _check_shapes(d, padded_vocab, vocab, blocks):
                          f"{vocab}; pad it with pad_vocab (to whole blocks of {blocks.v})")
 
 
-def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks, interpret):
-    """One kernel launch over `T` tokens (a multiple of `blocks.t`): the per-block
-    statistics merged into `(log_z, target_logit, entropy)`, each float32 `[T]`."""
+def _triton_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
+                  interpret):
+    """The Triton kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`."""
     triton_backend.require("model.logprob_impl")
     tp, d = h_td.shape
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
@@ -157,7 +211,7 @@ def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks
                                inv_temperature=1.0 / temperature, blocks=blocks)
     outputs = 4 if with_entropy else 3
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-    parts = pl.pallas_call(
+    return pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((nv, tp), jnp.float32)] * outputs,
         grid=(tp // blocks.t, nv),
         in_specs=[whole(h_td.shape), whole(w.shape),
@@ -168,6 +222,239 @@ def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks
         interpret=interpret or jax.default_backend() != "gpu",
         name="log_softmax_stats",
     )(h_td, w, y_t.astype(jnp.int32))
+
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# jax 0.10 takes `plgpu.load(ref, idx, layout=...)`, 0.11 `plgpu.load(ref.at[idx], layout=...)`.
+_LOAD_TAKES_INDEX = (mosaic_backend.available() and inspect.signature(
+    mosaic_backend.plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
+
+
+def _load_rows(ref, emulated):
+    """A `[t]` SMEM vector in the layout of the rows of a `[t, v]` wgmma accumulator."""
+    if emulated:
+        return ref[...]
+    rows = mosaic_backend.plgpu.Layout.WGMMA.reduce(1)
+    if _LOAD_TAKES_INDEX:
+        return mosaic_backend.plgpu.load(ref, (), layout=rows)
+    return mosaic_backend.plgpu.load(ref, layout=rows)
+
+
+def _columns(shape, v0, emulated):
+    """int32 `[t, v]`: each entry's vocabulary index, in the wgmma accumulator's layout."""
+    if emulated:
+        return jax.lax.broadcasted_iota(jnp.int32, shape, 1) + v0
+    mgpu = mosaic_backend.plgpu
+    return mgpu.broadcasted_iota(jnp.int32, shape, 1, layout=mgpu.Layout.WGMMA) + v0
+
+
+def _pipeline_specs(h_gmem, w_gmem, t0, v0, *, vocab_first, blocks):
+    """The pipeline over the hidden dimension of a `[t, v]` block at tokens `t0:` and
+    vocabulary `v0:`: its in_specs (`[t, k]` tiles of h, `[v, k]` or `[k, v]` tiles of
+    W, in swizzled SMEM), its GMEM operands and the wgmmas each step leaves in flight."""
+    mgpu = mosaic_backend.plgpu
+    itemsize = jnp.dtype(h_gmem.dtype).itemsize
+    swizzle = mgpu.find_swizzle(blocks.k * itemsize * 8)
+    tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
+    delay = int(blocks.overlap and h_gmem.shape[1] > blocks.k)  # one step: no overlap
+    spec = lambda shape, index: mgpu.BlockSpec(shape, index, transforms=tiled,
+                                               delay_release=delay)
+    vocab_slice = pl.ds(v0, blocks.v)
+    if vocab_first:  # W's `[v, k]` tile is wgmma's B operand transposed (K-major)
+        w_spec, w_rows = spec((blocks.v, blocks.k), lambda k: (0, k)), w_gmem.at[vocab_slice]
+    else:
+        w_spec, w_rows = spec((blocks.k, blocks.v), lambda k: (k, 0)), w_gmem.at[:, vocab_slice]
+    h_spec = spec((blocks.t, blocks.k), lambda k: (0, k))
+    return [h_spec, w_spec], (h_gmem.at[pl.ds(t0, blocks.t)], w_rows), delay
+
+
+def _wgmma_step(acc_ref, h_smem, w_smem, *, vocab_first, delay, emulated, w_kv=None):
+    """`acc += h_smem @ W`'s tile (transposed where W is `[v, k]`), `delay` left running.
+
+    The interpreter's wgmma takes no transposed operand: `emulated`, W's tile is copied
+    transposed, to `w_kv` (a `[k, v]` SMEM ref; allocated here if None)."""
+    mgpu = mosaic_backend.plgpu
+    if not vocab_first:
+        mgpu.wgmma(acc_ref, h_smem, w_smem)
+    elif not emulated:
+        mgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)))
+    else:
+        def transposed(w_kv):
+            w_kv[...] = w_smem[...].T
+            mgpu.wgmma(acc_ref, h_smem, w_kv)
+        if w_kv is None:
+            pl.run_scoped(transposed, mgpu.SMEM(w_smem.shape[::-1], w_smem.dtype))
+        else:
+            transposed(w_kv)
+    mgpu.wgmma_wait(delay)
+
+
+def _mosaic_logits(h_gmem, w_gmem, t0, v0, *, vocab_first, blocks, emulated):
+    """float32 `[t, v]` block of `h @ W` at tokens `t0:` and vocabulary `v0:`: TMA copies
+    of its tiles into SMEM, `blocks.stages` deep, each step's wgmma accumulating into
+    registers (one warpgroup issues both)."""
+    mgpu = mosaic_backend.plgpu
+    specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, v0, vocab_first=vocab_first,
+                                             blocks=blocks)
+
+    def compute(acc_ref):
+        step = lambda _, h_smem, w_smem: _wgmma_step(
+            acc_ref, h_smem, w_smem, vocab_first=vocab_first, delay=delay, emulated=emulated)
+        mgpu.emit_pipeline(step, grid=(h_gmem.shape[1] // blocks.k,), in_specs=specs,
+                           max_concurrent_steps=blocks.stages)(*operands)
+        return acc_ref[...]
+
+    # The accumulator alone in its scope (register and SMEM allocations do not mix).
+    return pl.run_scoped(compute, mgpu.ACC((blocks.t, blocks.v), jnp.float32))
+
+
+def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy, masked,
+                       emulated):
+    """Writes a block's `(m, l, zt[, a])` per token to `out_smem` from its accumulator
+    `z_tv` (`h W` without the temperature). The logits are kept in base 2 (`z log2 e`:
+    `exp2` is the chip's own exponential) and the statistics taken back to base e per
+    token. `masked`: the block holds padding (entries from `vocab` on)."""
+    z_tv = z_tv * scale  # log2(e) / temperature
+    cols_tv = _columns(z_tv.shape, v0, emulated)
+    if masked:
+        valid_tv = cols_tv < vocab
+        z_tv = jnp.where(valid_tv, z_tv, -jnp.inf)
+    rows = lambda x_t: jax.lax.broadcast_in_dim(x_t, z_tv.shape, [0])
+    m_t = jnp.max(z_tv, axis=1)
+    e_tv = jnp.exp2(z_tv - rows(m_t))
+    out_smem.at[0][...] = m_t * _LN2
+    out_smem.at[1][...] = jnp.sum(e_tv, axis=1)
+    hit_tv = cols_tv == rows(_load_rows(y_smem, emulated))
+    out_smem.at[2][...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1) * _LN2
+    if with_entropy:  # padding: 0 * -inf, taken out
+        ez_tv = jnp.where(valid_tv, e_tv * z_tv, 0.0) if masked else e_tv * z_tv
+        out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
+
+
+def _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, *, vocab, blocks, scale,
+                      with_entropy, emulated):
+    """A block's statistics (`_mosaic_statistics`; only the last vocabulary block masks
+    padding) to `out_gmem[:, j, t0:]` through `out_smem`."""
+    mgpu = mosaic_backend.plgpu
+    stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=j * blocks.v,
+                              vocab=vocab, scale=scale, with_entropy=with_entropy,
+                              emulated=emulated)
+    if vocab % blocks.v:
+        pl.when(j == vocab // blocks.v)(lambda: stats(masked=True))
+        pl.when(j != vocab // blocks.v)(lambda: stats(masked=False))
+    else:
+        stats(masked=False)
+    mgpu.commit_smem()
+    rows = out_smem.shape[1]
+    for i in range(out_smem.shape[0]):
+        mgpu.copy_smem_to_gmem(out_smem.at[i], out_gmem.at[i, j, pl.ds(t0, rows)])
+    mgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *,
+                   vocab_first, blocks, group, emulated, **stats):
+    """One `[t, v]` block on one warpgroup: its logits reduced to `(m, l, zt[, a])` per
+    token, written to `out_gmem[:, j, t0:t0 + t]` (the `_stats_kernel`'s statistics)."""
+    mgpu = mosaic_backend.plgpu
+    barrier = barriers.at[0]
+    j = jax.lax.axis_index("v")
+    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
+    mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
+    z_tv = _mosaic_logits(h_gmem, w_gmem, t0, j * blocks.v, vocab_first=vocab_first,
+                          blocks=blocks, emulated=emulated)
+    mgpu.barrier_wait(barrier)
+    _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, blocks=blocks,
+                      emulated=emulated, **stats)
+
+
+def _mosaic_kernel_specialized(h_gmem, w_gmem, y_gmem, out_gmem, *, vocab_first, blocks,
+                               group, emulated, **stats):
+    """One `[t, v]` block on `blocks.consumers` warpgroups, each multiplying and reducing
+    its `t / consumers` tokens, fed by one more warpgroup that only issues the TMA copies
+    (`emit_pipeline_warp_specialized`, the tiles of W shared by the consumers)."""
+    mgpu = mosaic_backend.plgpu
+    n, rows = blocks.consumers, blocks.t // blocks.consumers
+    j = jax.lax.axis_index("v")
+    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
+    specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, j * blocks.v,
+                                             vocab_first=vocab_first, blocks=blocks)
+    pipeline = lambda body, context: mgpu.emit_pipeline_warp_specialized(
+        body, grid=(h_gmem.shape[1] // blocks.k,), memory_registers=40, in_specs=specs,
+        wg_axis="wg", num_compute_wgs=n, max_concurrent_steps=blocks.stages,
+        compute_context=context)
+    ignore = lambda *_, **__: None  # allocations depend on neither function
+
+    def scoped(allocations, y_smem, out_smem, barriers, w_kv):
+        wg = jax.lax.axis_index("wg")
+        mine = t0 + wg * rows
+
+        def context(run_pipeline):
+            mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(mine, rows)], y_smem.at[wg],
+                                   barriers.at[wg])
+
+            def with_accumulator(acc_ref):
+                run_pipeline(acc_ref)
+                z_tv = acc_ref[...]
+                mgpu.barrier_wait(barriers.at[wg])
+                _write_statistics(z_tv, y_smem.at[wg], out_smem.at[wg], out_gmem, j, mine,
+                                  blocks=blocks, emulated=emulated, **stats)
+            pl.run_scoped(with_accumulator, mgpu.ACC((rows, blocks.v), jnp.float32))
+
+        def body(_, h_smem, w_smem, acc_ref):
+            _wgmma_step(acc_ref, h_smem.at[pl.ds(wg * rows, rows)], w_smem,
+                        vocab_first=vocab_first, delay=delay, emulated=emulated,
+                        w_kv=None if w_kv is None else w_kv.at[wg])
+            return acc_ref
+
+        pipeline(body, context)(*operands, allocations=allocations)
+
+    stat_count = 4 if stats["with_entropy"] else 3
+    # Interpreted, the transposed copies of W's tiles (`_wgmma_step`), allocated by all.
+    w_kv = (mgpu.SMEM((n, blocks.k, blocks.v), w_gmem.dtype) if emulated and vocab_first
+            else None)
+    pl.run_scoped(scoped, pipeline(ignore, ignore).get_allocations(*operands),
+                  mgpu.SMEM((n, rows), jnp.int32), mgpu.SMEM((n, stat_count, rows), jnp.float32),
+                  mgpu.Barrier(num_barriers=n), w_kv, collective_axes="wg")
+
+
+def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
+                  interpret):
+    """The Mosaic GPU kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`:
+    a grid of groups of token blocks, by `V / v` vocabulary blocks, by a group's token
+    blocks (the last axis varies fastest: the programs running at once share a block of
+    W, and a group's hidden states are read again from L2)."""
+    mosaic_backend.require("model.logprob_impl")
+    mgpu = mosaic_backend.plgpu
+    tp = h_td.shape[0]
+    nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
+    nt = tp // blocks.t
+    group = max(g for g in range(1, min(blocks.group or nt, nt) + 1) if nt % g == 0)
+    stats = 4 if with_entropy else 3
+    mode = mosaic_backend.interpret(force=bool(interpret))
+    settings = dict(vocab=vocab, vocab_first=vocab_first, scale=_LOG2E / temperature,
+                    with_entropy=with_entropy, blocks=blocks, group=group,
+                    emulated=mode is not False)
+    if blocks.consumers == 1:
+        kernel = functools.partial(_mosaic_kernel, **settings)
+        threads = dict(scratch_types=[mgpu.SMEM((blocks.t,), jnp.int32),
+                                      mgpu.SMEM((stats, blocks.t), jnp.float32),
+                                      mgpu.Barrier(num_barriers=1)])
+    else:  # the consumers and one memory warpgroup
+        kernel = functools.partial(_mosaic_kernel_specialized, **settings)
+        threads = dict(num_threads=blocks.consumers + 1, thread_name="wg")
+    out = mgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
+        grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
+        compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode, **threads,
+    )(h_td, w, y_t.astype(jnp.int32))
+    return tuple(out)
+
+
+def _merge(parts, with_entropy):
+    """`(log_z, target_logit, entropy)`, each float32 `[T]`, from the per-block
+    statistics `(m, l, zt[, a])`, each `[V / v, T]` (the module docstring)."""
     block_max, block_sum, block_target = parts[:3]
     top = jnp.max(block_max, axis=0)
     scale = jnp.exp(block_max - top)
@@ -176,6 +463,13 @@ def _call(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks
     entropy = (log_z - jnp.sum(parts[3] * scale, axis=0) / total if with_entropy
                else jnp.zeros_like(top))
     return log_z, jnp.sum(block_target, axis=0), entropy
+
+
+def _call(h_td, w, y_t, *, impl, **kwargs):
+    """One kernel launch over `T` tokens (a multiple of `blocks.t`): the per-block
+    statistics merged into `(log_z, target_logit, entropy)`, each float32 `[T]`."""
+    parts = (_mosaic_parts if impl == "mosaic" else _triton_parts)(h_td, w, y_t, **kwargs)
+    return _merge(parts, kwargs["with_entropy"])
 
 
 def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
@@ -197,10 +491,15 @@ def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
     return tuple(x.reshape(-1)[:n].reshape(b, t) for x in stats)
 
 
+def default_blocks(impl: str) -> Blocks | MosaicBlocks:
+    """The tiles `log_softmax_stats` takes by default for `impl` ("pallas", "mosaic")."""
+    return MOSAIC_FORWARD if impl == "mosaic" else FORWARD
+
+
 def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: int,
                       vocab_first: bool, temperature: float = 1.0, with_entropy: bool = False,
-                      blocks: Blocks | None = None, tokens_per_call: int = 32768,
-                      interpret: bool = False):
+                      impl: str = "pallas", blocks: Blocks | MosaicBlocks | None = None,
+                      tokens_per_call: int = 32768, interpret: bool = False):
     """Log-normaliser, target logit and entropy of `softmax(h W / temperature)`.
 
     Args:
@@ -211,10 +510,13 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
       vocab: the real vocabulary size V (entries from V on are padding).
       temperature: the logits are divided by it.
       with_entropy: also compute the entropy (else zeros).
-      blocks: the tiles (default `FORWARD`).
+      impl: "pallas" (the Triton kernel, `Blocks`) or "mosaic" (the Mosaic GPU kernel,
+        `MosaicBlocks`: Hopper GPUs).
+      blocks: the tiles (default `default_blocks(impl)`).
       tokens_per_call: tokens per kernel launch (a device's tokens are launched in
         turn): bounds the per-block statistics, `16 V / blocks.v` bytes a token.
-      interpret: run in Pallas' interpret mode (always off a GPU).
+      interpret: run in Pallas' interpret mode (always off a GPU; "mosaic": its GPU
+        interpret mode).
 
     Returns:
       `(log_z, target_logit, entropy)`, each float32 `[B, T]`; the log-prob is
@@ -225,9 +527,9 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
     whole.
     """
     fn = functools.partial(_local_stats, vocab=vocab, vocab_first=vocab_first,
-                           temperature=temperature, with_entropy=with_entropy,
-                           blocks=blocks or FORWARD, tokens_per_call=tokens_per_call,
-                           interpret=interpret)
+                           temperature=temperature, with_entropy=with_entropy, impl=impl,
+                           blocks=blocks or default_blocks(impl),
+                           tokens_per_call=tokens_per_call, interpret=interpret)
     def specs(sharder):
         batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
         rows = lambda ndim: P(batch, *([None] * (ndim - 1)))

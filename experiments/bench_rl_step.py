@@ -114,7 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the default (auto: unrolled with --dynamic_bsz)")
     p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="model.decode_attention_impl")
-    p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "pallas"),
+    p.add_argument("--logprob_impl", default="auto",
+                   choices=("auto", "xla", "pallas", "mosaic"),
                    help="model.logprob_impl")
     p.add_argument("--head_blocks", default=None,
                    help="jrl.models.head_kernel.FORWARD tiles: t,v,k,warps,stages")

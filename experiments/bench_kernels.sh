@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU kernels on Pallas' Triton backend against their Mosaic GPU ports, in one call
+# on one Hopper GPU (every before/after below comes from the same machine):
+#   1. the log-prob head kernel alone (experiments/check_mosaic_head.py: tile sweep,
+#      errors against XLA, Triton and XLA at the same shapes);
+#   2. the decode-step attention alone (experiments/check_mosaic_decode.py);
+#   3. the sampler (experiments/bench_rollout.py, batch 64 / 256 / 512, P128 / R256),
+#      decode attention "pallas" (Triton) against "mosaic";
+#   4. the GRPO step of docs/performance.md at the trainer's default settings, both
+#      kernels on Triton, then both on Mosaic GPU;
+#   5. with TESTS=1, the two kernels' test files compiled on the GPU.
+#
+#   OUT=out bash experiments/bench_kernels.sh
+# Needs `wheels/` (ml_collections, absl, tensorboardX, PyYAML) when they are not installed.
+set -uo pipefail
+OUT=${OUT:-kernels_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [[ -d wheels ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl 2>/dev/null
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+quiet() { grep -v "^[WI]0000\|^WARNING: All log" ; }
+step() {  # name cap command...
+  local name=$1 cap=$2; shift 2
+  echo "== $name (${SECONDS}s)"
+  timeout --kill-after=10 "$cap" "$@" 2>&1 | quiet > "$OUT/$name.log"
+  echo "== $name exit ${PIPESTATUS[0]} at ${SECONDS}s" | tee -a "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.log"
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" \
+  | tee -a "$OUT/env.log"
+rl=(python3 experiments/bench_rl_step.py --algo grpo --warmup 1 --steps 2)
+step grpo_triton 110 "${rl[@]}" --decode_attention pallas --logprob_impl pallas \
+  --out "$OUT/grpo_triton.json"
+step grpo_mosaic 110 "${rl[@]}" --decode_attention mosaic --logprob_impl mosaic \
+  --out "$OUT/grpo_mosaic.json"
+step head 90 python3 experiments/check_mosaic_head.py --budget-s 55 --out "$OUT/head.json"
+step decode 150 python3 experiments/check_mosaic_decode.py --out "$OUT/decode.json"
+step rollout 120 python3 experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf \
+  --decode-attention pallas mosaic --out "$OUT/rollout.json"
+for name in grpo_triton grpo_mosaic; do
+  grep -E "^\| (gen|forward|learn|step|MFU actor update \||peak|first)" "$OUT/$name.log" \
+    | sed "s/^/$name /"
+done
+if [[ "${TESTS:-0}" == 1 ]]; then
+  JAX_PLATFORMS=cuda step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
+    tests/models/test_decode_attention.py tests/models/test_head_kernel.py
+  tail -3 "$OUT/gpu_tests.log"
+fi
+echo "done in ${SECONDS}s"

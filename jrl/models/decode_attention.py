@@ -34,10 +34,11 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import rope, triton_backend
+from jrl.models import mosaic_backend, rope, triton_backend
 from jrl.models.cache import write_slots
 
 plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_pallas` says so)
+mgpu = mosaic_backend.plgpu  # None where jax has no Mosaic GPU backend (`_mosaic` says so)
 
 # Cache slots per kernel block (a power of two, as Triton wants); the cache holds
 # whole blocks when the kernel decodes (`cache_slots`).
@@ -131,10 +132,15 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
 
         return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                         start_b, slot)
-    if impl != "xla":
-        raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
+    if impl not in ("xla", "mosaic"):
+        raise ValueError(
+            f"decode attention impl must be 'xla', 'pallas' or 'mosaic', got {impl!r}")
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
+    if impl == "mosaic":
+        _check_blocks(k_bksh)
+        kernel = functools.partial(_mosaic, interpret=interpret, tiles=tiles)
+        return _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot), k_bksh, v_bksh
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
     return out_bnh, k_bksh, v_bksh
@@ -229,19 +235,33 @@ def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh
     (`sharding.per_shard`): over the batch axes and, when both the query and the
     key/value heads divide over `tensor` (so each device keeps whole query groups),
     over heads too."""
-    def specs(sharder):
-        batch = sharder.spec(("batch",), start_b.shape)[0]
-        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-        kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
-        if heads != kv_heads:
-            heads = kv_heads = None
-        q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
-        cache_spec, rows = P(batch, kv_heads, None, None), P(batch, None)
-        return ((q_spec, new_spec, new_spec, rows, rows, cache_spec, cache_spec, P(batch),
-                 P()), (q_spec, cache_spec, cache_spec))
-
+    specs = functools.partial(_specs, q_bnh=q_bnh, k_bksh=k_bksh, start_b=start_b)
     return sharding.per_shard(kernel, specs, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                               k_bksh, v_bksh, start_b, slot)
+
+
+def _specs(sharder, q_bnh, k_bksh, start_b):
+    """`_sharded`'s (in_specs, out_specs)."""
+    batch = sharder.spec(("batch",), start_b.shape)[0]
+    heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+    kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
+    if heads != kv_heads:
+        heads = kv_heads = None
+    q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
+    cache_spec, rows = P(batch, kv_heads, None, None), P(batch, None)
+    return ((q_spec, new_spec, new_spec, rows, rows, cache_spec, cache_spec, P(batch), P()),
+            (q_spec, cache_spec, cache_spec))
+
+
+def _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot):
+    """`_sharded` for the Mosaic GPU kernel's operands: the rotated queries and the
+    written cache in, the attention output out."""
+    def specs(sharder):
+        (q_spec, _, _, _, _, cache_spec, _, rows, _), _ = _specs(sharder, q_bnh, k_bksh,
+                                                                  start_b)
+        return (q_spec, cache_spec, cache_spec, rows, P()), q_spec
+
+    return sharding.per_shard(kernel, specs, q_bnh, k_bksh, v_bksh, start_b, slot)
 
 
 def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot):
@@ -379,6 +399,125 @@ def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, 
     )(qkv_bjh, *biases, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2,
       k_bksh, v_bksh)
     return out_bnh, k_bksh, v_bksh
+
+
+def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem, v_smem,
+                   barriers, q_barrier, *, block, stages, scale, interpreted):
+    """One (row, key/value head) of the Mosaic GPU kernel: its query group, padded to
+    `rows` (a multiple of 64, wgmma's M) in `q_ref [B, K, rows, H]`, against the cache
+    blocks that hold `[start, slot]`, streamed by TMA through `stages` SMEM buffers of
+    `block` slots (one barrier per buffer, for its key and value copies); scores and the
+    weighted values are wgmmas, the online softmax runs on the WGMMA layout.
+    `interpreted`: the interpreter has no `layout_cast` (the layouts of the carried
+    values and the slot ids are then left to it) and its wgmma takes neither a
+    transposed operand nor one from registers (both matmuls are then dots of the
+    tiles loaded from SMEM): the differences from the GPU's code, all behind this
+    flag; the TMA copies, barriers and buffer rotation run as on the GPU."""
+    b, kv = lax.axis_index("rows"), lax.axis_index("heads")
+    start, slot = start_ref[b], slot_ref[0]
+    first, end = start // block, slot // block + 1  # the blocks holding [start, slot]
+    rows, h = q_smem.shape
+    dtype = q_smem.dtype
+
+    def fetch(j, buffer):
+        blk = pl.ds(j * block, block)
+        mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
+        mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+
+    mgpu.copy_gmem_to_smem(q_ref.at[b, kv], q_smem, q_barrier)
+    for i in range(stages):
+        pl.when(first + i < end)(functools.partial(fetch, first + i, i))
+    mgpu.barrier_wait(q_barrier)
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    row_layout = mgpu.Layout.WGMMA.reduce(1)
+    # A finite floor, so a row whose slots were all masked gives weights of 0, not NaN.
+    top = cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
+    total = cast(jnp.zeros((rows,), jnp.float32), row_layout)
+    acc = cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA)
+    log2e = math.log2(math.e)
+
+    def step(j, carry):
+        top, total, acc = carry
+        buffer = lax.rem(j - first, stages)
+        mgpu.barrier_wait(barriers.at[buffer])
+
+        def scores(acc_ref):
+            mgpu.wgmma(acc_ref, q_smem, k_smem.at[buffer].transpose((1, 0)))
+            return acc_ref[...]
+
+        if interpreted:  # the interpreter's wgmma takes no transposed operand
+            logits = lax.dot_general(q_smem[...], k_smem.at[buffer][...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        else:
+            logits = pl.run_scoped(scores, mgpu.ACC((rows, block), jnp.float32))
+        ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
+                               mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
+        # Padding before `start` and slots after `slot` (not yet written) are masked.
+        logits = jnp.where((ids >= start) & (ids <= slot), logits * (scale * log2e), -jnp.inf)
+        new_top = jnp.maximum(top, logits.max(axis=1))
+        correction = jnp.exp2(top - new_top)
+        weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+        total = total * correction + weights.sum(axis=1)
+
+        def values(acc_ref):
+            mgpu.wgmma(acc_ref, weights.astype(dtype), v_smem.at[buffer])
+            return acc_ref[...]
+
+        # A fresh accumulator added in registers (`pl.run_state` on the carried one is
+        # not simulated by the interpreter); the wgmmas are done reading the buffer.
+        if interpreted:  # nor a register operand
+            weighted = jnp.dot(weights.astype(dtype), v_smem.at[buffer][...],
+                               preferred_element_type=jnp.float32)
+        else:
+            weighted = pl.run_scoped(values, mgpu.ACC((rows, h), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
+        return new_top, total, acc
+
+    _, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
+    q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+    mgpu.commit_smem()
+    mgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, kv])
+    mgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
+    """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
+    cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
+    dtype."""
+    mosaic_backend.require("model.decode_attention_impl")
+    b, n, h = q_bnh.shape
+    kv, s = k_bksh.shape[1], k_bksh.shape[2]
+    dtype = k_bksh.dtype
+    if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
+        raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
+                         f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
+    block = tiles.block if s % tiles.block == 0 else _BLOCK
+    group = n // kv
+    rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
+    q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
+                     ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
+    transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  mgpu.SwizzleTransform(swizzle))
+    stages = max(1, min(tiles.stages, s // block))
+    interpreted = mosaic_backend.interpret(interpret)
+    kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
+                               scale=1.0 / math.sqrt(h), interpreted=bool(interpreted))
+    out_bkrh = mgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, kv, rows, h), dtype),
+        scratch_types=[mgpu.SMEM((rows, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       mgpu.Barrier(num_arrivals=1)],
+        grid=(b, kv),
+        grid_names=("rows", "heads"),
+        compiler_params=mgpu.CompilerParams(approx_math=True),
+        interpret=interpreted,
+    )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
+    return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
 
 
 def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):

@@ -16,7 +16,7 @@ from jrl import advantages, buckets, kl_control, losses, masks, multi_turn, opti
 from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
-from jrl.models import triton_backend
+from jrl.models import mosaic_backend, triton_backend
 from jrl.rewards import custom, in_graph, reward_model, scoring
 from jrl.rollout import SamplingConfig
 
@@ -798,6 +798,8 @@ def _check_model(config) -> None:
     for key in ("decode_attention_impl", "logprob_impl"):
         if config.model.get(key) == "pallas":
             triton_backend.require(f"model.{key}")
+    if config.model.get("decode_attention_impl") == "mosaic":
+        mosaic_backend.require("model.decode_attention_impl")
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")

@@ -5,7 +5,7 @@ A decode step's queries `[B, N, H]` (N = K * G query heads over K key/value head
 attend to the cache's keys and values `[B, K, S, H]` (the cache's heads-before-slots
 layout), where row b's real tokens fill the contiguous slots `start[b] <= s <= slot`:
 left padding before them, the new token at `slot` (shared by all rows), slots not
-yet written after. Two implementations of `append_and_attend`:
+yet written after. Three implementations of `append_and_attend`:
 
 - `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that takes
   the new token's query, key and value heads as one operand (as the fused qkv
@@ -15,6 +15,16 @@ yet written after. Two implementations of `append_and_attend`:
   inside its first and last block: no separate RoPE or cache-write kernels, no blocks
   of padding or unwritten slots read, and no split over slots (whose partial results
   would take a merge pass).
+- `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache; chosen only when forced):
+  the same step on Pallas' Mosaic GPU backend. RoPE (and the fused operand's bias)
+  and the cache write run in XLA before it, as on the XLA path: the write is a
+  `dynamic_update_slice` of one slot per row and head, which XLA does in place on
+  the cache buffer (no pass over the cache), so the kernel only reads the cache.
+  Per (row, key/value head), one warpgroup streams the cache blocks that hold
+  `[start, slot]` into shared memory with TMA copies (`Tiles.stages` buffers deep,
+  one barrier per buffer), scores them with a wgmma of the query group (padded to
+  wgmma's 64 rows) against the block's keys, and runs the online softmax on the
+  WGMMA layout before a second wgmma adds the weighted values.
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
@@ -47,9 +57,10 @@ _BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """The kernel's settings: `block` cache slots per step of its loop (a multiple of
+    """The kernels' settings: `block` cache slots per step of its loop (a multiple of
     `_BLOCK` dividing the cache's slots; larger blocks fall back to `_BLOCK`), Triton's
-    warps and pipeline stages."""
+    warps and pipeline stages (the Mosaic GPU kernel: its shared-memory buffers per
+    key and value; it runs one warpgroup and ignores `warps`)."""
 
     block: int = 128
     warps: int = 4
@@ -67,11 +78,15 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     and, when given, a cache of whole blocks), else `"xla"`; a forced `impl` is
     returned as is, but a forced `"pallas"` stops with a ConfigError without the
     Triton backend, and with a ValueError on a GPU with a head_dim the kernel cannot
-    take (off a GPU the kernel runs in interpret mode, where any head_dim works)."""
+    take (off a GPU the kernel runs in interpret mode, where any head_dim works); a
+    forced `"mosaic"` (the Mosaic GPU kernel, chosen only when forced) with a
+    ConfigError without Pallas' Mosaic GPU backend."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
     if impl == "pallas":
         triton_backend.require("model.decode_attention_impl")
+    if impl == "mosaic":
+        mosaic_backend.require("model.decode_attention_impl")
     if impl == "pallas" and on_gpu and not head_ok:
         raise ValueError(
             f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "
@@ -87,7 +102,7 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
 def cache_slots(impl: str, head_dim: int, needed: int) -> int:
     """Slots to allocate for `needed` tokens: rounded up to whole kernel blocks when
     the decode steps will run the kernel."""
-    if choose_impl(impl, head_dim) != "pallas":
+    if choose_impl(impl, head_dim) not in ("pallas", "mosaic"):
         return needed
     return -(-needed // _BLOCK) * _BLOCK
 
@@ -108,7 +123,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       slot: int scalar, the slot the new tokens are written to (shared by all rows),
         below S. A Python int is checked; past S the XLA path writes slot S - 1 (as
         `dynamic_update_slice` clamps) and the kernel writes nothing.
-      impl: "xla" or "pallas" (see the module docstring).
+      impl: "xla", "pallas" or "mosaic" (see the module docstring).
       interpret: run the Pallas kernel in interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
       tiles: the kernel's settings.

@@ -77,6 +77,21 @@ def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
             _settings(**{key: "pallas"})
 
 
+def test_the_mosaic_decode_kernel_is_a_choice_that_needs_its_backend(monkeypatch):
+    """"mosaic" is a valid model.decode_attention_impl (not a logprob_impl); without
+    Pallas' Mosaic GPU backend it stops, naming the key."""
+    from jrl.models import mosaic_backend
+
+    if mosaic_backend.available():
+        _settings(**{"model.decode_attention_impl": "mosaic"})
+    with pytest.raises(ConfigError, match="model.logprob_impl"):
+        _settings(**{"model.logprob_impl": "mosaic"})
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    with pytest.raises(ConfigError,
+                       match=r"^model.decode_attention_impl='mosaic' needs Pallas' Mosaic GPU"):
+        _settings(**{"model.decode_attention_impl": "mosaic"})
+
+
 def test_loggers():
     _settings(**{"trainer.logger": settings.LOGGERS})
 

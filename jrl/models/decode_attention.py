@@ -72,6 +72,26 @@ class Tiles:
 TILES = Tiles()
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The Mosaic GPU kernel's settings: `block` cache slots per step (as `Tiles`'),
+    `stages` shared-memory buffers per key and value, and `compact`: the query group
+    travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
+    instead of wgmma's 64 (a TMA copy of a slice of a swizzled buffer; the rows of the
+    buffer it leaves unset score garbage that is never read back)."""
+
+    block: int = 128
+    stages: int = 2
+    compact: bool = False
+
+
+def _as_mosaic(tiles) -> MosaicTiles:
+    """`MosaicTiles` from either settings (a `Tiles`' block and stages)."""
+    if isinstance(tiles, MosaicTiles):
+        return tiles
+    return MosaicTiles(tiles.block, tiles.stages)
+
+
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     """`"pallas"` where the kernel applies (GPU, Pallas' Triton backend installed, a
     power-of-two head_dim of at least 32, whose halves are the kernel's dot operands,
@@ -109,7 +129,7 @@ def cache_slots(impl: str, head_dim: int, needed: int) -> int:
 
 def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
                       slot, *, impl: str = "xla", interpret: bool = False,
-                      tiles: Tiles = TILES):
+                      tiles: Tiles | MosaicTiles = TILES):
     """Rotates the new tokens' queries and keys (RoPE), writes each row's new key and
     value at `slot`, then attends over `[start, slot]`.
 
@@ -126,7 +146,8 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       impl: "xla", "pallas" or "mosaic" (see the module docstring).
       interpret: run the Pallas kernel in interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
-      tiles: the kernel's settings.
+      tiles: the kernel's settings (`Tiles`; the Mosaic GPU kernel takes a
+        `MosaicTiles` too).
 
     Returns:
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
@@ -154,7 +175,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
                                              k_bksh, v_bksh, slot)
     if impl == "mosaic":
         _check_blocks(k_bksh)
-        kernel = functools.partial(_mosaic, interpret=interpret, tiles=tiles)
+        kernel = functools.partial(_mosaic, interpret=interpret, tiles=_as_mosaic(tiles))
         return _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot), k_bksh, v_bksh
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
@@ -163,7 +184,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
 
 def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
                           num_heads: int, impl: str = "xla", interpret: bool = False,
-                          tiles: Tiles = TILES):
+                          tiles: Tiles | MosaicTiles = TILES):
     """`append_and_attend` from a fused qkv projection's output, before its bias.
 
     The kernel reads the projection's output as its one operand and adds the bias
@@ -419,7 +440,8 @@ def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, 
 def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem, v_smem,
                    barriers, q_barrier, *, block, stages, scale, interpreted):
     """One (row, key/value head) of the Mosaic GPU kernel: its query group, padded to
-    `rows` (a multiple of 64, wgmma's M) in `q_ref [B, K, rows, H]`, against the cache
+    `rows` (a multiple of 64, wgmma's M) in `q_smem`, from and to the first rows of
+    `q_ref`/`o_ref [B, K, <= rows, H]` (`MosaicTiles.compact`), against the cache
     blocks that hold `[start, slot]`, streamed by TMA through `stages` SMEM buffers of
     `block` slots (one barrier per buffer, for its key and value copies); scores and the
     weighted values are wgmmas, the online softmax runs on the WGMMA layout.
@@ -439,7 +461,8 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
         mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
         mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
 
-    mgpu.copy_gmem_to_smem(q_ref.at[b, kv], q_smem, q_barrier)
+    group_rows = q_smem if q_ref.shape[2] == rows else q_smem.at[pl.ds(0, q_ref.shape[2])]
+    mgpu.copy_gmem_to_smem(q_ref.at[b, kv], group_rows, q_barrier)
     for i in range(stages):
         pl.when(first + i < end)(functools.partial(fetch, first + i, i))
     mgpu.barrier_wait(q_barrier)
@@ -492,11 +515,11 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
     _, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
     q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
     mgpu.commit_smem()
-    mgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, kv])
+    mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
     mgpu.wait_smem_to_gmem(0)
 
 
-def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
+def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):
     """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
     cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
     dtype."""
@@ -510,8 +533,9 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
     block = tiles.block if s % tiles.block == 0 else _BLOCK
     group = n // kv
     rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
+    moved = -(-group // 8) * 8 if tiles.compact else rows  # query rows in and out
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
-                     ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+                     ((0, 0), (0, 0), (0, moved - group), (0, 0)))
     swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
     transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                   mgpu.SwizzleTransform(swizzle))
@@ -521,7 +545,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles):
                                scale=1.0 / math.sqrt(h), interpreted=bool(interpreted))
     out_bkrh = mgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((b, kv, rows, h), dtype),
+        out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
         scratch_types=[mgpu.SMEM((rows, h), dtype, transforms=transforms),
                        mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
                        mgpu.SMEM((stages, block, h), dtype, transforms=transforms),

@@ -479,15 +479,7 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
         buffer = lax.rem(j - first, stages)
         mgpu.barrier_wait(barriers.at[buffer])
 
-        def scores(acc_ref):
-            mgpu.wgmma(acc_ref, q_smem, k_smem.at[buffer].transpose((1, 0)))
-            return acc_ref[...]
-
-        if interpreted:  # the interpreter's wgmma takes no transposed operand
-            logits = lax.dot_general(q_smem[...], k_smem.at[buffer][...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-        else:
-            logits = pl.run_scoped(scores, mgpu.ACC((rows, block), jnp.float32))
+        logits = _scores(q_smem, k_smem.at[buffer], interpreted)
         ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
                                mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
         # Padding before `start` and slots after `slot` (not yet written) are masked.
@@ -497,18 +489,9 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
         weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
         total = total * correction + weights.sum(axis=1)
 
-        def values(acc_ref):
-            mgpu.wgmma(acc_ref, weights.astype(dtype), v_smem.at[buffer])
-            return acc_ref[...]
-
-        # A fresh accumulator added in registers (`pl.run_state` on the carried one is
-        # not simulated by the interpreter); the wgmmas are done reading the buffer.
-        if interpreted:  # nor a register operand
-            weighted = jnp.dot(weights.astype(dtype), v_smem.at[buffer][...],
-                               preferred_element_type=jnp.float32)
-        else:
-            weighted = pl.run_scoped(values, mgpu.ACC((rows, h), jnp.float32))
+        weighted = _weighted(weights.astype(dtype), v_smem.at[buffer], interpreted)
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        # Both wgmmas have finished reading the buffer: refill it.
         pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
         return new_top, total, acc
 
@@ -517,6 +500,36 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
     mgpu.commit_smem()
     mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
     mgpu.wait_smem_to_gmem(0)
+
+
+def _scores(q_smem, k_tile, interpreted):
+    """`q k^T` of the query rows and one block's keys, `[rows, block]` float32: a wgmma
+    of two SMEM operands, the keys transposed (`interpreted`: a dot of the loaded
+    tiles, as the interpreter's wgmma takes no transposed operand)."""
+    if interpreted:
+        return lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def scores(acc_ref):
+        mgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(scores, mgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
+
+
+def _weighted(weights, v_tile, interpreted):
+    """`weights v` of the softmax weights (registers, the WGMMA layout) and one block's
+    values, `[rows, H]` float32, in a fresh accumulator the caller adds in registers
+    (`pl.run_state` on a carried one is not simulated by the interpreter);
+    `interpreted`: a dot, as the interpreter's wgmma takes no register operand."""
+    if interpreted:
+        return jnp.dot(weights, v_tile[...], preferred_element_type=jnp.float32)
+
+    def values(acc_ref):
+        mgpu.wgmma(acc_ref, weights, v_tile)
+        return acc_ref[...]
+
+    return pl.run_scoped(values, mgpu.ACC((weights.shape[0], v_tile.shape[1]), jnp.float32))
 
 
 def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):

@@ -100,13 +100,18 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     Triton backend, and with a ValueError on a GPU with a head_dim the kernel cannot
     take (off a GPU the kernel runs in interpret mode, where any head_dim works); a
     forced `"mosaic"` (the Mosaic GPU kernel, chosen only when forced) with a
-    ConfigError without Pallas' Mosaic GPU backend."""
+    ConfigError without Pallas' Mosaic GPU backend, and with a ValueError on a GPU
+    other than Hopper."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
     if impl == "pallas":
         triton_backend.require("model.decode_attention_impl")
     if impl == "mosaic":
         mosaic_backend.require("model.decode_attention_impl")
+        if on_gpu and not mosaic_backend.on_hopper():
+            raise ValueError("model.decode_attention_impl='mosaic' needs a Hopper GPU "
+                             "(compute capability 9.0: its wgmma and TMA); use 'auto', "
+                             "'pallas' or 'xla'")
     if impl == "pallas" and on_gpu and not head_ok:
         raise ValueError(
             f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "

@@ -422,6 +422,9 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
     assert da.cache_slots("mosaic", 64, 200) == 256 and da.cache_slots("mosaic", 128, 384) == 384
     monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
     assert da.choose_impl("auto", 64) in ("pallas", "xla")
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
+    with pytest.raises(ValueError, match="'mosaic' needs a Hopper GPU"):
+        da.choose_impl("mosaic", 64)
     monkeypatch.undo()
     new, start = jnp.zeros((1, 1, 64)), jnp.zeros((1,), jnp.int32)
     angle = jnp.zeros((1, 32))

@@ -112,7 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=("auto", "on", "off"),
                    help="model.scan_unroll: the update's layers unrolled (on), rolled (off) or "
                    "the default (auto: unrolled with --dynamic_bsz)")
-    p.add_argument("--decode_attention", default="auto", choices=("auto", "xla", "pallas"),
+    p.add_argument("--decode_attention", default="auto",
+                   choices=("auto", "xla", "pallas", "mosaic"),
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto",
                    choices=("auto", "xla", "pallas", "mosaic"),

@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
                         help="HBM bandwidth for the roofline (default: H100 SXM 3350, "
                              "H200 4800, from the device name)")
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
-                        choices=("auto", "xla", "pallas"),
+                        choices=("auto", "xla", "pallas", "mosaic"),
                         help="model decode_attention_impl values to run (one row each)")
     parser.add_argument("--fuse-projections", nargs="+", default=["on"], choices=("on", "off"),
                         help="model fuse_decode_projections values to run (one row each)")

@@ -50,8 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora_rollout = "merged"
     # Cache write and attention of decode steps: auto (one Pallas kernel that writes the
     # new key/value and attends over the filled cache slots, on GPU with jax's Pallas
-    # Triton backend; else XLA), xla or pallas (a ConfigError where jax lacks that
-    # backend).
+    # Triton backend; else XLA), xla, pallas (a ConfigError where jax lacks that
+    # backend) or mosaic (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and
+    # a bfloat16/float16 cache; only when set).
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
     # Pallas kernel that keeps the logits on chip, on GPU with jax's Pallas Triton

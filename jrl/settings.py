@@ -798,8 +798,9 @@ def _check_model(config) -> None:
     for key in ("decode_attention_impl", "logprob_impl"):
         if config.model.get(key) == "pallas":
             triton_backend.require(f"model.{key}")
-    if config.model.get("logprob_impl") == "mosaic":
-        mosaic_backend.require("model.logprob_impl")
+    for key in ("decode_attention_impl", "logprob_impl"):
+        if config.model.get(key) == "mosaic":
+            mosaic_backend.require(f"model.{key}")
     if _get(config, "model.dtype") == "float16":
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")

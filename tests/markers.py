@@ -8,6 +8,6 @@ from jrl.models import mosaic_backend, triton_backend
 NEEDS_TRITON = pytest.mark.skipif(not triton_backend.available(),
                                   reason="this jax has no Pallas Triton backend")
 
-# Tests that run a Mosaic GPU kernel (GPU interpret mode off a GPU) need that backend.
+# Tests that run the Mosaic GPU kernels (GPU interpret mode off a GPU) need that backend.
 NEEDS_MOSAIC = pytest.mark.skipif(not mosaic_backend.available(),
                                   reason="this jax has no Pallas Mosaic GPU backend")

@@ -77,16 +77,19 @@ def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
             _settings(**{key: "pallas"})
 
 
-def test_the_mosaic_head_kernel_needs_the_mosaic_backend(monkeypatch):
-    """model.logprob_impl='mosaic' is accepted, and stops with the settings where jax lacks
-    Pallas' Mosaic GPU backend."""
+def test_a_mosaic_kernel_needs_the_mosaic_backend(monkeypatch):
+    """"mosaic" is a choice of both kernels' keys, accepted where jax has Pallas' Mosaic GPU
+    backend; without it the settings stop, naming the key."""
     from jrl.models import mosaic_backend
 
+    keys = ("model.decode_attention_impl", "model.logprob_impl")
     if mosaic_backend.available():
-        _settings(**{"model.logprob_impl": "mosaic"})
+        for key in keys:
+            _settings(**{key: "mosaic"})
     monkeypatch.setattr(mosaic_backend, "plgpu", None)
-    with pytest.raises(ConfigError, match=r"^model\.logprob_impl='mosaic' needs Pallas' Mosaic"):
-        _settings(**{"model.logprob_impl": "mosaic"})
+    for key in keys:
+        with pytest.raises(ConfigError, match=rf"^{key}='mosaic' needs Pallas' Mosaic GPU"):
+            _settings(**{key: "mosaic"})
 
 
 def test_loggers():

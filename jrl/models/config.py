@@ -28,7 +28,7 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
-DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")
+DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas", "mosaic")
 LOGPROB_IMPLS = ("auto", "xla", "pallas", "mosaic")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,8 +96,10 @@ class ModelConfig:
         Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
-        `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla" or
-        "pallas" (a ConfigError where jax lacks Pallas' Triton backend).
+        `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla",
+        "pallas" (a ConfigError where jax lacks Pallas' Triton backend) or "mosaic"
+        (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and a bfloat16 or
+        float16 cache; a ConfigError where jax lacks that backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
         pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"
@@ -175,8 +177,9 @@ class ModelConfig:
         for key in ("decode_attention_impl", "logprob_impl"):
             if getattr(self, key) == "pallas":
                 triton_backend.require(f"model.{key}")
-        if self.logprob_impl == "mosaic":
-            mosaic_backend.require("model.logprob_impl")
+        for key in ("decode_attention_impl", "logprob_impl"):
+            if getattr(self, key) == "mosaic":
+                mosaic_backend.require(f"model.{key}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

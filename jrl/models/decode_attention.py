@@ -5,7 +5,7 @@ A decode step's queries `[B, N, H]` (N = K * G query heads over K key/value head
 attend to the cache's keys and values `[B, K, S, H]` (the cache's heads-before-slots
 layout), where row b's real tokens fill the contiguous slots `start[b] <= s <= slot`:
 left padding before them, the new token at `slot` (shared by all rows), slots not
-yet written after. Two implementations of `append_and_attend`:
+yet written after. Three implementations of `append_and_attend`:
 
 - `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that takes
   the new token's query, key and value heads as one operand (as the fused qkv
@@ -15,6 +15,16 @@ yet written after. Two implementations of `append_and_attend`:
   inside its first and last block: no separate RoPE or cache-write kernels, no blocks
   of padding or unwritten slots read, and no split over slots (whose partial results
   would take a merge pass).
+- `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache; chosen only when forced):
+  the same step on Pallas' Mosaic GPU backend. RoPE (and the fused operand's bias)
+  and the cache write run in XLA before it, as on the XLA path: the write is a
+  `dynamic_update_slice` of one slot per row and head, which XLA does in place on
+  the cache buffer (no pass over the cache), so the kernel only reads the cache.
+  Per (row, key/value head), one warpgroup streams the cache blocks that hold
+  `[start, slot]` into shared memory with TMA copies (`Tiles.stages` buffers deep,
+  one barrier per buffer), scores them with a wgmma of the query group (padded to
+  wgmma's 64 rows) against the block's keys, and runs the online softmax on the
+  WGMMA layout before a second wgmma adds the weighted values.
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
@@ -34,10 +44,11 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import rope, triton_backend
+from jrl.models import mosaic_backend, rope, triton_backend
 from jrl.models.cache import write_slots
 
 plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_pallas` says so)
+mgpu = mosaic_backend.plgpu  # None where jax has no Mosaic GPU backend (`_mosaic` says so)
 
 # Cache slots per kernel block (a power of two, as Triton wants); the cache holds
 # whole blocks when the kernel decodes (`cache_slots`).
@@ -46,9 +57,10 @@ _BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """The kernel's settings: `block` cache slots per step of its loop (a multiple of
+    """The kernels' settings: `block` cache slots per step of its loop (a multiple of
     `_BLOCK` dividing the cache's slots; larger blocks fall back to `_BLOCK`), Triton's
-    warps and pipeline stages."""
+    warps and pipeline stages (the Mosaic GPU kernel: its shared-memory buffers per
+    key and value; it runs one warpgroup and ignores `warps`)."""
 
     block: int = 128
     warps: int = 4
@@ -60,17 +72,46 @@ class Tiles:
 TILES = Tiles()
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The Mosaic GPU kernel's settings: `block` cache slots per step (as `Tiles`'),
+    `stages` shared-memory buffers per key and value, and `compact`: the query group
+    travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
+    instead of wgmma's 64 (a TMA copy of a slice of a swizzled buffer; the rows of the
+    buffer it leaves unset score garbage that is never read back)."""
+
+    block: int = 128
+    stages: int = 2
+    compact: bool = False
+
+
+def _as_mosaic(tiles) -> MosaicTiles:
+    """`MosaicTiles` from either settings (a `Tiles`' block and stages)."""
+    if isinstance(tiles, MosaicTiles):
+        return tiles
+    return MosaicTiles(tiles.block, tiles.stages)
+
+
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
     """`"pallas"` where the kernel applies (GPU, Pallas' Triton backend installed, a
     power-of-two head_dim of at least 32, whose halves are the kernel's dot operands,
     and, when given, a cache of whole blocks), else `"xla"`; a forced `impl` is
     returned as is, but a forced `"pallas"` stops with a ConfigError without the
     Triton backend, and with a ValueError on a GPU with a head_dim the kernel cannot
-    take (off a GPU the kernel runs in interpret mode, where any head_dim works)."""
+    take (off a GPU the kernel runs in interpret mode, where any head_dim works); a
+    forced `"mosaic"` (the Mosaic GPU kernel, chosen only when forced) with a
+    ConfigError without Pallas' Mosaic GPU backend, and with a ValueError on a GPU
+    other than Hopper."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
     if impl == "pallas":
         triton_backend.require("model.decode_attention_impl")
+    if impl == "mosaic":
+        mosaic_backend.require("model.decode_attention_impl")
+        if on_gpu and not mosaic_backend.on_hopper():
+            raise ValueError("model.decode_attention_impl='mosaic' needs a Hopper GPU "
+                             "(compute capability 9.0: its wgmma and TMA); use 'auto', "
+                             "'pallas' or 'xla'")
     if impl == "pallas" and on_gpu and not head_ok:
         raise ValueError(
             f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "
@@ -86,14 +127,14 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
 def cache_slots(impl: str, head_dim: int, needed: int) -> int:
     """Slots to allocate for `needed` tokens: rounded up to whole kernel blocks when
     the decode steps will run the kernel."""
-    if choose_impl(impl, head_dim) != "pallas":
+    if choose_impl(impl, head_dim) not in ("pallas", "mosaic"):
         return needed
     return -(-needed // _BLOCK) * _BLOCK
 
 
 def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
                       slot, *, impl: str = "xla", interpret: bool = False,
-                      tiles: Tiles = TILES):
+                      tiles: Tiles | MosaicTiles = TILES):
     """Rotates the new tokens' queries and keys (RoPE), writes each row's new key and
     value at `slot`, then attends over `[start, slot]`.
 
@@ -107,10 +148,11 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       slot: int scalar, the slot the new tokens are written to (shared by all rows),
         below S. A Python int is checked; past S the XLA path writes slot S - 1 (as
         `dynamic_update_slice` clamps) and the kernel writes nothing.
-      impl: "xla" or "pallas" (see the module docstring).
+      impl: "xla", "pallas" or "mosaic" (see the module docstring).
       interpret: run the Pallas kernel in interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
-      tiles: the kernel's settings.
+      tiles: the kernel's settings (`Tiles`; the Mosaic GPU kernel takes a
+        `MosaicTiles` too).
 
     Returns:
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
@@ -131,10 +173,15 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
 
         return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                         start_b, slot)
-    if impl != "xla":
-        raise ValueError(f"decode attention impl must be 'xla' or 'pallas', got {impl!r}")
+    if impl not in ("xla", "mosaic"):
+        raise ValueError(
+            f"decode attention impl must be 'xla', 'pallas' or 'mosaic', got {impl!r}")
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
+    if impl == "mosaic":
+        _check_blocks(k_bksh)
+        kernel = functools.partial(_mosaic, interpret=interpret, tiles=_as_mosaic(tiles))
+        return _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot), k_bksh, v_bksh
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
     return out_bnh, k_bksh, v_bksh
@@ -142,7 +189,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
 
 def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
                           num_heads: int, impl: str = "xla", interpret: bool = False,
-                          tiles: Tiles = TILES):
+                          tiles: Tiles | MosaicTiles = TILES):
     """`append_and_attend` from a fused qkv projection's output, before its bias.
 
     The kernel reads the projection's output as its one operand and adds the bias
@@ -229,19 +276,33 @@ def _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh
     (`sharding.per_shard`): over the batch axes and, when both the query and the
     key/value heads divide over `tensor` (so each device keeps whole query groups),
     over heads too."""
-    def specs(sharder):
-        batch = sharder.spec(("batch",), start_b.shape)[0]
-        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-        kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
-        if heads != kv_heads:
-            heads = kv_heads = None
-        q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
-        cache_spec, rows = P(batch, kv_heads, None, None), P(batch, None)
-        return ((q_spec, new_spec, new_spec, rows, rows, cache_spec, cache_spec, P(batch),
-                 P()), (q_spec, cache_spec, cache_spec))
-
+    specs = functools.partial(_specs, q_bnh=q_bnh, k_bksh=k_bksh, start_b=start_b)
     return sharding.per_shard(kernel, specs, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                               k_bksh, v_bksh, start_b, slot)
+
+
+def _specs(sharder, q_bnh, k_bksh, start_b):
+    """`_sharded`'s (in_specs, out_specs)."""
+    batch = sharder.spec(("batch",), start_b.shape)[0]
+    heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+    kv_heads = sharder.spec((None, "kv_heads", None, None), k_bksh.shape)[1]
+    if heads != kv_heads:
+        heads = kv_heads = None
+    q_spec, new_spec = P(batch, heads, None), P(batch, kv_heads, None)
+    cache_spec, rows = P(batch, kv_heads, None, None), P(batch, None)
+    return ((q_spec, new_spec, new_spec, rows, rows, cache_spec, cache_spec, P(batch), P()),
+            (q_spec, cache_spec, cache_spec))
+
+
+def _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot):
+    """`_sharded` for the Mosaic GPU kernel's operands: the rotated queries and the
+    written cache in, the attention output out."""
+    def specs(sharder):
+        (q_spec, _, _, _, _, cache_spec, _, rows, _), _ = _specs(sharder, q_bnh, k_bksh,
+                                                                  start_b)
+        return (q_spec, cache_spec, cache_spec, rows, P()), q_spec
+
+    return sharding.per_shard(kernel, specs, q_bnh, k_bksh, v_bksh, start_b, slot)
 
 
 def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot):
@@ -379,6 +440,141 @@ def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, 
     )(qkv_bjh, *biases, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2,
       k_bksh, v_bksh)
     return out_bnh, k_bksh, v_bksh
+
+
+def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem, v_smem,
+                   barriers, q_barrier, *, block, stages, scale, interpreted):
+    """One (row, key/value head) of the Mosaic GPU kernel: its query group, padded to
+    `rows` (a multiple of 64, wgmma's M) in `q_smem`, from and to the first rows of
+    `q_ref`/`o_ref [B, K, <= rows, H]` (`MosaicTiles.compact`), against the cache
+    blocks that hold `[start, slot]`, streamed by TMA through `stages` SMEM buffers of
+    `block` slots (one barrier per buffer, for its key and value copies); scores and the
+    weighted values are wgmmas, the online softmax runs on the WGMMA layout.
+    `interpreted`: the interpreter has no `layout_cast` (the layouts of the carried
+    values and the slot ids are then left to it) and its wgmma takes neither a
+    transposed operand nor one from registers (both matmuls are then dots of the
+    tiles loaded from SMEM): the differences from the GPU's code, all behind this
+    flag; the TMA copies, barriers and buffer rotation run as on the GPU."""
+    b, kv = lax.axis_index("rows"), lax.axis_index("heads")
+    start, slot = start_ref[b], slot_ref[0]
+    first, end = start // block, slot // block + 1  # the blocks holding [start, slot]
+    rows, h = q_smem.shape
+    dtype = q_smem.dtype
+
+    def fetch(j, buffer):
+        blk = pl.ds(j * block, block)
+        mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
+        mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+
+    group_rows = q_smem if q_ref.shape[2] == rows else q_smem.at[pl.ds(0, q_ref.shape[2])]
+    mgpu.copy_gmem_to_smem(q_ref.at[b, kv], group_rows, q_barrier)
+    for i in range(stages):
+        pl.when(first + i < end)(functools.partial(fetch, first + i, i))
+    mgpu.barrier_wait(q_barrier)
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    row_layout = mgpu.Layout.WGMMA.reduce(1)
+    # A finite floor, so a row whose slots were all masked gives weights of 0, not NaN.
+    top = cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
+    total = cast(jnp.zeros((rows,), jnp.float32), row_layout)
+    acc = cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA)
+    log2e = math.log2(math.e)
+
+    def step(j, carry):
+        top, total, acc = carry
+        buffer = lax.rem(j - first, stages)
+        mgpu.barrier_wait(barriers.at[buffer])
+
+        logits = _scores(q_smem, k_smem.at[buffer], interpreted)
+        ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
+                               mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
+        # Padding before `start` and slots after `slot` (not yet written) are masked.
+        logits = jnp.where((ids >= start) & (ids <= slot), logits * (scale * log2e), -jnp.inf)
+        new_top = jnp.maximum(top, logits.max(axis=1))
+        correction = jnp.exp2(top - new_top)
+        weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+        total = total * correction + weights.sum(axis=1)
+
+        weighted = _weighted(weights.astype(dtype), v_smem.at[buffer], interpreted)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        # Both wgmmas have finished reading the buffer: refill it.
+        pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
+        return new_top, total, acc
+
+    _, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
+    q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+    mgpu.commit_smem()
+    mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
+    mgpu.wait_smem_to_gmem(0)
+
+
+def _scores(q_smem, k_tile, interpreted):
+    """`q k^T` of the query rows and one block's keys, `[rows, block]` float32: a wgmma
+    of two SMEM operands, the keys transposed (`interpreted`: a dot of the loaded
+    tiles, as the interpreter's wgmma takes no transposed operand)."""
+    if interpreted:
+        return lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def scores(acc_ref):
+        mgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(scores, mgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
+
+
+def _weighted(weights, v_tile, interpreted):
+    """`weights v` of the softmax weights (registers, the WGMMA layout) and one block's
+    values, `[rows, H]` float32, in a fresh accumulator the caller adds in registers
+    (`pl.run_state` on a carried one is not simulated by the interpreter);
+    `interpreted`: a dot, as the interpreter's wgmma takes no register operand."""
+    if interpreted:
+        return jnp.dot(weights, v_tile[...], preferred_element_type=jnp.float32)
+
+    def values(acc_ref):
+        mgpu.wgmma(acc_ref, weights, v_tile)
+        return acc_ref[...]
+
+    return pl.run_scoped(values, mgpu.ACC((weights.shape[0], v_tile.shape[1]), jnp.float32))
+
+
+def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):
+    """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
+    cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
+    dtype."""
+    mosaic_backend.require("model.decode_attention_impl")
+    b, n, h = q_bnh.shape
+    kv, s = k_bksh.shape[1], k_bksh.shape[2]
+    dtype = k_bksh.dtype
+    if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
+        raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
+                         f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
+    block = tiles.block if s % tiles.block == 0 else _BLOCK
+    group = n // kv
+    rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
+    moved = -(-group // 8) * 8 if tiles.compact else rows  # query rows in and out
+    q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
+                     ((0, 0), (0, 0), (0, moved - group), (0, 0)))
+    swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
+    transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  mgpu.SwizzleTransform(swizzle))
+    stages = max(1, min(tiles.stages, s // block))
+    interpreted = mosaic_backend.interpret(interpret)
+    kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
+                               scale=1.0 / math.sqrt(h), interpreted=bool(interpreted))
+    out_bkrh = mgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
+        scratch_types=[mgpu.SMEM((rows, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       mgpu.Barrier(num_arrivals=1)],
+        grid=(b, kv),
+        grid_names=("rows", "heads"),
+        compiler_params=mgpu.CompilerParams(approx_math=True),
+        interpret=interpreted,
+    )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
+    return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
 
 
 def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):

@@ -286,7 +286,7 @@ class Attention(nn.Module):
                 constrain(qkv_btjh[:, 0], ("batch", None, None)),
                 bias_jh,
                 sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer), mask_b1ts.start_b,
-                write_index, num_heads=c.num_heads, impl="pallas")
+                write_index, num_heads=c.num_heads, impl=_decode_impl(c))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             return self._output(out_bnh[:, None]), cache
         if fused_layout:
@@ -308,7 +308,7 @@ class Attention(nn.Module):
                 (q_btnh, _HEADS), (k_btkh, _KV_HEADS), (v_btkh, _KV_HEADS)))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
                 q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], sin_btk[:, 0], cos_btk[:, 0],
-                *cache.layer(layer), mask_b1ts.start_b, write_index, impl="pallas")
+                *cache.layer(layer), mask_b1ts.start_b, write_index, impl=_decode_impl(c))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             out_btnh = out_bnh[:, None]
         else:
@@ -484,15 +484,21 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     return final_norm.apply({"params": params["final_norm"]}, x_btd), cache
 
 
+def _decode_impl(config: ModelConfig) -> str:
+    """The kernel of a decode step given a `DecodeStep` (`_attention_mask` chose one):
+    the Mosaic GPU kernel when forced, else the Triton kernel."""
+    return "mosaic" if config.decode_attention_impl == "mosaic" else "pallas"
+
+
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
-    """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by the
-    Pallas kernel, each row's first filled slot (`DecodeStep`; the row's slots are
-    contiguous by the cache contract: left padding, then tokens up to the one being
-    written)."""
+    """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by a
+    Pallas kernel (Triton or Mosaic GPU), each row's first filled slot (`DecodeStep`;
+    the row's slots are contiguous by the cache contract: left padding, then tokens up
+    to the one being written)."""
     if cache is not None and num_queries == 1:
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len)
-        if impl == "pallas":
+        if impl in ("pallas", "mosaic"):
             return DecodeStep(jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32))
     return attention_mask(mask, num_queries, write_index)
 

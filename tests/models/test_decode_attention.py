@@ -1,6 +1,6 @@
-"""The Pallas decode-step kernel (compiled on a GPU, in interpret mode elsewhere) against
-the XLA reference (the cache write and the attention), and the sampler run through it
-against the sampler on the XLA path."""
+"""The Pallas decode-step kernels, Triton ("pallas") and Mosaic GPU ("mosaic"), compiled on
+a GPU and in interpret mode elsewhere, against the XLA reference (the cache write and the
+attention), and the sampler run through them against the sampler on the XLA path."""
 
 import dataclasses
 import textwrap
@@ -13,16 +13,23 @@ import numpy as np
 import pytest
 
 from jrl import rollout
-from jrl.models import ModelConfig, init_params
+from jrl.errors import ConfigError
+from jrl.models import ModelConfig, init_params, mosaic_backend
 from jrl.models import decode_attention as da
 from jrl.models.config import RopeScaling
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
-from tests.markers import NEEDS_TRITON
+from tests.markers import NEEDS_MOSAIC, NEEDS_TRITON
 
-# On a GPU the kernel runs compiled (Triton), elsewhere in Pallas' interpret mode.
+# On a GPU the kernels run compiled, elsewhere in Pallas' interpret mode.
 INTERPRET = jax.default_backend() != "gpu"
 pytestmark = NEEDS_TRITON
+# The Mosaic GPU kernel compiles for Hopper only; on other GPUs its tests are skipped.
+NEEDS_HOPPER_OFF_CPU = pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not mosaic_backend.on_hopper(),
+    reason="the Mosaic GPU kernel compiles for Hopper GPUs only")
+KERNELS = [pytest.param("pallas", id="pallas"),
+           pytest.param("mosaic", id="mosaic", marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
 
 
 def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
@@ -50,13 +57,17 @@ def naive_rope(x, angles):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots,dtype", [
     (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
     (4, 4, 32, 64, jnp.float32),     # one query per kv head, one block
     (8, 2, 32, 192, jnp.bfloat16),   # three blocks, bf16 cache
     (40, 2, 32, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
+    (28, 4, 128, 128, jnp.bfloat16),  # Qwen2.5-7B's heads
 ])
-def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtype):
+def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots, dtype):
+    if kernel == "mosaic":  # wgmma takes 16-bit operands: the same case with a bf16 cache
+        dtype = jnp.bfloat16
     keys = jax.random.split(jax.random.key(0), 6)
     b = 4
     q = jax.random.normal(keys[0], (b, num_heads, head_dim), dtype)
@@ -77,7 +88,7 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtyp
     want = naive_attention(naive_rope(q, angles), want_k, want_v, start, slot + 1)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     others = np.arange(slots) != slot
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", kernel):
         out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
                                                  jnp.asarray(start), slot, impl=impl,
                                                  interpret=INTERPRET)
@@ -94,18 +105,23 @@ def test_kernel_matches_reference(num_heads, num_kv_heads, head_dim, slots, dtyp
     junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
     junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
     out, _, _ = da.append_and_attend(q, k_new, v_new, sin, cos, junk_k, junk_v,
-                                     jnp.asarray(start), slot, impl="pallas", interpret=INTERPRET)
+                                     jnp.asarray(start), slot, impl=kernel, interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tiles", [da.Tiles(128, 4, 2), da.Tiles(64, 2, 3)])
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.float32, jnp.float32),
                                                  (jnp.bfloat16, jnp.float32),
-                                                 (jnp.float32, jnp.bfloat16)])
-def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
+                                                 (jnp.float32, jnp.bfloat16),
+                                                 (jnp.bfloat16, jnp.bfloat16)])
+def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dtype):
     """Slots at the first and last of the cache and on either side of a block edge,
     16 queries per key/value head, and a cache dtype other than the queries': the
-    kernel matches the XLA path, and both write the new token in the cache's dtype."""
+    kernel matches the XLA path, and both write the new token in the cache's dtype
+    (the Mosaic GPU kernel takes 16-bit caches only)."""
+    if kernel == "mosaic" and cache_dtype == jnp.float32:
+        pytest.skip("the Mosaic GPU kernel's wgmma operands are 16-bit")
     keys = jax.random.split(jax.random.key(1), 6)
     b, n, kv, h, slots = 3, 32, 2, 32, 128
     q = jax.random.normal(keys[0], (b, n, h), q_dtype)
@@ -117,14 +133,14 @@ def test_kernel_at_block_edges_and_mixed_dtypes(tiles, q_dtype, cache_dtype):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
         outs = {impl: da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot,
                                            impl=impl, interpret=INTERPRET, tiles=tiles)
-                for impl in ("xla", "pallas")}
+                for impl in ("xla", kernel)}
         tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
-        for got, want in zip(outs["pallas"], outs["xla"], strict=True):
+        for got, want in zip(outs[kernel], outs["xla"], strict=True):
             assert got.dtype == want.dtype
             np.testing.assert_allclose(np.asarray(got, np.float64),
                                        np.asarray(want, np.float64), rtol=tol, atol=tol,
                                        err_msg=f"slot {slot}")
-        np.testing.assert_array_equal(np.asarray(outs["pallas"][2]),
+        np.testing.assert_array_equal(np.asarray(outs[kernel][2]),
                                       np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
 
 
@@ -151,7 +167,7 @@ def test_impl_choice_and_cache_slots():
         da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
                              jnp.zeros((1, 1, 40, 32)), jnp.zeros((1, 1, 40, 32)), start, 3,
                              impl="pallas")
-    with pytest.raises(ValueError, match="'xla' or 'pallas'"):
+    with pytest.raises(ValueError, match="'xla', 'pallas' or 'mosaic'"):
         da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
                              jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 3,
                              impl="cudnn")
@@ -395,3 +411,94 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     result = run_script(_SHARDED_SCRIPT)
     assert set(result) == {"data", "data_tensor", "tensor_uneven", "qkv_data", "qkv_data_fsdp"}
     assert all(diff < 1e-5 for diff in result.values()), result  # False for NaN
+
+
+@NEEDS_MOSAIC
+def test_mosaic_is_chosen_only_when_forced(monkeypatch):
+    """"mosaic" is a forced choice (never "auto"'s), rounds the cache to whole blocks like
+    "pallas", stops with a ConfigError naming the key without the Mosaic GPU backend,
+    and with a ValueError on a cache that is not 16-bit (wgmma's operands)."""
+    assert da.choose_impl("mosaic", 64) == "mosaic"
+    assert da.cache_slots("mosaic", 64, 200) == 256 and da.cache_slots("mosaic", 128, 384) == 384
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    assert da.choose_impl("auto", 64) in ("pallas", "xla")
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
+    with pytest.raises(ValueError, match="'mosaic' needs a Hopper GPU"):
+        da.choose_impl("mosaic", 64)
+    monkeypatch.undo()
+    new, start = jnp.zeros((1, 1, 64)), jnp.zeros((1,), jnp.int32)
+    angle = jnp.zeros((1, 32))
+    with pytest.raises(ValueError, match="bfloat16 or float16 cache.* got float32"):
+        da.append_and_attend(jnp.zeros((1, 2, 64)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), start, 3,
+                             impl="mosaic", interpret=INTERPRET)
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    with pytest.raises(ConfigError, match="model.decode_attention_impl='mosaic' needs"):
+        da.choose_impl("mosaic", 64)
+    with pytest.raises(ConfigError, match="decode_attention_impl='mosaic'"):
+        ModelConfig(family="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
+                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                    decode_attention_impl="mosaic")
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("tiles", [da.Tiles(64, 4, 3), da.Tiles(128, 4, 2),
+                                   da.MosaicTiles(64, 3, compact=True),
+                                   da.MosaicTiles(128, 2, compact=True)])
+def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
+    """A long cache (8 blocks of 64 slots): rows reading more blocks than the kernel has
+    buffers (each buffer refilled), a row starting in the slot's block, a row whose
+    only token is the new one; the slot mid-block; the query group moved as 64 rows or
+    as 8 (compact). Outputs match the XLA path and the updated cache equals it
+    exactly, whatever junk lies outside `[start, slot]`."""
+    keys = jax.random.split(jax.random.key(4), 6)
+    b, n, kv, h, slots, slot = 4, 14, 2, 64, 512, 455
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (b, kv, h), jnp.bfloat16) for key in keys[1:3])
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    start = jnp.asarray([0, 70, 450, slot], jnp.int32)
+    want = da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot, impl="xla")
+    junk = lambda x, value: x.at[:, :, slot + 1:].set(value).at[1, :, :70].set(value)
+    got = da.append_and_attend(q, k_new, v_new, sin, cos, junk(k, 300.0), junk(v, -300.0),
+                               start, slot, impl="mosaic", interpret=INTERPRET, tiles=tiles)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               rtol=2e-2, atol=2e-2)
+    for got_cache, want_cache, value in zip(got[1:], want[1:], (300.0, -300.0), strict=True):
+        np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(junk(want_cache, value)))
+    # The row whose only token is the new one attends to its own value alone.
+    np.testing.assert_allclose(np.asarray(got[0][3], np.float32),
+                               np.repeat(np.asarray(v_new[3], np.float32), n // kv, axis=0),
+                               rtol=1e-2, atol=1e-2)
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch):
+    """A bf16 Qwen2 model (qkv bias, the fused operand), ragged left-padded prompts,
+    temperature 1: the same tokens with `decode_attention_impl="mosaic"` as with "xla"
+    for the same key, and log-probs within bf16 rounding. (The kernel takes bf16
+    caches only, and bf16 sums in another order differ by a rounding: the weights are
+    drawn smaller than the float32 test's, where such a rounding flips no sample at
+    this key; at 0.3 it flips some, the Triton kernel's too.)"""
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.05, dtype="bfloat16", qkv_bias=True)
+    params = _random_biases(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)),
+                            jax.random.key(1))
+    mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
+    ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
+    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    calls = []
+    kernel = da._mosaic
+    monkeypatch.setattr(da, "_mosaic", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    outs = {impl: rollout.generate(params, ids, mask, jax.random.key(3), sampling,
+                                   config=dataclasses.replace(config, decode_attention_impl=impl))
+            for impl in ("xla", "mosaic")}
+    assert calls  # the decode steps ran the kernel
+    np.testing.assert_array_equal(outs["mosaic"].responses, outs["xla"].responses)
+    chex.assert_trees_all_close(outs["mosaic"].rollout_log_probs,
+                                outs["xla"].rollout_log_probs, rtol=2e-2, atol=2e-2)
+    assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.3  # not a degenerate model

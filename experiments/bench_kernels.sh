@@ -36,7 +36,8 @@ step grpo_triton 110 "${rl[@]}" --decode_attention pallas --logprob_impl pallas 
 step grpo_mosaic 110 "${rl[@]}" --decode_attention mosaic --logprob_impl mosaic \
   --out "$OUT/grpo_mosaic.json"
 step head 90 python3 experiments/check_mosaic_head.py --budget-s 55 --out "$OUT/head.json"
-step decode 150 python3 experiments/check_mosaic_decode.py --out "$OUT/decode.json"
+step decode 150 python3 experiments/check_mosaic_decode.py --layers 8 --repeats 10 \
+  --only "0.5B b256" "0.5B b128 long" --out "$OUT/decode.json"
 step rollout 120 python3 experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf \
   --decode-attention pallas mosaic --out "$OUT/rollout.json"
 for name in grpo_triton grpo_mosaic; do

@@ -56,8 +56,7 @@ SHAPES = {  # name: (B, N, K, H, S)
 }
 SMOKE_SHAPES = {"toy g7": (2, 14, 2, 64, 256), "toy 7B": (2, 8, 2, 128, 128)}
 MOSAIC_TILES = [da.MosaicTiles(128, 2, compact=True), da.MosaicTiles(128, 3, compact=True),
-                da.MosaicTiles(64, 2, compact=True), da.MosaicTiles(64, 3, compact=True),
-                da.MosaicTiles(128, 2), da.MosaicTiles(64, 3)]
+                da.MosaicTiles(64, 3, compact=True), da.MosaicTiles(128, 2)]
 
 
 def variants(smoke: bool) -> dict:

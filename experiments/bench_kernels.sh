@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The GPU kernels on Pallas' Triton backend against their Mosaic GPU ports, in one call
-# on one Hopper GPU (every before/after below comes from the same machine):
+# The GPU kernels on Pallas' Mosaic GPU backend, in one call on one Hopper GPU (every
+# before/after below comes from the same machine):
 #   1. the log-prob head kernel alone (experiments/check_mosaic_head.py: tile sweep,
-#      errors against XLA, Triton and XLA at the same shapes);
+#      errors and times against XLA at the same shapes);
 #   2. the decode-step attention alone (experiments/check_mosaic_decode.py);
 #   3. the sampler (experiments/bench_rollout.py, batch 64 / 256 / 512, P128 / R256),
 #      decode attention "pallas" (Triton) against "mosaic";
-#   4. the GRPO step of docs/performance.md at the trainer's default settings, both
-#      kernels on Triton, then both on Mosaic GPU;
+#   4. the GRPO step of docs/performance.md at the trainer's default settings, the
+#      decode attention on Triton, then on Mosaic GPU (the head: `auto`, Mosaic GPU);
 #   5. with TESTS=1, the two kernels' test files compiled on the GPU.
 #
 #   OUT=out bash experiments/bench_kernels.sh
 # Needs `wheels/` (ml_collections, absl, tensorboardX, PyYAML) when they are not installed.
+# (experiments/results/mosaic/call4 is this script's run before the head's Triton kernel
+# was removed: its GRPO steps forced `--logprob_impl pallas` / `mosaic`.)
 set -uo pipefail
 OUT=${OUT:-kernels_out}
 mkdir -p "$OUT"
@@ -31,9 +33,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" \
   | tee -a "$OUT/env.log"
 rl=(python3 experiments/bench_rl_step.py --algo grpo --warmup 1 --steps 2)
-step grpo_triton 110 "${rl[@]}" --decode_attention pallas --logprob_impl pallas \
+step grpo_triton 110 "${rl[@]}" --decode_attention pallas \
   --out "$OUT/grpo_triton.json"
-step grpo_mosaic 110 "${rl[@]}" --decode_attention mosaic --logprob_impl mosaic \
+step grpo_mosaic 110 "${rl[@]}" --decode_attention mosaic \
   --out "$OUT/grpo_mosaic.json"
 step head 90 python3 experiments/check_mosaic_head.py --budget-s 55 --out "$OUT/head.json"
 step decode 150 python3 experiments/check_mosaic_decode.py --layers 8 --repeats 10 \

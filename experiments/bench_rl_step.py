@@ -115,11 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode_attention", default="auto",
                    choices=("auto", "xla", "pallas", "mosaic"),
                    help="model.decode_attention_impl")
-    p.add_argument("--logprob_impl", default="auto",
-                   choices=("auto", "xla", "pallas", "mosaic"),
+    p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
     p.add_argument("--head_blocks", default=None,
-                   help="jrl.models.head_kernel.FORWARD tiles: t,v,k,warps,stages")
+                   help="jrl.models.head_kernel.MOSAIC_FORWARD tiles: "
+                   "t,v,k,stages,overlap,group,consumers")
     p.add_argument("--lora_rank", type=int, default=0,
                    help="model.lora_rank (0: full fine-tuning); the base is then frozen in "
                         "the compute dtype and only the adapters train")
@@ -511,7 +511,7 @@ def set_head_blocks(spec: str | None) -> None:
     """`--head_blocks`: the log-prob kernel's tiles (`jrl.models.head_kernel`)."""
     if spec:
         from jrl.models import head_kernel
-        head_kernel.FORWARD = head_kernel.Blocks(*map(int, spec.split(",")))
+        head_kernel.MOSAIC_FORWARD = head_kernel.MosaicBlocks(*map(int, spec.split(",")))
 
 
 def main(argv=None) -> None:

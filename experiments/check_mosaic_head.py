@@ -1,20 +1,21 @@
-"""The log-prob head's Mosaic GPU kernel against the Triton one and XLA, on a Hopper GPU.
+"""The log-prob head's Mosaic GPU kernel against XLA, on a Hopper GPU.
 
 At the Qwen2.5-0.5B shape (D 896, V 151,936, tied embedding, bf16 hidden states and
 unembedding) and `--tokens` tokens (16,384 and 32,768 by default), with and without the
 entropy, each variant's `(log_z, target_logit, entropy)` is compared with an XLA
 reference (float32 logits of the same bf16 operands, 1,024 tokens at a time) and timed
-(median of `--iters` calls after two warm-ups): the reference, the Triton kernel
-(`impl="pallas"`, its default `Blocks`) and the Mosaic GPU kernel (`impl="mosaic"`) over
-several `MosaicBlocks` (`--configs`, all at the first shape, then the three fastest
-there). First, small probes try the Mosaic kernel's constructs one by one (the
+(median of `--iters` calls after two warm-ups): the reference and the Mosaic GPU kernel
+over several `MosaicBlocks` (`--configs`, all at the first shape, then the three
+fastest there). First, small probes try the kernel's constructs one by one (the
 pipelined wgmma with each W layout, the int32 row load against an iota), to pin down
 a compile error of the whole kernel. A variant that fails (a compile error, say) is
 recorded with the first lines of its error and the sweep goes on; variants left when
-`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the log-probs
-and entropy of `jrl.logprobs.token_log_probs` and their gradients (the entropy as a
-metric, as in the update) with `impl` "mosaic" (the fastest config as
-`MOSAIC_FORWARD`), "pallas" and "xla". Writes `--out` (JSON) and prints a table.
+`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the
+log-probs and entropy of `jrl.logprobs.token_log_probs` and their gradients (the
+entropy as a metric, as in the update) with `impl` "mosaic" (the fastest config as
+`MOSAIC_FORWARD`) and "xla". Writes `--out` (JSON) and prints a table. (The Triton
+kernel the Mosaic one replaced was measured beside it by this script before its
+removal: experiments/results/mosaic/call4/head.json.)
 
     python experiments/check_mosaic_head.py --out mosaic_head.json
     python experiments/check_mosaic_head.py --smoke   # toy sizes, interpret mode, CPU
@@ -199,7 +200,7 @@ def probe_rows(sweep):
 
 
 def kernel_rows(sweep, tokens, with_entropy, inputs, want, configs):
-    """The reference, Triton and Mosaic (`configs`) variants at one shape."""
+    """The reference and the Mosaic (`configs`) variants at one shape."""
     args = sweep.args
     h, w, y = inputs
     flops = 2 * tokens * args.hidden * args.vocab
@@ -220,7 +221,6 @@ def kernel_rows(sweep, tokens, with_entropy, inputs, want, configs):
             with_entropy=with_entropy, impl=impl, blocks=blocks)))
         return lambda: measure(fn, h, padded, y)
 
-    sweep.run(dict(base, variant="pallas (triton) default"), kernel("pallas", hk.FORWARD))
     for text in configs:
         sweep.run(dict(base, variant=f"mosaic {text}"), kernel("mosaic", mosaic_blocks(text)))
 
@@ -268,7 +268,7 @@ def trainer_rows(sweep, tokens, inputs):
                         ms=timed(f, params, hidden, iters=sweep.args.iters))
         return go
 
-    for impl in ("xla", "pallas", "mosaic"):
+    for impl in ("xla", "mosaic"):
         sweep.run(dict(tokens=tokens, with_entropy=True, variant=f"token_log_probs {impl}"),
                   check(impl))
 

@@ -88,7 +88,7 @@ def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature,
 def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
                entropy_grad, impl):
     del entropy_grad
-    if impl in ("pallas", "mosaic"):
+    if impl == "mosaic":
         lp, ent, log_z = _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first,
                                          temperature, with_entropy, impl)
         return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
@@ -109,8 +109,7 @@ def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, 
     n, b, c, d = hidden_nbcd.shape
     rows = lambda x: x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])
     chunks = lambda x: x.reshape(b, n, c).swapaxes(0, 1)
-    w = head_kernel.pad_vocab(weight.astype(hidden_nbcd.dtype), vocab_first,
-                              head_kernel.default_blocks(impl))
+    w = head_kernel.pad_vocab(weight.astype(hidden_nbcd.dtype), vocab_first)
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
     log_z, target, ent = head_kernel.log_softmax_stats(
         rows(hidden_nbcd), w, rows(targets_nbc), vocab=vocab, vocab_first=vocab_first,
@@ -210,10 +209,9 @@ def token_log_probs(
       with_entropy: also compute the entropy of each predictive distribution.
       entropy_grad: whether the entropy is differentiated; False when it only feeds a
         metric (its gradient is then taken as zero, and the backward pass skips it).
-      impl: "xla" (chunked logits), "pallas" (`jrl.models.head_kernel`: no logits in
-        memory in the forward pass; chunks bound only the backward's), "mosaic" (the
-        same kernel on Pallas' Mosaic GPU backend, for Hopper GPUs) or "auto" (the
-        Triton kernel on GPU where it pays, `head_kernel.choose_impl`).
+      impl: "xla" (chunked logits), "mosaic" (`jrl.models.head_kernel`, on Hopper GPUs:
+        no logits in memory in the forward pass; chunks bound only the backward's) or
+        "auto" (the kernel where it applies, `head_kernel.choose_impl`).
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).

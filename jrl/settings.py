@@ -793,11 +793,13 @@ def _check_model(config) -> None:
     if "decode_attention_impl" in config.model:
         _choice("model.decode_attention_impl", config.model.decode_attention_impl,
                 model_config.DECODE_ATTENTION_IMPLS)
+    if config.model.get("logprob_impl") == "pallas":
+        _fail("model.logprob_impl", "'pallas' (the log-prob head's Triton kernel) was replaced "
+              "by the same kernel on Pallas' Mosaic GPU backend: use 'mosaic', 'auto' or 'xla'")
     if "logprob_impl" in config.model:
         _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
-    for key in ("decode_attention_impl", "logprob_impl"):
-        if config.model.get(key) == "pallas":
-            triton_backend.require(f"model.{key}")
+    if config.model.get("decode_attention_impl") == "pallas":
+        triton_backend.require("model.decode_attention_impl")
     for key in ("decode_attention_impl", "logprob_impl"):
         if config.model.get(key) == "mosaic":
             mosaic_backend.require(f"model.{key}")

@@ -67,14 +67,17 @@ def test_model_dtype_is_a_model_dtype_but_float16():
 
 def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
     """Checked with the settings, before the run directory is claimed: without Pallas'
-    Triton backend a forced kernel stops, naming its key; "auto" runs on XLA."""
+    Triton backend the forced decode kernel stops, naming its key; "auto" runs on XLA.
+    The log-prob head's Triton kernel is gone: "pallas" there says what replaced it."""
     from jrl.models import triton_backend
 
     monkeypatch.setattr(triton_backend, "plgpu", None)
-    for key in ("model.decode_attention_impl", "model.logprob_impl"):
-        _settings(**{key: "auto"})
-        with pytest.raises(ConfigError, match=rf"^{key}='pallas' needs Pallas' Triton backend"):
-            _settings(**{key: "pallas"})
+    key = "model.decode_attention_impl"
+    _settings(**{key: "auto"})
+    with pytest.raises(ConfigError, match=rf"^{key}='pallas' needs Pallas' Triton backend"):
+        _settings(**{key: "pallas"})
+    with pytest.raises(ConfigError, match=r"^model\.logprob_impl: 'pallas' .* use 'mosaic'"):
+        _settings(**{"model.logprob_impl": "pallas"})
 
 
 def test_a_mosaic_kernel_needs_the_mosaic_backend(monkeypatch):

@@ -29,7 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas", "mosaic")
-LOGPROB_IMPLS = ("auto", "xla", "pallas", "mosaic")
+LOGPROB_IMPLS = ("auto", "xla", "mosaic")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_ROLLOUTS = ("merged", "unmerged")
@@ -101,11 +101,10 @@ class ModelConfig:
         (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and a bfloat16 or
         float16 cache; a ConfigError where jax lacks that backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
-        (the Pallas kernel of `jrl.models.head_kernel` on GPU where it applies and
-        pays: passes with the entropy, hidden sizes up to 1,024; else XLA), "xla"
-        (chunked float32 logits), "pallas" (every pass; a ConfigError where jax
-        lacks Pallas' Triton backend) or "mosaic" (every pass, the kernel on Pallas'
-        Mosaic GPU backend, for Hopper GPUs; a ConfigError where jax lacks it).
+        (the Pallas kernel of `jrl.models.head_kernel`, on Pallas' Mosaic GPU backend,
+        on Hopper GPUs for hidden sizes up to 1,024; else XLA), "xla" (chunked float32
+        logits) or "mosaic" (the kernel, forced; a ConfigError where jax lacks Mosaic
+        GPU).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.
@@ -174,9 +173,8 @@ class ModelConfig:
         _check_choice("decode_attention_impl", self.decode_attention_impl,
                       DECODE_ATTENTION_IMPLS)
         _check_choice("logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
-        for key in ("decode_attention_impl", "logprob_impl"):
-            if getattr(self, key) == "pallas":
-                triton_backend.require(f"model.{key}")
+        if self.decode_attention_impl == "pallas":
+            triton_backend.require("model.decode_attention_impl")
         for key in ("decode_attention_impl", "logprob_impl"):
             if getattr(self, key) == "mosaic":
                 mosaic_backend.require(f"model.{key}")

@@ -4,7 +4,7 @@ A response token's log-prob needs its log-normaliser over the whole vocabulary,
 `log Z = log sum_v exp(z_v)` with `z = h W / temperature`, and the entropy needs
 `sum_v p_v z_v`. Computed as a matmul followed by reductions, the `[T, V]` float32
 logits are written to memory and read back two or three times (V = 151,936 for
-Qwen: 0.6 MB a token). Here one Pallas/Triton kernel tiles the product `[T, V]`
+Qwen: 0.6 MB a token). Here one Pallas kernel tiles the product `[T, V]`
 into blocks of `block_t x block_v`, computes each block's logits on chip and
 reduces them right there to four numbers per token and block (flash-attention's
 running statistics):
@@ -18,25 +18,23 @@ written as `[V / block_v, T]`. A small XLA pass merges the blocks:
 logit `sum_j zt_j`.
 
 This is the forward pass only. The backward pass (`jrl.logprobs._fused_bwd`) still
-recomputes each chunk's float32 logits in XLA: a kernel that recomputed a block's
-logits and wrote `d loss / dz` straight away was no faster there (its Triton matmul
-runs at about 450 TFLOP/s on an H200 against cuBLAS's ~620, which ate the memory
-traffic it saved; docs/performance_history.md, round five).
+recomputes each chunk's float32 logits in XLA (a Triton kernel that recomputed a
+block's logits and wrote `d loss / dz` straight away was no faster there;
+docs/performance_history.md, round five).
 
-The same kernel exists twice: on Pallas' Triton backend (`impl="pallas"`, `Blocks`)
-and on its Mosaic GPU backend (`impl="mosaic"`, `MosaicBlocks`, Hopper only), whose
+The kernel is written for Pallas' Mosaic GPU backend (Hopper: H100, H200): each
 program copies `[t, k]` tiles of h and `[v, k]` tiles of W (tied embeddings; `[k, v]`
 untied) into swizzled shared memory with TMA, `stages` steps ahead, multiplies them
 with `wgmma` into a float32 accumulator in registers, reduces the accumulator to the
 four statistics on its own layout and writes them out through shared memory (with
 `MosaicBlocks.consumers=2`, two warpgroups do that for 64 tokens each while a third
-issues the copies). Both share the merge, the launches of `tokens_per_call` tokens and
-the per-shard wrapper.
+issues the copies). On an H200 it runs the Qwen2.5-0.5B head at 500-560 TFLOP/s,
+against 315-410 for the Triton kernel it replaced and 300-370 for XLA
+(experiments/results/mosaic/call4/head.json).
 
-`choose_impl("auto", ...)` takes the Triton kernel on GPU (where jax has Pallas' Triton
-backend, `triton_backend`) and the XLA reference (`jrl.logprobs`) elsewhere; the Mosaic
-one only when forced. CPU tests run the kernels in Pallas' interpret modes against the
-reference.
+`choose_impl("auto", ...)` takes the kernel on a Hopper GPU and the XLA reference
+(`jrl.logprobs`) elsewhere; CPU tests run the kernel in Pallas' GPU interpret mode
+against the reference.
 """
 
 from __future__ import annotations
@@ -51,32 +49,15 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import mosaic_backend, triton_backend
-
-plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_triton_parts` says so)
+from jrl.models import mosaic_backend
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """Tile sizes and Triton settings: `t` tokens by `v` vocabulary entries per
-    program, `k` hidden units per step of its matmul loop (each a power of two)."""
-
-    t: int = 64
-    v: int = 128
-    k: int = 64
-    warps: int = 4
-    stages: int = 3
-
-
-# Fastest of a sweep on an H200 (experiments/bench_head_kernel.py).
-FORWARD = Blocks()
-# `auto` takes the kernel up to this hidden size. Its matmul runs at ~70% of cuBLAS's
-# rate, so it wins only while the float32 logits' memory passes it saves outweigh
-# that: on an H200 with V = 151,936 the head's forward was 26% faster at D = 896, even
-# at 1,536 and 2,048, and 3-36% slower at 3,584 (docs/performance_history.md,
-# round five).
+# `auto` takes the kernel up to this hidden size: measured at D = 896 (Qwen2.5-0.5B),
+# where XLA's chunked logits take 1.5-1.7x its time; the Triton kernel before it stopped paying
+# between D = 2,048 and 3,584 (docs/performance_history.md, round five), and larger
+# hidden sizes are not measured with this one yet.
 MAX_HIDDEN = 1024
 
 
@@ -110,50 +91,52 @@ class MosaicBlocks:
                              f"multiple of 8 from 8 to 256 and stages >= 2, got {self}")
 
 
-# Fastest with the entropy of a sweep on an H200 (experiments/check_mosaic_head.py;
-# experiments/results/mosaic/call3/head.log): 8.81 ms for 16,384 tokens of the
-# Qwen2.5-0.5B head (506 TFLOP/s) against the Triton kernel's 11.67 and XLA's 14.79.
-MOSAIC_FORWARD = MosaicBlocks(t=64, v=128, stages=3)
+# Fastest of a sweep on an H200 (experiments/check_mosaic_head.py;
+# experiments/results/mosaic/call4/head.json): two consumer warpgroups of 64 tokens
+# each, 256 vocabulary entries, 3 stages; 8.52 ms for 16,384 tokens of the Qwen2.5-0.5B
+# head with the entropy (17.11 ms for 32,768), against the Triton kernel's 11.68
+# (28.30) and XLA's 14.73 (29.17).
+MOSAIC_FORWARD = MosaicBlocks(t=128, v=256, k=64, stages=3, overlap=True, group=16,
+                              consumers=2)
 
 
-IMPLS = ("auto", "xla", "pallas", "mosaic")
+IMPLS = ("auto", "xla", "mosaic")
 
 
 def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
-    """`"pallas"` where the kernel applies and pays (GPU, Pallas' Triton backend
-    installed, a pass that computes the entropy, a hidden size of whole `FORWARD.k`
-    blocks up to `MAX_HIDDEN`, no `tensor` axis over 1 in the active mesh), else
-    `"xla"`; a forced `impl` is returned as is (a forced `"pallas"` without the Triton
-    backend, or `"mosaic"` without Mosaic GPU, stops with a ConfigError). `"mosaic"`
-    (the same kernel on Pallas' Mosaic GPU backend) is taken only when forced.
+    """`"mosaic"` where the kernel applies (a Hopper GPU, jax with Pallas' Mosaic GPU
+    backend, a hidden size of whole `MOSAIC_FORWARD.k` steps up to `MAX_HIDDEN`, no
+    `tensor` axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned
+    as is (a forced `"mosaic"` without Mosaic GPU stops with a ConfigError, and
+    `"pallas"`, the Triton kernel this one replaced, with a ValueError naming the
+    choices).
 
-    Without the entropy XLA reads the logits twice rather than three times, and in the
-    GRPO step the reference pass was no faster through the kernel (docs/performance_history.md,
-    round five). Under tensor parallelism XLA splits the logits over the vocabulary,
-    while the kernel would run the whole vocabulary on every device of a `tensor` group.
+    The kernel is taken in every pass, with the entropy or without (XLA took 1.5-1.7x its
+    time either way on an H200). Under tensor parallelism XLA splits the logits over
+    the vocabulary, while the kernel would run the whole vocabulary on every device of a
+    `tensor` group.
     """
+    del with_entropy  # the kernel pays in the passes without the entropy too
     if impl not in IMPLS:
         raise ValueError(f"log-prob impl must be one of {', '.join(map(repr, IMPLS))}, "
                          f"got {impl!r}")
-    if impl == "pallas":
-        triton_backend.require("model.logprob_impl")
     if impl == "mosaic":
         mosaic_backend.require("model.logprob_impl")
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
     tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
-    ok = (jax.default_backend() == "gpu" and triton_backend.available() and with_entropy
-          and hidden_size % FORWARD.k == 0 and hidden_size <= MAX_HIDDEN and tensor == 1)
-    return "pallas" if ok else "xla"
+    ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
+          and hidden_size % MOSAIC_FORWARD.k == 0 and hidden_size <= MAX_HIDDEN
+          and tensor == 1)
+    return "mosaic" if ok else "xla"
 
 
-def pad_vocab(weight: Array, vocab_first: bool,
-              blocks: Blocks | MosaicBlocks | None = None) -> Array:
+def pad_vocab(weight: Array, vocab_first: bool, blocks: MosaicBlocks | None = None) -> Array:
     """The unembedding (`[V, D]` if `vocab_first`, else `[D, V]`) with zero entries
     appended up to whole `blocks.v` blocks (the kernel masks them out); `blocks`
-    defaults to `FORWARD`."""
-    blocks = blocks or FORWARD
+    defaults to `MOSAIC_FORWARD`."""
+    blocks = blocks or MOSAIC_FORWARD
     axis = 0 if vocab_first else 1
     pad = (-weight.shape[axis]) % blocks.v
     widths = [(0, 0), (0, 0)]
@@ -161,69 +144,13 @@ def pad_vocab(weight: Array, vocab_first: bool,
     return jnp.pad(weight, widths)
 
 
-def _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks):
-    """float32 `[t, v]` block of `h @ W` at tokens `t0:` and vocabulary `v0:`."""
-    def step(i, acc_tv):
-        k0 = pl.multiple_of(i * blocks.k, blocks.k)
-        h = h_ref[pl.ds(t0, blocks.t), pl.ds(k0, blocks.k)]
-        if vocab_first:
-            w = w_ref[pl.ds(v0, blocks.v), pl.ds(k0, blocks.k)]
-            return acc_tv + plgpu.dot(h, w, trans_b=True)
-        w = w_ref[pl.ds(k0, blocks.k), pl.ds(v0, blocks.v)]
-        return acc_tv + plgpu.dot(h, w)
-
-    zero = jnp.zeros((blocks.t, blocks.v), jnp.float32)
-    return jax.lax.fori_loop(0, depth // blocks.k, step, zero)
-
-
-def _stats_kernel(h_ref, w_ref, y_ref, m_ref, l_ref, zt_ref, a_ref=None, *, vocab, depth,
-                  vocab_first, inv_temperature, blocks):
-    t0 = pl.program_id(0) * blocks.t
-    v0 = pl.program_id(1) * blocks.v
-    z_tv = _tile_logits(h_ref, w_ref, t0, v0, depth, vocab_first, blocks) * inv_temperature
-    cols_v = v0 + jnp.arange(blocks.v)
-    valid_1v = (cols_v < vocab)[None, :]
-    z_tv = jnp.where(valid_1v, z_tv, -jnp.inf)
-    m_t = jnp.max(z_tv, axis=1)
-    e_tv = jnp.exp(z_tv - m_t[:, None])
-    m_ref[...] = m_t
-    l_ref[...] = jnp.sum(e_tv, axis=1)
-    hit_tv = cols_v[None, :] == y_ref[...][:, None]
-    zt_ref[...] = jnp.sum(jnp.where(hit_tv, z_tv, 0.0), axis=1)
-    if a_ref is not None:  # the entropy's: sum of exp(z - m) z over the real entries
-        a_ref[...] = jnp.sum(jnp.where(valid_1v, e_tv * z_tv, 0.0), axis=1)
-
-
 def _check_shapes(d, padded_vocab, vocab, blocks):
     if d % blocks.k:
         raise ValueError(f"the log-prob kernel needs a hidden size that is a multiple of "
-                         f"{blocks.k} (Blocks.k), got {d}; use model.logprob_impl='xla'")
+                         f"{blocks.k} (MosaicBlocks.k), got {d}; use model.logprob_impl='xla'")
     if padded_vocab % blocks.v or not 0 <= padded_vocab - vocab < blocks.v:
         raise ValueError(f"the unembedding has {padded_vocab} entries for a vocabulary of "
                          f"{vocab}; pad it with pad_vocab (to whole blocks of {blocks.v})")
-
-
-def _triton_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
-                  interpret):
-    """The Triton kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`."""
-    triton_backend.require("model.logprob_impl")
-    tp, d = h_td.shape
-    nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
-    kernel = functools.partial(_stats_kernel, vocab=vocab, depth=d, vocab_first=vocab_first,
-                               inv_temperature=1.0 / temperature, blocks=blocks)
-    outputs = 4 if with_entropy else 3
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-    return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((nv, tp), jnp.float32)] * outputs,
-        grid=(tp // blocks.t, nv),
-        in_specs=[whole(h_td.shape), whole(w.shape),
-                  pl.BlockSpec((blocks.t,), lambda i, j: (i,))],
-        out_specs=[pl.BlockSpec((None, blocks.t), lambda i, j: (j, i))] * outputs,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.warps,
-                                             num_stages=blocks.stages),
-        interpret=interpret or jax.default_backend() != "gpu",
-        name="log_softmax_stats",
-    )(h_td, w, y_t.astype(jnp.int32))
 
 
 _LOG2E = 1.4426950408889634
@@ -470,8 +397,8 @@ def _merge(parts, with_entropy):
 def _call(h_td, w, y_t, *, impl, **kwargs):
     """One kernel launch over `T` tokens (a multiple of `blocks.t`): the per-block
     statistics merged into `(log_z, target_logit, entropy)`, each float32 `[T]`."""
-    parts = (_mosaic_parts if impl == "mosaic" else _triton_parts)(h_td, w, y_t, **kwargs)
-    return _merge(parts, kwargs["with_entropy"])
+    del impl  # "mosaic", the one kernel
+    return _merge(_mosaic_parts(h_td, w, y_t, **kwargs), kwargs["with_entropy"])
 
 
 def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
@@ -493,14 +420,9 @@ def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
     return tuple(x.reshape(-1)[:n].reshape(b, t) for x in stats)
 
 
-def default_blocks(impl: str) -> Blocks | MosaicBlocks:
-    """The tiles `log_softmax_stats` takes by default for `impl` ("pallas", "mosaic")."""
-    return MOSAIC_FORWARD if impl == "mosaic" else FORWARD
-
-
 def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: int,
                       vocab_first: bool, temperature: float = 1.0, with_entropy: bool = False,
-                      impl: str = "pallas", blocks: Blocks | MosaicBlocks | None = None,
+                      impl: str = "mosaic", blocks: MosaicBlocks | None = None,
                       tokens_per_call: int = 32768, interpret: bool = False):
     """Log-normaliser, target logit and entropy of `softmax(h W / temperature)`.
 
@@ -512,13 +434,11 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
       vocab: the real vocabulary size V (entries from V on are padding).
       temperature: the logits are divided by it.
       with_entropy: also compute the entropy (else zeros).
-      impl: "pallas" (the Triton kernel, `Blocks`) or "mosaic" (the Mosaic GPU kernel,
-        `MosaicBlocks`: Hopper GPUs).
-      blocks: the tiles (default `default_blocks(impl)`).
+      impl: "mosaic" (the one kernel, on Hopper GPUs).
+      blocks: the tiles (default `MOSAIC_FORWARD`).
       tokens_per_call: tokens per kernel launch (a device's tokens are launched in
         turn): bounds the per-block statistics, `16 V / blocks.v` bytes a token.
-      interpret: run in Pallas' interpret mode (always off a GPU; "mosaic": its GPU
-        interpret mode).
+      interpret: run in Pallas' GPU interpret mode (always off a GPU).
 
     Returns:
       `(log_z, target_logit, entropy)`, each float32 `[B, T]`; the log-prob is
@@ -530,7 +450,7 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
     """
     fn = functools.partial(_local_stats, vocab=vocab, vocab_first=vocab_first,
                            temperature=temperature, with_entropy=with_entropy, impl=impl,
-                           blocks=blocks or default_blocks(impl),
+                           blocks=blocks or MOSAIC_FORWARD,
                            tokens_per_call=tokens_per_call, interpret=interpret)
     def specs(sharder):
         batch = sharder.spec(("batch",), h_btd.shape[:1])[0]

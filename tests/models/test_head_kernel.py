@@ -23,7 +23,7 @@ from jrl.errors import ConfigError
 from jrl.models import ModelConfig, mosaic_backend
 from jrl.models import head_kernel as hk
 from tests.eight_devices import run_script
-from tests.markers import NEEDS_MOSAIC
+from tests.markers import INTERPRETS, NEEDS_MOSAIC
 
 pytestmark = NEEDS_MOSAIC
 # The float32 tests' `token_log_probs` (no interpret flag there) runs the kernel compiled
@@ -60,6 +60,7 @@ def _reference(h, w, y, temperature):
     return z, log_z, log_p[np.arange(len(y)), np.asarray(y)], p, -(p * log_p).sum(1)
 
 
+@INTERPRETS
 @pytest.mark.parametrize("vocab_first", [True, False])
 @pytest.mark.parametrize("tokens_per_call", [32768, 20])  # one launch; two, the last padded
 def test_stats_match_float64(vocab_first, tokens_per_call):
@@ -80,6 +81,7 @@ def test_stats_match_float64(vocab_first, tokens_per_call):
     assert ref_ent.std() > 0.1  # varied distributions, not a degenerate case
 
 
+@INTERPRETS
 def test_stats_without_entropy_and_targets_in_the_last_block():
     h, w, y = _inputs(seed=1)
     y = y.at[0, :5].set(V - 1)  # the last real entry, in the block with padding
@@ -221,6 +223,7 @@ def test_choice_and_errors(monkeypatch):
         hk.MosaicBlocks(stages=1)
 
 
+@INTERPRETS
 @pytest.mark.parametrize(("tokens", "group", "vocab"), [(5, 32, 40), (200, 2, 64)])
 def test_mosaic_one_pipeline_step_groups_and_no_padding(tokens, group, vocab):
     """A hidden size of one `k` step (no wgmma to overlap with the next step's copies);
@@ -242,6 +245,7 @@ def test_mosaic_one_pipeline_step_groups_and_no_padding(tokens, group, vocab):
     np.testing.assert_allclose(ent[0], ref_ent, rtol=1e-5, atol=1e-5)
 
 
+@INTERPRETS
 @pytest.mark.parametrize("vocab_first", [True, False])
 def test_mosaic_two_consumer_warpgroups(vocab_first):
     """`consumers=2`: 128 tokens a program, 64 per warpgroup, fed by a third one."""

@@ -94,8 +94,20 @@ class MosaicTiles:
     compact: bool = False
     fused: bool = False
 
+    @classmethod
+    def from_spec(cls, spec: str) -> MosaicTiles:
+        """From "BLOCK,STAGES[,compact][,fused]" (the benches' flag), e.g. "128,2,fused"."""
+        parts = [p.strip() for p in spec.split(",")]
+        flags = set(parts[2:])
+        if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or flags - {"compact",
+                                                                                 "fused"}:
+            raise ValueError(f"Mosaic GPU decode tiles {spec!r}: expected "
+                             "BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
+        return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags)
 
-# The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it).
+
+# The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
+# read when a program is traced: set it before the first trace.
 MOSAIC_TILES = MosaicTiles()
 
 

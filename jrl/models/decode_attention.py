@@ -39,6 +39,7 @@ yet written after. Three implementations of `append_and_attend`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -772,12 +773,22 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
     def call(x_bkrh, start_b, slot_1, k_bksh, v_bksh):
         k_ref, v_ref = (jax.new_ref(x, memory_space=mgpu.GMEM) for x in (k_bksh, v_bksh))
-        out_bkrh = run(x_bkrh, start_b, slot_1, k_ref, v_ref)
+        with _no_vma_check():  # as `plgpu.kernel` calls `pl.kernel`
+            out_bkrh = run(x_bkrh, start_b, slot_1, k_ref, v_ref)
         return out_bkrh, jax.freeze(k_ref), jax.freeze(v_ref)
 
     out_bkrh, k_bksh, v_bksh = call(x_bkrh, start_b, slot.reshape(1), k_bksh, v_bksh)
     out_bnh = out_bkrh[:, :, :group].reshape(b, num_heads, h).astype(qkv_bjh.dtype)
     return out_bnh, k_bksh, v_bksh
+
+
+def _no_vma_check():
+    """The context `plgpu.kernel` runs `pl.kernel` in (jax 0.10 and 0.11): shard_map's
+    check of varying manual axes off (a no-op where jax has no such switch)."""
+    from jax._src import config as jax_config  # noqa: PLC0415 (private, as plgpu's)
+
+    check = getattr(jax_config, "_check_vma", None)
+    return contextlib.nullcontext() if check is None else check(False)
 
 
 def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):

@@ -7,10 +7,13 @@
 #   3. the sampler (experiments/bench_rollout.py, batch 64 / 256 / 512, P128 / R256),
 #      decode attention "pallas" (Triton) against "mosaic";
 #   4. the GRPO step of docs/performance.md at the trainer's default settings, the
-#      decode attention on Triton, then on Mosaic GPU (the head: `auto`, Mosaic GPU);
+#      decode attention on Triton, then on Mosaic GPU (the head: `auto`, Mosaic GPU),
+#      then on Mosaic GPU's fused variant (`MosaicTiles(128, 2, compact, fused)`: the
+#      cache written by the kernel, one XLA fusion before it; the sampler's rows too);
 #   5. with TESTS=1, the two kernels' test files compiled on the GPU.
 #
 #   OUT=out bash experiments/bench_kernels.sh
+#   HEAD=0 OUT=out bash experiments/bench_kernels.sh   # without 1. (the fused rows' time)
 # Needs `wheels/` (ml_collections, absl, tensorboardX, PyYAML) when they are not installed.
 # (experiments/results/mosaic/call4 is this script's run before the head's Triton kernel
 # was removed: its GRPO steps forced `--logprob_impl pallas` / `mosaic`.)
@@ -37,12 +40,18 @@ step grpo_triton 110 "${rl[@]}" --decode_attention pallas \
   --out "$OUT/grpo_triton.json"
 step grpo_mosaic 110 "${rl[@]}" --decode_attention mosaic \
   --out "$OUT/grpo_mosaic.json"
-step head 90 python3 experiments/check_mosaic_head.py --budget-s 55 --out "$OUT/head.json"
-step decode 150 python3 experiments/check_mosaic_decode.py --layers 8 --repeats 10 \
+step grpo_mosaic_fused 110 "${rl[@]}" --decode_attention mosaic \
+  --mosaic_tiles 128,2,compact,fused --out "$OUT/grpo_mosaic_fused.json"
+if [[ "${HEAD:-1}" == 1 ]]; then  # HEAD=0: skip it (measured in call4), so the rest fits 10 min
+  step head 90 python3 experiments/check_mosaic_head.py --budget-s 55 --out "$OUT/head.json"
+fi
+step decode 200 python3 experiments/check_mosaic_decode.py --layers 8 --repeats 10 \
   --only "0.5B b256" "0.5B b128 long" --out "$OUT/decode.json"
 step rollout 120 python3 experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf \
   --decode-attention pallas mosaic --out "$OUT/rollout.json"
-for name in grpo_triton grpo_mosaic; do
+step rollout_fused 90 python3 experiments/bench_rollout.py --batch-sizes 256 512 --no-hf \
+  --decode-attention mosaic --mosaic-tiles 128,2,compact,fused --out "$OUT/rollout_fused.json"
+for name in grpo_triton grpo_mosaic grpo_mosaic_fused; do
   grep -E "^\| (gen|forward|learn|step|MFU actor update \||peak|first)" "$OUT/$name.log" \
     | sed "s/^/$name /"
 done

@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
+    p.add_argument("--mosaic_tiles", default=None,
+                   help="jrl.models.decode_attention.MOSAIC_TILES (with --decode_attention "
+                        "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
     p.add_argument("--head_blocks", default=None,
                    help="jrl.models.head_kernel.MOSAIC_FORWARD tiles: "
                    "t,v,k,stages,overlap,group,consumers")
@@ -514,9 +517,17 @@ def set_head_blocks(spec: str | None) -> None:
         head_kernel.MOSAIC_FORWARD = head_kernel.MosaicBlocks(*map(int, spec.split(",")))
 
 
+def set_mosaic_tiles(spec: str | None) -> None:
+    """`--mosaic_tiles`: the Mosaic GPU decode kernel's settings (`decode_attention`)."""
+    if spec:
+        from jrl.models import decode_attention
+        decode_attention.MOSAIC_TILES = decode_attention.MosaicTiles.from_spec(spec)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_head_blocks(args.head_blocks)
+    set_mosaic_tiles(args.mosaic_tiles)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())

@@ -41,6 +41,7 @@ import trace_summary  # noqa: E402  (this folder is on the path when a script he
 
 from jrl import rollout, step  # noqa: E402
 from jrl.models import ModelConfig, init_params  # noqa: E402
+from jrl.models import decode_attention as decode_lib  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,6 +61,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
                         choices=("auto", "xla", "pallas", "mosaic"),
                         help="model decode_attention_impl values to run (one row each)")
+    parser.add_argument("--mosaic-tiles", default=None,
+                        help="the Mosaic GPU decode kernel's settings for every 'mosaic' row "
+                             "(decode_attention.MOSAIC_TILES): BLOCK,STAGES[,compact][,fused], "
+                             "e.g. 128,2,compact,fused")
     parser.add_argument("--fuse-projections", nargs="+", default=["on"], choices=("on", "off"),
                         help="model fuse_decode_projections values to run (one row each)")
     parser.add_argument("--lora-rank", type=int, default=0,
@@ -191,7 +196,10 @@ def main() -> None:
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop_token_ids=eos_ids, pad_token_id=pad_id, ignore_stop=True,
     ).validate(config.vocab_size)
-    info = dict(versions=versions(), jax_device=jax.devices()[0].device_kind)
+    if args.mosaic_tiles:
+        decode_lib.MOSAIC_TILES = decode_lib.MosaicTiles.from_spec(args.mosaic_tiles)
+    info = dict(versions=versions(), jax_device=jax.devices()[0].device_kind,
+                mosaic_tiles=str(decode_lib.MOSAIC_TILES))
     hf_model = None
     if not args.no_hf:
         import torch

@@ -25,7 +25,9 @@ that does not compile prints its error's first lines, and the next runs), then:
   slots) plus the new keys and values written, over `us`; `valid_gbps` counts the
   slots `[start, slot]` alone (the same bytes for every variant).
 
-Then the first compact and the first padded Mosaic GPU variants (`MosaicTiles`) run
+The Mosaic GPU variants include the fused one (`MosaicTiles.fused`: the cache written
+by the kernel, one XLA fusion before it; " f" in the table). Then the first compact
+and the first padded Mosaic GPU variants (`MosaicTiles`), unfused and fused, run
 again at the 0.5B shape with the new token at the cache's edges (slots 0, 63, 64, 65,
 127 and the last) for their errors alone. A table is printed and everything written
 to `--out` as JSON.
@@ -57,13 +59,19 @@ SHAPES = {  # name: (B, N, K, H, S)
 SMOKE_SHAPES = {"toy g7": (2, 14, 2, 64, 256), "toy 7B": (2, 8, 2, 128, 128)}
 MOSAIC_TILES = [da.MosaicTiles(128, 2, compact=True), da.MosaicTiles(128, 3, compact=True),
                 da.MosaicTiles(64, 3, compact=True), da.MosaicTiles(128, 2)]
+# The fused variant (`MosaicTiles.fused`: one XLA fusion before the kernel, the cache
+# written by the kernel; 36 KiB more shared memory at H = 128 than the unfused one: a
+# 128/3 would need 244 KiB there, past Hopper's 227).
+FUSED_TILES = [da.MosaicTiles(128, 2, compact=True, fused=True),
+               da.MosaicTiles(128, 2, fused=True)]
 
 
 def variants(smoke: bool) -> dict:
     """name: (impl, tiles, block of cache slots read, None for all)."""
-    tiles = MOSAIC_TILES[:1] + MOSAIC_TILES[-1:] if smoke else MOSAIC_TILES
-    out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}": ("mosaic", t, t.block)
-           for t in tiles}
+    tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-1:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
+             if smoke else MOSAIC_TILES + FUSED_TILES)
+    out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}{' f' if t.fused else ''}":
+           ("mosaic", t, t.block) for t in tiles}
     out["pallas (default)"] = ("pallas", da.TILES, da.TILES.block)
     out["xla"] = ("xla", da.TILES, None)
     return out
@@ -180,12 +188,12 @@ def print_row(row):
 
 def edges(impls, interpret, smoke) -> list[dict]:
     """The new token at the cache's edges, for the first compact and the first padded
-    Mosaic GPU variants."""
+    Mosaic GPU variants, unfused and fused."""
     b, n, k, h, s = (2, 14, 2, 64, 256) if smoke else SHAPES["0.5B b64"]
     chosen = {}
     for variant, (impl, tiles, _) in impls.items():
         if impl == "mosaic":
-            chosen.setdefault(tiles.compact, (variant, tiles))
+            chosen.setdefault((tiles.compact, tiles.fused), (variant, tiles))
     rows = []
     for variant, tiles in chosen.values():
         for slot in (0, 63, 64, 65, 127, s - 1):

@@ -25,6 +25,12 @@ yet written after. Three implementations of `append_and_attend`:
   one barrier per buffer), scores them with a wgmma of the query group (padded to
   wgmma's 64 rows) against the block's keys, and runs the online softmax on the
   WGMMA layout before a second wgmma adds the weighted values.
+  `MosaicTiles(fused=True)` (forced only, like the rest of `"mosaic"`): one XLA
+  fusion (bias, RoPE, the query group's padding) makes the kernel's one operand,
+  and the kernel stores the new key and value at `slot` itself (the cache buffers
+  are JAX refs, aliased in and out of the kernel), attends over `[start, slot)` from
+  the cache and over the new token from that operand: no `dynamic_update_slice`
+  around it.
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
@@ -33,6 +39,7 @@ yet written after. Three implementations of `append_and_attend`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -78,15 +85,38 @@ class MosaicTiles:
     `stages` shared-memory buffers per key and value, and `compact`: the query group
     travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
     instead of wgmma's 64 (a TMA copy of a slice of a swizzled buffer; the rows of the
-    buffer it leaves unset score garbage that is never read back)."""
+    buffer it leaves unset score garbage that is never read back). `fused`: the kernel
+    takes the new token's query group, key and value as one operand made by one XLA
+    fusion (bias, RoPE, padding) and writes the key and value into the cache itself
+    (`_mosaic_fused`), so no cache-write ops run around it."""
 
     block: int = 128
     stages: int = 2
     compact: bool = False
+    fused: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: str) -> MosaicTiles:
+        """From "BLOCK,STAGES[,compact][,fused]" (the benches' flag), e.g. "128,2,fused"."""
+        parts = [p.strip() for p in spec.split(",")]
+        flags = set(parts[2:])
+        if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or flags - {"compact",
+                                                                                 "fused"}:
+            raise ValueError(f"Mosaic GPU decode tiles {spec!r}: expected "
+                             "BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
+        return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags)
+
+
+# The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
+# read when a program is traced: set it before the first trace.
+MOSAIC_TILES = MosaicTiles()
 
 
 def _as_mosaic(tiles) -> MosaicTiles:
-    """`MosaicTiles` from either settings (a `Tiles`' block and stages)."""
+    """`MosaicTiles` from either settings (a `Tiles`' block and stages; None:
+    `MOSAIC_TILES`)."""
+    if tiles is None:
+        return MOSAIC_TILES
     if isinstance(tiles, MosaicTiles):
         return tiles
     return MosaicTiles(tiles.block, tiles.stages)
@@ -134,7 +164,7 @@ def cache_slots(impl: str, head_dim: int, needed: int) -> int:
 
 def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
                       slot, *, impl: str = "xla", interpret: bool = False,
-                      tiles: Tiles | MosaicTiles = TILES):
+                      tiles: Tiles | MosaicTiles | None = None):
     """Rotates the new tokens' queries and keys (RoPE), writes each row's new key and
     value at `slot`, then attends over `[start, slot]`.
 
@@ -152,7 +182,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       interpret: run the Pallas kernel in interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
       tiles: the kernel's settings (`Tiles`; the Mosaic GPU kernel takes a
-        `MosaicTiles` too).
+        `MosaicTiles` too); None: `TILES` for "pallas", `MOSAIC_TILES` for "mosaic".
 
     Returns:
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
@@ -169,13 +199,24 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
             qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
                                        v_new_bkh.astype(q_bnh.dtype)], axis=1)
             return _pallas(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
-                           interpret=interpret, tiles=tiles)
+                           interpret=interpret, tiles=tiles or TILES)
 
         return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                         start_b, slot)
     if impl not in ("xla", "mosaic"):
         raise ValueError(
             f"decode attention impl must be 'xla', 'pallas' or 'mosaic', got {impl!r}")
+    if impl == "mosaic" and _as_mosaic(tiles).fused:
+        _check_blocks(k_bksh)
+
+        def fused(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
+            qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
+                                       v_new_bkh.astype(q_bnh.dtype)], axis=1)
+            return _mosaic_fused(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
+                                 interpret=interpret, tiles=_as_mosaic(tiles))
+
+        return _sharded(fused, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
+                        start_b, slot)
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
     if impl == "mosaic":
@@ -189,7 +230,7 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
 
 def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
                           num_heads: int, impl: str = "xla", interpret: bool = False,
-                          tiles: Tiles | MosaicTiles = TILES):
+                          tiles: Tiles | MosaicTiles | None = None):
     """`append_and_attend` from a fused qkv projection's output, before its bias.
 
     The kernel reads the projection's output as its one operand and adds the bias
@@ -216,7 +257,14 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
         _check_slot(slot, k_bksh)
         _check_blocks(k_bksh)
         kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,
-                                   tiles=tiles)
+                                   tiles=tiles or TILES)
+        return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
+                            start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
+    if impl == "mosaic" and _as_mosaic(tiles).fused:
+        _check_slot(slot, k_bksh)
+        _check_blocks(k_bksh)
+        kernel = functools.partial(_mosaic_fused, num_heads=num_heads, interpret=interpret,
+                                   tiles=_as_mosaic(tiles))
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
                             start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
     if bias_jh is not None:
@@ -575,6 +623,172 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
     return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
+
+
+def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem,
+                         v_smem, new_k_smem, new_v_smem, new_rows, barriers, x_barrier, *,
+                         block, stages, scale, moved, interpreted):
+    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved +
+    16, H]` holds its query group (the first `moved` rows, padded), the new key (row
+    `moved`) and value (row `moved + 8`), each followed by zero rows; `k_ref`/`v_ref`
+    are the cache's buffers, aliased in and out. The program stores the new key and
+    value at `slot` of its own cache row (TMA stores from `new_rows`), attends over the
+    cache blocks holding `[start, slot)` as `_mosaic_kernel` does (the slot itself is
+    masked, so whether a block copy sees the old or the new value there does not
+    matter), then over the new token from SMEM: one more step of the online softmax
+    on a 64-row tile whose first row is the new key (value), the other rows zero
+    (`new_v_smem`'s rows past 8 are zeroed here, so their zero weights meet no
+    uninitialised NaN) and masked. `interpreted` as `_mosaic_kernel`'s."""
+    b, kv = lax.axis_index("rows"), lax.axis_index("heads")
+    start, slot = start_ref[b], slot_ref[0]
+    first = start // block
+    end = jnp.maximum(first, (slot + block - 1) // block)  # the blocks holding [start, slot)
+    rows, h = q_smem.shape
+    dtype = q_smem.dtype
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+
+    def fetch(j, buffer):
+        blk = pl.ds(j * block, block)
+        mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
+        mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+
+    for i in range(stages):
+        pl.when(first + i < end)(functools.partial(fetch, first + i, i))
+    new_v_smem[...] = cast(jnp.zeros(new_v_smem.shape, jnp.float32),
+                           mgpu.Layout.WGMMA).astype(dtype)
+    mgpu.commit_smem()  # the zeros before the TMA copy over the first rows
+    group_rows = q_smem if moved == rows else q_smem.at[pl.ds(0, moved)]
+    mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(0, moved)], group_rows, x_barrier)
+    for tile, row in ((new_k_smem, moved), (new_v_smem, moved + 8)):
+        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(row, 8)], tile.at[pl.ds(0, 8)], x_barrier)
+    mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(moved, 16)], new_rows, x_barrier)
+    mgpu.barrier_wait(x_barrier)
+
+    @pl.when(slot < k_ref.shape[2])  # a slot past the cache is not written
+    def _():
+        mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(0, 1)], k_ref.at[b, kv, pl.ds(slot, 1)])
+        mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(8, 1)], v_ref.at[b, kv, pl.ds(slot, 1)])
+
+    row_layout = mgpu.Layout.WGMMA.reduce(1)
+    carry = (cast(jnp.full((rows,), -1e30, jnp.float32), row_layout),
+             cast(jnp.zeros((rows,), jnp.float32), row_layout),
+             cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA))
+    attend = functools.partial(_fused_step, q_smem=q_smem, scale=scale, cast=cast,
+                               interpreted=interpreted)
+
+    def step(j, carry):
+        buffer = lax.rem(j - first, stages)
+        mgpu.barrier_wait(barriers.at[buffer])
+        carry = attend(carry, k_smem.at[buffer], v_smem.at[buffer], j * block, start, slot - 1)
+        # Both wgmmas have finished reading the buffer: refill it.
+        pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
+        return carry
+
+    carry = lax.fori_loop(first, end, step, carry)
+    _, total, acc = attend(carry, new_k_smem, new_v_smem, 0, 0, 0)  # the new token
+    q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+    mgpu.commit_smem()
+    mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
+    mgpu.wait_smem_to_gmem(0)  # the output and the cache stores
+
+
+def _fused_step(carry, k_tile, v_tile, first_id, lo, hi, *, q_smem, scale, cast,
+                interpreted):
+    """One online-softmax step of `_mosaic_fused_kernel`: the queries against a tile of
+    keys and values whose rows are the ids `first_id + i`, those outside `[lo, hi]`
+    masked."""
+    top, total, acc = carry
+    logits = _scores(q_smem, k_tile, interpreted)
+    ids = first_id + cast(lax.broadcasted_iota(jnp.int32, logits.shape, 1), mgpu.Layout.WGMMA)
+    log2e = math.log2(math.e)
+    logits = jnp.where((ids >= lo) & (ids <= hi), logits * (scale * log2e), -jnp.inf)
+    new_top = jnp.maximum(top, logits.max(axis=1))
+    correction = jnp.exp2(top - new_top)
+    weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+    total = total * correction + weights.sum(axis=1)
+    weighted = _weighted(weights.astype(q_smem.dtype), v_tile, interpreted)
+    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+    return new_top, total, acc
+
+
+def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype, moved):
+    """The fused kernel's one operand from the projection's output, in XLA (one fusion
+    under jit): the bias added (rounded to the operand's dtype), the queries and keys
+    rotated (`rope.apply_rope`), each key/value head's query group padded to `moved`
+    rows, then its key and its value each as a row followed by 7 zero rows, in `dtype`
+    (the cache's): `[B, K, moved + 16, H]`."""
+    if bias_jh is not None:
+        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
+    b, _, h = qkv_bjh.shape
+    group = num_heads // num_kv
+    rotate = lambda x: rope.apply_rope(x[:, None], sin_bk[:, None], cos_bk[:, None])[:, 0]
+    q_bnh, k_bkh, v_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + num_kv], axis=1)
+    pad = lambda x, rows: jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, rows - x.shape[2]),
+                                                    (0, 0)))
+    return jnp.concatenate([pad(rotate(q_bnh).reshape(b, num_kv, group, h), moved),
+                            pad(rotate(k_bkh)[:, :, None], 8), pad(v_bkh[:, :, None], 8)],
+                           axis=2)
+
+
+def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
+                  num_heads, interpret, tiles: MosaicTiles):
+    """`MosaicTiles.fused`: the operand (`fused_operand`) and the kernel
+    (`_mosaic_fused_kernel`), whose cache buffers are JAX refs (`jax.new_ref`) passed to
+    `pl.kernel`, which aliases them in and out; (`[B, N, H]` in the operand's dtype,
+    the updated key and value buffers)."""
+    mosaic_backend.require("model.decode_attention_impl")
+    b, _, h = qkv_bjh.shape
+    kv, s = k_bksh.shape[1], k_bksh.shape[2]
+    dtype = k_bksh.dtype
+    if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
+        raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
+                         f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
+    block = tiles.block if s % tiles.block == 0 else _BLOCK
+    group = num_heads // kv
+    rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
+    moved = -(-group // 8) * 8 if tiles.compact else rows
+    x_bkrh = fused_operand(qkv_bjh, bias_jh, sin_bk.astype(jnp.float32),
+                           cos_bk.astype(jnp.float32), num_heads=num_heads, num_kv=kv,
+                           dtype=dtype, moved=moved)
+    swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
+    transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  mgpu.SwizzleTransform(swizzle))
+    tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
+    stages = max(1, min(tiles.stages, s // block))
+    interpreted = mosaic_backend.interpret(interpret)
+    scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
+               tile((64, h)), tile((64, h)), mgpu.SMEM((16, h), dtype),
+               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
+    body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
+                             scale=1.0 / math.sqrt(h), moved=moved,
+                             interpreted=bool(interpreted))
+    # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
+    # with the scratch allocated as `plgpu.kernel` does.
+    run = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
+                    out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
+                    mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
+                    compiler_params=mgpu.CompilerParams(approx_math=True),
+                    interpret=interpreted, name="append_and_attend_fused")
+
+    @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
+    def call(x_bkrh, start_b, slot_1, k_bksh, v_bksh):
+        k_ref, v_ref = (jax.new_ref(x, memory_space=mgpu.GMEM) for x in (k_bksh, v_bksh))
+        with _no_vma_check():  # as `plgpu.kernel` calls `pl.kernel`
+            out_bkrh = run(x_bkrh, start_b, slot_1, k_ref, v_ref)
+        return out_bkrh, jax.freeze(k_ref), jax.freeze(v_ref)
+
+    out_bkrh, k_bksh, v_bksh = call(x_bkrh, start_b, slot.reshape(1), k_bksh, v_bksh)
+    out_bnh = out_bkrh[:, :, :group].reshape(b, num_heads, h).astype(qkv_bjh.dtype)
+    return out_bnh, k_bksh, v_bksh
+
+
+def _no_vma_check():
+    """The context `plgpu.kernel` runs `pl.kernel` in (jax 0.10 and 0.11): shard_map's
+    check of varying manual axes off (a no-op where jax has no such switch)."""
+    from jax._src import config as jax_config  # noqa: PLC0415 (private, as plgpu's)
+
+    check = getattr(jax_config, "_check_vma", None)
+    return contextlib.nullcontext() if check is None else check(False)
 
 
 def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):

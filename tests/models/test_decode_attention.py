@@ -3,6 +3,7 @@ a GPU and in interpret mode elsewhere, against the XLA reference (the cache writ
 attention), and the sampler run through them against the sampler on the XLA path."""
 
 import dataclasses
+import functools
 import textwrap
 from unittest import mock
 
@@ -29,7 +30,19 @@ NEEDS_HOPPER_OFF_CPU = pytest.mark.skipif(
     jax.default_backend() == "gpu" and not mosaic_backend.on_hopper(),
     reason="the Mosaic GPU kernel compiles for Hopper GPUs only")
 KERNELS = [pytest.param("pallas", id="pallas"),
-           pytest.param("mosaic", id="mosaic", marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
+           pytest.param("mosaic", id="mosaic", marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU]),
+           pytest.param("mosaic_fused", id="mosaic_fused",
+                        marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
+
+
+def kernel_args(kernel, tiles=None):
+    """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic_fused" is "mosaic"
+    with `MosaicTiles.fused` (`tiles`' block and stages)."""
+    if kernel != "mosaic_fused":
+        return dict(impl=kernel, interpret=INTERPRET, tiles=tiles)
+    tiles = da._as_mosaic(tiles)
+    return dict(impl="mosaic", interpret=INTERPRET,
+                tiles=da.MosaicTiles(tiles.block, tiles.stages, tiles.compact, fused=True))
 
 
 def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
@@ -66,7 +79,7 @@ def naive_rope(x, angles):
     (28, 4, 128, 128, jnp.bfloat16),  # Qwen2.5-7B's heads
 ])
 def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots, dtype):
-    if kernel == "mosaic":  # wgmma takes 16-bit operands: the same case with a bf16 cache
+    if kernel != "pallas":  # wgmma takes 16-bit operands: the same case with a bf16 cache
         dtype = jnp.bfloat16
     keys = jax.random.split(jax.random.key(0), 6)
     b = 4
@@ -90,8 +103,7 @@ def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slo
     others = np.arange(slots) != slot
     for impl in ("xla", kernel):
         out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
-                                                 jnp.asarray(start), slot, impl=impl,
-                                                 interpret=INTERPRET)
+                                                 jnp.asarray(start), slot, **kernel_args(impl))
         assert out.shape == q.shape and out.dtype == q.dtype
         assert k_out.dtype == k.dtype and v_out.dtype == v.dtype
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol,
@@ -105,7 +117,7 @@ def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slo
     junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
     junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
     out, _, _ = da.append_and_attend(q, k_new, v_new, sin, cos, junk_k, junk_v,
-                                     jnp.asarray(start), slot, impl=kernel, interpret=INTERPRET)
+                                     jnp.asarray(start), slot, **kernel_args(kernel))
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
 
 
@@ -120,7 +132,7 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
     16 queries per key/value head, and a cache dtype other than the queries': the
     kernel matches the XLA path, and both write the new token in the cache's dtype
     (the Mosaic GPU kernel takes 16-bit caches only)."""
-    if kernel == "mosaic" and cache_dtype == jnp.float32:
+    if kernel != "pallas" and cache_dtype == jnp.float32:
         pytest.skip("the Mosaic GPU kernel's wgmma operands are 16-bit")
     keys = jax.random.split(jax.random.key(1), 6)
     b, n, kv, h, slots = 3, 32, 2, 32, 128
@@ -132,7 +144,7 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
     for slot in (0, 63, 64, 65, 127):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
         outs = {impl: da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot,
-                                           impl=impl, interpret=INTERPRET, tiles=tiles)
+                                           **kernel_args(impl, tiles))
                 for impl in ("xla", kernel)}
         tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
         for got, want in zip(outs[kernel], outs["xla"], strict=True):
@@ -445,13 +457,16 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
 @NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("tiles", [da.Tiles(64, 4, 3), da.Tiles(128, 4, 2),
                                    da.MosaicTiles(64, 3, compact=True),
-                                   da.MosaicTiles(128, 2, compact=True)])
+                                   da.MosaicTiles(128, 2, compact=True),
+                                   da.MosaicTiles(64, 3, fused=True),
+                                   da.MosaicTiles(128, 2, compact=True, fused=True)])
 def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
     """A long cache (8 blocks of 64 slots): rows reading more blocks than the kernel has
     buffers (each buffer refilled), a row starting in the slot's block, a row whose
     only token is the new one; the slot mid-block; the query group moved as 64 rows or
-    as 8 (compact). Outputs match the XLA path and the updated cache equals it
-    exactly, whatever junk lies outside `[start, slot]`."""
+    as 8 (compact); the cache written by XLA or by the kernel (fused). Outputs match
+    the XLA path and the updated cache equals it exactly, whatever junk lies outside
+    `[start, slot]`."""
     keys = jax.random.split(jax.random.key(4), 6)
     b, n, kv, h, slots, slot = 4, 14, 2, 64, 512, 455
     q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
@@ -476,10 +491,12 @@ def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
 
 @NEEDS_MOSAIC
 @NEEDS_HOPPER_OFF_CPU
-def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch, fused):
     """A bf16 Qwen2 model (qkv bias, the fused operand), ragged left-padded prompts,
     temperature 1: the same tokens with `decode_attention_impl="mosaic"` as with "xla"
-    for the same key, and log-probs within bf16 rounding. (The kernel takes bf16
+    for the same key, and log-probs within bf16 rounding; with `MOSAIC_TILES` fused,
+    the decode steps run the fused variant. (The kernel takes bf16
     caches only, and bf16 sums in another order differ by a rounding: the weights are
     drawn smaller than the float32 test's, where such a rounding flips no sample at
     this key; at 0.3 it flips some, the Triton kernel's too.)"""
@@ -492,8 +509,11 @@ def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
     sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
     calls = []
-    kernel = da._mosaic
-    monkeypatch.setattr(da, "_mosaic", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    name = "_mosaic_fused" if fused else "_mosaic"
+    kernel = getattr(da, name)
+    monkeypatch.setattr(da, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(da, "MOSAIC_TILES", da.MosaicTiles(fused=fused))
+    jax.clear_caches()  # MOSAIC_TILES is read when the sampler is traced
     outs = {impl: rollout.generate(params, ids, mask, jax.random.key(3), sampling,
                                    config=dataclasses.replace(config, decode_attention_impl=impl))
             for impl in ("xla", "mosaic")}
@@ -502,3 +522,54 @@ def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch
     chex.assert_trees_all_close(outs["mosaic"].rollout_log_probs,
                                 outs["xla"].rollout_log_probs, rtol=2e-2, atol=2e-2)
     assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.3  # not a degenerate model
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_bias):
+    """For CUDA (lowered without a GPU, the kernel's GPU code through Mosaic GPU's
+    lowering): the fused variant is one Mosaic GPU call whose cache outputs alias its
+    cache inputs, with no `dynamic_update_slice`; the unfused one writes the cache in
+    XLA."""
+    sds = jax.ShapeDtypeStruct
+    b, n, kv, h, s = 8, 14, 2, 64, 128
+    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
+    args = (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
+            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    texts = {fused: _lower_for_cuda(lambda *a, fused=fused: da.append_and_attend_qkv(
+        *a, num_heads=n, impl="mosaic", tiles=da.MosaicTiles(fused=fused)), args)
+        for fused in (False, True)}
+    calls = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls(texts[True])) == len(calls(texts[False])) == 1
+    assert "output_operand_alias" in calls(texts[True])[0]
+    assert "dynamic_update_slice" not in texts[True]
+    assert texts[False].count("dynamic_update_slice") == 2
+
+
+def test_mosaic_fused_operand_is_one_fusion():
+    """The fused variant's XLA side compiles (on CPU) to one fusion: bias, RoPE, the
+    query group's padding and the new key and value rows; and its rows hold what the
+    kernel expects (queries, then the key and the value each at the head of 8 rows)."""
+    b, n, kv, h = 2, 4, 2, 32
+    qkv = jax.random.normal(jax.random.key(0), (b, n + 2 * kv, h), jnp.bfloat16)
+    bias = jax.random.normal(jax.random.key(1), (n + 2 * kv, h), jnp.bfloat16)
+    angles = jax.random.uniform(jax.random.key(2), (b, h // 2), maxval=40.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    make = jax.jit(functools.partial(da.fused_operand, num_heads=n, num_kv=kv,
+                                     dtype=jnp.bfloat16, moved=8))
+    text = make.lower(qkv, bias, sin, cos).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    assert entry.count(" fusion(") == 1, entry
+    x = np.asarray(make(qkv, bias, sin, cos), np.float64)
+    assert x.shape == (b, kv, 8 + 16, h)
+    biased = np.asarray(qkv + bias, np.float64)
+    q = naive_rope(biased[:, :n], np.asarray(angles)).reshape(b, kv, n // kv, h)
+    np.testing.assert_allclose(x[:, :, :n // kv], q, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(x[:, :, 8], naive_rope(biased[:, n:n + kv], np.asarray(angles)),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(x[:, :, 16], biased[:, n + kv:].astype(np.float32)
+                                  .astype(jnp.bfloat16).astype(np.float64))
+    zeros = np.ones(24, bool)
+    zeros[[*range(n // kv), 8, 16]] = False
+    assert not x[:, :, zeros].any()

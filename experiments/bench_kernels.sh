@@ -56,8 +56,10 @@ for name in grpo_triton grpo_mosaic grpo_mosaic_fused; do
     | sed "s/^/$name /"
 done
 if [[ "${TESTS:-0}" == 1 ]]; then
-  JAX_PLATFORMS=cuda step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
+  JAX_PLATFORMS=cuda,cpu step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
     tests/models/test_decode_attention.py tests/models/test_head_kernel.py
   tail -3 "$OUT/gpu_tests.log"
 fi
-echo "done in ${SECONDS}s"
+# The device machine returns at most 8 files from $OUT: everything in one archive.
+(cd "$OUT" && tar czf results.tgz -- *.log *.json && rm -f -- *.log *.json)
+echo "done in ${SECONDS}s; logs and JSON in $OUT/results.tgz"

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -585,27 +586,48 @@ def _weighted(weights, v_tile, interpreted):
     return pl.run_scoped(values, mgpu.ACC((weights.shape[0], v_tile.shape[1]), jnp.float32))
 
 
-def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):
-    """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
-    cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
-    dtype."""
+class _Layout(NamedTuple):
+    """The Mosaic GPU kernels' shapes: `block` cache slots a step, `stages` buffers,
+    `group` query heads per key/value head, `rows` of the query tile (wgmma's M: 64 per
+    warpgroup), `moved` query rows copied in and out (`MosaicTiles.compact`), and the
+    shared-memory `transforms` of an `[..., H]` tile (tiling + swizzle)."""
+
+    block: int
+    stages: int
+    group: int
+    rows: int
+    moved: int
+    transforms: tuple
+
+
+def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
+    """`_Layout` of a cache and `tiles`; a ValueError for a cache that is not 16-bit."""
     mosaic_backend.require("model.decode_attention_impl")
-    b, n, h = q_bnh.shape
-    kv, s = k_bksh.shape[1], k_bksh.shape[2]
+    kv, s, h = k_bksh.shape[1:]
     dtype = k_bksh.dtype
     if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
         raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
                          f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
     block = tiles.block if s % tiles.block == 0 else _BLOCK
-    group = n // kv
-    rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
-    moved = -(-group // 8) * 8 if tiles.compact else rows  # query rows in and out
-    q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
-                     ((0, 0), (0, 0), (0, moved - group), (0, 0)))
+    group = num_heads // kv
+    rows = -(-group // 64) * 64
     swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
     transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                   mgpu.SwizzleTransform(swizzle))
-    stages = max(1, min(tiles.stages, s // block))
+    return _Layout(block=block, stages=max(1, min(tiles.stages, s // block)), group=group,
+                   rows=rows, moved=-(-group // 8) * 8 if tiles.compact else rows,
+                   transforms=transforms)
+
+
+def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):
+    """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
+    cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
+    dtype."""
+    b, n, h = q_bnh.shape
+    kv, dtype = k_bksh.shape[1], k_bksh.dtype
+    block, stages, group, rows, moved, transforms = _mosaic_layout(n, k_bksh, v_bksh, tiles)
+    q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
+                     ((0, 0), (0, 0), (0, moved - group), (0, 0)))
     interpreted = mosaic_backend.interpret(interpret)
     kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
                                scale=1.0 / math.sqrt(h), interpreted=bool(interpreted))
@@ -736,25 +758,14 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     (`_mosaic_fused_kernel`), whose cache buffers are JAX refs (`jax.new_ref`) passed to
     `pl.kernel`, which aliases them in and out; (`[B, N, H]` in the operand's dtype,
     the updated key and value buffers)."""
-    mosaic_backend.require("model.decode_attention_impl")
     b, _, h = qkv_bjh.shape
-    kv, s = k_bksh.shape[1], k_bksh.shape[2]
-    dtype = k_bksh.dtype
-    if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
-        raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
-                         f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
-    block = tiles.block if s % tiles.block == 0 else _BLOCK
-    group = num_heads // kv
-    rows = -(-group // 64) * 64  # wgmma's M: 64 rows per warpgroup
-    moved = -(-group // 8) * 8 if tiles.compact else rows
+    kv, dtype = k_bksh.shape[1], k_bksh.dtype
+    block, stages, group, rows, moved, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh,
+                                                                   tiles)
     x_bkrh = fused_operand(qkv_bjh, bias_jh, sin_bk.astype(jnp.float32),
                            cos_bk.astype(jnp.float32), num_heads=num_heads, num_kv=kv,
                            dtype=dtype, moved=moved)
-    swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
-    transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                  mgpu.SwizzleTransform(swizzle))
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
-    stages = max(1, min(tiles.stages, s // block))
     interpreted = mosaic_backend.interpret(interpret)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                tile((64, h)), tile((64, h)), mgpu.SMEM((16, h), dtype),

@@ -266,16 +266,22 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                                      - want[0].astype(jnp.float32)))) > 0.1
 
 
+def _qkv_operands(with_bias):
+    """14 query heads and `append_and_attend_qkv`'s operands as shapes (bf16, 8 rows,
+    2 key/value heads, head_dim 64, 128 slots), for lowering without a GPU."""
+    sds = jax.ShapeDtypeStruct
+    b, n, kv, h, s = 8, 14, 2, 64, 128
+    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
+    return n, (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
+               sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+               sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fused_operand_lowers_to_one_triton_call_on_the_projection_output(with_bias):
     """For CUDA (lowered without a GPU): one Triton call, the cache aliased, and no
     concatenation of q, k and v before it."""
-    sds = jax.ShapeDtypeStruct
-    b, n, kv, h, s = 8, 14, 2, 64, 128
-    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
-    args = (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
-            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
-            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    n, args = _qkv_operands(with_bias)
     fn = lambda *a: da.append_and_attend_qkv(*a, num_heads=n, impl="pallas")
     text = _lower_for_cuda(fn, args)
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -531,12 +537,7 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
     lowering): the fused variant is one Mosaic GPU call whose cache outputs alias its
     cache inputs, with no `dynamic_update_slice`; the unfused one writes the cache in
     XLA."""
-    sds = jax.ShapeDtypeStruct
-    b, n, kv, h, s = 8, 14, 2, 64, 128
-    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
-    args = (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
-            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
-            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    n, args = _qkv_operands(with_bias)
     texts = {fused: _lower_for_cuda(lambda *a, fused=fused: da.append_and_attend_qkv(
         *a, num_heads=n, impl="mosaic", tiles=da.MosaicTiles(fused=fused)), args)
         for fused in (False, True)}

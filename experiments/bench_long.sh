@@ -7,6 +7,8 @@
 #   check           experiments/check_packed_attention.py (cuDNN packed vs XLA; timings)
 #   forced          token-budget micro-batches (--dynamic_bsz), every response 8192 tokens
 #   natural         the same, rows stopping at lengths uniform in [512, 8192] (seeded)
+#   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
+#                   (`--decode_attention mosaic`, MOSAIC_TILES' default tiles)
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with
 #                   the settings it was measured at (--micro_batch 8 --remat dots_saveable)
 #   before_natural  likewise with the uniform lengths (needs a before/ that has the flag)
@@ -50,6 +52,9 @@ for name in "$@"; do
              | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;
     forced) run forced "$ROOT" "${LONG[@]}" --dynamic_bsz ;;
     natural) run natural "$ROOT" "${LONG[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
+    forced_mosaic) run forced_mosaic "$ROOT" "${LONG[@]}" --dynamic_bsz --decode_attention mosaic ;;
+    natural_mosaic) run natural_mosaic "$ROOT" "${LONG[@]}" --dynamic_bsz "${NATURAL[@]}" \
+                      --decode_attention mosaic ;;
     before_forced) run before_forced "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
                      --remat dots_saveable ;;
     before_natural) run before_natural "$ROOT/before" "${LONG[@]}" --micro_batch 8 \

@@ -143,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_data", type=int, default=-1)
     p.add_argument("--mesh_fsdp", type=int, default=1)
     p.add_argument("--mesh_tensor", type=int, default=1)
+    p.add_argument("--mesh_context", type=int, default=1,
+                   help="the context (sequence) axis: each sequence split over this many "
+                        "devices in the passes after the rollout")
     p.add_argument("--rollout_devices", type=int, default=0,
                    help="rollout.devices: a sampling group of this many devices (one-step "
                         "asynchronous training); the mesh_* flags then describe the rest")
@@ -291,7 +294,7 @@ def make_config(args, algo: str):
     c.trainer.save_freq = 0
     c.trainer.logger = ("console",)
     if "mesh" in c:
-        for axis in ("data", "fsdp", "tensor"):
+        for axis in ("data", "fsdp", "tensor", "context"):
             if axis in c.mesh:
                 c.mesh[axis] = getattr(args, f"mesh_{axis}")
     return c
@@ -428,7 +431,7 @@ def run_algo(args, algo: str) -> dict:
     # (actor.share_prompts) each prompt once per group of k rows. Hardware FLOPs
     # utilisation: 6 x (non-embedding weights) per token run through the layers plus
     # 6 x V x D per response token (attention and rematerialisation not counted).
-    batch_shards = devices // max(args.mesh_tensor, 1)  # the data and fsdp axes
+    batch_shards = devices // max(args.mesh_tensor * args.mesh_context, 1)  # data x fsdp
     k = math.gcd(args.n, args.micro_batch // batch_shards) if args.share_prompts == "on" else 1
     rows = args.batch * args.n
     prompt_tokens = mean([m["prompt_length/mean"] for m in timed]) * rows

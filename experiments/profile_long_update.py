@@ -128,15 +128,18 @@ def run_variant(args, variant: str, trace: bool) -> dict:
                 jax.block_until_ready(forward())
                 jax.block_until_ready(learn())
         flops_token = getattr(trainer, "train_flops_per_token", 6.0 * trainer.num_params)
+        devices = trainer.sharder.mesh.size
         trainer.close()
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    peak = peak * devices if peak else None  # the MFUs below are of all the mesh's devices
     attention = bench_rl_step.attention_flops(bargs, targets)
-    out = dict(variant=variant, tokens=tokens, forward_s=forward_s, learn_s=learn_s,
+    out = dict(variant=variant, devices=devices, tokens=tokens, forward_s=forward_s,
+               learn_s=learn_s,
                forward_first_s=forward_first, learn_first_s=learn_first,
                mfu_6n=flops_token * tokens / learn_s / peak if peak else None,
                mfu_attention=(flops_token * tokens + attention) / learn_s / peak
                if peak and attention else None,
-               peak_gib=(bench_rl_step.peak_memory_bytes() or 0) / 2**30)
+               peak_gib=(bench_rl_step.peak_memory_bytes() or 0) / 2**30)  # largest device's
     print(json.dumps(out), flush=True)
     return out
 

@@ -381,8 +381,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Devices on the FSDP axis (parameters, gradients and optimizer states split; -1 allowed).
     c.mesh.fsdp = 1
     # Devices each sequence of the training passes is split over (context parallelism,
-    # Ulysses attention; the rollout splits its rows over them instead). Sequence
-    # lengths and token budgets must be multiples of it; actor.share_prompts is off.
+    # Ulysses attention; the rollout splits its rows over them instead). Sequences are
+    # padded to a multiple of it; actor.share_prompts does not apply (docs/guide.md).
     c.mesh.context = 1
     # Devices on the tensor-parallel axis (heads, MLP width and vocabulary split).
     c.mesh.tensor = 1

@@ -109,3 +109,86 @@ def test_log_probs_and_gradients_match_one_device(passes, layout, mesh):
         assert got["pass_lp"] < 1e-4, got
     else:
         assert got["entropy"] < 1e-4, got
+
+
+def test_rl_steps_on_context_meshes_match_one_device(tmp_path):
+    """Two GRPO steps (rollout, log-prob passes, updates with the KL loss and entropy) on
+    (data=2, context=4) and, with token-budget micro-batches in every pass, on (fsdp=2,
+    context=2, tensor=2) vs one device with padded micro-batches."""
+    from tests.sharding.test_meshes import _run, assert_same_metrics
+
+    # `data,fsdp,tensor,context`, as MeshSettings reads them in order.
+    runs = _run(tmp_path, "grpo", "1,1,1 2,1,1,4 1,2,2,2+packed", 2)
+    expected = runs["1,1,1"]
+    assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in expected)
+    assert_same_metrics(expected, runs["2,1,1,4"])
+    assert_same_metrics(expected, runs["1,2,2,2+packed"])
+
+
+_TRAINER_SCRIPT = textwrap.dedent("""
+    import json, math, tempfile
+    from jrl import train
+    from jrl.metrics import read_jsonl
+    from tests.sharding.runner import varied_reward
+    from tests.trainer.tiny import tiny_config
+
+    workdir = tempfile.mkdtemp(prefix="jrl-context-")
+    # 8 devices: data 2 x context 2 x tensor 2; 4 prompts x 2 samples = 8 rollout rows
+    # over data x context; the update in token-budget micro-batches.
+    config = tiny_config(**{"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2,
+                            "actor.use_dynamic_bsz": True,
+                            "actor.ppo_max_token_len_per_gpu": 16})
+    # A reward that varies between random responses: non-zero GRPO advantages.
+    train.run(config, workdir, reward_fn=varied_reward)
+    records = read_jsonl(workdir + "/metrics.jsonl")
+    print(json.dumps({"steps": [r["step"] for r in records],
+                      "finite": all(math.isfinite(v) for r in records for k, v in r.items()),
+                      "pg_loss": [r["actor/pg_loss"] for r in records]}))
+""")
+
+
+def test_a_run_with_mesh_context_trains_through_the_trainer():
+    got = run_script(_TRAINER_SCRIPT)
+    assert got["steps"] == [1, 2], got
+    assert got["finite"], got
+    assert any(loss != 0.0 for loss in got["pg_loss"]), got
+
+
+def test_rollout_rows_must_split_over_context_too():
+    from jax.sharding import AbstractMesh
+
+    from jrl import settings, sharding
+    from jrl.errors import ConfigError
+    from jrl.trainer import check_batch_sizes
+    from tests.trainer.tiny import tiny_config
+
+    def settings_of(prompts):
+        return settings.from_config(tiny_config(**{"data.train_batch_size": prompts}),
+                                    stop_token_ids=(2,), pad_token_id=0, num_train_rows=64)
+
+    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1), sharding.MESH_AXES))
+    check_batch_sizes(settings_of(4), sharder)  # 4 prompts x 2 = 8 rows: data x context
+    bad = settings_of(2)
+    with pytest.raises(ConfigError, match=r"the rollout's rows \(2 prompts x rollout\.n\) = 4 "
+                       r"sequences cannot be split over the mesh's batch axes \(data x fsdp "
+                       r"x context = 8\); make it a multiple of 8"):
+        check_batch_sizes(bad, sharder)
+
+
+def test_mesh_context_errors_stop_before_the_workdir(tmp_path):
+    from jrl import train
+    from jrl.errors import ConfigError
+    from tests.test_runs import IN_GRAPH, _config
+    from tests.trainer.tiny import tiny_config
+
+    workdir = tmp_path / "run"
+    # One device cannot hold a context axis of 2.
+    with pytest.raises(ConfigError, match=r"mesh: 1 devices cannot be split .*"
+                       r"mesh\.context=2.* pick sizes that divide 1"):
+        train.run(tiny_config(**{"mesh.context": 2}), str(workdir))
+    with pytest.raises(ConfigError, match=r"mesh\.context=0 is not valid"):
+        train.run(tiny_config(**{"mesh.context": 0}), str(workdir))
+    with pytest.raises(ConfigError, match=r"^mesh\.context=2: runs in one program"):
+        train.run(_config("grpo", **IN_GRAPH, **{"trainer.runs": 2, "mesh.context": 2}),
+                  str(workdir))
+    assert not workdir.exists()

@@ -430,7 +430,8 @@ class RLTrainer:
             s.max_prompt_length + s.rollout.max_new_tokens + block)
         shape = (rows, m.num_kv_heads, slots, m.head_dim)
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
-        cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
+        cache_shardings = [self.sampling_sharder.named(CACHE_LOGICAL_AXES, shape)] * (
+            2 * m.num_layers)
         parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
         if self.sampler_shardings is not None:  # per device of the sampling group
             parts.append(("sampling group: weights (x2)", self._sampler_shapes,

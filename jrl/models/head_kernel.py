@@ -126,8 +126,8 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
-    tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
-    context = 1 if sharder is None else sharder.context
+    shape = {} if sharder is None else sharder.mesh.shape
+    tensor, context = shape.get("tensor", 1), shape.get("context", 1)
     ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
           and hidden_size % MOSAIC_FORWARD.k == 0 and hidden_size <= MAX_HIDDEN
           and tensor == 1 and context == 1)

@@ -248,7 +248,9 @@ def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
 
 def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk, mask_b1ts,
                        cache, layer, write_index):
-    """RoPE, then attention by layout (with the cache write where there is a cache)."""
+    """RoPE, then attention by layout (with the cache write where there is a cache);
+    packed rows (and padded rows, as one segment each) under a mesh whose `context`
+    axis divides T run split over it (`context_attention`)."""
     q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
     k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
     v_btkh = constrain(v_btkh, _KV_HEADS)

@@ -42,10 +42,11 @@ def context_size() -> int:
 
 def applies(length: int) -> bool:
     """Whether attention over rows of `length` tokens runs split over `context`: the
-    active mesh has a `context` axis over 1, and it divides `length` (else the rows
-    stay whole, as `Sharder.spec` leaves them, and attention is the plain one)."""
-    size = context_size()
-    return size > 1 and length % size == 0
+    active mesh has a `context` axis over 1, its rules split `length` over it, and it
+    divides `length` (else the rows stay whole, as `Sharder.spec` leaves them, and
+    attention is the plain one)."""
+    sharder = sharding.active_sharder()
+    return sharder is not None and sharder.spec(("length",), (length,))[0] == AXIS
 
 
 def _specs(sharder: sharding.Sharder, q_btnh, k_btkh):

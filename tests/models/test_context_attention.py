@@ -119,3 +119,22 @@ def test_attention_does_not_leak_across_segments_or_from_later_chunks(results):
     assert results["row_1_unchanged"] == 0.0, results
     # The perturbation is seen where it may be: the test can tell a leak from none.
     assert results["own_segment_changes"] > 0.1, results
+
+
+def test_applies_where_the_rules_split_the_tokens_over_context():
+    from jax.sharding import AbstractMesh
+
+    from jrl import sharding
+    from jrl.models import context_attention
+
+    assert not context_attention.applies(16)  # no active Sharder
+    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1), sharding.MESH_AXES))
+    with sharder.active():
+        assert context_attention.context_size() == 4
+        assert context_attention.applies(16)
+        assert not context_attention.applies(18)  # 4 does not divide 18: rows whole
+    with sharder.for_rollout().active():  # the rollout: rows, not tokens, over context
+        assert not context_attention.applies(16)
+    unsplit = dict(sharding.DEFAULT_RULES, length=None)
+    with sharding.Sharder(sharder.mesh, tuple(unsplit.items())).active():
+        assert not context_attention.applies(16)

@@ -380,6 +380,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1
     # Devices on the FSDP axis (parameters, gradients and optimizer states split; -1 allowed).
     c.mesh.fsdp = 1
+    # Devices each sequence of the training passes is split over (context parallelism,
+    # Ulysses attention; the rollout splits its rows over them instead). Sequences are
+    # padded to a multiple of it; actor.share_prompts does not apply (docs/guide.md).
+    c.mesh.context = 1
     # Devices on the tensor-parallel axis (heads, MLP width and vocabulary split).
     c.mesh.tensor = 1
     # Devices the runs of one program (trainer.runs, reward.in_graph_fn) are split over,
@@ -405,6 +409,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.rules.head_dim = ""
     # KV-cache slots.
     c.mesh.rules.cache_length = ""
+    # Tokens of a sequence in the training passes (activations; the context split).
+    c.mesh.rules.length = "context"
 
     c.distributed = ml_collections.ConfigDict()
     # Start jax.distributed: "auto" (when a coordinator is configured or the environment

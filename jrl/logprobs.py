@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jrl import buckets, packing, sharding
 from jrl.models import cache as cache_lib
-from jrl.models import head_kernel, heads, transformer
+from jrl.models import context_attention, head_kernel, heads, transformer
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
@@ -60,7 +60,7 @@ def _chunk_logits(weight, hidden_bcd, vocab_first, temperature):
     the hidden states' dtype (cast once, outside the loop over chunks)."""
     spec = "bcd,vd->bcv" if vocab_first else "bcd,dv->bcv"
     logits = jnp.einsum(spec, hidden_bcd, weight, preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", None, "vocab")) / temperature
+    return constrain(logits, ("batch", "length", "vocab")) / temperature
 
 
 def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, with_entropy):
@@ -225,8 +225,12 @@ def token_log_probs(
     hidden_brd = jnp.pad(hidden_brd, ((0, 0), (0, pad), (0, 0)))
     targets_br = jnp.pad(targets_br, ((0, 0), (0, pad)))
     n = (r + pad) // chunk
-    hidden_nbcd = hidden_brd.reshape(b, n, chunk, d).swapaxes(0, 1)
-    targets_nbc = targets_br.reshape(b, n, chunk).swapaxes(0, 1)
+    # Each chunk's tokens split over `context` (if any): every device of a group runs
+    # its share of every chunk, not whole chunks of its own.
+    hidden_nbcd = constrain(hidden_brd.reshape(b, n, chunk, d).swapaxes(0, 1),
+                            (None, "batch", "length", None))
+    targets_nbc = constrain(targets_br.reshape(b, n, chunk).swapaxes(0, 1),
+                            (None, "batch", "length"))
 
     weight, vocab_first = _unembedding(params)
     if isinstance(temperature, int | float):
@@ -248,7 +252,9 @@ def prompt_group(samples_per_prompt: int, micro_batch: int) -> int:
     micro-batches or two shards); 1 when none (no sharing)."""
     sharder = sharding.active_sharder()
     shards = 1 if sharder is None else sharder.batch_size_multiple
-    if micro_batch % shards:
+    # The shared layout's rows are of unequal parts (prompt, k responses); context
+    # parallelism splits the plain layout only.
+    if micro_batch % shards or (sharder is not None and sharder.context > 1):
         return 1
     return math.gcd(samples_per_prompt, micro_batch // shards)
 
@@ -264,14 +270,18 @@ def prompt_mismatch(prompt_ids, prompt_mask, group: int) -> Array:
 
 
 def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int):
-    """The inputs with one masked column more where cuDNN's attention needs even
-    lengths (else it falls back to XLA's): on the left of the prompts when P (the plain
-    layout: P + R) is odd, and in the shared layout on the right of the responses when R
-    is odd. Masked columns change no real token's output (positions follow the mask)."""
+    """The inputs with masked columns added where cuDNN's attention needs even lengths
+    (else it falls back to XLA's), or the `context` axis a multiple of its size
+    (`jrl.models.context_attention`; the plain layout only): on the left of the prompts
+    when P (the plain layout: P + R) is not a multiple, and in the shared layout on the
+    right of the responses when R is odd. Masked columns change no real token's output
+    (positions follow the mask)."""
     pad = lambda x, left, right: jnp.pad(x, ((0, 0), (left, right)))
     p, r = prompt_ids.shape[1], responses.shape[1]
-    if (p if group > 1 else p + r) % 2:
-        prompt_ids, prompt_mask = pad(prompt_ids, 1, 0), pad(prompt_mask, 1, 0)
+    multiple = 2 if group > 1 else max(2, context_attention.context_size())
+    extra = -(p if group > 1 else p + r) % multiple
+    if extra:
+        prompt_ids, prompt_mask = pad(prompt_ids, extra, 0), pad(prompt_mask, extra, 0)
     if group > 1 and r % 2:
         responses, response_mask = pad(responses, 0, 1), pad(response_mask, 0, 1)
     return prompt_ids, prompt_mask, responses, response_mask

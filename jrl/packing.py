@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jrl.models import cache as cache_lib
-from jrl.models import packed_attention
+from jrl.models import context_attention, packed_attention
 from jrl.sharding import constrain
 
 Array = jax.Array
@@ -170,14 +170,17 @@ def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, budget: in
     responses (`attention_mask`: the response tokens attended to), `budget` tokens per
     device per micro-batch.
 
-    A packed row is as long as the longest possible sequence, `P + R` slots, so a
-    sequence of full length fills one exactly and shorter ones share rows; each device
-    runs `budget // (P + R)` rows per micro-batch (at least one, at most its share of
-    the sequences).
+    A packed row is as long as the longest possible sequence, `P + R` slots (rounded up
+    to a multiple of the mesh's `context` size, which splits each row), so a sequence
+    of full length fills one and shorter ones share rows; each batch shard runs
+    `budget // L` rows per micro-batch (at least one, at most its share of the
+    sequences), its `context` devices `budget / context` tokens each.
     """
     tokens = jnp.concatenate([prompt_ids, responses], axis=1)
     mask = jnp.concatenate([prompt_mask, attention_mask], axis=1)
     n, length = tokens.shape
+    context = context_attention.context_size()
+    length = -(-length // context) * context
     shards = batch_shards()
     # Never more rows per device than it has sequences: a large budget over a small
     # pass would run mostly empty rows.

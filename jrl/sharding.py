@@ -1,14 +1,17 @@
 """Meshes, logical-axis rules and the shardings of parameters, optimizer states and batches.
 
-One mesh with three axes serves every step:
+One mesh with four axes serves every step:
 
-    data    pure data parallelism: parameters replicated, the batch split
-    fsdp    data parallelism with parameters, gradients and optimizer states split
-            (ZeRO-3 / FSDP); the batch is split over it too
-    tensor  tensor (Megatron) parallelism: attention heads, MLP width and vocabulary split
+    data     pure data parallelism: parameters replicated, the batch split
+    fsdp     data parallelism with parameters, gradients and optimizer states split
+             (ZeRO-3 / FSDP); the batch is split over it too
+    context  sequence (context) parallelism of the training passes: each sequence's
+             tokens split, attention run Ulysses-style (`jrl.models.context_attention`);
+             the rollout splits its rows over it instead (`Sharder.for_rollout`)
+    tensor   tensor (Megatron) parallelism: attention heads, MLP width and vocabulary split
 
 Model code names the axes of its arrays logically (`vocab`, `embed`, `heads`, `mlp`,
-`batch`, ...); `rules` map those names to mesh axes. A dimension that the mapped mesh
+`batch`, `length`, ...); `rules` map those names to mesh axes. A dimension that the mapped mesh
 axes do not divide is replicated instead (e.g. 2 KV heads on `tensor=4`), so every
 mesh works for every model; `Sharder.report` shows what each device then holds.
 
@@ -33,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 # Mesh axes the batch is split over.
 BATCH_AXES = ("data", "fsdp")
 
@@ -48,6 +51,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("head_dim", None),
     ("cache_length", None),
+    ("length", "context"),
 )
 
 _ACTIVE: contextvars.ContextVar[Sharder | None] = contextvars.ContextVar("jrl_sharder",
@@ -61,13 +65,15 @@ class MeshSettings:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1  # (last, so that positional `(data, fsdp, tensor)` still reads)
 
     @classmethod
     def from_config(cls, mesh_config) -> MeshSettings:
-        return cls(**{axis: int(mesh_config[axis]) for axis in MESH_AXES})
+        return cls(**{axis: int(mesh_config.get(axis, getattr(cls, axis)))
+                      for axis in MESH_AXES})
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """The concrete `(data, fsdp, tensor)` sizes for `num_devices` devices.
+    def resolve(self, num_devices: int) -> tuple[int, ...]:
+        """The concrete sizes, in `MESH_AXES` order, for `num_devices` devices.
 
         Raises:
           ValueError: naming the `mesh.*` key when sizes are not positive (or -1),
@@ -99,10 +105,10 @@ class MeshSettings:
 
 def make_mesh(mesh: MeshSettings | object = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `(data, fsdp, tensor)` mesh over `devices` (default: all devices of all processes).
+    """A mesh with `MESH_AXES` over `devices` (default: all devices of all processes).
 
     Args:
-      mesh: `MeshSettings`, a config section with `data`/`fsdp`/`tensor`, or None
+      mesh: `MeshSettings`, a config section with `data`/`fsdp`/`context`/`tensor`, or None
         (all devices on `data`).
       devices: the devices; defaults to `jax.devices()`.
     """
@@ -139,6 +145,22 @@ class Sharder:
         """These rules with `axis` removed from every parameter axis (not from `batch`)."""
         return tuple((name, axes if name == "batch" else tuple(a for a in axes if a != axis))
                      for name, axes in self.rules.items())
+
+    @property
+    def context(self) -> int:
+        """Devices each training sequence is split over (the `context` axis' size)."""
+        return self.mesh.shape.get("context", 1)
+
+    def for_rollout(self) -> Sharder:
+        """The rollout's `Sharder` on this mesh: rows also split over `context`, no
+        sequence split (prefill and decode keep a sequence's tokens, and its KV cache,
+        on one device); this one itself without a `context` axis over 1."""
+        if self.context == 1:
+            return self
+        rules = {name: tuple(a for a in axes if a != "context")
+                 for name, axes in self.rules.items()}
+        rules["batch"] = (*rules.get("batch", ()), "context")
+        return Sharder(self.mesh, tuple(rules.items()))
 
     # -- specs -------------------------------------------------------------------------------
 
@@ -220,9 +242,10 @@ class Sharder:
     def check_batch(self, size: int, what: str) -> None:
         multiple = self.batch_size_multiple
         if size % multiple:
+            axes = " x ".join(self.rules.get("batch", ())) or "none"
             raise ConfigError(
                 f"{what} = {size} sequences cannot be split over the mesh's batch axes "
-                f"(data x fsdp = {multiple}); make it a multiple of {multiple}")
+                f"({axes} = {multiple}); make it a multiple of {multiple}")
 
     # -- activations -------------------------------------------------------------------------
 

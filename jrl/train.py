@@ -108,7 +108,8 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
     elif config.mesh.get("runs", 1) != 1:
         raise ConfigError(f"mesh.runs={config.mesh.runs}: splits runs in one program "
                           "(trainer.runs with reward.in_graph_fn) over devices; a single "
-                          "run with host rewards uses mesh.data/fsdp/tensor, leave it 1")
+                          "run with host rewards uses mesh.data/fsdp/context/tensor, leave "
+                          "it 1")
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
     sharder = sharder or sharding.from_config(config)
@@ -123,6 +124,10 @@ def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
     from jrl import runs as runs_lib
 
     runs_lib.runs_devices(config, len(runs_lib.plan(config)))
+    if config.mesh.get("context", 1) != 1:
+        raise ConfigError(f"mesh.context={config.mesh.context}: runs in one program "
+                          "(trainer.runs, reward.in_graph_fn) split over mesh.runs, not "
+                          "over the sequence; use mesh.context=1, or rewards on the host")
     critic = config.get("critic", {}).get("model", {})
     for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
                       ("critic.model.lora_rank", critic.get("lora_rank", 0))):

@@ -117,6 +117,11 @@ def check_batch_sizes(s: Settings, sharder: sharding_lib.Sharder) -> None:
     check(s.train_batch_size, "data.train_batch_size (prompts)")
     if s.filter_groups is not None:
         check(s.filter_groups.gen_batch_size, "data.gen_batch_size (prompts)")
+    if sharder.context > 1:  # the rollout splits its rows over `context` too
+        prompts = s.train_batch_size if s.filter_groups is None else \
+            s.filter_groups.gen_batch_size
+        sharder.for_rollout().check_batch(
+            prompts * s.rollout.n, f"the rollout's rows ({prompts} prompts x rollout.n)")
     if s.log_prob_micro_batch is not None:
         check(s.log_prob_micro_batch, "rollout.log_prob_micro_batch_size")
     for role, settings in (("actor", s.actor), ("critic", s.critic)):
@@ -180,6 +185,9 @@ class RLTrainer:
                  rollout_sharder: sharding_lib.Sharder | None = None):
         self.s = settings
         self.sharder = sharder or sharding_lib.Sharder(sharding_lib.make_mesh())
+        # The rollout on the training devices: rows split over `context` as well, tokens
+        # whole (`Sharder.for_rollout`); the training sharder itself without `context`.
+        self.sampling_sharder = self.sharder.for_rollout()
         self.rollout_sharder = rollout_sharder
         if rollout_sharder is not None:
             overlap = set(rollout_sharder.mesh.devices.flat) & set(self.sharder.mesh.devices.flat)
@@ -356,7 +364,10 @@ class RLTrainer:
             return "shared prompts: off (actor.share_prompts=False)"
         line = "shared prompts, rows per prompt forward: " + ", ".join(
             f"{name} {k}" for name, k in self.prompt_groups.items())
-        if self.shared_prompt_group == 1:
+        if self.shared_prompt_group == 1 and self.sharder.context > 1:
+            line += (f" (none: mesh.context={self.sharder.context} splits the plain layout "
+                     "only)")
+        elif self.shared_prompt_group == 1:
             line += (f" (none: in every pass the rows a micro-batch puts on each of the "
                      f"{self.sharder.batch_size_multiple} batch shards have no factor above 1 "
                      f"in common with rollout.n={s.rollout.n})")
@@ -419,7 +430,8 @@ class RLTrainer:
             s.max_prompt_length + s.rollout.max_new_tokens + block)
         shape = (rows, m.num_kv_heads, slots, m.head_dim)
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
-        cache_shardings = [sh.named(CACHE_LOGICAL_AXES, shape)] * (2 * m.num_layers)
+        cache_shardings = [self.sampling_sharder.named(CACHE_LOGICAL_AXES, shape)] * (
+            2 * m.num_layers)
         parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
         if self.sampler_shardings is not None:  # per device of the sampling group
             parts.append(("sampling group: weights (x2)", self._sampler_shapes,
@@ -574,7 +586,8 @@ class RLTrainer:
             key = jax.device_put(key, self.rollout_sharder.replicated)
             return self._generator(sampling, group=True)(weights, prompt_ids, prompt_mask, key)
         prompt_ids, prompt_mask = self.sharder.put_batch((prompt_ids, prompt_mask))
-        return self._generator(sampling)(state, prompt_ids, prompt_mask, key, self.frozen)
+        with self.sampling_sharder.active():  # traced with the rollout's layout
+            return self._generator(sampling)(state, prompt_ids, prompt_mask, key, self.frozen)
 
     def _generate_turns(self, state, rows, prompt_ids, prompt_mask, sampling, key, weights):
         """A multi-turn rollout with tools (`jrl.multi_turn`): the device decodes, the
@@ -585,17 +598,23 @@ class RLTrainer:
             weights = self._rollout_params(state, self.frozen)
         else:
             key = jax.device_put(key, sharder.replicated)
-        out = multi_turn.generate(
-            weights, prompt_ids, prompt_mask, key,
-            sampling=sampling, config=step_lib.sampling_model(self.model),
-            tokenizer=self.tokenizer, tools=self.tools, mt=self.s.multi_turn.config,
-            tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs") for row in rows],
-            put=sharder.put_batch, template=self.turn_template)
+        layout = self.sampling_sharder if sharder is self.sharder else sharder
+        with layout.active():
+            out = self._turns(weights, rows, prompt_ids, prompt_mask, key, sampling, sharder)
         self._local.metrics, self._local.reward_scores = out.metrics, out.reward_scores
         return types.Rollout(**sharder.put_batch(dict(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
             response_mask=out.response_mask, response_attention_mask=out.attention_mask,
             rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)))
+
+    def _turns(self, weights, rows, prompt_ids, prompt_mask, key, sampling, sharder):
+        """`multi_turn.generate` of the prompts, the inputs placed by `sharder`."""
+        return multi_turn.generate(
+            weights, prompt_ids, prompt_mask, key,
+            sampling=sampling, config=step_lib.sampling_model(self.model),
+            tokenizer=self.tokenizer, tools=self.tools, mt=self.s.multi_turn.config,
+            tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs") for row in rows],
+            put=sharder.put_batch, template=self.turn_template)
 
     def _score(self, rows, out: types.Rollout, n: int):
         """Starts scoring the rollout `_generate` just made on this thread
@@ -717,7 +736,7 @@ class RLTrainer:
         with self.sharder.active():
             result = evaluate.evaluate(self.val_rows, respond, batch_size=batch_size,
                                        n=sampling.n,
-                                       batch_multiple=self.sharder.batch_size_multiple)
+                                       batch_multiple=self.sampling_sharder.batch_size_multiple)
         result.update({f"val-aux/{k}": v for k, v in multi_turn.combine_metrics(turns).items()})
         self._write_samples(self.s.trainer.validation_data_dir, self.step, samples, sampling.n)
         return result

@@ -106,7 +106,7 @@ IMPLS = ("auto", "xla", "mosaic")
 def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     """`"mosaic"` where the kernel applies (a Hopper GPU, jax with Pallas' Mosaic GPU
     backend, a hidden size of whole `MOSAIC_FORWARD.k` steps up to `MAX_HIDDEN`, no
-    `tensor` axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned
+    `tensor` or `context` axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned
     as is (a forced `"mosaic"` without Mosaic GPU stops with a ConfigError, and
     `"pallas"`, the Triton kernel this one replaced, with a ValueError naming the
     choices).
@@ -114,7 +114,8 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     The kernel is taken in every pass, with the entropy or without (XLA took 1.5-1.7x its
     time either way on an H200). Under tensor parallelism XLA splits the logits over
     the vocabulary, while the kernel would run the whole vocabulary on every device of a
-    `tensor` group.
+    `tensor` group; under context parallelism its shard_map (rows over the batch axes)
+    would gather each sequence's tokens, which XLA's head keeps split.
     """
     del with_entropy  # the kernel pays in the passes without the entropy too
     if impl not in IMPLS:
@@ -125,10 +126,11 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
-    tensor = 1 if sharder is None else sharder.mesh.shape.get("tensor", 1)
+    shape = {} if sharder is None else sharder.mesh.shape
+    tensor, context = shape.get("tensor", 1), shape.get("context", 1)
     ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
           and hidden_size % MOSAIC_FORWARD.k == 0 and hidden_size <= MAX_HIDDEN
-          and tensor == 1)
+          and tensor == 1 and context == 1)
     return "mosaic" if ok else "xla"
 
 

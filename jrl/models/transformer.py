@@ -43,20 +43,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jrl.models import context_attention, packed_attention, rope
 from jrl.models import decode_attention as decode_lib
 from jrl.models import heads as heads_lib
-from jrl.models import packed_attention, rope
 from jrl.models.cache import KVCache, attention_mask
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
 # Logical axes of activations (`jrl.sharding.constrain`): batch split over the data
-# axes, heads and MLP width over `tensor`, the hidden (embed) dimension whole.
-_HIDDEN = ("batch", None, None)
-_HEADS = ("batch", None, "heads", None)
-_KV_HEADS = ("batch", None, "kv_heads", None)
-_MLP = ("batch", None, "mlp")
+# axes, tokens over `context` (training passes; `jrl.models.context_attention`), heads
+# and MLP width over `tensor`, the hidden (embed) dimension whole.
+_HIDDEN = ("batch", "length", None)
+_HEADS = ("batch", "length", "heads", None)
+_KV_HEADS = ("batch", "length", "kv_heads", None)
+_MLP = ("batch", "length", "mlp")
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 # With LoRA, `dots_saveable` would keep both halves of every adapted projection (`x W`
 # and `(x A) B`, each as wide as the output). Saving by name instead keeps what the
@@ -247,15 +248,18 @@ def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
 
 def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk, mask_b1ts,
                        cache, layer, write_index):
-    """RoPE, then attention by layout (with the cache write where there is a cache)."""
+    """RoPE, then attention by layout (with the cache write where there is a cache);
+    packed rows (and padded rows, as one segment each) under a mesh whose `context`
+    axis divides T run split over it (`context_attention`)."""
     q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
     k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
     v_btkh = constrain(v_btkh, _KV_HEADS)
     if isinstance(mask_b1ts, SharedPromptMask):
         return _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if isinstance(mask_b1ts, packed_attention.Segments):
-        return packed_attention.attend(q_btnh, k_btkh, v_btkh, mask_b1ts,
-                                       c.attention_impl), cache
+        attend = (context_attention.attend if context_attention.applies(q_btnh.shape[1])
+                  else packed_attention.attend)
+        return attend(q_btnh, k_btkh, v_btkh, mask_b1ts, c.attention_impl), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     # The cache's heads-first layout (XLA cancels the transposes on its path).
@@ -412,10 +416,12 @@ class Transformer(nn.Module):
             mask_b1ts = mask.attention_masks()
         elif isinstance(mask, packed_attention.Segments):
             mask_b1ts = mask  # attention reads the segment ids themselves
-        elif packed_attention.choose_impl(c.attention_impl, c.dtype, c.head_dim,
-                                          tokens_bt.shape[1]) == "splash":
+        elif (packed_attention.choose_impl(c.attention_impl, c.dtype, c.head_dim,
+                                           tokens_bt.shape[1]) == "splash"
+              or context_attention.applies(tokens_bt.shape[1])):
             # A padded row's real tokens are contiguous (left-padded prompt, then the
-            # response): one segment, and splash attention needs no dense mask.
+            # response): one segment, and splash attention (or attention split over
+            # `context`) needs no dense mask.
             mask_b1ts = packed_attention.segments(mask.astype(jnp.int32), 1)
         else:
             mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)

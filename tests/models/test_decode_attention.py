@@ -389,8 +389,12 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     out = {}
     for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
                         ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
-                        ("tensor_uneven", dict(data=2, fsdp=1, tensor=4))):
-        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+                        ("tensor_uneven", dict(data=2, fsdp=1, tensor=4)),
+                        # The rollout's layout under context parallelism: rows over
+                        # data x context, heads over tensor.
+                        ("rollout_context", dict(data=1, fsdp=1, context=4, tensor=2))):
+        sharder = sharding.Sharder(
+            sharding.make_mesh(sharding.MeshSettings(**sizes))).for_rollout()
         def fn(q, k_new, v_new, k, v, start, sharder=sharder):
             with sharder.active():
                 return da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41,
@@ -427,7 +431,8 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     query and key/value heads both divide over `tensor`, and replicated heads when not;
     from the fused operand and its bias, over the batch."""
     result = run_script(_SHARDED_SCRIPT)
-    assert set(result) == {"data", "data_tensor", "tensor_uneven", "qkv_data", "qkv_data_fsdp"}
+    assert set(result) == {"data", "data_tensor", "tensor_uneven", "rollout_context",
+                           "qkv_data", "qkv_data_fsdp"}
     assert all(diff < 1e-5 for diff in result.values()), result  # False for NaN
 
 

@@ -196,12 +196,14 @@ def test_choice_and_errors(monkeypatch):
     assert hk.choose_impl("auto", 30) == "xla"  # not whole k steps
     assert hk.choose_impl("auto", 3584) == "xla"  # above MAX_HIDDEN: not measured
     assert hk.choose_impl("mosaic", 3584) == "mosaic"
-    for tensor, want in ((1, "mosaic"), (2, "xla")):  # the active mesh's tensor axis
+    # The active mesh's tensor axis, and its context axis (the kernel's rows-only
+    # shard_map would gather each sequence's tokens).
+    for tensor, context, want in ((1, 1, "mosaic"), (2, 1, "xla"), (1, 2, "xla")):
         sharder = types.SimpleNamespace(mesh=types.SimpleNamespace(
-            shape={"data": 2, "fsdp": 1, "tensor": tensor}))
+            shape={"data": 2, "fsdp": 1, "context": context, "tensor": tensor}))
         with monkeypatch.context() as patch:
             patch.setattr(sharding, "active_sharder", lambda s=sharder: s)
-            assert hk.choose_impl("auto", 896) == want
+            assert hk.choose_impl("auto", 896) == want, (tensor, context)
     monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)  # an A100, say
     assert hk.choose_impl("auto", 896) == "xla"
     monkeypatch.undo()

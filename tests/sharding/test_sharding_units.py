@@ -11,12 +11,17 @@ from jrl.sharding import MeshSettings, Sharder
 
 
 @pytest.mark.parametrize(("sizes", "devices", "expected"), [
-    ((-1, 1, 1), 8, (8, 1, 1)),
-    ((1, -1, 1), 8, (1, 8, 1)),
-    ((2, -1, 2), 8, (2, 2, 2)),
-    ((2, 2, 2), 8, (2, 2, 2)),
+    # (data, fsdp, tensor[, context]) -> sizes in MESH_AXES order (data, fsdp, context,
+    # tensor).
+    ((-1, 1, 1), 8, (8, 1, 1, 1)),
+    ((1, -1, 1), 8, (1, 8, 1, 1)),
+    ((2, -1, 2), 8, (2, 2, 1, 2)),
+    ((2, 2, 2), 8, (2, 2, 1, 2)),
+    ((2, 1, 1, 4), 8, (2, 1, 4, 1)),
+    ((1, 2, 2, -1), 8, (1, 2, 2, 2)),
 ])
 def test_mesh_sizes(sizes, devices, expected):
+    assert sharding.MESH_AXES == ("data", "fsdp", "context", "tensor")
     assert MeshSettings(*sizes).resolve(devices) == expected
 
 
@@ -25,14 +30,16 @@ def test_mesh_sizes(sizes, devices, expected):
     ((0, 1, 1), r"mesh\.data=0 is not valid"),
     ((3, -1, 1), r"8 devices cannot be split .*mesh\.data=3"),
     ((2, 2, 1), r"needs 4 devices but 8 are present"),
+    ((2, 1, 1, 0), r"mesh\.context=0 is not valid"),
+    ((2, 1, 1, 3), r"mesh\.context=3, mesh\.tensor=1 needs 6 devices"),
 ])
 def test_mesh_size_errors_name_the_keys(sizes, message):
     with pytest.raises(ValueError, match=message):
         MeshSettings(*sizes).resolve(8)
 
 
-def _sharder(data=2, fsdp=2, tensor=2):
-    return Sharder(AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES))
+def _sharder(data=2, fsdp=2, tensor=2, context=1):
+    return Sharder(AbstractMesh((data, fsdp, context, tensor), sharding.MESH_AXES))
 
 
 def test_specs_split_what_divides_and_replicate_the_rest():
@@ -66,14 +73,34 @@ def test_rules_from_config():
         sharding.rules_from_config(ml_collections.ConfigDict({"mlp": "model"}))
     rules = dict(sharding.rules_from_config(ml_collections.ConfigDict(
         {"batch": "data,fsdp", "embed": "fsdp"})))
-    gathered = dict(Sharder(AbstractMesh((2, 2, 1), sharding.MESH_AXES),
+    gathered = dict(Sharder(AbstractMesh((2, 2, 1, 1), sharding.MESH_AXES),
                             tuple(rules.items())).rules_without("fsdp"))
     assert gathered == {"batch": ("data", "fsdp"), "embed": ()}
 
 
 def test_bytes_per_device_on_one_device():
-    sh = Sharder(sharding.make_mesh(MeshSettings(1, 1, 1), jax.devices()[:1]))
+    sh = Sharder(sharding.make_mesh(MeshSettings(1, 1, 1, 1), jax.devices()[:1]))
     tree = {"a": jax.ShapeDtypeStruct((4, 6), jnp.float32),
             "b": jax.ShapeDtypeStruct((10,), jnp.bfloat16)}
     shardings = {"a": sh.named(("embed", "mlp"), (4, 6)), "b": sh.replicated}
     assert sh.bytes_per_device(tree, shardings) == 4 * 6 * 4 + 10 * 2
+
+
+def test_context_splits_tokens_in_training_and_rows_in_the_rollout():
+    sh = _sharder(data=2, fsdp=1, tensor=1, context=4)
+    assert sh.context == 4
+    # Activations [B, T, D]: rows over data, tokens over context.
+    assert sh.spec(("batch", "length", None), (4, 32, 8)) == PartitionSpec("data", "context",
+                                                                           None)
+    # A length the context axis does not divide stays whole.
+    assert sh.spec(("batch", "length", None), (4, 30, 8)) == PartitionSpec("data", None, None)
+    rollout = sh.for_rollout()
+    assert rollout.mesh is sh.mesh
+    assert rollout.spec(("batch", "length", None), (8, 32, 8)) == PartitionSpec(
+        ("data", "context"), None, None)
+    assert rollout.batch_size_multiple == 8 and sh.batch_size_multiple == 2
+    with pytest.raises(ValueError, match=r"data x fsdp x context = 8\); make it a multiple"):
+        rollout.check_batch(12, "data.train_batch_size")
+    # Without a context axis the rollout's Sharder is the training one.
+    plain = _sharder()
+    assert plain.for_rollout() is plain

@@ -1,0 +1,109 @@
+"""Causal attention with each sequence split over the mesh's `context` axis (Ulysses).
+
+In the training passes (no KV cache) a mesh with `context` = C > 1 holds every
+sequence as C chunks of T / C tokens, one per device of a `context` group: the
+projections, norms, MLP and head are per-token work and run on the chunks. Attention
+is not: a query needs every earlier key. Ulysses sequence parallelism (Jacobs et al.
+2023, https://arxiv.org/abs/2309.14509) trades the sequence split for a head split
+around it, in a `shard_map` over the mesh:
+
+    q [B, T/C, N, H], k/v [B, T/C, K, H]      each device: its chunk, all heads
+      -> all_to_all over `context`             each device: all T tokens, N/C heads
+      -> packed_attention.attend               (cuDNN, splash or XLA, unchanged)
+      -> all_to_all back                       each device: its chunk, all heads
+
+so one layer moves the chunk's queries, keys, values and outputs once each (about
+`2 (N + K) H T / C` values per device and row) and never holds a `[T, T]` score
+matrix beyond what the local kernel does. The head count must split C ways: when K
+does not, each device repeats its key/value heads up to N first (grouped-query
+attention as multi-head); when N does not either, zero heads pad it up to a multiple
+of C (their outputs are dropped). Masks travel as segment ids (`packed_attention`),
+gathered over `context`, so padded rows (one segment each) and packed rows take the
+same path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jrl import sharding
+from jrl.models import packed_attention
+
+AXIS = "context"
+
+
+def context_size() -> int:
+    """Devices of the active mesh's `context` axis (1: none, or no active `Sharder`)."""
+    sharder = sharding.active_sharder()
+    return 1 if sharder is None else sharder.context
+
+
+def applies(length: int) -> bool:
+    """Whether attention over rows of `length` tokens runs split over `context`: the
+    active mesh has a `context` axis over 1, its rules split `length` over it, and it
+    divides `length` (else the rows stay whole, as `Sharder.spec` leaves them, and
+    attention is the plain one)."""
+    sharder = sharding.active_sharder()
+    return sharder is not None and sharder.spec(("length",), (length,))[0] == AXIS
+
+
+def _specs(sharder: sharding.Sharder, q_btnh, k_btkh):
+    """(q, kv, segment ids, offsets/lengths) `PartitionSpec`s: rows over the batch axes,
+    tokens over `context`, heads over `tensor` where both head counts split."""
+    batch = sharder.spec(("batch",), q_btnh.shape[:1])[0]
+    heads = sharder.spec((None, None, "heads", None), q_btnh.shape)[2]
+    kv_heads = sharder.spec((None, None, "kv_heads", None), k_btkh.shape)[2]
+    if heads != kv_heads:  # e.g. 2 KV heads on tensor=4: heads whole inside
+        heads = kv_heads = None
+    return (P(batch, AXIS, heads, None), P(batch, AXIS, kv_heads, None), P(batch, AXIS),
+            P(batch, None))
+
+
+def _to_heads(x_btnh):
+    """`[b, T/C, h, H]` (a chunk, all heads) -> `[b, T, h/C, H]` (all tokens, h/C heads)."""
+    return jax.lax.all_to_all(x_btnh, AXIS, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _to_tokens(x_btnh):
+    """The inverse of `_to_heads`."""
+    return jax.lax.all_to_all(x_btnh, AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _local(q_btnh, k_btkh, v_btkh, segment_ids_bt, offsets_bm, lengths_bm, *, size: int,
+           impl: str):
+    """One device's part: its chunk of every row in, its chunk of the outputs out."""
+    n, k = q_btnh.shape[2], k_btkh.shape[2]
+    if k % size:  # grouped-query heads cannot split C ways: as multi-head attention
+        k_btkh, v_btkh = (jnp.repeat(x, n // k, axis=2) for x in (k_btkh, v_btkh))
+        k = n
+    pad = -n % size  # k = n here when n does not split: pad both
+    if pad:
+        widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        q_btnh, k_btkh, v_btkh = widen(q_btnh), widen(k_btkh), widen(v_btkh)
+    q, key, value = (_to_heads(x) for x in (q_btnh, k_btkh, v_btkh))
+    segment_ids_bt = jax.lax.all_gather(segment_ids_bt, AXIS, axis=1, tiled=True)
+    segments = packed_attention.Segments(segment_ids_bt, offsets_bm, lengths_bm)
+    out = packed_attention.attend(q, key, value, segments, impl)
+    return _to_tokens(out)[:, :, :n]
+
+
+def attend(q_btnh, k_btkh, v_btkh, segments: packed_attention.Segments, impl: str = "auto"):
+    """`packed_attention.attend` with the rows' tokens split over the active mesh's
+    `context` axis (`applies(T)` must hold): queries `[B, T, N, H]`, keys/values
+    `[B, T, K, H]` (K divides N), segments of `[B, T]` slots; outputs `[B, T, N, H]`,
+    split as the queries."""
+    sharder = sharding.active_sharder()
+    size = sharder.context
+    q_spec, kv_spec, token_spec, row_spec = _specs(sharder, q_btnh, k_btkh)
+
+    def local(q, k, v, segment_ids, offsets, lengths):
+        return _local(q, k, v, segment_ids, offsets, lengths, size=size, impl=impl)
+
+    return jax.shard_map(
+        local, mesh=sharder.mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, token_spec, row_spec, row_spec),
+        out_specs=q_spec, check_vma=False,
+    )(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt, segments.offsets_bm,
+      segments.lengths_bm)

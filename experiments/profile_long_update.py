@@ -114,11 +114,14 @@ def run_variant(args, variant: str, trace: bool) -> dict:
         rollout, exp, tokens, targets = synthetic_batch(bargs, trainer.model.vocab_size)
         key = jax.random.key(0)
 
-        def forward():
-            return trainer._forward(trainer.state, trainer.ref_params, rollout, trainer.frozen)
+        def forward():  # traced as the trainer traces it: under its mesh's rules
+            with trainer.sharder.active():
+                return trainer._forward(trainer.state, trainer.ref_params, rollout,
+                                        trainer.frozen)
 
         def learn():
-            trainer.state, m = trainer._learn(trainer.state, exp, key, trainer.frozen)
+            with trainer.sharder.active():
+                trainer.state, m = trainer._learn(trainer.state, exp, key, trainer.frozen)
             return m
 
         forward_first, forward_s = timed(forward, args.repeats)

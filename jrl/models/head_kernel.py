@@ -375,11 +375,16 @@ def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy
     else:  # the consumers and one memory warpgroup
         kernel = functools.partial(_mosaic_kernel_specialized, **settings)
         threads = dict(num_threads=blocks.consumers + 1, thread_name="wg")
+    # Mosaic GPU takes operands at 256-byte aligned addresses. Left to itself, XLA's GPU
+    # compiler may hand a custom call a slice of a larger buffer by its address (targets
+    # shifted by one token: 4 bytes in), which the kernel then refuses at run time; the
+    # barrier makes each operand a buffer of its own.
+    operands = jax.lax.optimization_barrier((h_td, w, y_t.astype(jnp.int32)))
     out = mgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
         grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
         compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode, **threads,
-    )(h_td, w, y_t.astype(jnp.int32))
+    )(*operands)
     return tuple(out)
 
 

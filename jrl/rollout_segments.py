@@ -19,14 +19,13 @@ the single program: a batch whose rows stop at about R/3 on average needs roughl
 a third of it.
 
 Every row keeps its key and global row index and every token is drawn at the same
-step as in the single program, and with `decode_buckets > 1` the segments take their
-batch sizes from the decode loop's own sizes, so every decode step runs at the batch
-size the single program runs it at, and the segments' caches differ from its cache by
-whole blocks of `SLOT_BLOCK` slots. Tokens, masks and lengths are the same; the
-log-probs agree to float32 rounding: the compiler may round a row's reductions
-differently in another program or at another batch size (XLA:CPU does, by a few
-units in the last place), and a near-tie between two tokens could in principle then
-flip a draw.
+step as in the single program (`decode_buckets` still compacts the rows within a
+segment), and the segments' caches differ from the single program's by whole blocks
+of `SLOT_BLOCK` slots. Tokens, masks and lengths are the same. The log-probs agree to
+float32 rounding, not bit for bit: the compiler rounds a row's reductions differently
+in another program or at another batch size (XLA:CPU does, by a few units in the last
+place, as it does for `decode_buckets`' smaller batches), so a near-tie between two
+tokens could in principle flip a draw.
 
 The host loop cannot run inside another jit: `rollout.generate` takes this path only
 when called outside one, and the trainer calls `generate` here instead of its single
@@ -52,8 +51,8 @@ from jrl.sharding import constrain
 # and XLA:CPU's reductions over the slots, whose rounding depends on the slot count
 # modulo 64, then give the single program's bits.
 SLOT_BLOCK = 64
-# Batch sizes the segments may shrink to when the decode loop itself does not
-# compact (decode_buckets = 1): evenly spaced down to 1/8 of the rows.
+# Batch sizes a segment may start at (besides the decode loop's own): evenly spaced
+# down to 1/8 of the rows.
 SEGMENT_ROW_BUCKETS = 8
 
 
@@ -73,11 +72,13 @@ def segment_slots(config: ModelConfig, prompt_len: int, sampling: SamplingConfig
 
 
 def segment_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:
-    """The batch sizes a segment may start at, largest first: the decode loop's sizes
-    (`rollout.decode_sizes`) when it compacts, else `SEGMENT_ROW_BUCKETS` of them."""
-    if sampling.decode_buckets == 1:
-        sampling = dataclasses.replace(sampling, decode_buckets=SEGMENT_ROW_BUCKETS)
-    return rollout.decode_sizes(num_rows, groups, sampling)
+    """The batch sizes a segment may start at, largest first: `SEGMENT_ROW_BUCKETS`
+    evenly spaced sizes and the decode loop's own (`rollout.decode_sizes`); `(num_rows,)`
+    when rows never stop early."""
+    finer = dataclasses.replace(sampling, decode_buckets=SEGMENT_ROW_BUCKETS)
+    sizes = {*rollout.decode_sizes(num_rows, groups, sampling),
+             *rollout.decode_sizes(num_rows, groups, finer)}
+    return tuple(sorted(sizes, reverse=True))
 
 
 def cache_bytes(config: ModelConfig, rows: int, slots: int) -> int:
@@ -130,10 +131,16 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
         report.single_cache_bytes = cache_bytes(config, num_rows, slots[-1])
         _add_stage(report, config, (num_rows, slots[0]), None)
     segment, step, rows = 0, 1, num_rows
-    while step < ends[-1]:
+    while True:
         if step == ends[segment]:
             segment += 1
-        smaller = max([s for s in _decode_sizes(num_rows, groups, sampling) if s < rows],
+        stage_slots = slots[segment]
+        if (rows, stage_slots) != (state.responses.shape[0], state.cache.max_len):
+            previous = (state.responses.shape[0], state.cache.max_len)
+            state = _move(state, rows, stage_slots, groups, sampling, report)
+            if report is not None:
+                _add_stage(report, config, (rows, stage_slots), previous)
+        smaller = max([s for s in rollout.decode_sizes(num_rows, groups, sampling) if s < rows],
                       default=0)
         stage = _program(_stage, sampling, donate_argnames=("state", "out"))
         args, kwargs = (params, state, out), static | dict(end=ends[segment], smaller=smaller)
@@ -142,19 +149,8 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
         step, running = (int(x) for x in jax.device_get(counts))  # the one host transfer
         if running == 0 or step == ends[-1]:
             break
-        stage_rows = min(s for s in sizes if s // groups >= running)
-        stage_slots = slots[segment + 1] if step == ends[segment] else state.cache.max_len
-        if (stage_rows, stage_slots) != (rows, state.cache.max_len):
-            previous = (rows, state.cache.max_len)
-            state = _move(state, stage_rows, stage_slots, groups, sampling, report)
-            rows = stage_rows
-            if report is not None:
-                _add_stage(report, config, (rows, stage_slots), previous)
+        rows = min(s for s in sizes if s // groups >= running)
     return rollout.rollout_output(*prompts, *out)
-
-
-def _decode_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:
-    return rollout.decode_sizes(num_rows, groups, sampling)
 
 
 def _first_stage(params, prompt_ids, prompt_mask, rng, *, num_slots, prompt_len, sampling,

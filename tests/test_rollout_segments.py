@@ -186,3 +186,59 @@ def test_segments_on_a_4_device_mesh_match_one_device():
         # Every stage keeps a whole number of rows on each of the 4 batch shards.
         assert all(rows % 4 == 0 for rows in run["stage_rows"]), (name, run)
         assert len(run["stage_rows"]) > 1 and run["stage_rows"][-1] < 16, (name, run)
+
+
+def _settings(**overrides):
+    from jrl import settings
+    from jrl.data.tokenizers import CharTokenizer
+    from tests.trainer.tiny import tiny_config
+
+    tok = CharTokenizer()
+    return settings.from_config(tiny_config(**overrides), stop_token_ids=tok.eos_token_ids,
+                                pad_token_id=tok.pad_token_id, num_train_rows=90)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"rollout.cache_segments": 0}, "rollout.cache_segments must be an integer from 1"),
+    ({"rollout.cache_segments": 4, "rollout.response_length": 3},
+     r"rollout.cache_segments must be .* \(rollout.response_length = 3\)"),
+    ({"rollout.cache_segments": 2, "rollout.multi_turn.enable": True,
+      "rollout.multi_turn.tool_config_path": os.path.join(
+          os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tools",
+          "calculator.yaml")},
+     r"rollout.cache_segments: =2 cannot be combined with rollout.multi_turn.enable=True"),
+    ({"rollout.cache_segments": 2, "reward.in_graph_fn": "exact_match"},
+     r"reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
+     r"rollout.cache_segments=2"),
+])
+def test_bad_cache_segments_config_is_one_config_error(overrides, message):
+    from jrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^" + message):
+        _settings(**overrides)
+
+
+def test_trainer_steps_are_the_same_with_segments(tmp_path):
+    """Two tiny RL steps sample in segments (outside the trainer's jitted sampler) and log
+    the single program's metrics: the same rollouts, so the same rewards, lengths and,
+    to rounding, losses."""
+    from jrl.metrics import read_jsonl
+    from jrl.train import run
+    from tests.trainer.tiny import tiny_config
+
+    assert _settings(**{"rollout.cache_segments": 3,
+                        "rollout.response_length": 6}).rollout.cache_segments == 3
+    records = {}
+    for segments in (1, 3):
+        workdir = tmp_path / str(segments)
+        run(tiny_config(**{"rollout.cache_segments": segments, "rollout.response_length": 6}),
+            str(workdir))
+        records[segments] = read_jsonl(str(workdir / "metrics.jsonl"))
+    assert [r["step"] for r in records[3]] == [1, 2]
+    for single, segmented in zip(records[1], records[3], strict=True):
+        for key in single:
+            if key.startswith(("response_length/", "critic/score", "critic/rewards")):
+                assert segmented[key] == single[key], key
+            elif not key.startswith(("timing_s/", "perf/")):
+                np.testing.assert_allclose(segmented[key], single[key], rtol=1e-4, atol=1e-6,
+                                           err_msg=key)

@@ -9,9 +9,9 @@ slots `S_k >= P + e_k` that differ from the single program's `S = P + R` (rounde
 `rollout.cache_slots`) by whole `SLOT_BLOCK`s, holding only the rows still running.
 Between segments the host reads how many rows still run (one small device-to-host
 transfer), picks the smallest batch size that holds them (`segment_sizes`: a whole
-number of rows per batch shard), and moves the running
-rows' state and cache into the new, smaller-but-longer buffers, one layer buffer at a
-time, deleting each old buffer as soon as it is copied. Peak cache memory is then
+number of rows per batch shard), and moves the running rows' state and cache into the
+new, smaller-but-longer buffers, one layer buffer at a time, deleting each old buffer
+as soon as it is copied. Peak cache memory is then
 
     max_k max(C_{k-1} + C_k / 2L, C_k + C_{k-1} / 2L),  C_k = rows_k * S_k * (slot bytes),
 

@@ -21,12 +21,13 @@ the single program: for 32 rows of P8 + R504 whose lengths averaged 163, 45% of 
 
 Every row keeps its key and global row index and every token is drawn at the same
 step as in the single program (`decode_buckets` still compacts the rows within a
-segment), and the segments' caches differ from the single program's by whole blocks
-of `SLOT_BLOCK` slots. Tokens, masks and lengths are the same. The log-probs agree to
-float32 rounding, not bit for bit: the compiler rounds a row's reductions differently
-in another program or at another batch size (XLA:CPU does, by a few units in the last
-place, as it does for `decode_buckets`' smaller batches), so a near-tie between two
-tokens could in principle flip a draw.
+segment). Tokens, masks and lengths are the same. The segments' caches alone change
+no bit (with the batch held at every row the log-probs are the single program's, bit
+for bit, on XLA:CPU); compacting the rows does change the last bits of some log-probs,
+as `decode_buckets`' compaction does in the single program: the compiler rounds a
+row's reductions differently at another batch size or position in the batch (by a few
+units in the last place on XLA:CPU), so a near-tie between two tokens could in
+principle flip a draw.
 
 The host loop cannot run inside another jit: `rollout.generate` takes this path only
 when called outside one, and the trainer calls `generate` here instead of its single
@@ -49,8 +50,9 @@ from jrl.sharding import constrain
 
 # Segments' caches differ from the single program's by whole blocks of this many slots:
 # the decode-attention kernels' block (`decode_attention.cache_slots` rounds to it);
-# XLA:CPU also rounds its reductions over the slots by the slot count modulo 64, so
-# the prefill over a segment's cache gives the single program's logits.
+# XLA:CPU also rounds its reductions over the slots by the slot count modulo 64 (and
+# otherwise below 64 slots), so attention over a segment's cache gives the single
+# program's bits.
 SLOT_BLOCK = 64
 # Batch sizes a segment may start at (besides the decode loop's own): evenly spaced
 # down to 1/8 of the rows.
@@ -65,10 +67,12 @@ def segment_ends(sampling: SamplingConfig) -> tuple[int, ...]:
 
 def segment_slots(config: ModelConfig, prompt_len: int, sampling: SamplingConfig
                   ) -> tuple[int, ...]:
-    """Cache slots of each segment: the fewest that hold `P + end` and differ from the
-    single program's `S = cache_slots(P + R)` by whole `SLOT_BLOCK`s (the last: S)."""
+    """Cache slots of each segment: the fewest, at least `SLOT_BLOCK` (or S), that hold
+    `P + end` and differ from the single program's `S = cache_slots(P + R)` by whole
+    `SLOT_BLOCK`s (the last: S)."""
     full = rollout.cache_slots(config, prompt_len + sampling.max_new_tokens)
-    return tuple(full - (full - prompt_len - end) // SLOT_BLOCK * SLOT_BLOCK
+    fewest = lambda end: max(prompt_len + end, SLOT_BLOCK)
+    return tuple(full - max(full - fewest(end), 0) // SLOT_BLOCK * SLOT_BLOCK
                  for end in segment_ends(sampling))
 
 

@@ -43,7 +43,7 @@ def small_params():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_segments_give_the_single_programs_rollout(small_params, decode_buckets, seed):
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
-    single_config = SamplingConfig(n=2, max_new_tokens=120, temperature=1.2,
+    single_config = SamplingConfig(n=2, max_new_tokens=248, temperature=1.2,
                                    stop_token_ids=(3,), decode_buckets=decode_buckets)
     segmented_config = dataclasses.replace(single_config, cache_segments=4)
     key = jax.random.key(seed)
@@ -57,9 +57,30 @@ def test_segments_give_the_single_programs_rollout(small_params, decode_buckets,
     lengths = np.asarray(single.response_lengths)
     assert len(set(lengths)) > 4 and lengths.min() < 5, lengths
     assert len(report.stages) > 1 and report.stages[-1][0] < 12, report.stages
+    # ... and the caches grew from 127 slots (P + R = 255) as rows ran on.
+    assert report.stages[0] == (12, 127) and report.stages[-1][1] > 127, report.stages
     # generate() takes the segmented path outside a jit.
     again = rollout.generate(small_params, ids, mask, key, segmented_config, config=SMALL)
     np.testing.assert_array_equal(again.rollout_log_probs, segmented.rollout_log_probs)
+
+
+def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
+    """With the batch held at every row (no compaction), the segments' shorter caches
+    (64-slot blocks less than the single program's) give its log-probs bit for bit:
+    what rounds differently is only the compaction of rows, as with decode_buckets."""
+    monkeypatch.setattr(rollout_segments, "segment_sizes", lambda rows, groups, s: (rows,))
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
+    sampling = SamplingConfig(n=2, max_new_tokens=248, temperature=1.2, stop_token_ids=(10,))
+    key = jax.random.key(1)
+    single = rollout.generate(small_params, ids, mask, key, sampling, config=SMALL)
+    report = rollout_segments.Report()
+    segmented = rollout_segments.generate(small_params, ids, mask, key,
+                                          dataclasses.replace(sampling, cache_segments=4),
+                                          config=SMALL, report=report)
+    assert report.stages == [(12, 127), (12, 191), (12, 255)], report.stages
+    for field in (*ROLLOUT_FIELDS, "rollout_log_probs"):
+        np.testing.assert_array_equal(getattr(segmented, field), getattr(single, field),
+                                      err_msg=field)
 
 
 def test_ignore_stop_runs_every_segment_at_full_batch(small_params):
@@ -82,8 +103,12 @@ def test_segment_shapes_by_hand():
     assert rollout_segments.segment_ends(sampling) == (126, 252, 378, 504)
     # P = 8: P + R = 512 slots; each segment 512 less whole 64-slot blocks, >= 8 + end.
     assert rollout_segments.segment_slots(FLAT, 8, sampling) == (192, 320, 448, 512)
-    assert rollout_segments.segment_ends(
-        dataclasses.replace(sampling, max_new_tokens=10, cache_segments=3)) == (4, 7, 10)
+    short = dataclasses.replace(sampling, max_new_tokens=10, cache_segments=3)
+    assert rollout_segments.segment_ends(short) == (4, 7, 10)
+    # Under 64 slots, or P + R = 17 in all: every segment takes the single program's.
+    assert rollout_segments.segment_slots(FLAT, 7, short) == (17, 17, 17)
+    assert rollout_segments.segment_slots(
+        FLAT, 7, dataclasses.replace(sampling, max_new_tokens=120)) == (127, 127, 127, 127)
     # 32 rows in 4 batch shards: 8 rows each, down to 1 (eighths); decode_buckets=3 adds
     # its own sizes (8, 6, 3 rows a shard).
     assert rollout_segments.segment_sizes(32, 4, sampling) == tuple(range(32, 0, -4))
@@ -155,7 +180,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     result = {{}}
     for buckets in (1, 3):
         for seed in (1, 2):
-            base = rollout.SamplingConfig(n=2, max_new_tokens=120, temperature=1.2,
+            base = rollout.SamplingConfig(n=2, max_new_tokens=248, temperature=1.2,
                                           stop_token_ids=(3,), decode_buckets=buckets)
             key = jax.random.key(seed)
             single = rollout.generate(params, ids, mask, key, base, config=SMALL)
@@ -173,7 +198,8 @@ _MESH_SCRIPT = textwrap.dedent("""
                          for f in ("responses", "response_mask", "response_lengths")),
                 log_prob_diff=float(np.abs(out.rollout_log_probs
                                            - single.rollout_log_probs).max()),
-                stage_rows=[rows for rows, _ in report.stages])
+                stage_rows=[rows for rows, _ in report.stages],
+                stage_slots=[slots for _, slots in report.stages])
     print(json.dumps(result))
 """)
 
@@ -187,6 +213,7 @@ def test_segments_on_a_4_device_mesh_match_one_device():
         # Every stage keeps a whole number of rows on each of the 4 batch shards.
         assert all(rows % 4 == 0 for rows in run["stage_rows"]), (name, run)
         assert len(run["stage_rows"]) > 1 and run["stage_rows"][-1] < 16, (name, run)
+        assert run["stage_slots"][0] == 127 and run["stage_slots"][-1] > 127, (name, run)
 
 
 def _settings(**overrides):

@@ -244,6 +244,12 @@ def base_config() -> ml_collections.ConfigDict:
     # are compacted into it, so finished rows stop costing decode steps. Each size
     # compiles one more copy of the decode step. 1: the whole batch to the end.
     c.rollout.decode_buckets = 4
+    # Decode in this many segments (1: one program, a KV cache of prompt + response_length
+    # slots for every row): segment k decodes up to (k+1)/cache_segments of the response
+    # in a cache of just those slots holding only the rows still running, so cache
+    # memory follows the tokens generated. Costs a host sync per segment and a program
+    # per (rows, slots) shape. From 1 to response_length; not with multi_turn.
+    c.rollout.cache_segments = 1
     # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
     # cuBLAS call: faster for a decode step's one token per row, and quicker to
     # compile) or "xla" (XLA's choice, Triton GEMM fusions included). No effect off a GPU.

@@ -90,6 +90,11 @@ class SamplingConfig:
         1/decode_buckets of the rows), they are compacted into it, so finished rows
         stop costing decode steps. 1: the whole batch to the end. Each size compiles
         one more copy of the decode step. No effect with `ignore_stop`.
+      cache_segments: decode the response in this many segments, each a program with a
+        cache of `P + R (k+1) / cache_segments` slots for only the rows still running,
+        so cache memory follows the tokens generated (`jrl.rollout_segments`); the
+        host reads the running rows between segments. 1: one program, a cache of
+        `P + R` slots for every row. Only outside another jit.
       gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
         (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes
         Triton GEMM fusions for many of them). No effect off a GPU.
@@ -105,6 +110,7 @@ class SamplingConfig:
     pad_token_id: int = 0
     ignore_stop: bool = False
     decode_buckets: int = 1
+    cache_segments: int = 1
     gemm: str = "cublas"
 
     def __post_init__(self):
@@ -150,6 +156,11 @@ class SamplingConfig:
             fail("ignore_stop", "True or False")
         if not _is_int(self.decode_buckets) or self.decode_buckets < 1:
             fail("decode_buckets", "an integer >= 1 (1: no compaction)")
+        if not _is_int(self.cache_segments) or not 1 <= self.cache_segments <= max(
+                self.max_new_tokens, 1):
+            fail("cache_segments", "an integer from 1 (one program) to max_new_tokens "
+                 f"(rollout.response_length = {self.max_new_tokens}): each segment decodes "
+                 "at least one token")
         if self.gemm not in GEMMS:
             fail("gemm", f"one of {', '.join(map(repr, GEMMS))}")
         return self
@@ -230,7 +241,9 @@ def generate(
     *,
     config: ModelConfig,
 ) -> RolloutOutput:
-    """Samples `sampling.n` responses per prompt in one compiled program.
+    """Samples `sampling.n` responses per prompt in one compiled program (in
+    `sampling.cache_segments` programs when that is > 1 and this is called outside a
+    jit: `jrl.rollout_segments`; inside one, the single program).
 
     Shard `prompt_ids`/`prompt_mask` over the batch axis (and the parameters as
     the mesh rules say); the computation and the outputs follow those shardings,
@@ -260,6 +273,10 @@ def generate(
         # Inside the caller's jit, whose compiler options apply (JAX takes them only on
         # the outermost jit).
         return generate_program(*operands, sampling=sampling, config=config)
+    if sampling.cache_segments > 1:
+        from jrl import rollout_segments  # noqa: PLC0415 (it builds on this module)
+
+        return rollout_segments.generate(*operands, sampling, config=config)
     program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
     return program(*operands, sampling=sampling, config=config)
 
@@ -304,16 +321,35 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
                      ) -> RolloutOutput:
     """The body of `generate` (arguments already checked), to be jitted by the caller
     with its own shardings; shapes as in `generate`."""
+    row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
+                                                           rng, sampling, config)
+    num_rows, num_new = state.responses.shape
+    groups = _row_groups(num_rows)
+    sizes = decode_sizes(num_rows, groups, sampling)
+    out = (state.responses, state.log_probs, state.lengths)
+    state, out = decode_rows(params, state, out, num_new, sizes, groups,
+                             prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
+    responses, log_probs, lengths = (_write_rows(out, state, groups) if len(sizes) > 1 else
+                                     (state.responses, state.log_probs, state.lengths))
+    return rollout_output(row_prompt_ids, row_prompt_mask, responses, log_probs, lengths)
+
+
+def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config: ModelConfig,
+          num_slots: int | None = None):
+    """Prefill and the first response token: `(row_prompt_ids [N, P], row_prompt_mask
+    [N, P], state, per-layer params)`, the state's cache of `num_slots` slots (None: P + R,
+    rounded as `_prefill` does)."""
     repeat = lambda x, axes=("batch", None): constrain(
         jnp.repeat(x, sampling.n, axis=0), axes)
     prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
     row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
-    num_rows, prompt_len = row_prompt_ids.shape
+    num_rows = row_prompt_ids.shape[0]
     num_new = sampling.max_new_tokens
     params = per_layer(params, config)
     # The n samples of a prompt share its prefill: run it once per prompt, then copy
     # the cache to the n rows.
-    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config)
+    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config,
+                                          num_slots)
     logits_nv, key_mask = repeat(logits_bv), repeat(key_mask)
     cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
     state = _DecodeState(
@@ -329,29 +365,44 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
         prompt_lengths=jnp.sum(row_prompt_mask, axis=1),
         rows=jnp.arange(num_rows, dtype=jnp.int32),
     )
-    state = _emit(state, logits_nv, sampling)
+    return row_prompt_ids, row_prompt_mask, _emit(state, logits_nv, sampling), params
 
+
+def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ...], groups: int,
+                *, prompt_len: int, sampling: SamplingConfig, config: ModelConfig):
+    """Decodes until step `end` or until every row has stopped, at the batch sizes
+    `sizes` (the state's own first): `(state, out)`, the output buffers `out`
+    (`_write_rows`) holding the rows that left the batch at each compaction.
+
+    `params` are the per-layer parameters (`per_layer`)."""
+    for smaller in (*sizes[1:], 0):
+        state = decode_until(params, state, end, smaller, groups, prompt_len=prompt_len,
+                             sampling=sampling, config=config)
+        if smaller:
+            out = _write_rows(out, state, groups)
+            state = _compact(state, smaller, groups)
+    return state, out
+
+
+def decode_until(params, state: _DecodeState, end: int, smaller: int, groups: int, *,
+                 prompt_len: int, sampling: SamplingConfig, config: ModelConfig) -> _DecodeState:
+    """Decodes at the state's batch size until step `end` or until every group's
+    unfinished rows fit `smaller` rows (0: until none is left)."""
     def decode(state: _DecodeState) -> _DecodeState:
         logits_nv, state = _decode_step(params, state, prompt_len, config)
         return _emit(state, logits_nv, sampling)
 
-    groups = _row_groups(num_rows)
-    sizes = decode_sizes(num_rows, groups, sampling)
-    out = (state.responses, state.log_probs, state.lengths)
-    for smaller in (*sizes[1:], 0):
-        # Decode at this batch size until every group's unfinished rows fit the next
-        # (the last size: until none is left).
-        def running(state: _DecodeState, smaller=smaller) -> jax.Array:
-            unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
-            return (state.step < num_new) & (jnp.max(unfinished) > smaller // groups)
+    def running(state: _DecodeState) -> jax.Array:
+        unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
+        return (state.step < end) & (jnp.max(unfinished) > smaller // groups)
 
-        state = lax.while_loop(running, decode, state)
-        if smaller:
-            out = _write_rows(out, state, groups)
-            state = _compact(state, smaller, groups)
-    responses, log_probs, lengths = (_write_rows(out, state, groups) if len(sizes) > 1 else
-                                     (state.responses, state.log_probs, state.lengths))
-    response_mask = jnp.arange(num_new)[None, :] < lengths[:, None]
+    return lax.while_loop(running, decode, state)
+
+
+def rollout_output(row_prompt_ids, row_prompt_mask, responses, log_probs, lengths
+                   ) -> RolloutOutput:
+    """`RolloutOutput` of the rows' prompts and their `[N, R]` responses."""
+    response_mask = jnp.arange(responses.shape[1])[None, :] < lengths[:, None]
     return RolloutOutput(
         prompt_ids=row_prompt_ids,
         prompt_mask=row_prompt_mask,
@@ -455,16 +506,15 @@ def _fuses(config: ModelConfig) -> bool:
     return config.fuse_decode_projections and not heads_split
 
 
-def _prefill(params, prompt_ids, prompt_mask, num_new, config):
-    """One forward over the B prompts into a fresh cache of P + R slots.
+def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None):
+    """One forward over the B prompts into a fresh cache of P + R slots (or `num_slots`).
 
     Returns:
       (logits `[B, V]` float32 at the last prompt slot, cache, key_mask `[B, S]`), with
-      S = P + R slots, rounded up to whole blocks for the decode-attention kernel.
+      S = `cache_slots(P + R)`: rounded up to whole blocks for the decode-attention kernel.
     """
     batch, prompt_len = prompt_ids.shape
-    slots = decode_attention.cache_slots(config.decode_attention_impl, config.head_dim,
-                                         prompt_len + num_new)
+    slots = num_slots or cache_slots(config, prompt_len + num_new)
     cache = init_cache(config, batch, slots)
     key_mask = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
     positions = positions_from_mask(prompt_mask)
@@ -474,6 +524,12 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config):
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
     return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
+
+
+def cache_slots(config: ModelConfig, needed: int) -> int:
+    """Cache slots for `needed` tokens: rounded up to whole blocks where the decode steps
+    run the decode-attention kernel."""
+    return decode_attention.cache_slots(config.decode_attention_impl, config.head_dim, needed)
 
 
 def _decode_step(params, state: _DecodeState, prompt_len: int, config):

@@ -273,6 +273,18 @@ class RewardSettings:
                  allow_zero=True)))
         _choice("reward_model.truncation", self.model_truncation, reward_model.TRUNCATION)
 
+    def _check_cache_segments(self) -> None:
+        """Segments need the host between them: not in a program that holds the whole
+        step, nor in the multi-turn loop (which decodes each turn in one program)."""
+        segments = self.rollout.cache_segments
+        if self.multi_turn is not None:
+            _fail("rollout.cache_segments", f"={segments} cannot be combined with "
+                  "rollout.multi_turn.enable=True (each turn decodes in one program); "
+                  "set rollout.cache_segments=1")
+        if self.reward.in_graph_fn is not None:
+            _fail_in_graph(self.reward.in_graph_fn, "rollout.cache_segments",
+                           f"={segments}, whose segments return to the host; set it to 1")
+
     def _check_in_graph(self) -> None:
         """`reward.in_graph_fn` is well formed and no host-only reward is set beside it."""
         in_graph.check_spec(self.in_graph_fn)
@@ -500,6 +512,8 @@ class Settings:
                   f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
         if self.filter_groups is not None:
             self._check_filter_groups()
+        if self.rollout.cache_segments > 1:
+            self._check_cache_segments()
         if self.reward.in_graph_fn is not None:
             self._check_in_graph()
         elif self.trainer.multi_run:
@@ -529,6 +543,18 @@ class Settings:
             _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
                   "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
                   "warm-up")
+
+    def _check_cache_segments(self) -> None:
+        """Segments need the host between them: not in a program that holds the whole
+        step, nor in the multi-turn loop (which decodes each turn in one program)."""
+        segments = self.rollout.cache_segments
+        if self.multi_turn is not None:
+            _fail("rollout.cache_segments", f"={segments} cannot be combined with "
+                  "rollout.multi_turn.enable=True (each turn decodes in one program); "
+                  "set rollout.cache_segments=1")
+        if self.reward.in_graph_fn is not None:
+            _fail_in_graph(self.reward.in_graph_fn, "rollout.cache_segments",
+                           f"={segments}, whose segments return to the host; set it to 1")
 
     def _check_in_graph(self) -> None:
         """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
@@ -640,6 +666,7 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
         pad_token_id=int(pad_id),
         ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
         decode_buckets=_get(config, "rollout.decode_buckets"),
+        cache_segments=_get(config, "rollout.cache_segments"),
         gemm=_get(config, "rollout.gemm"),
     )
     try:

@@ -28,7 +28,7 @@ from jrl import kl_control, logprobs, masks, packing, rollout_correction, update
 from jrl.models import heads, lora
 from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
-from jrl.rollout import SamplingConfig, generate_program
+from jrl.rollout import RolloutOutput, SamplingConfig, generate_program
 from jrl.settings import Settings
 from jrl.types import Experience, Rollout, TrainState
 
@@ -144,6 +144,11 @@ def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingCon
     group of devices, one-step asynchronous training)."""
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
                            config=sampling_model(model))
+    return rollout_of(out, sampling)
+
+
+def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:
+    """The sampler's output as the step's `Rollout` (log-probs only when sampling)."""
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    responses=out.responses, response_mask=out.response_mask,
                    rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import evaluate, interrupt, logprobs, metrics, multi_turn, types
+from jrl import evaluate, interrupt, logprobs, metrics, multi_turn, rollout_segments, types
 from jrl import sharding as sharding_lib
 from jrl import step as step_lib
 from jrl import tools as tools_lib
@@ -324,6 +324,10 @@ class RLTrainer:
         key = (sampling, group)
         if key in self._generators:
             return self._generators[key]
+        if sampling.cache_segments > 1:
+            self._generators[key] = functools.partial(self._generate_segments,
+                                                      sampling=sampling, group=group)
+            return self._generators[key]
         if group:
             b = self.rollout_sharder.batch()
             self._generators[key] = jax.jit(
@@ -339,6 +343,22 @@ class RLTrainer:
                               self.frozen_shardings),
                 out_shardings=b, compiler_options=compiler_options(sampling))
         return self._generators[key]
+
+    def _generate_segments(self, *args, sampling: SamplingConfig, group: bool
+                           ) -> types.Rollout:
+        """`_generator`'s rollout with `rollout.cache_segments > 1`: the sampler's weights
+        from one program, then the segments' programs (`jrl.rollout_segments`), the host
+        between them."""
+        if group:
+            weights, prompt_ids, prompt_mask, key = args
+        else:
+            state, prompt_ids, prompt_mask, key, frozen = args
+            weights = self._rollout_params(state, frozen)
+        out = rollout_segments.generate(weights, prompt_ids, prompt_mask, key, sampling,
+                                        config=step_lib.sampling_model(self.model))
+        sharder = self.rollout_sharder if group else self.sharder
+        return jax.tree.map(lambda x: jax.device_put(x, sharder.batch(x.ndim)),
+                            step_lib.rollout_of(out, sampling))
 
     @property
     def batch_sequences(self) -> int:

@@ -273,18 +273,6 @@ class RewardSettings:
                  allow_zero=True)))
         _choice("reward_model.truncation", self.model_truncation, reward_model.TRUNCATION)
 
-    def _check_cache_segments(self) -> None:
-        """Segments need the host between them: not in a program that holds the whole
-        step, nor in the multi-turn loop (which decodes each turn in one program)."""
-        segments = self.rollout.cache_segments
-        if self.multi_turn is not None:
-            _fail("rollout.cache_segments", f"={segments} cannot be combined with "
-                  "rollout.multi_turn.enable=True (each turn decodes in one program); "
-                  "set rollout.cache_segments=1")
-        if self.reward.in_graph_fn is not None:
-            _fail_in_graph(self.reward.in_graph_fn, "rollout.cache_segments",
-                           f"={segments}, whose segments return to the host; set it to 1")
-
     def _check_in_graph(self) -> None:
         """`reward.in_graph_fn` is well formed and no host-only reward is set beside it."""
         in_graph.check_spec(self.in_graph_fn)

@@ -241,9 +241,9 @@ def generate(
     *,
     config: ModelConfig,
 ) -> RolloutOutput:
-    """Samples `sampling.n` responses per prompt in one compiled program (in
-    `sampling.cache_segments` programs when that is > 1 and this is called outside a
-    jit: `jrl.rollout_segments`; inside one, the single program).
+    """Samples `sampling.n` responses per prompt in one compiled program
+    (`sampling.cache_segments` > 1, several programs with the host between them, is
+    `jrl.rollout_segments.generate`).
 
     Shard `prompt_ids`/`prompt_mask` over the batch axis (and the parameters as
     the mesh rules say); the computation and the outputs follow those shardings,
@@ -263,20 +263,21 @@ def generate(
       `RolloutOutput` with N = B·n rows and R = `sampling.max_new_tokens` columns.
 
     Raises:
-      ValueError: a bad sampling key, or prompts that are not `[B, P]`,
+      ValueError: a bad sampling key, `sampling.cache_segments` > 1 (that is
+        `jrl.rollout_segments.generate`), or prompts that are not `[B, P]`,
         left-padded, non-empty and within the vocabulary (values are checked when
         the inputs are concrete, before compiling).
     """
     check_inputs(prompt_ids, prompt_mask, sampling, config)
+    if sampling.cache_segments > 1:
+        raise ValueError(f"rollout.cache_segments={sampling.cache_segments}: decoding in "
+                         "segments runs several programs with the host between them; call "
+                         "jrl.rollout_segments.generate (outside a jit), or set it to 1")
     operands = (params, prompt_ids, prompt_mask, rng)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
         # Inside the caller's jit, whose compiler options apply (JAX takes them only on
         # the outermost jit).
         return generate_program(*operands, sampling=sampling, config=config)
-    if sampling.cache_segments > 1:
-        from jrl import rollout_segments  # noqa: PLC0415 (it builds on this module)
-
-        return rollout_segments.generate(*operands, sampling, config=config)
     program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
     return program(*operands, sampling=sampling, config=config)
 

@@ -29,9 +29,10 @@ row's reductions differently at another batch size or position in the batch (by 
 units in the last place on XLA:CPU), so a near-tie between two tokens could in
 principle flip a draw.
 
-The host loop cannot run inside another jit: `rollout.generate` takes this path only
-when called outside one, and the trainer calls `generate` here instead of its single
-jitted sampler when `rollout.cache_segments > 1`.
+The host loop cannot run inside another jit: `generate` here is called outside one
+(`rollout.generate`, the single program, refuses `cache_segments > 1` and names this
+function), and the trainer calls it instead of its single jitted sampler when
+`rollout.cache_segments > 1`.
 """
 
 from __future__ import annotations

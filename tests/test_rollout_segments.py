@@ -59,9 +59,10 @@ def test_segments_give_the_single_programs_rollout(small_params, decode_buckets,
     assert len(report.stages) > 1 and report.stages[-1][0] < 12, report.stages
     # ... and the caches grew from 127 slots (P + R = 255) as rows ran on.
     assert report.stages[0] == (12, 127) and report.stages[-1][1] > 127, report.stages
-    # generate() takes the segmented path outside a jit.
-    again = rollout.generate(small_params, ids, mask, key, segmented_config, config=SMALL)
-    np.testing.assert_array_equal(again.rollout_log_probs, segmented.rollout_log_probs)
+    # The single program's entry point sends segments to this module.
+    with pytest.raises(ValueError, match=r"rollout\.cache_segments=4: .* "
+                                         r"jrl\.rollout_segments\.generate"):
+        rollout.generate(small_params, ids, mask, key, segmented_config, config=SMALL)
 
 
 def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):

@@ -38,6 +38,7 @@ function), and the trainer calls it instead of its single jitted sampler when
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -133,10 +134,12 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
     first = _program(_first_stage, sampling)
     args, kwargs = (params, prompt_ids, prompt_mask, rng), static | dict(num_slots=slots[0])
     _record(report, "prefill", first, args, kwargs)
-    prompts, state, out = first(*args, **kwargs)
+    prompts, state, out, layer_params = first(*args, **kwargs)
     if report is not None:
         report.single_cache_bytes = cache_bytes(config, num_rows, slots[-1])
         _add_stage(report, config, (num_rows, slots[0]), None)
+    loop_sizes = rollout.decode_sizes(num_rows, groups, sampling)
+    stage = _program(_stage, sampling, donate_argnames=("state", "out"))
     segment, step, rows = 0, 1, num_rows
     while True:
         if step == ends[segment]:
@@ -147,10 +150,8 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
             state = _move(state, rows, stage_slots, groups, sampling, report)
             if report is not None:
                 _add_stage(report, config, (rows, stage_slots), previous)
-        smaller = max([s for s in rollout.decode_sizes(num_rows, groups, sampling) if s < rows],
-                      default=0)
-        stage = _program(_stage, sampling, donate_argnames=("state", "out"))
-        args, kwargs = (params, state, out), static | dict(end=ends[segment], smaller=smaller)
+        smaller = max([s for s in loop_sizes if s < rows], default=0)
+        args, kwargs = (layer_params, state, out), static | dict(end=ends[segment], smaller=smaller)
         _record(report, f"decode {rows} rows to step {ends[segment]}", stage, args, kwargs)
         state, out, counts = stage(*args, **kwargs)
         step, running = (int(x) for x in jax.device_get(counts))  # the one host transfer
@@ -163,19 +164,21 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
 def _first_stage(params, prompt_ids, prompt_mask, rng, *, num_slots, prompt_len, sampling,
                  config, groups):
     """Prefill and the first token, into a cache of `num_slots` slots: (prompts, state,
-    out)."""
+    out, the per-layer parameters every later stage decodes with: `rollout.per_layer`,
+    joined once per rollout as in the single program)."""
     del prompt_len, groups
-    row_ids, row_mask, state, _ = rollout.start(params, prompt_ids, prompt_mask, rng,
-                                                sampling, config, num_slots)
-    return (row_ids, row_mask), state, (state.responses, state.log_probs, state.lengths)
+    row_ids, row_mask, state, layer_params = rollout.start(params, prompt_ids, prompt_mask,
+                                                           rng, sampling, config, num_slots)
+    return ((row_ids, row_mask), state, (state.responses, state.log_probs, state.lengths),
+            layer_params)
 
 
-def _stage(params, state, out, *, end, smaller, prompt_len, sampling, config, groups):
-    """Decoding at the state's batch size until step `end` or until every batch shard's
-    unfinished rows fit `smaller` rows; all rows written to `out`: (state, out, int32
-    [2] the step reached and the most unfinished rows of a batch shard)."""
-    params = rollout.per_layer(params, config)
-    state = rollout.decode_until(params, state, end, smaller, groups, prompt_len=prompt_len,
+def _stage(layer_params, state, out, *, end, smaller, prompt_len, sampling, config, groups):
+    """Decoding with the per-layer parameters at the state's batch size until step `end`
+    or until every batch shard's unfinished rows fit `smaller` rows; all rows written to
+    `out`: (state, out, int32 [2] the step reached and the most unfinished rows of a
+    batch shard)."""
+    state = rollout.decode_until(layer_params, state, end, smaller, groups, prompt_len=prompt_len,
                                  sampling=sampling, config=config)
     counts = jnp.stack([state.step, _most_unfinished(state, groups)])
     return state, rollout._write_rows(out, state, groups), counts
@@ -242,8 +245,10 @@ _STATIC = ("sampling", "config", "groups", "end", "num_slots", "prompt_len", "ro
            "smaller")
 
 
+@functools.cache
 def _program(fun, sampling: SamplingConfig, **jit_kwargs):
-    """`fun` jitted with the sampler's compiler options, its keyword arguments static."""
+    """`fun` jitted with the sampler's compiler options, its keyword arguments static;
+    one jitted function per `(fun, sampling)`, so the host loop's calls reuse it."""
     static = tuple(name for name in _STATIC if name in fun.__code__.co_varnames)
     return rollout.jit_sampler(fun, sampling, static_argnames=static, **jit_kwargs)
 

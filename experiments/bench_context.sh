@@ -1,51 +1,90 @@
 #!/usr/bin/env bash
-# The context (sequence) axis on 1, 2 and 4 GPUs: the passes after the rollout (the
-# reference log-prob forward and the GRPO update, token-budget micro-batches of one
-# sequence each) on a synthetic batch, through experiments/profile_long_update.py.
+# The context (sequence) axis on 1, 2 and 4 GPUs, and the 32k / 64k GRPO steps.
 #
-#   OUT=/path/to/results bash experiments/bench_context.sh RUN [RUN ...]
+#   OUT=/path/to/results bash experiments/bench_context.sh RUN[@GPUS] [RUN[@GPUS] ...]
 #
-# Runs (each one process; its devices chosen with CUDA_VISIBLE_DEVICES):
-#   weak1 / weak2 / weak4   weak scaling at a fixed 16,384 tokens of sequence a GPU:
-#                           Qwen2.5-0.5B shape, 4 sequences of P1024 + R15360 on one GPU,
-#                           P1024 + R31744 with mesh.context=2 on two, P1024 + R64512
-#                           with mesh.context=4 on four (the 0.5B model at 64k tokens)
-#   lora7b                  Qwen2.5-7B, LoRA rank 64, 4 sequences of P1024 + R31744,
-#                           mesh.context=4 on four GPUs
-# The rollout is not run (decoding 32k-64k tokens is minutes of its own; its memory is
-# the KV cache's, see docs/guide.md). Needs wheels/ (ml_collections, absl, tensorboardX)
-# beside the tree when they are not installed.
+# Runs (each one process; its devices chosen with CUDA_VISIBLE_DEVICES, the default
+# below or the GPUS after `@`, e.g. weak2@1,2). `A&B` runs A and B side by side, `A+B`
+# runs B after A in one lane: "weak1@0&weak2@1,2&docs_before@3+docs@3" then "weak4".
+#   weak1 / weak2 / weak4   the passes after the rollout (reference log-prob forward and
+#                           GRPO update, token-budget micro-batches of one sequence each,
+#                           experiments/profile_long_update.py) at a fixed 16,384 tokens
+#                           of sequence a GPU: Qwen2.5-0.5B shape, 4 sequences of
+#                           P1024 + R15360 on one GPU, P1024 + R31744 with mesh.context=2
+#                           on two, P1024 + R64512 with mesh.context=4 on four
+#   lora7b                  the same passes for Qwen2.5-7B, LoRA rank 64, 4 sequences of
+#                           P1024 + R31744, mesh.context=4 on four GPUs
+#   full7b                  one whole GRPO step of the trainer (rollout included,
+#                           experiments/bench_rl_step.py): Qwen2.5-7B, LoRA rank 64,
+#                           4 prompts x 4 samples, P1024 + R32768 forced, mesh.context=4
+#   full05b                 the same for Qwen2.5-0.5B, full fine-tuning, P1024 + R65536
+#   docs / docs_before      the docs workload's GRPO step (P128 + R256 forced, 64 x 8) on
+#                           one GPU, from this tree / from the tree in before/ (the
+#                           1-GPU path before the context axis and the cache segments)
+# The full steps are run once (--warmup 0): their figures include compiling. Needs
+# wheels/ (ml_collections, absl, tensorboardX) beside the tree when they are not
+# installed (SKIP_INSTALL=1 skips installing them).
 set -uo pipefail
 OUT=${OUT:-context_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
-if [[ -d wheels ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl 2>/dev/null
-  export PYTHONPATH=$PWD:/tmp/site
+SITE=/tmp/site
+if [[ -d wheels && "${SKIP_INSTALL:-0}" != 1 ]]; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" wheels/*.whl 2>/dev/null
 fi
 COMMON=(--batch 1 --n 4 --prompt_len 1024 --repeats 2)
+FULL=(--algo grpo --batch 4 --n 4 --prompt_len 1024 --warmup 0 --steps 1 --dynamic_bsz)
+DOCS=(--algo grpo --warmup 1 --steps 2 --micro_batch 64 --remat dots_saveable
+      --logprob_chunk_size 64 --scan_unroll)
 
-run() {  # run NAME GPUS CAP ARGS...
-  local name=$1 gpus=$2 cap=$3
-  shift 3
+run() {  # run NAME GPUS CAP TREE SCRIPT ARGS...
+  local name=$1 gpus=$2 cap=$3 tree=$4 script=$5
+  shift 5
   echo "== $name on GPUs $gpus (${SECONDS}s)"
-  CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=10 "$cap" python3 \
-    experiments/profile_long_update.py "${COMMON[@]}" "$@" --out "$OUT/$name.json" 2>&1 \
-    | grep -v "^[WI]0000\|^WARNING: All log" > "$OUT/$name.log"
+  (cd "$tree" && CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=$PWD:$SITE \
+    timeout --kill-after=10 "$cap" python3 "experiments/$script" "$@" \
+    --out "$OUT/$name.json") 2>&1 | grep -v "^[WI]0000\|^WARNING: All log" \
+    > "$OUT/$name.log"
   echo "== $name exit ${PIPESTATUS[0]} at ${SECONDS}s"
   grep -E "^\|" "$OUT/$name.log" | tail -n 1
 }
 
-for name in "$@"; do
+one() {  # one NAME[@GPUS]
+  local name=${1%@*} gpus=
+  [[ "$1" == *@* ]] && gpus=${1#*@}
   case "$name" in
-    weak1) run weak1 0 ${CAP:-200} --response_len 15360 --variants "dyn:16384" ;;
-    weak2) run weak2 0,1 ${CAP:-200} --response_len 31744 --variants "dyn:32768+mesh_context=2" ;;
-    weak4) run weak4 0,1,2,3 ${CAP:-240} --response_len 64512 \
-             --variants "dyn:65536+mesh_context=4" ;;
-    lora7b) run lora7b 0,1,2,3 ${CAP:-400} --preset qwen2.5-7b --response_len 31744 \
+    weak1) run weak1 "${gpus:-0}" "${CAP:-200}" . profile_long_update.py "${COMMON[@]}" \
+             --response_len 15360 --variants "dyn:16384" ;;
+    weak2) run weak2 "${gpus:-0,1}" "${CAP:-200}" . profile_long_update.py "${COMMON[@]}" \
+             --response_len 31744 --variants "dyn:32768+mesh_context=2" ;;
+    weak4) run weak4 "${gpus:-0,1,2,3}" "${CAP:-240}" . profile_long_update.py \
+             "${COMMON[@]}" --response_len 64512 --variants "dyn:65536+mesh_context=4" ;;
+    lora7b) run lora7b "${gpus:-0,1,2,3}" "${CAP:-400}" . profile_long_update.py \
+              "${COMMON[@]}" --preset qwen2.5-7b --response_len 31744 \
               --variants "dyn:32768+mesh_context=4+lora_rank=64" ;;
-    *) echo "unknown run $name" >&2; exit 2 ;;
+    full7b) run full7b "${gpus:-0,1,2,3}" "${CAP:-420}" . bench_rl_step.py "${FULL[@]}" \
+              --preset qwen2.5-7b --lora_rank 64 --response_len 32768 --mesh_context 4 \
+              --max_token_len 33792 ;;
+    full05b) run full05b "${gpus:-0,1,2,3}" "${CAP:-300}" . bench_rl_step.py "${FULL[@]}" \
+               --response_len 65536 --mesh_context 4 --max_token_len 66560 ;;
+    docs) run docs "${gpus:-0}" "${CAP:-240}" . bench_rl_step.py "${DOCS[@]}" ;;
+    docs_before) run docs_before "${gpus:-0}" "${CAP:-240}" before bench_rl_step.py \
+                   "${DOCS[@]}" ;;
+    *) echo "unknown run $name" >&2; return 2 ;;
   esac
+}
+
+lane() {  # lane A+B+...: one run after another
+  local r
+  IFS='+' read -ra seq <<< "$1"
+  for r in "${seq[@]}"; do one "$r"; done
+}
+
+for group in "$@"; do  # lanes joined by & start together; the next group waits for them
+  IFS='&' read -ra lanes <<< "$group"
+  for l in "${lanes[@]}"; do lane "$l" & done
+  wait
 done
 (cd "$OUT" && tar czf results.tgz -- *.log *.json 2>/dev/null && rm -f -- *.log *.json)
 echo "done in ${SECONDS}s; logs and JSON in $OUT/results.tgz"

@@ -390,6 +390,7 @@ def run_algo(args, algo: str) -> dict:
         start = time.perf_counter()
         trainer, iterator, info = build_trainer(args, algo, workdir)
         setup_s = time.perf_counter() - start
+        print(f"[{algo}] trainer built in {setup_s:.1f} s", flush=True)
         steps = []
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
@@ -397,7 +398,9 @@ def run_algo(args, algo: str) -> dict:
             m["wall_s"] = time.perf_counter() - start
             steps.append(m)
             timed = "timed" if i >= args.warmup else "warm-up"
-            print(f"[{algo}] step {i + 1} ({timed}): {m['wall_s']:.3f} s, "
+            phases = ", ".join(f"{k} {m[f'timing_s/{k}']:.2f}" for k in PHASES
+                               if f"timing_s/{k}" in m)
+            print(f"[{algo}] step {i + 1} ({timed}): {m['wall_s']:.3f} s ({phases}), "
                   f"response_length/mean {m['response_length/mean']:.1f}", flush=True)
         if args.trace_dir:
             trace_dir = os.path.join(args.trace_dir, algo)

@@ -33,6 +33,7 @@ float32 logits, so log-probs can be computed in chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -513,6 +514,9 @@ def _init_variables(config: ModelConfig, rng: jax.Array, head: str):
     if head not in heads_lib.HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of {list(heads_lib.HEADS)}")
     tokens = jnp.zeros((1, 1), jnp.int32)
+    # The same parameters either way; the unrolled scan only makes the init program
+    # slower to compile (0.5B: 26.6 s against 3.3 s on XLA:CPU).
+    config = dataclasses.replace(config, scan_unroll=False)
     return Transformer(config, head).init(rng, tokens, tokens, jnp.ones((1, 1), jnp.int32))
 
 

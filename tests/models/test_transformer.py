@@ -25,7 +25,7 @@ from jrl.models import (
     values,
 )
 from jrl.models.hf import tensor_specs
-from jrl.models.transformer import _attention_impl
+from jrl.models.transformer import Transformer, _attention_impl
 
 # Parameter counts published for the released checkpoints (model cards / HF num_parameters).
 PUBLISHED_PARAM_COUNTS = {
@@ -170,6 +170,16 @@ def test_unrolled_layers_lower_without_a_loop(tiny):
         c = dataclasses.replace(config, remat="dots_saveable", scan_unroll=unroll)
         hlo = _grad.lower(params, tokens, mask, c).as_text()
         assert ("stablehlo.while" in hlo) != unroll, f"scan_unroll={unroll}"
+
+
+def test_unrolled_config_initialises_the_same_parameters(tiny):
+    """`init_params` builds with the scan rolled (the unrolled init only compiles
+    slower); the parameters are those of the model's own unrolled init."""
+    config = dataclasses.replace(tiny[0], scan_unroll=True)
+    key = jax.random.key(7)
+    ones = jnp.ones((1, 1), jnp.int32)
+    unrolled = nn.meta.unbox(Transformer(config, "lm").init(key, ones * 0, ones * 0, ones))
+    chex.assert_trees_all_equal(init_params(config, key), unrolled["params"])
 
 
 def test_bfloat16_compute_keeps_float32_logits(tiny):

@@ -13,8 +13,10 @@ yet written after. Three implementations of `append_and_attend`:
   value at `slot`, scores the new token from registers, and runs an online softmax
   over the blocks that hold `[start, slot)`, masking the padding and unwritten slots
   inside its first and last block: no separate RoPE or cache-write kernels, no blocks
-  of padding or unwritten slots read, and no split over slots (whose partial results
-  would take a merge pass).
+  of padding or unwritten slots read. When the (row, head) pairs are too few to fill
+  the GPU and the cache is long (a few rows of 32k-64k slots: `slot_splits`), each
+  pair's filled blocks are split over several programs whose partial softmax sums one
+  small XLA fusion merges (`Tiles.splits`); otherwise one program runs them all.
 - `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache; chosen only when forced):
   the same step on Pallas' Mosaic GPU backend. RoPE (and the fused operand's bias)
   and the cache write run in XLA before it, as on the XLA path: the write is a
@@ -68,16 +70,37 @@ class Tiles:
     """The kernels' settings: `block` cache slots per step of its loop (a multiple of
     `_BLOCK` dividing the cache's slots; larger blocks fall back to `_BLOCK`), Triton's
     warps and pipeline stages (the Mosaic GPU kernel: its shared-memory buffers per
-    key and value; it runs one warpgroup and ignores `warps`)."""
+    key and value; it runs one warpgroup and ignores `warps`). `splits`: the Triton
+    kernel's programs per (row, key/value head), each over its share of the filled
+    blocks, their partial softmax sums merged after it (`_merge_splits`); 0 chooses
+    (`slot_splits`), 1 runs one program over all the blocks."""
 
     block: int = 128
     warps: int = 4
     stages: int = 2
+    splits: int = 0
 
 
 # Among the fastest of a sweep on an H200 at batch 64, 256 and 512
 # (experiments/bench_decode_kernel.py; docs/performance_history.md, round six).
 TILES = Tiles()
+# With fewer (row, key/value head) programs than the GPU has multiprocessors, one program
+# per pair streams a long cache through one multiprocessor while the rest idle (4 rows
+# of Qwen2.5-0.5B's 2 key/value heads: 8 programs on 132). `slot_splits` then splits each
+# pair's blocks over programs of at least `MIN_SPLIT_SLOTS` slots of a full cache.
+_MULTIPROCESSORS = 132  # an H100's or H200's, where the device does not say
+MIN_SPLIT_SLOTS = 2048
+
+
+def slot_splits(programs: int, num_slots: int, multiprocessors: int | None = None) -> int:
+    """Programs per (row, key/value head) for `programs` pairs over caches of `num_slots`
+    slots: enough to fill the multiprocessors, each over at least `MIN_SPLIT_SLOTS`
+    slots; 1 when the pairs alone fill them."""
+    if multiprocessors is None:
+        multiprocessors = getattr(jax.devices()[0], "core_count", None) or _MULTIPROCESSORS
+    if programs >= multiprocessors:
+        return 1
+    return max(1, min(-(-multiprocessors // programs), num_slots // MIN_SPLIT_SLOTS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +396,8 @@ def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start
                               start_b, slot)
 
 
-def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_bias):
+def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_bias,
+                          splits=1):
     """One (row, key/value head): its `group` queries against the new token and the
     filled blocks of the cache. `qkv_ref` holds the row's `heads` query heads, then its
     key and its value heads, before RoPE (and before the bias, when `has_bias`: the
@@ -383,9 +407,18 @@ def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_
     `k_ref`/`v_ref`.
 
     RoPE pairs the first and second halves of a head, so the queries and keys are
-    kept as their two rotated halves, and a score is the sum of the halves' dots."""
+    kept as their two rotated halves, and a score is the sum of the halves' dots.
+
+    With `splits > 1` the grid's third axis is the part: part p runs the p-th share of
+    the filled blocks and stores its unnormalised sums (running maximum `top_ref`, sum
+    of weights `total_ref`, weighted values `acc_ref`, float32) in place of `o_ref`;
+    part 0 also counts and writes the new token."""
     bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-    sin_ref, cos_ref, bounds_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
+    if splits == 1:
+        sin_ref, cos_ref, bounds_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
+    else:
+        (sin_ref, cos_ref, bounds_ref, k_ref, v_ref, acc_ref, top_ref, total_ref, k_out_ref,
+         v_out_ref) = refs
     kv = pl.program_id(1)
     num_kv = pl.num_programs(1)
     start, slot = bounds_ref[0], bounds_ref[1]
@@ -414,7 +447,10 @@ def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_
     v_new = load(pl.ds(heads + num_kv + kv, 1), slice(None)).astype(dtype)  # [1, H]
     new_row = pl.ds(slot, 1)
     # Never past the buffer (the next head's slots): a slot beyond it is not written.
-    in_cache = lambda t: dict(mask=jnp.full(t.shape, slot < k_out_ref.shape[0]))
+    writes = slot < k_out_ref.shape[0]
+    if splits > 1:
+        writes &= pl.program_id(2) == 0  # one part writes the new token
+    in_cache = lambda t: dict(mask=jnp.full(t.shape, writes))
     for ref, part, value in ((k_out_ref, first_half, k1_new), (k_out_ref, second_half, k2_new),
                              (v_out_ref, slice(None), v_new)):
         plgpu.store(ref.at[new_row, part], value.astype(ref.dtype), **in_cache(value))
@@ -425,6 +461,16 @@ def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_
            + jnp.sum(q2.astype(jnp.float32) * as_cached(k2_new), axis=1)) * scale  # [rows]
     total = jnp.ones_like(top)
     acc = jnp.broadcast_to(as_cached(v_new), (rows, v_new.shape[1]))
+    first_block, end_block = start // block, pl.cdiv(slot, block)
+    if splits > 1:  # this part's share of the blocks; only part 0 counts the new token
+        part = pl.program_id(2)
+        share = pl.cdiv(end_block - first_block, splits)
+        first_block = jnp.minimum(first_block + part * share, end_block)
+        end_block = jnp.minimum(first_block + share, end_block)
+        new_token = part == 0
+        top = jnp.where(new_token, top, -jnp.inf)
+        total = jnp.where(new_token, total, 0.0)
+        acc = jnp.where(new_token, acc, 0.0)
 
     def step(j, carry):
         top, total, acc = carry
@@ -445,50 +491,76 @@ def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_
         acc = acc * correction[:, None] + plgpu.dot(weights.astype(dtype), v)
         return new_top, total * correction + jnp.sum(weights, axis=1), acc
 
-    top, total, acc = lax.fori_loop(start // block, pl.cdiv(slot, block), step,
-                                    (top, total, acc))
-    plgpu.store(o_ref.at[pl.ds(kv * group, rows), :],
-                (acc / total[:, None]).astype(o_ref.dtype), mask=real_row)
+    top, total, acc = lax.fori_loop(first_block, end_block, step, (top, total, acc))
+    heads_slice = pl.ds(kv * group, rows)
+    if splits > 1:
+        plgpu.store(acc_ref.at[heads_slice, :], acc, mask=real_row)
+        for ref, value in ((top_ref, top), (total_ref, total)):
+            plgpu.store(ref.at[heads_slice], value, mask=real_row[:, 0])
+        return
+    plgpu.store(o_ref.at[heads_slice, :], (acc / total[:, None]).astype(o_ref.dtype),
+                mask=real_row)
 
 
 def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, num_heads,
             interpret, tiles):
     """The kernel over `[B, N + 2K, H]` new query, key and value heads (`bias_jh`: their
-    bias, or None)."""
+    bias, or None); with `tiles.splits` (or `slot_splits`) over 1, in parts merged by
+    `_merge_splits`."""
     triton_backend.require("model.decode_attention_impl")
     b, _, h = qkv_bjh.shape
     n = num_heads
     kv, s = k_bksh.shape[1], k_bksh.shape[2]
     block = tiles.block if s % tiles.block == 0 else _BLOCK
+    splits = tiles.splits or slot_splits(b * kv, s)
     group = n // kv
     rows = max(16, 1 << (group - 1).bit_length())
     bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)
     has_bias = bias_jh is not None
     kernel = functools.partial(_append_attend_kernel, heads=n, group=group, rows=rows,
-                               scale=1.0 / math.sqrt(h), block=block, has_bias=has_bias)
-    row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
+                               scale=1.0 / math.sqrt(h), block=block, has_bias=has_bias,
+                               splits=splits)
+    row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j, *p: (i,) + (0,) * len(shape))
     per_head = lambda shape: pl.BlockSpec((None, None, *shape),
-                                          lambda i, j: (i, j) + (0,) * len(shape))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+                                          lambda i, j, *p: (i, j) + (0,) * len(shape))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, *p: (0,) * len(shape))
+    cache_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_bksh, v_bksh)]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((b, n, h), qkv_bjh.dtype)]
+        out_specs = [row((n, h))]
+    else:  # each part's float32 sums, `[B, splits, N, ...]`
+        part = lambda shape: pl.BlockSpec((None, None, *shape),
+                                          lambda i, j, p: (i, p) + (0,) * len(shape))
+        out_shape = [jax.ShapeDtypeStruct((b, splits, n, *tail), jnp.float32)
+                     for tail in ((h,), (), ())]
+        out_specs = [part((n, h)), part((n,)), part((n,))]
     biases = [bias_jh.astype(qkv_bjh.dtype)] if has_bias else []
     first_cache = 1 + len(biases) + 3  # operand index of the key cache
-    out_bnh, k_bksh, v_bksh = pl.pallas_call(
+    *out, k_bksh, v_bksh = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((b, n, h), qkv_bjh.dtype),
-                   jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
-                   jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)],
-        grid=(b, kv),
+        out_shape=[*out_shape, *cache_shapes],
+        grid=(b, kv) if splits == 1 else (b, kv, splits),
         in_specs=[row(qkv_bjh.shape[1:]), *(whole(x.shape) for x in biases),
                   row((h // 2,)), row((h // 2,)), row((2,)), per_head((s, h)),
                   per_head((s, h))],
-        out_specs=[row((n, h)), per_head((s, h)), per_head((s, h))],
-        input_output_aliases={first_cache: 1, first_cache + 1: 2},
+        out_specs=[*out_specs, per_head((s, h)), per_head((s, h))],
+        input_output_aliases={first_cache: len(out_shape), first_cache + 1: len(out_shape) + 1},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret or jax.default_backend() != "gpu",
         name="append_and_attend",
     )(qkv_bjh, *biases, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2,
       k_bksh, v_bksh)
+    out_bnh = out[0] if splits == 1 else _merge_splits(*out).astype(qkv_bjh.dtype)
     return out_bnh, k_bksh, v_bksh
+
+
+def _merge_splits(acc_bpnh, top_bpn, total_bpn):
+    """The attention output `[B, N, H]` (float32) from the parts' running maxima, sums of
+    weights and weighted values (a part without blocks: -inf, 0, 0)."""
+    top_bn = jnp.max(top_bpn, axis=1)
+    weight_bpn = jnp.exp(top_bpn - top_bn[:, None])
+    total_bn = jnp.sum(weight_bpn * total_bpn, axis=1)
+    return jnp.sum(weight_bpn[..., None] * acc_bpnh, axis=1) / total_bn[..., None]
 
 
 def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem, v_smem,

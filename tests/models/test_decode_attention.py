@@ -35,9 +35,18 @@ KERNELS = [pytest.param("pallas", id="pallas"),
                         marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
 
 
+# The Triton kernel split over slots (`Tiles.splits`): 3 parts, so a cache of two
+# blocks leaves one part without blocks.
+SPLIT = pytest.param("pallas_split", id="pallas_split")
+
+
 def kernel_args(kernel, tiles=None):
     """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic_fused" is "mosaic"
-    with `MosaicTiles.fused` (`tiles`' block and stages)."""
+    with `MosaicTiles.fused` (`tiles`' block and stages), "pallas_split" is "pallas"
+    with 3 parts."""
+    if kernel == "pallas_split":
+        return dict(impl="pallas", interpret=INTERPRET,
+                    tiles=dataclasses.replace(tiles or da.TILES, splits=3))
     if kernel != "mosaic_fused":
         return dict(impl=kernel, interpret=INTERPRET, tiles=tiles)
     tiles = da._as_mosaic(tiles)
@@ -70,7 +79,7 @@ def naive_rope(x, angles):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [*KERNELS, SPLIT])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots,dtype", [
     (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
     (4, 4, 32, 64, jnp.float32),     # one query per kv head, one block
@@ -79,7 +88,7 @@ def naive_rope(x, angles):
     (28, 4, 128, 128, jnp.bfloat16),  # Qwen2.5-7B's heads
 ])
 def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots, dtype):
-    if kernel != "pallas":  # wgmma takes 16-bit operands: the same case with a bf16 cache
+    if kernel not in ("pallas", "pallas_split"):  # wgmma takes 16-bit operands: a bf16 cache
         dtype = jnp.bfloat16
     keys = jax.random.split(jax.random.key(0), 6)
     b = 4
@@ -154,6 +163,43 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
                                        err_msg=f"slot {slot}")
         np.testing.assert_array_equal(np.asarray(outs[kernel][2]),
                                       np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_kernel_split_over_slots_matches_one_program(splits):
+    """A long cache's filled blocks split over parts (rows whose blocks are fewer than the
+    parts, a row starting mid-block, the new token in a block of its own) give the
+    attention of one program per (row, key/value head) and write the cache alike."""
+    keys = jax.random.split(jax.random.key(2), 6)
+    b, n, kv, h, slots = 4, 14, 2, 64, 1024
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (b, kv, h), jnp.bfloat16) for key in keys[1:3])
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    for slot in (640, 1000):
+        start = jnp.asarray([0, 301, slot - 70, slot], jnp.int32)
+        run = lambda splits, start=start, slot=slot: da.append_and_attend(
+            q, k_new, v_new, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET,
+            tiles=da.Tiles(block=128, splits=splits))
+        (want, want_k, want_v), (got, got_k, got_v) = run(1), run(splits)
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   rtol=1e-2, atol=1e-2, err_msg=f"slot {slot}")
+        np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+def test_slot_splits_fill_the_multiprocessors_with_long_caches_only():
+    # 4 rows x 2 key/value heads on 132 multiprocessors: ceil(132 / 8) = 17 parts, each
+    # over at least 2,048 of 65,600 slots (32 would fit).
+    assert da.slot_splits(8, 65_600, multiprocessors=132) == 17
+    # ... but a 16,384-slot cache holds only 8 parts of 2,048 slots.
+    assert da.slot_splits(8, 16_384, multiprocessors=132) == 8
+    # Pairs that fill the multiprocessors, or caches under two parts' slots: one program.
+    assert da.slot_splits(256, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(132, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(8, 4_095, multiprocessors=132) == 1
+    assert da.slot_splits(100, 65_600, multiprocessors=132) == 2
 
 
 def test_forced_kernel_on_gpu_names_the_head_dims_it_takes(monkeypatch):

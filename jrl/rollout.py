@@ -46,7 +46,13 @@ from jax import lax
 
 from jrl import sharding
 from jrl.models import decode_attention, transformer
-from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache, init_cache, positions_from_mask
+from jrl.models.cache import (
+    CACHE_LOGICAL_AXES,
+    KVCache,
+    RowCache,
+    init_cache,
+    positions_from_mask,
+)
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
@@ -478,7 +484,10 @@ def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
 
     rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
             if f.name not in ("step", "cache")}
-    cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
+    if isinstance(state.cache, RowCache):  # its rows stay; they map to the new batch
+        cache = state.cache.with_batch(order)
+    else:
+        cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
     return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -154,9 +155,7 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
         _add_stage(report, config, (num_rows, slots[0]), None)
     cache_sizes = segment_sizes(num_rows, groups, sampling)
     batch_sizes = rollout.decode_sizes(num_rows, groups, sampling)
-    # A stage that compacts the batch first cannot reuse the state's buffers.
-    stages = {False: _program(_stage, sampling, donate_argnames=("state", "out")),
-              True: _program(_stage, sampling)}
+    stage = _program(_stage, sampling, donate_argnames=("state", "out"))
     segment, step, rows, batch, compact = 0, 1, num_rows, num_rows, ()
     while True:
         if step == ends[segment]:
@@ -170,10 +169,13 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
         smaller = max([s for s in batch_sizes if s < batch], default=0)
         args = (layer_params, state, out)
         kwargs = static | dict(end=ends[segment], smaller=smaller, compact=compact)
-        stage = stages[bool(compact)]
-        _record(report, f"decode {batch} rows ({rows} cached) to step {ends[segment]}", stage,
-                args, kwargs)
-        state, out, counts = stage(*args, **kwargs)
+        with warnings.catch_warnings():
+            # A stage that compacts the batch first reuses the donated cache, not the
+            # state's per-row buffers, whose shapes change.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            _record(report, f"decode {batch} rows ({rows} cached) to step {ends[segment]}",
+                    stage, args, kwargs)
+            state, out, counts = stage(*args, **kwargs)
         step, running = (int(x) for x in jax.device_get(counts))  # the one host transfer
         if running == 0 or step == ends[-1]:
             break

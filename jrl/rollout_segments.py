@@ -6,7 +6,8 @@ whole rollout, however early the rows stop. With `SamplingConfig.cache_segments 
 the response is decoded in m segments instead, each its own jitted program: segment
 k decodes response steps up to `e_k = ceil(R (k+1) / m)` into a cache of the fewest
 slots `S_k >= P + e_k` that differ from the single program's `S = P + R` (rounded as
-`rollout.cache_slots`) by whole `SLOT_BLOCK`s, holding only the rows still running.
+`rollout.cache_slots`) by whole blocks (`slot_block`: 64 slots, 128 where a
+decode-attention kernel runs), holding only the rows still running.
 Between segments the host reads how many rows still run (one small device-to-host
 transfer), picks the smallest number of cache rows that holds them (`segment_sizes`:
 a whole number of rows per batch shard), and moves the running rows' cache into the
@@ -39,10 +40,11 @@ on stopped rows, set `decode_buckets` as there.
 
 Exactness rests on XLA's fusion decisions: the two programs fuse the same
 computations alike (the first program also emits the first token's log-probs as the
-single program does when it compacts, `_first_stage`). On a GPU the Triton and
-Mosaic decode kernels run per row and see the same inputs; the other ops (cuBLAS
-matmuls at the same shapes) are the single program's, but bit-equality there is not
-tested here.
+single program does when it compacts, `_first_stage`). The Triton and Mosaic decode
+kernels run per (row, head) on the same inputs and, with the caches differing by
+whole kernel blocks, the same blocks (the Triton kernel in interpret mode gives the
+single program's bits, tested); on a GPU the other ops run at the single program's
+shapes, but bit-equality there is not tested here.
 
 The host loop cannot run inside another jit: `generate` here is called outside one
 (`rollout.generate`, the single program, refuses `cache_segments > 1` and names this
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -61,16 +64,17 @@ import jax
 import jax.numpy as jnp
 
 from jrl import rollout
+from jrl.models import decode_attention
 from jrl.models.cache import CACHE_LOGICAL_AXES, RowCache, inverse_rows, take_rows
 from jrl.models.config import ModelConfig
 from jrl.rollout import RolloutOutput, SamplingConfig
 from jrl.sharding import constrain
 
-# Segments' caches differ from the single program's by whole blocks of this many slots:
-# the decode-attention kernels' block (`decode_attention.cache_slots` rounds to it);
-# XLA:CPU also rounds its reductions over the slots by the slot count modulo 64 (and
-# otherwise below 64 slots), so attention over a segment's cache gives the single
-# program's bits.
+# Segments' caches differ from the single program's by whole blocks of at least this
+# many slots (`slot_block`): the decode-attention kernels' smallest block
+# (`decode_attention.cache_slots` rounds to it); XLA:CPU also rounds its reductions over
+# the slots by the slot count modulo 64 (and otherwise below 64 slots), so attention
+# over a segment's cache gives the single program's bits.
 SLOT_BLOCK = 64
 # Cache rows a segment may hold (besides the decode loop's batch sizes): evenly
 # spaced down to 1/8 of the rows.
@@ -85,13 +89,26 @@ def segment_ends(sampling: SamplingConfig) -> tuple[int, ...]:
 
 def segment_slots(config: ModelConfig, prompt_len: int, sampling: SamplingConfig
                   ) -> tuple[int, ...]:
-    """Cache slots of each segment: the fewest, at least `SLOT_BLOCK` (or S), that hold
+    """Cache slots of each segment: the fewest, at least one block (or S), that hold
     `P + end` and differ from the single program's `S = cache_slots(P + R)` by whole
-    `SLOT_BLOCK`s (the last: S)."""
+    blocks (`slot_block`; the last: S)."""
     full = rollout.cache_slots(config, prompt_len + sampling.max_new_tokens)
-    fewest = lambda end: max(prompt_len + end, SLOT_BLOCK)
-    return tuple(full - max(full - fewest(end), 0) // SLOT_BLOCK * SLOT_BLOCK
+    block = slot_block(config, full)
+    fewest = lambda end: max(prompt_len + end, block)
+    return tuple(full - max(full - fewest(end), 0) // block * block
                  for end in segment_ends(sampling))
+
+
+def slot_block(config: ModelConfig, full_slots: int) -> int:
+    """The slots by which a segment's cache may differ from the single program's
+    `full_slots`: `SLOT_BLOCK`, or where a decode-attention kernel decodes, a multiple
+    of its tiles' block too: the kernel runs its loop in blocks of `Tiles.block` slots
+    where they divide the cache's slots, else of 64, so each segment's cache must
+    divide alike for the kernel to sum a row's blocks as the single program's does."""
+    impl = decode_attention.choose_impl(config.decode_attention_impl, config.head_dim,
+                                        full_slots)
+    tiles = {"pallas": decode_attention.TILES, "mosaic": decode_attention.MOSAIC_TILES}
+    return math.lcm(SLOT_BLOCK, tiles[impl].block) if impl in tiles else SLOT_BLOCK
 
 
 def segment_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:

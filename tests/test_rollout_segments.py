@@ -83,6 +83,32 @@ def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
     assert_same_rollout(single, segmented)
 
 
+def test_segments_with_the_decode_kernel_give_its_bits():
+    """The Triton decode-attention kernel (in interpret mode off a GPU) on the cache's
+    rows: the single program's bits too. P7 + R248: the kernel's 256 slots run in
+    128-slot blocks, so the first segment takes 128 slots (not 192, which would run in
+    64-slot blocks)."""
+    from jrl.models import triton_backend
+
+    if not triton_backend.available():
+        pytest.skip("needs Pallas' Triton backend")
+    config = dataclasses.replace(SMALL, decode_attention_impl="pallas")
+    params = random_params(config, 0)
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
+    sampling = SamplingConfig(n=2, max_new_tokens=248, temperature=1.2, stop_token_ids=(3,))
+    key = jax.random.key(1)
+    single = rollout.generate(params, ids, mask, key, sampling, config=config)
+    report = rollout_segments.Report()
+    segmented = rollout_segments.generate(params, ids, mask, key,
+                                          dataclasses.replace(sampling, cache_segments=3),
+                                          config=config, report=report)
+    assert_same_rollout(single, segmented)
+    assert report.stages[0] == (12, 128) and report.stages[-1][0] < 12, report.stages
+    assert rollout_segments.slot_block(config, 256) == 128
+    assert rollout_segments.segment_slots(config, 8, SamplingConfig(
+        max_new_tokens=504, cache_segments=4)) == (256, 384, 512, 512)
+
+
 def test_ignore_stop_runs_every_segment_at_full_batch(small_params):
     ids, mask = ragged_prompts([5, 2, 7], 7, SMALL.vocab_size, seed=1)
     sampling = SamplingConfig(n=2, max_new_tokens=10, stop_token_ids=(2,), ignore_stop=True)

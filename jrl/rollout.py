@@ -99,7 +99,8 @@ class SamplingConfig:
       cache_segments: decode the response in this many segments, each a program with a
         cache of `P + R (k+1) / cache_segments` slots for only the rows still running,
         so cache memory follows the tokens generated (`jrl.rollout_segments`); the
-        host reads the running rows between segments. 1: one program, a cache of
+        host reads the running rows between segments. The same rollout, bit for bit
+        on XLA:CPU, at the same decode cost. 1: one program, a cache of
         `P + R` slots for every row. Only outside another jit.
       gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
         (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes

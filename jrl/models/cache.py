@@ -116,8 +116,8 @@ class RowCache(KVCache):
         C / G where it has none.
       batch_rows: int32 `[G, C / G]`, each cache row's batch row within its group;
         B / G where it has none (`inverse_rows`).
-      softmax_slots: the slots the XLA attention's softmax runs over (at least the
-        cache's; the scores of the slots past the cache's are masked), so that it runs
+      softmax_slots: the slots the XLA attention's softmax runs over (the cache's when
+        fewer; the scores of the slots past the cache's are masked), so that it runs
         at the shape of the single program, whose cache has them
         (`decode_attention.grouped_attention`).
     """

@@ -834,7 +834,7 @@ def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None):
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(h))
     axes, slots = ("batch", "kv_heads", None, None, None), k_bksh.shape[2]
     if rows is not None:  # the single program's batch rows and slots
-        pad = ((0, 0),) * (logits.ndim - 1) + ((0, rows.softmax_slots - slots),)
+        pad = ((0, 0),) * (logits.ndim - 1) + ((0, max(rows.softmax_slots - slots, 0)),)
         logits = jnp.pad(rows.to_batch_rows(logits, axes), pad)
         mask_b1ts = jnp.pad(mask_b1ts, pad[1:])
     logits = jnp.where(mask_b1ts[:, :, None], logits, jnp.finfo(jnp.float32).min)

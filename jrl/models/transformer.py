@@ -272,13 +272,9 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
     # The cache's heads-first layout (XLA cancels the transposes on its path).
     cache = cache.write(layer, write_index, k_btkh, v_btkh)
     k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
-    if not rows:
-        out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
-                           mask_b1ts)
-        return out_btnh, cache
     out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
-                       mask_b1ts, cache)
-    return cache.to_batch_rows(out_btnh, _HEADS), cache
+                       mask_b1ts, cache if rows else None)
+    return (cache.to_batch_rows(out_btnh, _HEADS) if rows else out_btnh), cache
 
 
 class Attention(nn.Module):

@@ -46,7 +46,13 @@ from jax import lax
 
 from jrl import sharding
 from jrl.models import decode_attention, transformer
-from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache, init_cache, positions_from_mask
+from jrl.models.cache import (
+    CACHE_LOGICAL_AXES,
+    KVCache,
+    RowCache,
+    init_cache,
+    positions_from_mask,
+)
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
@@ -93,7 +99,8 @@ class SamplingConfig:
       cache_segments: decode the response in this many segments, each a program with a
         cache of `P + R (k+1) / cache_segments` slots for only the rows still running,
         so cache memory follows the tokens generated (`jrl.rollout_segments`); the
-        host reads the running rows between segments. 1: one program, a cache of
+        host reads the running rows between segments. The same rollout, bit for bit
+        on XLA:CPU, at the same decode cost. 1: one program, a cache of
         `P + R` slots for every row. Only outside another jit.
       gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
         (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes
@@ -478,7 +485,10 @@ def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
 
     rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
             if f.name not in ("step", "cache")}
-    cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
+    if isinstance(state.cache, RowCache):  # its rows stay; they map to the new batch
+        cache = state.cache.with_batch(order)
+    else:
+        cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
     return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
 
 

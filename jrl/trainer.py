@@ -448,11 +448,18 @@ class RLTrainer:
         slots = decode_attention.cache_slots(
             m.decode_attention_impl, m.head_dim,
             s.max_prompt_length + s.rollout.max_new_tokens + block)
+        name = f"KV cache, {rows} rows x {slots} slots"
+        if s.rollout.cache_segments > 1:  # the first segment's; later ones follow the tokens
+            first = rollout_segments.segment_slots(m, s.max_prompt_length, s.rollout)[0]
+            name = (f"KV cache, {rows} rows x {first} slots (segment 1 of "
+                    f"{s.rollout.cache_segments}; then the rows still running, at most "
+                    f"{rows} x {slots})")
+            slots = first
         shape = (rows, m.num_kv_heads, slots, m.head_dim)
         cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(m.dtype))] * (2 * m.num_layers)
         cache_shardings = [self.sampling_sharder.named(CACHE_LOGICAL_AXES, shape)] * (
             2 * m.num_layers)
-        parts.append((f"KV cache, {rows} rows x {slots} slots", cache, cache_shardings))
+        parts.append((name, cache, cache_shardings))
         if self.sampler_shardings is not None:  # per device of the sampling group
             parts.append(("sampling group: weights (x2)", self._sampler_shapes,
                           self.sampler_shardings))

@@ -92,11 +92,79 @@ class KVCache:
     def replace_layer(self, layer: int, k_bksh: jax.Array, v_bksh: jax.Array) -> KVCache:
         """The cache with layer `layer`'s buffers replaced (as a kernel returned them)."""
         put = lambda buffers, new: buffers[:layer] + (new,) + buffers[layer + 1:]
-        return KVCache(k=put(self.k, k_bksh), v=put(self.v, v_bksh))
+        return self.replace(k=put(self.k, k_bksh), v=put(self.v, v_bksh))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """(k_bksh, v_bksh) of one layer."""
         return self.k[layer], self.v[layer]
+
+
+@flax.struct.dataclass
+class RowCache(KVCache):
+    """A cache of C rows for a batch of B rows that need not be the same rows: the
+    rows still running hold a cache row, the others none (`jrl.rollout_segments`).
+
+    A decode step's `forward` takes it in place of a `KVCache`: everything but the
+    attention runs on the batch; the attention's per-row operands are gathered into
+    the cache's rows (`to_cache_rows`), appended and attended there, and its output
+    gathered back to the batch (`to_batch_rows`), zeros for rows with no cache row.
+    The rows are split into G groups (the batch shards): a group's batch rows map
+    into the same group's cache rows, so no row leaves its shard.
+
+    Attributes:
+      cache_rows: int32 `[G, B / G]`, each batch row's cache row within its group;
+        C / G where it has none.
+      batch_rows: int32 `[G, C / G]`, each cache row's batch row within its group;
+        B / G where it has none (`inverse_rows`).
+      softmax_slots: the slots the XLA attention's softmax runs over (the cache's when
+        fewer; the scores of the slots past the cache's are masked), so that it runs
+        at the shape of the single program, whose cache has them
+        (`decode_attention.grouped_attention`).
+    """
+
+    cache_rows: jax.Array
+    batch_rows: jax.Array
+    softmax_slots: int = flax.struct.field(pytree_node=False, default=0)
+
+    def to_cache_rows(self, x: jax.Array, axes) -> jax.Array:
+        """Rows `[B, ...]` of the batch (logical `axes`, "batch" first) as the cache's
+        `[C, ...]`; a cache row with no batch row takes an arbitrary one."""
+        return take_rows(x, self.batch_rows, axes, "clip")
+
+    def to_batch_rows(self, x: jax.Array, axes) -> jax.Array:
+        """Rows `[C, ...]` of the cache as the batch's `[B, ...]`; zeros for a batch row
+        with no cache row."""
+        return take_rows(x, self.cache_rows, axes, "fill")
+
+    def with_batch(self, order_gb: jax.Array) -> RowCache:
+        """The cache for the batch whose rows within each group are `order_gb`
+        (`[G, B' / G]`, indices of the current batch's rows): the same cache rows, each
+        mapped to its row's new place (none where its row left the batch)."""
+        cache_rows = jnp.take_along_axis(self.cache_rows, order_gb, axis=1)
+        return self.replace(cache_rows=cache_rows,
+                            batch_rows=inverse_rows(cache_rows, self.batch_rows.shape[1]))
+
+
+def inverse_rows(rows_gb: jax.Array, size: int) -> jax.Array:
+    """int32 `[G, size]`: for each index i of a group, the position of i in that group's
+    `rows_gb` (`[G, B]`, distinct values, those >= `size` ignored); B where none."""
+    groups, num = rows_gb.shape
+    inverse = jnp.full((groups, size), num, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), rows_gb.shape)
+    return jax.vmap(lambda inv, i, p: inv.at[i].set(p, mode="drop"))(inverse, rows_gb,
+                                                                      positions)
+
+
+def take_rows(x: jax.Array, index_gr: jax.Array, axes, mode: str) -> jax.Array:
+    """The rows `index_gr` (`[G, R]`, indices within each group) of `x` `[G n, ...]`:
+    `[G R, ...]`, each group gathering within its own shard; out of range: clipped or
+    zeros (`mode` "clip" or "fill")."""
+    groups = index_gr.shape[0]
+    grouped = constrain(x.reshape(groups, -1, *x.shape[1:]), (axes[0], None, *axes[1:]))
+    fill = {"fill_value": 0} if mode == "fill" else {}
+    take = lambda rows, index: jnp.take(rows, index, axis=0, mode=mode, **fill)
+    taken = jax.vmap(take)(grouped, index_gr)
+    return constrain(taken.reshape(-1, *x.shape[1:]), axes)
 
 
 def init_cache(

@@ -874,7 +874,7 @@ def _no_vma_check():
     return contextlib.nullcontext() if check is None else check(False)
 
 
-def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):
+def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None):
     """Softmax attention with the queries of a key/value head grouped, in float32.
 
     `N = K * G` query heads share K key/value heads. The queries are viewed as
@@ -882,10 +882,19 @@ def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):
     never repeated to N heads, and keys/values come heads-first (the cache's
     layout), so each (row, head) is one contiguous `[S, H]` operand.
 
+    With `rows` (a `cache.RowCache`), the queries, keys and values are the cache's C
+    rows and the mask the batch's B rows: the scores are spread to the batch's rows
+    for the softmax and back (zeros for batch rows with no cache row), so the softmax
+    runs at the batch's shape. A row's scores and weighted values are the same bits at
+    any batch size (per-row products), but XLA:CPU reduces a small softmax another
+    way than a large one (its own loops below about 4096 elements, a YNNPACK fusion
+    above), so a row's softmax is the single program's only at its batch's shape.
+
     Args:
       q_btnh: `[B, T, N, H]` queries.
       k_bksh, v_bksh: `[B, K, S, H]` keys and values.
       mask_b1ts: bool `[B, 1, T, S]`, True where a query may attend to a key.
+      rows: None, or the `RowCache` whose rows q, k and v are (see above).
 
     Returns:
       `[B, T, N, H]` in the queries' dtype.
@@ -895,8 +904,16 @@ def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts):
     q_bkgth = q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
     logits = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(h))
+    axes, slots = ("batch", "kv_heads", None, None, None), k_bksh.shape[2]
+    if rows is not None:  # the single program's batch rows and slots
+        pad = ((0, 0),) * (logits.ndim - 1) + ((0, max(rows.softmax_slots - slots, 0)),)
+        logits = jnp.pad(rows.to_batch_rows(logits, axes), pad)
+        mask_b1ts = jnp.pad(mask_b1ts, pad[1:])
     logits = jnp.where(mask_b1ts[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_bksh.dtype)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if rows is not None:
+        probs = rows.to_cache_rows(probs[..., :slots], axes)
+    probs = probs.astype(v_bksh.dtype)
     out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh,
                            preferred_element_type=jnp.float32)
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)

@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jrl.models import context_attention, packed_attention, rope
 from jrl.models import decode_attention as decode_lib
 from jrl.models import heads as heads_lib
-from jrl.models.cache import KVCache, attention_mask
+from jrl.models.cache import KVCache, RowCache, attention_mask
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
@@ -213,12 +213,15 @@ class SharedPrompt(NamedTuple):
         return SharedPromptMask(attention_mask(self.prompt_mask_gp, p, None), rows[:, :, p:])
 
 
-def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts):
-    """Attention over keys/values `[B, S, K, H]` (no cache): cuDNN or XLA by `_attention_impl`."""
+def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts, rows=None):
+    """Attention over keys/values `[B, S, K, H]` (no cache): cuDNN or XLA by `_attention_impl`.
+    With `rows` (a `RowCache`) q, k and v are its rows, the mask the batch's."""
     impl = _attention_impl(config, q_btnh.dtype, q_btnh.shape[1], k_bskh.shape[1])
     if impl == "xla":
         return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_bskh, 1, 2),
-                                            jnp.swapaxes(v_bskh, 1, 2), mask_b1ts)
+                                            jnp.swapaxes(v_bskh, 1, 2), mask_b1ts, rows)
+    if rows is not None:
+        mask_b1ts = rows.to_cache_rows(mask_b1ts, ("batch", None, None, None))
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
                                         implementation=impl)
 
@@ -263,12 +266,16 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
         return attend(q_btnh, k_btkh, v_btkh, mask_b1ts, c.attention_impl), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    rows = isinstance(cache, RowCache)
+    if rows:  # rotated on the batch's rows, attended on the cache's
+        q_btnh, k_btkh, v_btkh = (cache.to_cache_rows(x, axes) for x, axes in (
+            (q_btnh, _HEADS), (k_btkh, _KV_HEADS), (v_btkh, _KV_HEADS)))
     # The cache's heads-first layout (XLA cancels the transposes on its path).
     cache = cache.write(layer, write_index, k_btkh, v_btkh)
     k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
     out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
-                       mask_b1ts)
-    return out_btnh, cache
+                       mask_b1ts, cache if rows else None)
+    return (cache.to_batch_rows(out_btnh, _HEADS) if rows else out_btnh), cache
 
 
 class Attention(nn.Module):
@@ -287,13 +294,16 @@ class Attention(nn.Module):
             # The kernel takes the projection's output as it is and adds the bias itself.
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
+            qkv_bjh, sin_bk, cos_bk = _to_cache_rows(
+                cache, (constrain(qkv_btjh[:, 0], ("batch", None, None)), ("batch", None, None)),
+                (sin_btk[:, 0], ("batch", None)), (cos_btk[:, 0], ("batch", None)))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend_qkv(
-                constrain(qkv_btjh[:, 0], ("batch", None, None)),
+                qkv_bjh,
                 bias_jh,
-                sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer), mask_b1ts.start_b,
+                sin_bk, cos_bk, *cache.layer(layer), mask_b1ts.start_b,
                 write_index, num_heads=c.num_heads, impl=_decode_impl(c))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
-            return self._output(out_bnh[:, None]), cache
+            return self._output(_to_batch_rows(cache, out_bnh)[:, None]), cache
         if fused_layout:
             qkv = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV,
                          bias=c.qkv_bias)(x_btd)
@@ -311,11 +321,15 @@ class Attention(nn.Module):
         if isinstance(mask_b1ts, DecodeStep):  # one kernel: RoPE, the cache write, attention
             q_btnh, k_btkh, v_btkh = (constrain(x, axes) for x, axes in (
                 (q_btnh, _HEADS), (k_btkh, _KV_HEADS), (v_btkh, _KV_HEADS)))
+            operands = _to_cache_rows(cache, *((x, (axes[0], *axes[2:])) for x, axes in (
+                (q_btnh[:, 0], _HEADS), (k_btkh[:, 0], _KV_HEADS), (v_btkh[:, 0], _KV_HEADS),
+                (sin_btk[:, 0], ("batch", "length", None)),
+                (cos_btk[:, 0], ("batch", "length", None)))))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
-                q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], sin_btk[:, 0], cos_btk[:, 0],
-                *cache.layer(layer), mask_b1ts.start_b, write_index, impl=_decode_impl(c))
+                *operands, *cache.layer(layer), mask_b1ts.start_b, write_index,
+                impl=_decode_impl(c))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
-            out_btnh = out_bnh[:, None]
+            out_btnh = _to_batch_rows(cache, out_bnh)[:, None]
         else:
             out_btnh, cache = _rotate_and_attend(c, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
                                                  mask_b1ts, cache, layer, write_index)
@@ -327,6 +341,23 @@ class Attention(nn.Module):
         o_axes = ("heads", "head_dim", "embed")
         return _project(self.config, self.config.hidden_size, o_axes, "o_proj", out_btnh,
                         axis=(-2, -1))
+
+
+def _to_cache_rows(cache, *operands) -> tuple[jax.Array, ...]:
+    """A decode step's per-row attention operands `(x, logical axes)`, each `[B, ...]`,
+    as the cache's rows where the cache has rows of its own (`RowCache`), else as they
+    are."""
+    if isinstance(cache, RowCache):
+        return tuple(cache.to_cache_rows(x, axes) for x, axes in operands)
+    return tuple(x for x, _ in operands)
+
+
+def _to_batch_rows(cache, out_bnh: jax.Array) -> jax.Array:
+    """The attention output `[C, N, H]` of a `RowCache`'s rows as the batch's (zeros for
+    rows with no cache row); as it is for any other cache."""
+    if isinstance(cache, RowCache):
+        return cache.to_batch_rows(out_bnh, ("batch", "heads", None))
+    return out_bnh
 
 
 class Mlp(nn.Module):
@@ -506,6 +537,8 @@ def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len)
         if impl in ("pallas", "mosaic"):
+            if isinstance(cache, RowCache):  # the kernel runs on the cache's rows
+                mask = cache.to_cache_rows(mask, ("batch", None))
             return DecodeStep(jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32))
     return attention_mask(mask, num_queries, write_index)
 

@@ -247,8 +247,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Decode in this many segments (1: one program, a KV cache of prompt + response_length
     # slots for every row): segment k decodes up to (k+1)/cache_segments of the response
     # in a cache of just those slots holding only the rows still running, so cache
-    # memory follows the tokens generated. Costs a host sync per segment and a program
-    # per (rows, slots) shape. From 1 to response_length; not with multi_turn.
+    # memory follows the tokens generated; samples and log-probs are the single
+    # program's (bit for bit on XLA:CPU, tested) at its decode cost (decode_buckets).
+    # Costs a host sync per segment and a program per (batch, cache rows, slots) shape.
+    # From 1 to response_length; not with multi_turn.
     c.rollout.cache_segments = 1
     # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
     # cuBLAS call: faster for a decode step's one token per row, and quicker to

@@ -390,7 +390,7 @@ def run_algo(args, algo: str) -> dict:
         start = time.perf_counter()
         trainer, iterator, info = build_trainer(args, algo, workdir)
         setup_s = time.perf_counter() - start
-        print(f"[{algo}] trainer built in {setup_s:.1f} s", flush=True)
+        print(f"[{algo}] trainer built in {setup_s:.1f} s\n{trainer.memory_report()}", flush=True)
         steps = []
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()

@@ -2,6 +2,8 @@
 its tile settings against the previous implementation and the XLA path, on one GPU.
 
     python experiments/bench_decode_kernel.py --out decode_kernel.json
+    python experiments/bench_decode_kernel.py --batch 4 16 64 --slots 65600 --fill 65000 \
+        --splits 0 1 4 8 17 32 --no_tiles_sweep           # a few rows of a long cache
 
 Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64), a cache of 384 slots,
 rows starting at a random slot below 32 and the new token at `--fill`. One jitted
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import io
 import itertools
@@ -84,13 +87,23 @@ def main() -> None:
     parser.add_argument("--fill", type=int, default=256, help="the new token's slot")
     parser.add_argument("--slots", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also the kernel (default tiles) split over slots into this many "
+                             "parts (Tiles.splits; 0: slot_splits' choice)")
+    parser.add_argument("--no_tiles_sweep", action="store_true",
+                        help="skip the sweep over block / warps / stages")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = {"previous": previous,
                 "xla": functools.partial(da.append_and_attend, impl="xla")}
-    for block, warps, stages in itertools.product((64, 128), (2, 4, 8), (1, 2, 3, 4)):
-        tiles = da.Tiles(block, warps, stages)
+    sweep = () if args.no_tiles_sweep else itertools.product((64, 128), (2, 4, 8), (1, 2, 3, 4))
+    for block, warps, stages in sweep:
+        tiles = da.Tiles(block, warps, stages, splits=1)
         variants[f"kernel {block}/{warps}/{stages}"] = functools.partial(
+            da.append_and_attend, impl="pallas", tiles=tiles)
+    for splits in args.splits:
+        tiles = dataclasses.replace(da.TILES, splits=splits)
+        variants[f"kernel splits {splits or 'auto'}"] = functools.partial(
             da.append_and_attend, impl="pallas", tiles=tiles)
     rows = []
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; us per layer-step")

@@ -83,19 +83,29 @@ def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
     assert_same_rollout(single, segmented)
 
 
-def test_segments_with_the_decode_kernel_give_its_bits():
+@pytest.mark.parametrize("multiprocessors", [None, 48])
+def test_segments_with_the_decode_kernel_give_its_bits(multiprocessors, monkeypatch):
     """The Triton decode-attention kernel (in interpret mode off a GPU) on the cache's
     rows: the single program's bits too. P7 + R248: the kernel's 256 slots run in
     128-slot blocks, so the first segment takes 128 slots (not 192, which would run in
-    64-slot blocks)."""
+    64-slot blocks). With 48 multiprocessors (and parts of 64 slots), P7 + R504: the
+    kernel splits the single program's 512 slots of 12 rows x 2 key/value heads in 2
+    parts of 2 blocks; the segments' caches of fewer rows split as it does, not as
+    their own shapes would (4 parts of one block for 6 rows)."""
+    from jrl.models import decode_attention as da
     from jrl.models import triton_backend
 
     if not triton_backend.available():
         pytest.skip("needs Pallas' Triton backend")
+    if multiprocessors:
+        monkeypatch.setattr(da, "_MULTIPROCESSORS", multiprocessors)
+        monkeypatch.setattr(da, "MIN_SPLIT_SLOTS", 64)
+        assert da.slot_splits(12 * 2, 512) == 2 and da.slot_splits(6 * 2, 384) == 4
     config = dataclasses.replace(SMALL, decode_attention_impl="pallas")
     params = random_params(config, 0)
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
-    sampling = SamplingConfig(n=2, max_new_tokens=248, temperature=1.2, stop_token_ids=(3,))
+    sampling = SamplingConfig(n=2, max_new_tokens=504 if multiprocessors else 248,
+                              temperature=1.2, stop_token_ids=(3,))
     key = jax.random.key(1)
     single = rollout.generate(params, ids, mask, key, sampling, config=config)
     report = rollout_segments.Report()
@@ -103,7 +113,11 @@ def test_segments_with_the_decode_kernel_give_its_bits():
                                           dataclasses.replace(sampling, cache_segments=3),
                                           config=config, report=report)
     assert_same_rollout(single, segmented)
-    assert report.stages[0] == (12, 128) and report.stages[-1][0] < 12, report.stages
+    if multiprocessors:  # a stage whose own shape would split otherwise
+        assert any(da.slot_splits(rows * 2, slots) != 2 for rows, slots in report.stages), (
+            report.stages)
+    else:
+        assert report.stages[0] == (12, 128) and report.stages[-1][0] < 12, report.stages
     assert rollout_segments.slot_block(config, 256) == 128
     assert rollout_segments.segment_slots(config, 8, SamplingConfig(
         max_new_tokens=504, cache_segments=4)) == (256, 384, 512, 512)

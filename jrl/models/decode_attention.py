@@ -73,12 +73,16 @@ class Tiles:
     key and value; it runs one warpgroup and ignores `warps`). `splits`: the Triton
     kernel's programs per (row, key/value head), each over its share of the filled
     blocks, their partial softmax sums merged after it (`_merge_splits`); 0 chooses
-    (`slot_splits`), 1 runs one program over all the blocks."""
+    (`slot_splits`), 1 runs one program over all the blocks. `split_like`: with
+    `splits = 0`, choose as for a shard's cache of these `(rows, slots)` instead of
+    this one's (a cache of fewer rows and slots standing in for the single sampling
+    program's, `cache.RowCache`: both then sum the same parts, bit for bit)."""
 
     block: int = 128
     warps: int = 4
     stages: int = 2
     splits: int = 0
+    split_like: tuple[int, int] | None = None
 
 
 # Among the fastest of a sweep on an H200 at batch 64, 256 and 512
@@ -512,7 +516,8 @@ def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, 
     n = num_heads
     kv, s = k_bksh.shape[1], k_bksh.shape[2]
     block = tiles.block if s % tiles.block == 0 else _BLOCK
-    splits = tiles.splits or slot_splits(b * kv, s)
+    rows_like, slots_like = tiles.split_like or (b, s)
+    splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     group = n // kv
     rows = max(16, 1 << (group - 1).bit_length())
     bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)

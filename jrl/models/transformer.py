@@ -301,7 +301,8 @@ class Attention(nn.Module):
                 qkv_bjh,
                 bias_jh,
                 sin_bk, cos_bk, *cache.layer(layer), mask_b1ts.start_b,
-                write_index, num_heads=c.num_heads, impl=_decode_impl(c))
+                write_index, num_heads=c.num_heads, impl=_decode_impl(c),
+                tiles=_decode_tiles(c, cache))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             return self._output(_to_batch_rows(cache, out_bnh)[:, None]), cache
         if fused_layout:
@@ -327,7 +328,7 @@ class Attention(nn.Module):
                 (cos_btk[:, 0], ("batch", "length", None)))))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
                 *operands, *cache.layer(layer), mask_b1ts.start_b, write_index,
-                impl=_decode_impl(c))
+                impl=_decode_impl(c), tiles=_decode_tiles(c, cache))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             out_btnh = _to_batch_rows(cache, out_bnh)[:, None]
         else:
@@ -526,6 +527,16 @@ def _decode_impl(config: ModelConfig) -> str:
     """The kernel of a decode step given a `DecodeStep` (`_attention_mask` chose one):
     the Mosaic GPU kernel when forced, else the Triton kernel."""
     return "mosaic" if config.decode_attention_impl == "mosaic" else "pallas"
+
+
+def _decode_tiles(config: ModelConfig, cache) -> decode_lib.Tiles | None:
+    """The decode kernel's settings: its defaults (None), except that the Triton kernel
+    on a `RowCache` splits the slots as it would on the single sampling program's cache
+    (the batch's rows a shard, its slots), so the segments give that program's bits."""
+    if not isinstance(cache, RowCache) or _decode_impl(config) != "pallas":
+        return None
+    like = (cache.cache_rows.shape[1], max(cache.softmax_slots, cache.max_len))
+    return dataclasses.replace(decode_lib.TILES, split_like=like)
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

@@ -54,6 +54,23 @@ def kernel_args(kernel, tiles=None):
                 tiles=da.MosaicTiles(tiles.block, tiles.stages, tiles.compact, fused=True))
 
 
+# The kernels and the XLA path compiled as the sampler runs them, inside `jax.jit`, with
+# the slot traced: one program per shape and setting serves every slot a test visits
+# (called eagerly, each op of the interpreted kernel is dispatched one by one, several
+# times slower). `test_kernel_matches_reference`, one slot per call, calls it eagerly, with
+# the Python int slot that `append_and_attend` checks.
+_STATIC = ("impl", "interpret", "tiles")
+_attend = jax.jit(da.append_and_attend, static_argnames=_STATIC)
+_attend_qkv = jax.jit(da.append_and_attend_qkv, static_argnames=("num_heads", *_STATIC))
+
+
+def attend(*args, impl, interpret=False, tiles=None):
+    """`append_and_attend` through `_attend` (the XLA path takes no tiles: one program
+    for all of a test's tiles)."""
+    return _attend(*args, impl=impl, interpret=interpret,
+                   tiles=None if impl == "xla" else tiles)
+
+
 def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
     """Per row and query head, in float64 numpy: softmax(q . k / sqrt(H)) over [start, end)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q_bnh, k_bksh, v_bksh))
@@ -152,8 +169,8 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     for slot in (0, 63, 64, 65, 127):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
-        outs = {impl: da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot,
-                                           **kernel_args(impl, tiles))
+        outs = {impl: attend(q, k_new, v_new, sin, cos, k, v, start, slot,
+                             **kernel_args(impl, tiles))
                 for impl in ("xla", kernel)}
         tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
         for got, want in zip(outs[kernel], outs["xla"], strict=True):
@@ -286,11 +303,10 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
     parts = jnp.split(biased, [num_heads, num_heads + num_kv_heads], axis=1)
     for slot in (0, 64, 100):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
-        want = da.append_and_attend(*parts, sin, cos, k, v, start, slot, impl="pallas",
-                                    interpret=INTERPRET)
+        want = attend(*parts, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET)
         for impl in ("pallas", "xla"):
-            got = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
-                                           num_heads=num_heads, impl=impl, interpret=INTERPRET)
+            got = _attend_qkv(qkv, bias, sin, cos, k, v, start, slot, num_heads=num_heads,
+                              impl=impl, interpret=INTERPRET)
             for g, w, name in zip(got, want, ("out", "k", "v"), strict=True):
                 assert g.shape == w.shape and g.dtype == w.dtype
                 if impl == "pallas":

@@ -16,15 +16,6 @@ if os.environ["JAX_PLATFORMS"] != "cpu":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_autotune_level=0").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-else:
-    # On the CPU, compiling dominates the suite's time (the tiny models run in
-    # milliseconds): LLVM's optimization of the generated code is skipped, which cuts a
-    # trainer's update program from ~13 s of compilation to ~3 s. XLA's HLO passes
-    # (fusion, layout) run as before, and without fast-math the code computes the same
-    # float operations in the same order. Subprocesses that the tests start inherit
-    # the flag (tests/eight_devices.py adds its device count to it).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 

@@ -9,18 +9,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def with_device_count(count: int) -> str:
-    """`XLA_FLAGS` for a subprocess on `count` CPU devices: this process's flags (the
-    tests' compiler settings, tests/conftest.py) and the device count."""
-    return (os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={count}").strip()
-
-
 def run_script(script: str, timeout: int = 300) -> dict:
     """Runs `script` with `python -c` from the repository root on 8 CPU devices and
     returns the JSON object its last line of output prints."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=with_device_count(8))
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

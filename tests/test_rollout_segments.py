@@ -33,6 +33,18 @@ def assert_same_rollout(single, segmented):
                                       err_msg=field)
 
 
+def single_and_segmented(params, ids, mask, key, sampling, segments, config=SMALL):
+    """The single program's rollout and the rollout in `segments` segments (same key),
+    checked to be the same bits, and the segments' `Report`."""
+    single = rollout.generate(params, ids, mask, key, sampling, config=config)
+    report = rollout_segments.Report()
+    segmented = rollout_segments.generate(
+        params, ids, mask, key, dataclasses.replace(sampling, cache_segments=segments),
+        config=config, report=report)
+    assert_same_rollout(single, segmented)
+    return single, segmented, report
+
+
 @pytest.fixture(scope="module")
 def small_params():
     return random_params(SMALL, 0)
@@ -49,12 +61,9 @@ def test_segments_give_the_single_programs_rollout(small_params, decode_buckets,
                                    decode_buckets=decode_buckets)
     segmented_config = dataclasses.replace(single_config, cache_segments=4)
     key = jax.random.key(seed)
-    single = rollout.generate(small_params, ids, mask, key, single_config, config=SMALL)
-    report = rollout_segments.Report()
-    segmented = rollout_segments.generate(small_params, ids, mask, key, segmented_config,
-                                          config=SMALL, report=report)
+    single, segmented, report = single_and_segmented(small_params, ids, mask, key,
+                                                     single_config, 4)
     assert_well_formed(segmented, segmented_config)
-    assert_same_rollout(single, segmented)
     # Rows stopped at varied steps, and the segments shrank the cache as they did.
     lengths = np.asarray(single.response_lengths)
     assert len(set(lengths)) > 4 and lengths.min() < 10, lengths
@@ -74,13 +83,8 @@ def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
     sampling = SamplingConfig(n=2, max_new_tokens=248, temperature=1.2, stop_token_ids=(10,))
     key = jax.random.key(1)
-    single = rollout.generate(small_params, ids, mask, key, sampling, config=SMALL)
-    report = rollout_segments.Report()
-    segmented = rollout_segments.generate(small_params, ids, mask, key,
-                                          dataclasses.replace(sampling, cache_segments=4),
-                                          config=SMALL, report=report)
+    _, _, report = single_and_segmented(small_params, ids, mask, key, sampling, 4)
     assert report.stages == [(12, 127), (12, 191), (12, 255)], report.stages
-    assert_same_rollout(single, segmented)
 
 
 @pytest.mark.parametrize("multiprocessors", [None, 48])
@@ -107,12 +111,7 @@ def test_segments_with_the_decode_kernel_give_its_bits(multiprocessors, monkeypa
     sampling = SamplingConfig(n=2, max_new_tokens=504 if multiprocessors else 248,
                               temperature=1.2, stop_token_ids=(3,))
     key = jax.random.key(1)
-    single = rollout.generate(params, ids, mask, key, sampling, config=config)
-    report = rollout_segments.Report()
-    segmented = rollout_segments.generate(params, ids, mask, key,
-                                          dataclasses.replace(sampling, cache_segments=3),
-                                          config=config, report=report)
-    assert_same_rollout(single, segmented)
+    _, _, report = single_and_segmented(params, ids, mask, key, sampling, 3, config)
     if multiprocessors:  # a stage whose own shape would split otherwise
         assert any(da.slot_splits(rows * 2, slots) != 2 for rows, slots in report.stages), (
             report.stages)
@@ -126,13 +125,8 @@ def test_segments_with_the_decode_kernel_give_its_bits(multiprocessors, monkeypa
 def test_ignore_stop_runs_every_segment_at_full_batch(small_params):
     ids, mask = ragged_prompts([5, 2, 7], 7, SMALL.vocab_size, seed=1)
     sampling = SamplingConfig(n=2, max_new_tokens=10, stop_token_ids=(2,), ignore_stop=True)
-    segmented_config = dataclasses.replace(sampling, cache_segments=2)
     key = jax.random.key(0)
-    single = rollout.generate(small_params, ids, mask, key, sampling, config=SMALL)
-    report = rollout_segments.Report()
-    segmented = rollout_segments.generate(small_params, ids, mask, key, segmented_config,
-                                          config=SMALL, report=report)
-    assert_same_rollout(single, segmented)
+    _, segmented, report = single_and_segmented(small_params, ids, mask, key, sampling, 2)
     np.testing.assert_array_equal(segmented.response_lengths, 10)
     # P + R = 17 slots: both segments need the single program's 17 (5 + 7 within a block).
     assert report.stages == [(6, 17)], report.stages

@@ -15,6 +15,11 @@
 #   short / before_short   the docs/performance.md workload (64 x 8, P128 / R256), GRPO
 #   short_packed    that workload with token-budget micro-batches
 #   profile         forced, one traced step after the compile: where the time goes
+#   decode_kernel   the decode kernel alone at the batch sizes the decode loop compacts to
+#                   (32 / 64 / 96 / 128 rows of 8,704 slots, half and nearly full), split
+#                   over slots into 1, 2, 4 or 8 parts (experiments/bench_decode_kernel.py)
+# A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
+# "+bN" (--decode_buckets N), e.g. natural+split4,1024+b8.
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
 # 560) caps the whole call, each run getting what is left.
 set -uo pipefail
@@ -47,23 +52,42 @@ run() {  # run NAME TREE ARGS...
 }
 
 for name in "$@"; do
-  case "$name" in
+  base=${name%%+*}
+  extra=()
+  IFS=+ read -ra opts <<< "${name#"$base"}"
+  for o in "${opts[@]}"; do
+    case "$o" in
+      "") ;;
+      split*) extra+=(--decode_split "${o#split}") ;;
+      b*) extra+=(--decode_buckets "${o#b}") ;;
+      *) echo "unknown setting $o in $name" >&2; exit 2 ;;
+    esac
+  done
+  LONG_RUN=("${LONG[@]}" "${extra[@]}")
+  case "$base" in
+    decode_kernel)
+      for fill in 4608 8600; do
+        PYTHONPATH=/tmp/site:$ROOT timeout 150 python3 experiments/bench_decode_kernel.py \
+          --batch 32 64 96 128 --slots 8704 --fill $fill --splits 0 1 2 4 8 \
+          --no_tiles_sweep --out "$OUT/decode_kernel_$fill.json" 2>&1 \
+          | grep -v "^[WI]0000" | tee "$OUT/decode_kernel_$fill.log"
+      done ;;
     check) PYTHONPATH=/tmp/site:$ROOT python3 experiments/check_packed_attention.py 2>&1 \
              | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;
-    forced) run forced "$ROOT" "${LONG[@]}" --dynamic_bsz ;;
-    natural) run natural "$ROOT" "${LONG[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
-    forced_mosaic) run forced_mosaic "$ROOT" "${LONG[@]}" --dynamic_bsz --decode_attention mosaic ;;
-    natural_mosaic) run natural_mosaic "$ROOT" "${LONG[@]}" --dynamic_bsz "${NATURAL[@]}" \
+    forced) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz ;;
+    natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
+    forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;
+    natural_mosaic) run natural_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
                       --decode_attention mosaic ;;
-    before_forced) run before_forced "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
+    before_forced) run before_forced "$ROOT/before" "${LONG_RUN[@]}" --micro_batch 8 \
                      --remat dots_saveable ;;
-    before_natural) run before_natural "$ROOT/before" "${LONG[@]}" --micro_batch 8 \
+    before_natural) run before_natural "$ROOT/before" "${LONG_RUN[@]}" --micro_batch 8 \
                       --remat dots_saveable "${NATURAL[@]}" ;;
     short) run short "$ROOT" "${SHORT[@]}" ;;
     short_packed) run short_packed "$ROOT" "${SHORT[@]}" --dynamic_bsz ;;
     profile_short) run profile_short "$ROOT" "${SHORT[@]}" --dynamic_bsz --steps 0 \
                      --trace_dir /tmp/trace_short ;;
-    profile) run profile "$ROOT" "${LONG[@]}" --dynamic_bsz --steps 0 --trace_dir /tmp/trace ;;
+    profile) run profile "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --steps 0 --trace_dir /tmp/trace ;;
     before_short) run before_short "$ROOT/before" "${SHORT[@]}" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac

@@ -101,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sequences per old/ref log-prob and value forward (0: all at once)")
     p.add_argument("--response_buckets", type=int, default=4,
                    help="actor.response_buckets (1: every pass runs all response columns)")
-    p.add_argument("--decode_buckets", type=int, default=4,
-                   help="rollout.decode_buckets (1: the decode loop never compacts)")
+    p.add_argument("--decode_buckets", type=int, default=None,
+                   help="rollout.decode_buckets (1: the decode loop never compacts; default: "
+                        "the trainer's, 4 or 8 from 4,096 response tokens)")
     p.add_argument("--rollout_gemm", default="cublas", choices=rollout.GEMMS,
                    help="rollout.gemm: how the sampler's matmuls compile on a GPU")
     p.add_argument("--share_prompts", default="on", choices=("on", "off"),
@@ -120,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mosaic_tiles", default=None,
                    help="jrl.models.decode_attention.MOSAIC_TILES (with --decode_attention "
                         "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
+    p.add_argument("--decode_split", default=None, metavar="PER_SM,MIN_SLOTS",
+                   help="the Triton decode kernel's split over slots: "
+                        "decode_attention.PROGRAMS_PER_MULTIPROCESSOR and MIN_SPLIT_SLOTS")
     p.add_argument("--head_blocks", default=None,
                    help="jrl.models.head_kernel.MOSAIC_FORWARD tiles: "
                    "t,v,k,stages,overlap,group,consumers")
@@ -255,7 +259,8 @@ def make_config(args, algo: str):
     c.actor.reuse_update_log_probs = not args.recompute_old_log_probs
     c.critic.reuse_update_values = not args.recompute_values
     c.actor.response_buckets = args.response_buckets
-    c.rollout.decode_buckets = args.decode_buckets
+    if args.decode_buckets is not None:
+        c.rollout.decode_buckets = args.decode_buckets
     c.rollout.gemm = args.rollout_gemm
     c.actor.share_prompts = args.share_prompts == "on"
     batch_sequences = args.batch * args.n
@@ -530,10 +535,20 @@ def set_mosaic_tiles(spec: str | None) -> None:
         decode_attention.MOSAIC_TILES = decode_attention.MosaicTiles.from_spec(spec)
 
 
+def set_decode_split(spec: str | None) -> None:
+    """`--decode_split`: when the Triton decode kernel splits a long cache's slots."""
+    if spec:
+        from jrl.models import decode_attention
+        per_sm, min_slots = map(int, spec.split(","))
+        decode_attention.PROGRAMS_PER_MULTIPROCESSOR = per_sm
+        decode_attention.MIN_SPLIT_SLOTS = min_slots
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_head_blocks(args.head_blocks)
     set_mosaic_tiles(args.mosaic_tiles)
+    set_decode_split(args.decode_split)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())

@@ -243,7 +243,8 @@ def base_config() -> ml_collections.ConfigDict:
     # fit the next smaller one (evenly spaced down to 1/decode_buckets of the rows), they
     # are compacted into it, so finished rows stop costing decode steps. Each size
     # compiles one more copy of the decode step. 1: the whole batch to the end.
-    c.rollout.decode_buckets = 4
+    # None: 4, or 8 from response_length 4,096 (long decodes gain more than the compile).
+    c.rollout.decode_buckets = config_dict.placeholder(int)
     # Decode in this many segments (1: one program, a KV cache of prompt + response_length
     # slots for every row): segment k decodes up to (k+1)/cache_segments of the response
     # in a cache of just those slots holding only the rows still running, so cache

@@ -104,6 +104,7 @@ def test_segments_with_the_decode_kernel_give_its_bits(multiprocessors, monkeypa
     if multiprocessors:
         monkeypatch.setattr(da, "_MULTIPROCESSORS", multiprocessors)
         monkeypatch.setattr(da, "MIN_SPLIT_SLOTS", 64)
+        monkeypatch.setattr(da, "PROGRAMS_PER_MULTIPROCESSOR", 1)
         assert da.slot_splits(12 * 2, 512) == 2 and da.slot_splits(6 * 2, 384) == 4
     config = dataclasses.replace(SMALL, decode_attention_impl="pallas")
     params = random_params(config, 0)

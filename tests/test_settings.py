@@ -228,6 +228,15 @@ def test_token_budgets():
     assert s.actor.update.max_token_len is None and s.log_prob_max_token_len is None
 
 
+@pytest.mark.parametrize(("response_length", "buckets", "want"), [
+    (256, None, 4), (4095, None, 4), (4096, None, 8), (8192, None, 8), (8192, 2, 2),
+    (256, 1, 1)])
+def test_decode_buckets_default_follows_the_response_length(response_length, buckets, want):
+    s = _settings(**{"rollout.response_length": response_length,
+                     "rollout.decode_buckets": buckets})
+    assert s.rollout.decode_buckets == want and s.validation.decode_buckets == want
+
+
 def test_sample_dump_directories(tmp_path):
     s = _settings(**{"trainer.rollout_data_dir": "~/dumps/rollouts"})
     assert s.trainer.rollout_data_dir == "~/dumps/rollouts"

@@ -88,23 +88,30 @@ class Tiles:
 # Among the fastest of a sweep on an H200 at batch 64, 256 and 512
 # (experiments/bench_decode_kernel.py; docs/performance_history.md, round six).
 TILES = Tiles()
-# With fewer (row, key/value head) programs than the GPU has multiprocessors, one program
-# per pair streams a long cache through one multiprocessor while the rest idle (4 rows
-# of Qwen2.5-0.5B's 2 key/value heads: 8 programs on 132). `slot_splits` then splits each
-# pair's blocks over programs of at least `MIN_SPLIT_SLOTS` slots of a full cache.
+# A program streams its pair's cache blocks one after another, each block's reads
+# waiting on the last one's softmax, so a long cache reads at HBM's rate only when many
+# programs run at once: with fewer (row, key/value head) pairs than
+# `PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, `slot_splits` splits each pair's
+# blocks over programs of at least `MIN_SPLIT_SLOTS` slots of a full cache. On an H200
+# (µs a layer-step, Qwen2.5-0.5B's 2 key/value heads, 8,704 slots half / nearly filled;
+# docs/performance.md, "Long responses"): 32 rows 61.3 / 110.8 in one program against
+# 26.7 / 43.4 in 4 parts; 96 rows 76.4 / 137.2 against 58.7 / 103.3 in 2; 128 rows
+# 83.3 / 149.2 against 76.1 / 135.9 in 2.
 _MULTIPROCESSORS = 132  # an H100's or H200's, where the device does not say
-MIN_SPLIT_SLOTS = 2048
+MIN_SPLIT_SLOTS = 1024
+PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
 def slot_splits(programs: int, num_slots: int, multiprocessors: int | None = None) -> int:
     """Programs per (row, key/value head) for `programs` pairs over caches of `num_slots`
-    slots: enough to fill the multiprocessors, each over at least `MIN_SPLIT_SLOTS`
-    slots; 1 when the pairs alone fill them."""
+    slots: enough for `PROGRAMS_PER_MULTIPROCESSOR` programs on every multiprocessor,
+    each over at least `MIN_SPLIT_SLOTS` slots; 1 when the pairs alone are as many."""
     if multiprocessors is None:
         multiprocessors = getattr(jax.devices()[0], "core_count", None) or _MULTIPROCESSORS
-    if programs >= multiprocessors:
+    target = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
+    if programs >= target:
         return 1
-    return max(1, min(-(-multiprocessors // programs), num_slots // MIN_SPLIT_SLOTS))
+    return max(1, min(-(-target // programs), num_slots // MIN_SPLIT_SLOTS))
 
 
 @dataclasses.dataclass(frozen=True)

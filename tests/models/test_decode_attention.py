@@ -207,16 +207,24 @@ def test_kernel_split_over_slots_matches_one_program(splits):
 
 
 def test_slot_splits_fill_the_multiprocessors_with_long_caches_only():
-    # 4 rows x 2 key/value heads on 132 multiprocessors: ceil(132 / 8) = 17 parts, each
-    # over at least 2,048 of 65,600 slots (32 would fit).
-    assert da.slot_splits(8, 65_600, multiprocessors=132) == 17
-    # ... but a 16,384-slot cache holds only 8 parts of 2,048 slots.
-    assert da.slot_splits(8, 16_384, multiprocessors=132) == 8
-    # Pairs that fill the multiprocessors, or caches under two parts' slots: one program.
-    assert da.slot_splits(256, 65_600, multiprocessors=132) == 1
-    assert da.slot_splits(132, 65_600, multiprocessors=132) == 1
-    assert da.slot_splits(8, 4_095, multiprocessors=132) == 1
-    assert da.slot_splits(100, 65_600, multiprocessors=132) == 2
+    # Two programs a multiprocessor on 132: 264. 4 rows x 2 key/value heads: ceil(264 / 8)
+    # = 33 parts, each over at least 1,024 of 65,600 slots (64 would fit).
+    assert da.slot_splits(8, 65_600, multiprocessors=132) == 33
+    # ... but a 16,384-slot cache holds only 16 parts of 1,024 slots.
+    assert da.slot_splits(8, 16_384, multiprocessors=132) == 16
+    # 128 rows (256 pairs): ceil(264 / 256) = 2; 96 rows: ceil(264 / 192) = 2; 32 rows:
+    # ceil(264 / 64) = 5, under the 8 parts of 1,024 that 8,704 slots hold.
+    assert da.slot_splits(256, 8_704, multiprocessors=132) == 2
+    assert da.slot_splits(192, 8_704, multiprocessors=132) == 2
+    assert da.slot_splits(64, 8_704, multiprocessors=132) == 5
+    # Pairs that fill the multiprocessors twice, or caches under two parts' slots: one
+    # program (the docs workload's 384-slot cache never splits).
+    assert da.slot_splits(264, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(1024, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(8, 2_047, multiprocessors=132) == 1
+    assert da.slot_splits(128, 384, multiprocessors=132) == 1
+    assert da.slot_splits(8, 3_072, multiprocessors=132) == 3
+    assert da.slot_splits(100, 65_600, multiprocessors=78) == 2  # ceil(156 / 100)
 
 
 def test_forced_kernel_on_gpu_names_the_head_dims_it_takes(monkeypatch):

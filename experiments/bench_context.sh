@@ -18,6 +18,7 @@
 #                           experiments/bench_rl_step.py): Qwen2.5-7B, LoRA rank 64,
 #                           4 prompts x 4 samples, P1024 + R32768 forced, mesh.context=4
 #   full05b                 the same for Qwen2.5-0.5B, full fine-tuning, P1024 + R65536
+#   full05b_2               the 0.5B step at P1024 + R32768, mesh.context=2 on two GPUs
 #   decode_split            the decode-attention kernel alone at a few rows of a 65,600-slot
 #                           cache (batch 4 / 16 / 64), one program per (row, head) against
 #                           the split over slots (experiments/bench_decode_kernel.py)
@@ -71,6 +72,8 @@ one() {  # one NAME[@GPUS]
               --max_token_len 33792 ;;
     full05b) run full05b "${gpus:-0,1,2,3}" "${CAP:-300}" . bench_rl_step.py "${FULL[@]}" \
                --response_len 65536 --mesh_context 4 --max_token_len 66560 ;;
+    full05b_2) run full05b_2 "${gpus:-0,1}" "${CAP:-300}" . bench_rl_step.py "${FULL[@]}" \
+                 --response_len 32768 --mesh_context 2 --max_token_len 33792 ;;
     decode_split) run decode_split "${gpus:-0}" "${CAP:-300}" . bench_decode_kernel.py \
                     --batch 4 16 64 --slots 65600 --fill 65000 --splits 0 1 4 8 17 32 \
                     --no_tiles_sweep ;;

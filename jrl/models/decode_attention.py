@@ -13,10 +13,11 @@ yet written after. Three implementations of `append_and_attend`:
   value at `slot`, scores the new token from registers, and runs an online softmax
   over the blocks that hold `[start, slot)`, masking the padding and unwritten slots
   inside its first and last block: no separate RoPE or cache-write kernels, no blocks
-  of padding or unwritten slots read. When the (row, head) pairs are too few to fill
-  the GPU and the cache is long (a few rows of 32k-64k slots: `slot_splits`), each
-  pair's filled blocks are split over several programs whose partial softmax sums one
-  small XLA fusion merges (`Tiles.splits`); otherwise one program runs them all.
+  of padding or unwritten slots read. When the (row, head) pairs are too few to keep
+  the GPU's memory busy and the cache is long (under 132 rows of 8k slots, a few rows
+  of 32k-64k: `slot_splits`), each pair's filled blocks are split over several
+  programs whose partial softmax sums one small XLA fusion merges (`Tiles.splits`);
+  otherwise one program runs them all.
 - `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache; chosen only when forced):
   the same step on Pallas' Mosaic GPU backend. RoPE (and the fused operand's bias)
   and the cache write run in XLA before it, as on the XLA path: the write is a

@@ -12,10 +12,8 @@
 set -uo pipefail
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
-if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site wheels/*.whl || exit 1
-fi
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 declare -A FLAGS=([default]="" [while]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
                   [off]="--xla_gpu_enable_command_buffer=")
 for name in "${@:-default while off}"; do

@@ -33,10 +33,8 @@ OUT=${OUT:-context_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
-SITE=/tmp/site
-if [[ -d wheels && "${SKIP_INSTALL:-0}" != 1 ]]; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" wheels/*.whl 2>/dev/null
-fi
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 COMMON=(--batch 1 --n 4 --prompt_len 1024 --repeats 2)
 FULL=(--algo grpo --batch 4 --n 4 --prompt_len 1024 --warmup 0 --steps 1 --dynamic_bsz)
 DOCS=(--algo grpo --warmup 1 --steps 2 --micro_batch 64 --remat dots_saveable

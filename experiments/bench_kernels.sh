@@ -21,10 +21,9 @@ set -uo pipefail
 OUT=${OUT:-kernels_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [[ -d wheels ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl 2>/dev/null
-  export PYTHONPATH=$PWD:/tmp/site
-fi
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
+export PYTHONPATH=$PWD:/tmp/site
 quiet() { grep -v "^[WI]0000\|^WARNING: All log" ; }
 step() {  # name cap command...
   local name=$1 cap=$2; shift 2

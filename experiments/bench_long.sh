@@ -28,8 +28,8 @@ BUDGET_S=${BUDGET_S:-560}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jrl_jax_cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site wheels/*.whl || exit 1
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 ROOT=$PWD
 LONG=(--preset qwen2.5-0.5b --algo grpo --batch 16 --n 8 --prompt_len 512 --response_len 8192
   --warmup 1 --steps 1)

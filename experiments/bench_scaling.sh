@@ -17,8 +17,8 @@ OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jrl_jax_cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site wheels/*.whl || exit 1
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.txt"
 

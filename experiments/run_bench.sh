@@ -27,11 +27,11 @@ export PYTHONUNBUFFERED=1
 # Runs share compiled programs (the forced and natural GRPO runs differ only in the rollout).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jrl_jax_cache}
 
+source "$(dirname "$0")/wheels.sh"
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
-  wheels=(wheels/*.whl)
-  if [[ "$MODE" != jrl ]]; then wheels+=(.whl/*.whl); fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "${wheels[@]}" || exit 1
+  more=()
+  if [[ "$MODE" != jrl ]]; then more=(.whl/*.whl); fi
+  install_wheels "${more[@]}" || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 

@@ -14,12 +14,15 @@ around it, in a `shard_map` over the mesh:
 
 so one layer moves the chunk's queries, keys, values and outputs once each (about
 `2 (N + K) H T / C` values per device and row) and never holds a `[T, T]` score
-matrix beyond what the local kernel does. The head count must split C ways: when K
-does not, each device repeats its key/value heads up to N first (grouped-query
-attention as multi-head); when N does not either, zero heads pad it up to a multiple
-of C (their outputs are dropped). Masks travel as segment ids (`packed_attention`),
-gathered over `context`, so padded rows (one segment each) and packed rows take the
-same path.
+matrix beyond what the local kernel does. The query heads must split C ways: when N
+does not, zero heads pad it to N' (a multiple of C; their outputs are dropped). When
+the key/value heads K do not split C ways either, the keys and values are gathered
+whole over `context` (`K T` values a device and row, for Qwen2.5-0.5B's 2 heads at
+C = 4 half of what the all-to-all of heads repeated up to N' would move) and each
+device picks the heads its N'/C query heads read; where gathering would move more
+(K C >= N'), the key/value heads are repeated up to N first, grouped-query attention
+run as multi-head. Masks travel as segment ids (`packed_attention`), gathered over
+`context`, so padded rows (one segment each) and packed rows take the same path.
 """
 
 from __future__ import annotations
@@ -71,18 +74,33 @@ def _to_tokens(x_btnh):
     return jax.lax.all_to_all(x_btnh, AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
+def _gathered_heads(k_btkh, v_btkh, *, n: int, padded: int, size: int):
+    """All T tokens of the keys and values this device's query heads read: the chunks
+    gathered over `context`, then for each of its `padded / size` query heads (of `n`
+    real ones padded to `padded`) the key/value head of its group (the last group's
+    for the padding heads, whose outputs are dropped)."""
+    k = k_btkh.shape[2]
+    heads = padded // size
+    first = jax.lax.axis_index(AXIS) * heads
+    group = jnp.minimum(first + jnp.arange(heads), n - 1) // (n // k)
+    return tuple(jnp.take(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), group, axis=2)
+                 for x in (k_btkh, v_btkh))
+
+
 def _local(q_btnh, k_btkh, v_btkh, segment_ids_bt, offsets_bm, lengths_bm, *, size: int,
            impl: str):
     """One device's part: its chunk of every row in, its chunk of the outputs out."""
     n, k = q_btnh.shape[2], k_btkh.shape[2]
-    if k % size:  # grouped-query heads cannot split C ways: as multi-head attention
-        k_btkh, v_btkh = (jnp.repeat(x, n // k, axis=2) for x in (k_btkh, v_btkh))
-        k = n
-    pad = -n % size  # k = n here when n does not split: pad both
-    if pad:
-        widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        q_btnh, k_btkh, v_btkh = widen(q_btnh), widen(k_btkh), widen(v_btkh)
-    q, key, value = (_to_heads(x) for x in (q_btnh, k_btkh, v_btkh))
+    pad = -n % size
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
+    if k % size and k * size < n + pad:  # gather the few key/value heads whole
+        key, value = _gathered_heads(k_btkh, v_btkh, n=n, padded=n + pad, size=size)
+        q = _to_heads(widen(q_btnh))
+    else:
+        if k % size:  # grouped-query heads cannot split C ways: as multi-head attention
+            k_btkh, v_btkh = (jnp.repeat(x, n // k, axis=2) for x in (k_btkh, v_btkh))
+            k_btkh, v_btkh = widen(k_btkh), widen(v_btkh)
+        q, key, value = (_to_heads(x) for x in (widen(q_btnh), k_btkh, v_btkh))
     segment_ids_bt = jax.lax.all_gather(segment_ids_bt, AXIS, axis=1, tiled=True)
     segments = packed_attention.Segments(segment_ids_bt, offsets_bm, lengths_bm)
     out = packed_attention.attend(q, key, value, segments, impl)

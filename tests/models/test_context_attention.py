@@ -45,6 +45,11 @@ _PARITY_SCRIPT = textwrap.dedent("""
         "tensor_packed": (dict(fsdp=2, context=2, tensor=2, data=1), packed, 4, (4, 2)),
         # 2 KV heads on tensor = 4 do not split: heads whole inside.
         "tensor_uneven_padded": (dict(data=1, context=2, tensor=4), padded, 1, (8, 2)),
+        # One KV head (multi-query), N = 8 splits 4 ways: keys and values gathered.
+        "mqa_packed": (dict(data=2, context=4), packed, 4, (8, 1)),
+        # Multi-head, 6 heads at context = 4: gathering would move more (K C >= N'), so
+        # the heads are padded to 8 and traded as the queries are.
+        "mha_pad_padded": (dict(data=2, context=4), padded, 1, (6, 6)),
     }
     out = {}
     for name, (sizes, ids, max_segments, (n, k)) in cases.items():
@@ -70,6 +75,24 @@ _PARITY_SCRIPT = textwrap.dedent("""
                      "grad": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                                  for a, b in zip(grads_got, grads_want)),
                      "grad_norm": float(sum(np.abs(np.asarray(g)).sum() for g in grads_got))}
+
+    # What travels over `context` in the forward program: with Qwen2.5-0.5B's heads
+    # (14 / 2 at context = 4) the queries and outputs as all-to-alls, the keys, values
+    # and segment ids as all-gathers; with 6 / 6 heads the keys and values as
+    # all-to-alls too.
+    for name in ("gqa_pad_packed", "mha_pad_padded"):
+        sizes, ids, max_segments, (n, k) = cases[name]
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+        segments = packed_attention.segments(ids, max_segments)
+        q, key, value, _ = inputs(2, 16, n, k, 8, seed=0)
+
+        def split(q, key, value, segments=segments, sharder=sharder):
+            with sharder.active():
+                return context_attention.attend(q, key, value, segments, "xla")
+
+        text = jax.jit(split).lower(q, key, value).as_text()
+        out[name + "_collectives"] = [text.count("stablehlo.all_to_all"),
+                                      text.count("stablehlo.all_gather")]
 
     # Leaks: perturbing the keys and values of segment 2 (row 0: slots 5..10, across
     # the boundary of chunks 1 and 2 at context = 4) must leave segments 1 and 3 as
@@ -105,12 +128,21 @@ def results():
 
 
 @pytest.mark.parametrize("case", ["gqa_pad_padded", "gqa_pad_packed", "gqa_split_packed",
-                                  "tensor_packed", "tensor_uneven_padded"])
+                                  "tensor_packed", "tensor_uneven_padded", "mqa_packed",
+                                  "mha_pad_padded"])
 def test_outputs_and_gradients_match_one_device(results, case):
     got = results[case]
     assert got["out"] < 1e-5, got
     assert got["grad"] < 1e-4, got
     assert got["grad_norm"] > 1.0, got  # the gradients are not trivially zero
+
+
+def test_few_key_value_heads_travel_gathered_not_repeated(results):
+    # [all-to-alls, all-gathers] in the forward program. 14 / 2 heads at context = 4:
+    # queries and outputs traded (2), keys, values and segment ids gathered (3); 6 / 6
+    # heads: queries, keys, values and outputs traded (4), the segment ids gathered (1).
+    assert results["gqa_pad_packed_collectives"] == [2, 3], results
+    assert results["mha_pad_padded_collectives"] == [4, 1], results
 
 
 def test_attention_does_not_leak_across_segments_or_from_later_chunks(results):

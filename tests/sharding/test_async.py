@@ -51,8 +51,14 @@ def sync(tmp_path_factory) -> list[dict]:
     return _run(tmp_path_factory.mktemp("sync"), "sync", {}, "--train_devices", "4,8")
 
 
-def test_split_without_staleness_is_the_synchronous_trainer(tmp_path, sync):
-    split = _run(tmp_path, "split", {**_SPLIT, "rollout.staleness": 0})
+@pytest.mark.parametrize("extra", [
+    {},
+    # The sampling group decoding in segments (caches of the rows still running) samples
+    # the single program's tokens and log-probs, so the run is still the synchronous one.
+    {"rollout.cache_segments": 3},
+], ids=["one_program", "cache_segments"])
+def test_split_without_staleness_is_the_synchronous_trainer(tmp_path, sync, extra):
+    split = _run(tmp_path, "split", {**_SPLIT, "rollout.staleness": 0, **extra})
     assert len(sync) == len(split) == 4
     for a, b in zip(sync, split, strict=True):
         assert b.pop("async/staleness") == 0.0

@@ -5,7 +5,7 @@ and speed next to the Triton kernel (`impl="pallas"`) and the XLA path.
     python experiments/check_mosaic_decode.py --smoke   # toy sizes, interpret mode, CPU
 
 For each shape (Qwen2.5-0.5B's heads at 64, 256 and 512 rows of 384 slots and 128
-rows of 8,704; Qwen2.5-7B's at 64 rows of 384): random bf16 queries, new keys and
+and 32 rows of 8,704; Qwen2.5-7B's at 64 rows of 384): random bf16 queries, new keys and
 values and caches, rows starting at random slots below 128, the new token 37 slots
 before the end. Each variant (the Mosaic GPU kernel at a few block sizes and buffer
 depths, the Triton kernel at its default tiles, XLA) runs in try/except (a variant
@@ -26,7 +26,8 @@ that does not compile prints its error's first lines, and the next runs), then:
   slots `[start, slot]` alone (the same bytes for every variant).
 
 The Mosaic GPU variants include the fused one (`MosaicTiles.fused`: the cache written
-by the kernel, one XLA fusion before it; " f" in the table). Then the first compact
+by the kernel, one XLA fusion before it; " f" in the table) and one split over slots as
+`slot_splits` chooses (`MosaicTiles.splits=0`, " s"). Then the first compact
 and the first padded Mosaic GPU variants (`MosaicTiles`), unfused and fused, run
 again at the 0.5B shape with the new token at the cache's edges (slots 0, 63, 64, 65,
 127 and the last) for their errors alone. A table is printed and everything written
@@ -54,11 +55,15 @@ SHAPES = {  # name: (B, N, K, H, S)
     "0.5B b256": (256, 14, 2, 64, 384),
     "0.5B b512": (512, 14, 2, 64, 384),
     "0.5B b128 long": (128, 14, 2, 64, 8704),
+    "0.5B b32 long": (32, 14, 2, 64, 8704),
     "7B b64": (64, 28, 4, 128, 384),
 }
 SMOKE_SHAPES = {"toy g7": (2, 14, 2, 64, 256), "toy 7B": (2, 8, 2, 128, 128)}
 MOSAIC_TILES = [da.MosaicTiles(128, 2, compact=True), da.MosaicTiles(128, 3, compact=True),
-                da.MosaicTiles(64, 3, compact=True), da.MosaicTiles(128, 2)]
+                da.MosaicTiles(64, 3, compact=True),
+                # Split over slots as the Triton kernel chooses (`slot_splits`; one part
+                # at short caches and many rows).
+                da.MosaicTiles(128, 2, compact=True, splits=0), da.MosaicTiles(128, 2)]
 # The fused variant (`MosaicTiles.fused`: one XLA fusion before the kernel, the cache
 # written by the kernel; 36 KiB more shared memory at H = 128 than the unfused one: a
 # 128/3 would need 244 KiB there, past Hopper's 227).
@@ -68,10 +73,10 @@ FUSED_TILES = [da.MosaicTiles(128, 2, compact=True, fused=True),
 
 def variants(smoke: bool) -> dict:
     """name: (impl, tiles, block of cache slots read, None for all)."""
-    tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-1:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
+    tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-2:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
              if smoke else MOSAIC_TILES + FUSED_TILES)
-    out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}{' f' if t.fused else ''}":
-           ("mosaic", t, t.block) for t in tiles}
+    out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}{' f' if t.fused else ''}"
+           f"{' s' if t.splits != 1 else ''}": ("mosaic", t, t.block) for t in tiles}
     out["pallas (default)"] = ("pallas", da.TILES, da.TILES.block)
     out["xla"] = ("xla", da.TILES, None)
     return out

@@ -27,7 +27,10 @@ yet written after. Three implementations of `append_and_attend`:
   `[start, slot]` into shared memory with TMA copies (`Tiles.stages` buffers deep,
   one barrier per buffer), scores them with a wgmma of the query group (padded to
   wgmma's 64 rows) against the block's keys, and runs the online softmax on the
-  WGMMA layout before a second wgmma adds the weighted values.
+  WGMMA layout before a second wgmma adds the weighted values. With
+  `MosaicTiles.splits` (not fused; 0: `slot_splits`' choice) each pair's blocks are
+  split over programs as in the Triton kernel, each storing its normalised output and
+  base-2 log-sum-exp, weighed together in XLA (`_merge_parts`).
   `MosaicTiles(fused=True)` (forced only, like the rest of `"mosaic"`): one XLA
   fusion (bias, RoPE, the query group's padding) makes the kernel's one operand,
   and the kernel stores the new key and value at `slot` itself (the cache buffers
@@ -124,23 +127,37 @@ class MosaicTiles:
     buffer it leaves unset score garbage that is never read back). `fused`: the kernel
     takes the new token's query group, key and value as one operand made by one XLA
     fusion (bias, RoPE, padding) and writes the key and value into the cache itself
-    (`_mosaic_fused`), so no cache-write ops run around it."""
+    (`_mosaic_fused`), so no cache-write ops run around it. `splits` (not with
+    `fused`): programs per (row, key/value head), each over its share of the filled
+    blocks, as the Triton kernel's `Tiles.splits` (0: `slot_splits`' choice; each part
+    stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them)."""
 
     block: int = 128
     stages: int = 2
     compact: bool = False
     fused: bool = False
+    splits: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.splits, int) or self.splits < 0 or (self.fused
+                                                                  and self.splits != 1):
+            raise ValueError(f"MosaicTiles.splits must be an integer >= 0 (0: slot_splits' "
+                             f"choice), and 1 with fused=True; got {self.splits} "
+                             f"(fused={self.fused})")
 
     @classmethod
     def from_spec(cls, spec: str) -> MosaicTiles:
-        """From "BLOCK,STAGES[,compact][,fused]" (the benches' flag), e.g. "128,2,fused"."""
+        """From "BLOCK,STAGES[,compact][,fused][,splitsN]" (the benches' flag), e.g.
+        "128,2,fused" or "128,2,compact,splits0"."""
         parts = [p.strip() for p in spec.split(",")]
         flags = set(parts[2:])
-        if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or flags - {"compact",
-                                                                                 "fused"}:
+        splits = [f for f in flags if f.startswith("splits") and f[6:].isdigit()]
+        if (len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or len(splits) > 1
+                or flags - {"compact", "fused", *splits}):
             raise ValueError(f"Mosaic GPU decode tiles {spec!r}: expected "
-                             "BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
-        return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags)
+                             "BLOCK,STAGES[,compact][,fused][,splitsN], e.g. 128,2,compact,fused")
+        return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags,
+                   int(splits[0][6:]) if splits else 1)
 
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
@@ -576,22 +593,38 @@ def _merge_splits(acc_bpnh, top_bpn, total_bpn):
     return jnp.sum(weight_bpn[..., None] * acc_bpnh, axis=1) / total_bn[..., None]
 
 
-def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem, v_smem,
-                   barriers, q_barrier, *, block, stages, scale, interpreted):
+def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block, stages,
+                   scale, interpreted, splits=1):
     """One (row, key/value head) of the Mosaic GPU kernel: its query group, padded to
     `rows` (a multiple of 64, wgmma's M) in `q_smem`, from and to the first rows of
     `q_ref`/`o_ref [B, K, <= rows, H]` (`MosaicTiles.compact`), against the cache
     blocks that hold `[start, slot]`, streamed by TMA through `stages` SMEM buffers of
     `block` slots (one barrier per buffer, for its key and value copies); scores and the
     weighted values are wgmmas, the online softmax runs on the WGMMA layout.
+    With `splits > 1` the grid's third axis is the part: part p runs the p-th share of
+    the blocks and stores its normalised output in `o_ref [B, K, splits, <= rows, H]`
+    and its base-2 log-sum-exp of the scaled scores in `lse_ref [B, K, splits, <= rows]`
+    (a part without blocks: zeros and about -1e30).
     `interpreted`: the interpreter has no `layout_cast` (the layouts of the carried
     values and the slot ids are then left to it) and its wgmma takes neither a
     transposed operand nor one from registers (both matmuls are then dots of the
     tiles loaded from SMEM): the differences from the GPU's code, all behind this
     flag; the TMA copies, barriers and buffer rotation run as on the GPU."""
+    if splits > 1:
+        lse_ref, q_smem, k_smem, v_smem, barriers, q_barrier, lse_smem = refs
+    else:
+        q_smem, k_smem, v_smem, barriers, q_barrier = refs
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
     start, slot = start_ref[b], slot_ref[0]
     first, end = start // block, slot // block + 1  # the blocks holding [start, slot]
+    if splits > 1:  # this part's share of the blocks
+        part = lax.axis_index("parts")
+        share = (end - first + splits - 1) // splits
+        first = jnp.minimum(first + part * share, end)
+        end = jnp.minimum(first + share, end)
+        o_ref, lse_ref = o_ref.at[b, kv, part], lse_ref.at[b, kv, part]
+    else:
+        o_ref = o_ref.at[b, kv]
     rows, h = q_smem.shape
     dtype = q_smem.dtype
 
@@ -634,10 +667,17 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_sm
         pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
         return new_top, total, acc
 
-    _, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
+    top, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
+    if splits > 1:  # a part without blocks: total 0, acc 0
+        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+        lse_smem[...] = top + jnp.log2(total)
     q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
     mgpu.commit_smem()
-    mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
+    mgpu.copy_smem_to_gmem(group_rows, o_ref)
+    if splits > 1:
+        moved = o_ref.shape[0]
+        lse_rows = lse_smem if moved == rows else lse_smem.at[pl.ds(0, moved)]
+        mgpu.copy_smem_to_gmem(lse_rows, lse_ref)
     mgpu.wait_smem_to_gmem(0)
 
 
@@ -709,27 +749,47 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
     dtype."""
     b, n, h = q_bnh.shape
-    kv, dtype = k_bksh.shape[1], k_bksh.dtype
+    kv, s, dtype = k_bksh.shape[1], k_bksh.shape[2], k_bksh.dtype
     block, stages, group, rows, moved, transforms = _mosaic_layout(n, k_bksh, v_bksh, tiles)
+    splits = tiles.splits or slot_splits(b * kv, s)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
                      ((0, 0), (0, 0), (0, moved - group), (0, 0)))
     interpreted = mosaic_backend.interpret(interpret)
     kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
-                               scale=1.0 / math.sqrt(h), interpreted=bool(interpreted))
-    out_bkrh = mgpu.kernel(
+                               scale=1.0 / math.sqrt(h), interpreted=bool(interpreted),
+                               splits=splits)
+    scratch = [mgpu.SMEM((rows, h), dtype, transforms=transforms),
+               mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+               mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+               mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+               mgpu.Barrier(num_arrivals=1)]
+    if splits == 1:
+        out_type, grid = jax.ShapeDtypeStruct((b, kv, moved, h), dtype), (b, kv)
+    else:
+        out_type = (jax.ShapeDtypeStruct((b, kv, splits, moved, h), dtype),
+                    jax.ShapeDtypeStruct((b, kv, splits, moved), jnp.float32))
+        grid = (b, kv, splits)
+        scratch.append(mgpu.SMEM((rows,), jnp.float32))
+    out = mgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
-        scratch_types=[mgpu.SMEM((rows, h), dtype, transforms=transforms),
-                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
-                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
-                       mgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                       mgpu.Barrier(num_arrivals=1)],
-        grid=(b, kv),
-        grid_names=("rows", "heads"),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=("rows", "heads", "parts")[:len(grid)],
         compiler_params=mgpu.CompilerParams(approx_math=True),
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
+    out_bkrh = out if splits == 1 else _merge_parts(*out)
     return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
+
+
+def _merge_parts(out_bkprh, lse_bkpr):
+    """The attention output `[B, K, rows, H]` (float32) from the parts' normalised
+    outputs and base-2 log-sum-exps, each weighted by its share of the softmax's sum."""
+    weight_bkpr = jnp.exp2(lse_bkpr - jnp.max(lse_bkpr, axis=2, keepdims=True))
+    total_bkr = jnp.sum(weight_bkpr, axis=2)
+    merged = jnp.sum(weight_bkpr[..., None] * out_bkprh.astype(jnp.float32), axis=2)
+    return merged / total_bkr[..., None]
 
 
 def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem,

@@ -507,6 +507,22 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
 
 
 @NEEDS_MOSAIC
+def test_mosaic_tiles_from_the_benches_spec():
+    assert da.MosaicTiles.from_spec("128,2") == da.MosaicTiles(128, 2)
+    assert da.MosaicTiles.from_spec("64,3,compact,fused") == da.MosaicTiles(
+        64, 3, compact=True, fused=True)
+    assert da.MosaicTiles.from_spec("128,2,splits0") == da.MosaicTiles(128, 2, splits=0)
+    assert da.MosaicTiles.from_spec("128,2,compact,splits4").splits == 4
+    for bad in ("128", "128,2,fast", "128,2,splits", "128,2,splits1,splits2"):
+        with pytest.raises(ValueError, match="BLOCK,STAGES"):
+            da.MosaicTiles.from_spec(bad)
+    # The fused kernel writes the new token itself: one program per (row, head).
+    with pytest.raises(ValueError, match="1 with fused=True"):
+        da.MosaicTiles(fused=True, splits=2)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        da.MosaicTiles(splits=-1)
+
+
 def test_mosaic_is_chosen_only_when_forced(monkeypatch):
     """"mosaic" is a forced choice (never "auto"'s), rounds the cache to whole blocks like
     "pallas", stops with a ConfigError naming the key without the Mosaic GPU backend,
@@ -539,14 +555,17 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
 @pytest.mark.parametrize("tiles", [da.Tiles(64, 4, 3), da.Tiles(128, 4, 2),
                                    da.MosaicTiles(64, 3, compact=True),
                                    da.MosaicTiles(128, 2, compact=True),
+                                   da.MosaicTiles(64, 2, splits=3),
+                                   da.MosaicTiles(64, 3, compact=True, splits=8),
                                    da.MosaicTiles(64, 3, fused=True),
                                    da.MosaicTiles(128, 2, compact=True, fused=True)])
 def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
     """A long cache (8 blocks of 64 slots): rows reading more blocks than the kernel has
     buffers (each buffer refilled), a row starting in the slot's block, a row whose
     only token is the new one; the slot mid-block; the query group moved as 64 rows or
-    as 8 (compact); the cache written by XLA or by the kernel (fused). Outputs match
-    the XLA path and the updated cache equals it exactly, whatever junk lies outside
+    as 8 (compact); the cache written by XLA or by the kernel (fused); each row's blocks
+    split over 3 or 8 parts (rows with fewer blocks than parts leave parts empty). Outputs
+    match the XLA path and the updated cache equals it exactly, whatever junk lies outside
     `[start, slot]`."""
     keys = jax.random.split(jax.random.key(4), 6)
     b, n, kv, h, slots, slot = 4, 14, 2, 64, 512, 455

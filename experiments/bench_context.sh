@@ -25,7 +25,9 @@
 #   docs / docs_before      the docs workload's GRPO step (P128 + R256 forced, 64 x 8) on
 #                           one GPU, from this tree / from the tree in before/ (the
 #                           1-GPU path before the context axis and the cache segments)
-# The full steps are run once (--warmup 0): their figures include compiling. Needs
+# The full steps run one warm-up step (compiling; FULL_WARMUP=0 skips it, and the one
+# step's figures then include compiling) and one timed step, with the update's layers
+# rolled (`--scan_unroll off`: an unrolled 7B update compiles for minutes). Needs
 # wheels/ (ml_collections, absl, tensorboardX) beside the tree when they are not
 # installed (SKIP_INSTALL=1 skips installing them).
 set -uo pipefail
@@ -36,7 +38,8 @@ export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/wheels.sh"
 install_wheels || exit 1
 COMMON=(--batch 1 --n 4 --prompt_len 1024 --repeats 2)
-FULL=(--algo grpo --batch 4 --n 4 --prompt_len 1024 --warmup 0 --steps 1 --dynamic_bsz)
+FULL=(--algo grpo --batch 4 --n 4 --prompt_len 1024 --warmup "${FULL_WARMUP:-1}" --steps 1
+      --dynamic_bsz --scan_unroll off)
 DOCS=(--algo grpo --warmup 1 --steps 2 --micro_batch 64 --remat dots_saveable
       --logprob_chunk_size 64 --scan_unroll)
 

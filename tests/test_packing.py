@@ -83,6 +83,30 @@ def test_segment_offsets():
     np.testing.assert_array_equal(lengths, [[3, 2, -1], [7, -1, -1], [-1] * 3])
 
 
+@pytest.mark.parametrize("max_segments", [1, 3])
+def test_cudnn_is_handed_the_segment_offsets(monkeypatch, max_segments):
+    """JAX passes cuDNN the offsets only with two or more segments a row
+    (`get_max_seg_per_batch`); without them cuDNN starts every row's tokens at slot 0,
+    so a left-padded row (one segment, under `mesh.context`) must still carry them."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    seen = {}
+
+    def fake(q, k, v, *, q_offsets, kv_offsets, q_seqlen, kv_seqlen, **kwargs):
+        seen.update(q_offsets=q_offsets, kv_offsets=kv_offsets, q_seqlen=q_seqlen)
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", fake)
+    ids = jnp.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], jnp.int32)  # left padding
+    q = jnp.ones((2, 6, 2, 8), jnp.bfloat16)
+    packed_attention._cudnn(q, q[:, :, :1], q[:, :, :1],
+                            packed_attention.segments(ids, max_segments))
+    for key in ("q_offsets", "kv_offsets"):
+        assert cudnn.get_max_seg_per_batch(seen[key]) > 1, seen[key].shape
+        np.testing.assert_array_equal(np.asarray(seen[key])[:, 0], [2, 0])
+    np.testing.assert_array_equal(np.asarray(seen["q_seqlen"])[:, 0], [4, 6])
+
+
 def test_dense_mask_blocks_other_segments_and_the_future():
     mask = np.asarray(packed_attention.dense_mask(jnp.array([[1, 1, 2, 2, 0]])))[0, 0]
     expected = np.array([[1, 0, 0, 0, 0],

@@ -122,6 +122,12 @@ def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     offsets, lengths = segments.offsets_bm, segments.lengths_bm
+    if offsets.shape[1] == 2:
+        # One segment a row (padded rows under `context`): JAX hands cuDNN the offsets
+        # only for two or more segments a row, and without them cuDNN would take each
+        # row's tokens as starting at slot 0. An empty second segment keeps them.
+        offsets, lengths = (jnp.pad(x, ((0, 0), (0, 1)), constant_values=-1)
+                            for x in (offsets, lengths))
     scale = 1.0 / float(q_btnh.shape[-1]) ** 0.5
     # Unused slots belong to no segment: cuDNN writes neither their outputs nor their
     # gradients (memory is left as it was). Selecting around the call makes both zero.

@@ -17,6 +17,19 @@ from ml_collections import config_dict
 
 from jrl.errors import ConfigError
 
+# From this response length `rollout.decode_buckets`' default (None) compacts the decode
+# loop's rows into 8 batch sizes, not 4 (R8192, lengths uniform in [512, 8192]: the
+# rollout 16.9 -> 15.5 s on an H200; docs/performance.md, "Long responses").
+LONG_DECODE = 4096
+
+
+def decode_buckets(value, response_length) -> int:
+    """`rollout.decode_buckets` as the sampler takes it: `value`, or for None (the
+    default) 4, or 8 from `LONG_DECODE` response tokens."""
+    if value is not None:
+        return value
+    return 8 if isinstance(response_length, int) and response_length >= LONG_DECODE else 4
+
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()

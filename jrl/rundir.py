@@ -35,7 +35,7 @@ from typing import Any
 
 import ml_collections
 
-from jrl import config_docs, interrupt
+from jrl import config_defaults, config_docs, interrupt
 from jrl.errors import CheckpointError, ConfigError, RunDirError
 
 CONFIG_FILE = "config.json"
@@ -102,9 +102,14 @@ def extends(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 def may_change(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     """Whether `key` may differ between two starts of one run (flattened configs): the
     `CONTROL_KEYS`, `reward.error_score` while the old start stopped on reward errors
-    (it scored none), and `trainer.total_training_steps` when it `extends` the run."""
+    (it scored none), `trainer.total_training_steps` when it `extends` the run, and
+    `rollout.decode_buckets` between its default (None) and the number that stands for."""
     if _matches(key, CONTROL_KEYS):
         return True
+    if key == "rollout.decode_buckets":  # the default (None) and the number it stands for
+        resolve = lambda c: config_defaults.decode_buckets(c.get(key),
+                                                           c.get("rollout.response_length"))
+        return resolve(old) == resolve(new)
     if key == "reward.error_score":
         return old.get("reward.on_error", "raise") == "raise"
     return key == "trainer.total_training_steps" and extends(old, new)

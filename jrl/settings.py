@@ -12,7 +12,18 @@ import os
 
 import ml_collections
 
-from jrl import advantages, buckets, kl_control, losses, masks, multi_turn, optim, rollout, tools
+from jrl import (
+    advantages,
+    buckets,
+    config_defaults,
+    kl_control,
+    losses,
+    masks,
+    multi_turn,
+    optim,
+    rollout,
+    tools,
+)
 from jrl import rollout_correction as rollout_correction
 from jrl.errors import ConfigError
 from jrl.models import config as model_config
@@ -639,18 +650,10 @@ def _log_prob_max_token_len(config) -> int | None:
     return _get(config, "rollout.log_prob_max_token_len_per_gpu")
 
 
-# From this response length the decode loop's default compacts to 8 batch sizes, not 4
-# (R8192, lengths uniform in [512, 8192]: the rollout 16.9 -> 15.5 s on an H200).
-LONG_DECODE = 4096
-
-
 def _decode_buckets(config):
     """`rollout.decode_buckets`, its default (None) resolved from the response length."""
-    buckets = _get(config, "rollout.decode_buckets")
-    if buckets is not None:
-        return buckets
-    length = _get(config, "rollout.response_length")
-    return 8 if isinstance(length, int) and length >= LONG_DECODE else 4
+    return config_defaults.decode_buckets(_get(config, "rollout.decode_buckets"),
+                                          _get(config, "rollout.response_length"))
 
 
 def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:

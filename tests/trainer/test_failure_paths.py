@@ -114,6 +114,16 @@ def test_keys_that_may_change_on_resume():
         "reward.on_error": "score", "reward.error_score": -1.0}))) == [
         ("reward.error_score", 0.0, -1.0)]
     assert changed(**{"actor.optim.lr": 1e-4}) == [("actor.optim.lr", 1e-3, 1e-4)]
+    # rollout.decode_buckets' default (None) and the number it stands for are one setting:
+    # 4 below 4,096 response tokens, 8 from there (a run directory written before the
+    # default became None holds the number).
+    at = lambda buckets, length: rundir.flatten(_config(**{
+        "rollout.decode_buckets": buckets, "rollout.response_length": length}))
+    assert rundir.run_changes(at(4, 64), at(None, 64)) == []
+    assert rundir.run_changes(at(None, 4096), at(8, 4096)) == []
+    assert rundir.run_changes(at(4, 64), at(2, 64)) == [("rollout.decode_buckets", 4, 2)]
+    assert rundir.run_changes(at(4, 4096), at(None, 4096)) == [
+        ("rollout.decode_buckets", 4, None)]
 
 
 def test_finished_run_extended_resumes_from_its_last_checkpoint(tmp_path, capsys):

@@ -12,9 +12,10 @@ around it, in a `shard_map` over the mesh:
       -> packed_attention.attend               (cuDNN, splash or XLA, unchanged)
       -> all_to_all back                       each device: its chunk, all heads
 
-so one layer moves the chunk's queries, keys, values and outputs once each (about
-`2 (N + K) H T / C` values per device and row) and never holds a `[T, T]` score
-matrix beyond what the local kernel does. The query heads must split C ways: when N
+so one layer moves the chunk's queries and outputs once each (`2 N' H T / C` values per
+device and row, `N'` the query heads padded as below) and its keys and values traded
+the same way (`2 K H T / C`) or gathered (`2 K H T (C - 1) / C`), and never holds a
+`[T, T]` score matrix beyond what the local kernel does. The query heads must split C ways: when N
 does not, zero heads pad it to N' (a multiple of C; their outputs are dropped). When
 the key/value heads K do not split C ways either, the keys and values are gathered
 whole over `context` (`K T` values a device and row, for Qwen2.5-0.5B's 2 heads at

@@ -130,13 +130,19 @@ class MosaicTiles:
     (`_mosaic_fused`), so no cache-write ops run around it. `splits` (not with
     `fused`): programs per (row, key/value head), each over its share of the filled
     blocks, as the Triton kernel's `Tiles.splits` (0: `slot_splits`' choice; each part
-    stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them)."""
+    stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them).
+    `row_group` (not with `fused` or `splits`): batch rows per program, their blocks
+    streamed through one pipeline (`_mosaic_rows_kernel`), so a short cache's copies of
+    the next row overlap this row's math; a row group that does not divide a shard's rows
+    falls back to one row a program. `split_like`: as `Tiles.split_like`."""
 
     block: int = 128
     stages: int = 2
     compact: bool = False
     fused: bool = False
     splits: int = 1
+    row_group: int = 1
+    split_like: tuple[int, int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.splits, int) or self.splits < 0 or (self.fused
@@ -144,20 +150,27 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.splits must be an integer >= 0 (0: slot_splits' "
                              f"choice), and 1 with fused=True; got {self.splits} "
                              f"(fused={self.fused})")
+        if not isinstance(self.row_group, int) or self.row_group < 1 or (
+                self.row_group > 1 and (self.fused or self.splits != 1)):
+            raise ValueError(f"MosaicTiles.row_group must be an integer >= 1, and 1 with "
+                             f"fused=True or splits other than 1; got {self.row_group}")
 
     @classmethod
     def from_spec(cls, spec: str) -> MosaicTiles:
-        """From "BLOCK,STAGES[,compact][,fused][,splitsN]" (the benches' flag), e.g.
-        "128,2,fused" or "128,2,compact,splits0"."""
+        """From "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN]" (the benches' flag),
+        e.g. "128,2,fused", "128,2,compact,splits0" or "128,2,compact,rows4"."""
         parts = [p.strip() for p in spec.split(",")]
         flags = set(parts[2:])
         splits = [f for f in flags if f.startswith("splits") and f[6:].isdigit()]
+        groups = [f for f in flags if f.startswith("rows") and f[4:].isdigit()]
         if (len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or len(splits) > 1
-                or flags - {"compact", "fused", *splits}):
+                or len(groups) > 1 or flags - {"compact", "fused", *splits, *groups}):
             raise ValueError(f"Mosaic GPU decode tiles {spec!r}: expected "
-                             "BLOCK,STAGES[,compact][,fused][,splitsN], e.g. 128,2,compact,fused")
+                             "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN], e.g. "
+                             "128,2,compact,fused")
         return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags,
-                   int(splits[0][6:]) if splits else 1)
+                   int(splits[0][6:]) if splits else 1,
+                   int(groups[0][4:]) if groups else 1)
 
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
@@ -681,6 +694,86 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     mgpu.wait_smem_to_gmem(0)
 
 
+def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem, k_smem,
+                        v_smem, o_smem, barriers, q_barriers, *, block, stages, scale,
+                        group_rows, interpreted):
+    """`group_rows` batch rows of one key/value head in one program: as `_mosaic_kernel`,
+    but every row reads the blocks `[0, slot]` (the same count for all rows: slots before
+    its `start` are masked), and the (row, block) pairs run as one loop through one
+    pipeline of `stages` key/value buffers, so the next row's copies are in flight while
+    a row ends. Each row's query group arrives in one of two `q_smem` buffers (the next
+    row's copy issued when a row starts); its output leaves through `o_smem` (a row's
+    store waits for the previous row's)."""
+    kv = lax.axis_index("heads")
+    base = lax.axis_index("rows") * group_rows
+    slot = slot_ref[0]
+    blocks = slot // block + 1
+    count = group_rows * blocks
+    rows, h = q_smem.shape[1:]
+    moved = q_ref.shape[2]
+    dtype = q_smem.dtype
+    q_rows = lambda i: q_smem.at[i] if moved == rows else q_smem.at[i, pl.ds(0, moved)]
+    out_rows = o_smem if moved == rows else o_smem.at[pl.ds(0, moved)]
+
+    def fetch(t, buffer):
+        row, blk = base + t // blocks, pl.ds((t % blocks) * block, block)
+        mgpu.copy_gmem_to_smem(k_ref.at[row, kv, blk], k_smem.at[buffer], barriers.at[buffer])
+        mgpu.copy_gmem_to_smem(v_ref.at[row, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+
+    def fetch_query(r):
+        mgpu.copy_gmem_to_smem(q_ref.at[base + r, kv], q_rows(r % 2), q_barriers.at[r % 2])
+
+    fetch_query(0)
+    for i in range(stages):
+        pl.when(i < count)(functools.partial(fetch, i, i))
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    row_layout = mgpu.Layout.WGMMA.reduce(1)
+    floor = lambda: cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
+    zeros = lambda shape, layout: cast(jnp.zeros(shape, jnp.float32), layout)
+    log2e = math.log2(math.e)
+
+    def step(t, carry):
+        top, total, acc = carry
+        r, j = t // blocks, t % blocks
+        start = start_ref[base + r]
+
+        @pl.when(j == 0)
+        def _():  # a new row: its query group arrived, the next row's starts
+            mgpu.barrier_wait(q_barriers.at[r % 2])
+            pl.when(r + 1 < group_rows)(functools.partial(fetch_query, r + 1))
+
+        fresh = j == 0
+        top = jnp.where(fresh, floor(), top)
+        total = jnp.where(fresh, zeros((rows,), row_layout), total)
+        acc = jnp.where(fresh, zeros((rows, h), mgpu.Layout.WGMMA), acc)
+        buffer = lax.rem(t, stages)
+        mgpu.barrier_wait(barriers.at[buffer])
+        logits = _scores(q_smem.at[r % 2], k_smem.at[buffer], interpreted)
+        ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
+                               mgpu.Layout.WGMMA)
+        logits = jnp.where((ids >= start) & (ids <= slot), logits * (scale * log2e), -jnp.inf)
+        new_top = jnp.maximum(top, logits.max(axis=1))
+        correction = jnp.exp2(top - new_top)
+        weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+        total = total * correction + weights.sum(axis=1)
+        weighted = _weighted(weights.astype(dtype), v_smem.at[buffer], interpreted)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        pl.when(t + stages < count)(functools.partial(fetch, t + stages, buffer))
+
+        @pl.when(j == blocks - 1)
+        def _():  # the row's last block: its output leaves
+            mgpu.wait_smem_to_gmem(0)  # the previous row's store has read o_smem
+            o_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+            mgpu.commit_smem()
+            mgpu.copy_smem_to_gmem(out_rows, o_ref.at[base + r, kv])
+
+        return new_top, total, acc
+
+    lax.fori_loop(0, count, step, (floor(), zeros((rows,), row_layout),
+                                   zeros((rows, h), mgpu.Layout.WGMMA)))
+    mgpu.wait_smem_to_gmem(0)
+
+
 def _scores(q_smem, k_tile, interpreted):
     """`q k^T` of the query rows and one block's keys, `[rows, block]` float32: a wgmma
     of two SMEM operands, the keys transposed (`interpreted`: a dot of the loaded
@@ -751,10 +844,16 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     b, n, h = q_bnh.shape
     kv, s, dtype = k_bksh.shape[1], k_bksh.shape[2], k_bksh.dtype
     block, stages, group, rows, moved, transforms = _mosaic_layout(n, k_bksh, v_bksh, tiles)
-    splits = tiles.splits or slot_splits(b * kv, s)
+    rows_like, slots_like = tiles.split_like or (b, s)
+    splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
                      ((0, 0), (0, 0), (0, moved - group), (0, 0)))
     interpreted = mosaic_backend.interpret(interpret)
+    if tiles.row_group > 1 and b % tiles.row_group == 0:
+        out_bkrh = _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot,
+                                layout=_mosaic_layout(n, k_bksh, v_bksh, tiles),
+                                group_rows=tiles.row_group, interpreted=interpreted)
+        return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
     kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
                                scale=1.0 / math.sqrt(h), interpreted=bool(interpreted),
                                splits=splits)
@@ -781,6 +880,33 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
     out_bkrh = out if splits == 1 else _merge_parts(*out)
     return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
+
+
+def _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot, *, layout: _Layout, group_rows: int,
+                 interpreted):
+    """`_mosaic_rows_kernel` over `[B, K, moved, H]` query groups, `group_rows` rows a
+    program (which divides B); `[B, K, moved, H]` outputs in the cache's dtype."""
+    b, kv, moved, h = q_bkrh.shape
+    dtype = k_bksh.dtype
+    block, stages, rows, transforms = layout.block, layout.stages, layout.rows, \
+        layout.transforms
+    kernel = functools.partial(_mosaic_rows_kernel, block=block, stages=stages,
+                               scale=1.0 / math.sqrt(h), group_rows=group_rows,
+                               interpreted=bool(interpreted))
+    return mgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
+        scratch_types=[mgpu.SMEM((2, rows, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
+                       mgpu.SMEM((rows, h), dtype, transforms=transforms),
+                       mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       mgpu.Barrier(num_arrivals=1, num_barriers=2)],
+        grid=(b // group_rows, kv),
+        grid_names=("rows", "heads"),
+        compiler_params=mgpu.CompilerParams(approx_math=True),
+        interpret=interpreted,
+    )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
 
 
 def _merge_parts(out_bkprh, lse_bkpr):

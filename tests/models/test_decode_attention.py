@@ -513,7 +513,9 @@ def test_mosaic_tiles_from_the_benches_spec():
         64, 3, compact=True, fused=True)
     assert da.MosaicTiles.from_spec("128,2,splits0") == da.MosaicTiles(128, 2, splits=0)
     assert da.MosaicTiles.from_spec("128,2,compact,splits4").splits == 4
-    for bad in ("128", "128,2,fast", "128,2,splits", "128,2,splits1,splits2"):
+    assert da.MosaicTiles.from_spec("128,2,compact,rows4") == da.MosaicTiles(
+        128, 2, compact=True, row_group=4)
+    for bad in ("128", "128,2,fast", "128,2,splits", "128,2,splits1,splits2", "128,2,rows"):
         with pytest.raises(ValueError, match="BLOCK,STAGES"):
             da.MosaicTiles.from_spec(bad)
     # The fused kernel writes the new token itself: one program per (row, head).
@@ -521,6 +523,9 @@ def test_mosaic_tiles_from_the_benches_spec():
         da.MosaicTiles(fused=True, splits=2)
     with pytest.raises(ValueError, match="integer >= 0"):
         da.MosaicTiles(splits=-1)
+    for bad in (dict(row_group=0), dict(row_group=2, fused=True), dict(row_group=2, splits=0)):
+        with pytest.raises(ValueError, match="row_group"):
+            da.MosaicTiles(**bad)
 
 
 def test_mosaic_is_chosen_only_when_forced(monkeypatch):
@@ -557,6 +562,9 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
                                    da.MosaicTiles(128, 2, compact=True),
                                    da.MosaicTiles(64, 2, splits=3),
                                    da.MosaicTiles(64, 3, compact=True, splits=8),
+                                   da.MosaicTiles(64, 2, row_group=2),
+                                   da.MosaicTiles(64, 3, compact=True, row_group=4),
+                                   da.MosaicTiles(64, 2, row_group=3),  # 4 rows: one a program
                                    da.MosaicTiles(64, 3, fused=True),
                                    da.MosaicTiles(128, 2, compact=True, fused=True)])
 def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
@@ -564,7 +572,8 @@ def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
     buffers (each buffer refilled), a row starting in the slot's block, a row whose
     only token is the new one; the slot mid-block; the query group moved as 64 rows or
     as 8 (compact); the cache written by XLA or by the kernel (fused); each row's blocks
-    split over 3 or 8 parts (rows with fewer blocks than parts leave parts empty). Outputs
+    split over 3 or 8 parts (rows with fewer blocks than parts leave parts empty), or 2 or
+    4 rows a program through one pipeline (the rows' blocks from the first). Outputs
     match the XLA path and the updated cache equals it exactly, whatever junk lies outside
     `[start, slot]`."""
     keys = jax.random.split(jax.random.key(4), 6)

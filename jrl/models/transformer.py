@@ -529,14 +529,15 @@ def _decode_impl(config: ModelConfig) -> str:
     return "mosaic" if config.decode_attention_impl == "mosaic" else "pallas"
 
 
-def _decode_tiles(config: ModelConfig, cache) -> decode_lib.Tiles | None:
-    """The decode kernel's settings: its defaults (None), except that the Triton kernel
-    on a `RowCache` splits the slots as it would on the single sampling program's cache
-    (the batch's rows a shard, its slots), so the segments give that program's bits."""
-    if not isinstance(cache, RowCache) or _decode_impl(config) != "pallas":
+def _decode_tiles(config: ModelConfig, cache):
+    """The decode kernel's settings: its defaults (None), except that a kernel on a
+    `RowCache` splits the slots as it would on the single sampling program's cache (the
+    batch's rows a shard, its slots), so the segments give that program's bits."""
+    if not isinstance(cache, RowCache):
         return None
     like = (cache.cache_rows.shape[1], max(cache.softmax_slots, cache.max_len))
-    return dataclasses.replace(decode_lib.TILES, split_like=like)
+    tiles = decode_lib.TILES if _decode_impl(config) == "pallas" else decode_lib.MOSAIC_TILES
+    return dataclasses.replace(tiles, split_like=like)
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

@@ -27,7 +27,8 @@ that does not compile prints its error's first lines, and the next runs), then:
 
 The Mosaic GPU variants include the fused one (`MosaicTiles.fused`: the cache written
 by the kernel, one XLA fusion before it; " f" in the table) and one split over slots as
-`slot_splits` chooses (`MosaicTiles.splits=0`, " s"). Then the first compact
+`slot_splits` chooses (`MosaicTiles.splits=0`, " s") or with 4 or 8 rows a program
+(`MosaicTiles.row_group`, " r4", " r8"). Then the first compact
 and the first padded Mosaic GPU variants (`MosaicTiles`), unfused and fused, run
 again at the 0.5B shape with the new token at the cache's edges (slots 0, 63, 64, 65,
 127 and the last) for their errors alone. A table is printed and everything written
@@ -63,7 +64,10 @@ MOSAIC_TILES = [da.MosaicTiles(128, 2, compact=True), da.MosaicTiles(128, 3, com
                 da.MosaicTiles(64, 3, compact=True),
                 # Split over slots as the Triton kernel chooses (`slot_splits`; one part
                 # at short caches and many rows).
-                da.MosaicTiles(128, 2, compact=True, splits=0), da.MosaicTiles(128, 2)]
+                da.MosaicTiles(128, 2, compact=True, splits=0),
+                # Several rows a program through one pipeline (short caches).
+                da.MosaicTiles(128, 2, compact=True, row_group=4),
+                da.MosaicTiles(128, 3, compact=True, row_group=8), da.MosaicTiles(128, 2)]
 # The fused variant (`MosaicTiles.fused`: one XLA fusion before the kernel, the cache
 # written by the kernel; 36 KiB more shared memory at H = 128 than the unfused one: a
 # 128/3 would need 244 KiB there, past Hopper's 227).
@@ -76,7 +80,8 @@ def variants(smoke: bool) -> dict:
     tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-2:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
              if smoke else MOSAIC_TILES + FUSED_TILES)
     out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}{' f' if t.fused else ''}"
-           f"{' s' if t.splits != 1 else ''}": ("mosaic", t, t.block) for t in tiles}
+           f"{' s' if t.splits != 1 else ''}{f' r{t.row_group}' if t.row_group > 1 else ''}":
+           ("mosaic", t, t.block) for t in tiles}
     out["pallas (default)"] = ("pallas", da.TILES, da.TILES.block)
     out["xla"] = ("xla", da.TILES, None)
     return out

@@ -30,7 +30,10 @@ yet written after. Three implementations of `append_and_attend`:
   WGMMA layout before a second wgmma adds the weighted values. With
   `MosaicTiles.splits` (not fused; 0: `slot_splits`' choice) each pair's blocks are
   split over programs as in the Triton kernel, each storing its normalised output and
-  base-2 log-sum-exp, weighed together in XLA (`_merge_parts`).
+  base-2 log-sum-exp, weighed together in XLA (`_merge_parts`). With
+  `MosaicTiles.row_group` one program runs several batch rows of a key/value head
+  through one pipeline of copies (`_mosaic_rows_kernel`), for short caches, where a
+  program of one row waits on each copy with nothing else to do.
   `MosaicTiles(fused=True)` (forced only, like the rest of `"mosaic"`): one XLA
   fusion (bias, RoPE, the query group's padding) makes the kernel's one operand,
   and the kernel stores the new key and value at `slot` itself (the cache buffers

@@ -745,10 +745,11 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
             mgpu.barrier_wait(q_barriers.at[r % 2])
             pl.when(r + 1 < group_rows)(functools.partial(fetch_query, r + 1))
 
-        fresh = j == 0
-        top = jnp.where(fresh, floor(), top)
-        total = jnp.where(fresh, zeros((rows,), row_layout), total)
-        acc = jnp.where(fresh, zeros((rows, h), mgpu.Layout.WGMMA), acc)
+        # A new row's sums start afresh: scaled by 0 (a scalar factor; `top` is always
+        # finite, so this keeps a running row's state exactly).
+        keep = (j != 0).astype(jnp.float32)
+        top = top * keep + (1.0 - keep) * -1e30
+        total, acc = total * keep, acc * keep
         buffer = lax.rem(t, stages)
         mgpu.barrier_wait(barriers.at[buffer])
         logits = _scores(q_smem.at[r % 2], k_smem.at[buffer], interpreted)

@@ -234,7 +234,7 @@ def token_log_probs(
 
     weight, vocab_first = _unembedding(params)
     if isinstance(temperature, int | float):
-        impl = head_kernel.choose_impl(impl, d, with_entropy)
+        impl = head_kernel.choose_impl(impl, d, with_entropy, hidden_brd.dtype)
         lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
                                            temperature, with_entropy, entropy_grad, impl)
     else:  # traced (a sweep's run): an operand, and the XLA head (the kernel's is static)

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
+from jrl.errors import ConfigError
 from jrl.models import mosaic_backend
 
 Array = jax.Array
@@ -103,10 +104,13 @@ MOSAIC_FORWARD = MosaicBlocks(t=128, v=256, k=64, stages=3, overlap=True, group=
 IMPLS = ("auto", "xla", "mosaic")
 
 
-def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
+def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True,
+                dtype=jnp.bfloat16) -> str:
     """`"mosaic"` where the kernel applies (a Hopper GPU, jax with Pallas' Mosaic GPU
-    backend, a hidden size of whole `MOSAIC_FORWARD.k` steps up to `MAX_HIDDEN`, no
-    `tensor` or `context` axis over 1 in the active mesh), else `"xla"`; a forced `impl` is returned
+    backend, 16-bit operands (`dtype`, the compute dtype: wgmma transposes only 16-bit
+    operands, and float32 tiles would not fit shared memory), a hidden size of whole
+    `MOSAIC_FORWARD.k` steps up to `MAX_HIDDEN`, no `tensor` or `context` axis over 1
+    in the active mesh), else `"xla"`; a forced `impl` is returned
     as is (a forced `"mosaic"` without Mosaic GPU stops with a ConfigError, and
     `"pallas"`, the Triton kernel this one replaced, with a ValueError naming the
     choices).
@@ -121,14 +125,19 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True) -> str:
     if impl not in IMPLS:
         raise ValueError(f"log-prob impl must be one of {', '.join(map(repr, IMPLS))}, "
                          f"got {impl!r}")
+    half = jnp.dtype(dtype).itemsize == 2
     if impl == "mosaic":
         mosaic_backend.require("model.logprob_impl")
+        if not half and jax.default_backend() == "gpu":
+            raise ConfigError(f"model.logprob_impl='mosaic' needs a 16-bit compute dtype "
+                              f"(model.dtype bfloat16 or float16), got {jnp.dtype(dtype).name}; "
+                              "use 'auto' or 'xla'")
     if impl != "auto":
         return impl
     sharder = sharding.active_sharder()
     shape = {} if sharder is None else sharder.mesh.shape
     tensor, context = shape.get("tensor", 1), shape.get("context", 1)
-    ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
+    ok = (mosaic_backend.available() and mosaic_backend.on_hopper() and half
           and hidden_size % MOSAIC_FORWARD.k == 0 and hidden_size <= MAX_HIDDEN
           and tensor == 1 and context == 1)
     return "mosaic" if ok else "xla"

@@ -196,6 +196,16 @@ def test_choice_and_errors(monkeypatch):
     assert hk.choose_impl("auto", 30) == "xla"  # not whole k steps
     assert hk.choose_impl("auto", 3584) == "xla"  # above MAX_HIDDEN: not measured
     assert hk.choose_impl("mosaic", 3584) == "mosaic"
+    # float32 compute (the arithmetic configs): wgmma transposes only 16-bit operands and
+    # the float32 tiles would not fit shared memory, so "auto" takes XLA and a forced
+    # kernel on a GPU stops naming the key.
+    assert hk.choose_impl("auto", 256, dtype=jnp.float32) == "xla"
+    assert hk.choose_impl("auto", 256, dtype=jnp.float16) == "mosaic"
+    assert hk.choose_impl("mosaic", 256, dtype=jnp.float32) == "mosaic"  # interpret mode
+    with monkeypatch.context() as patch:
+        patch.setattr(hk.jax, "default_backend", lambda: "gpu")
+        with pytest.raises(ConfigError, match="model.logprob_impl='mosaic' needs a 16-bit"):
+            hk.choose_impl("mosaic", 256, dtype=jnp.float32)
     # The active mesh's tensor axis, and its context axis (the kernel's rows-only
     # shard_map would gather each sequence's tokens).
     for tensor, context, want in ((1, 1, "mosaic"), (2, 1, "xla"), (1, 2, "xla")):

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jrl import sharding
 from jrl.models import decode_attention as decode_lib
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -117,10 +118,30 @@ def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto"):
                                         dense_mask(segments.segment_ids_bt))
 
 
+def heads_split_alike(q_btnh, k_btkh, v_btkh):
+    """Keys and values `[B, L, K, H]` whose heads the active mesh splits as the queries'
+    `[B, L, N, H]`: cuDNN's partitioner refuses operands split otherwise, and `tensor`
+    splits the N query heads but not the K key/value heads when it divides N only
+    (Qwen2.5-3B's 16 / 2 at tensor 4). Then the key/value heads are repeated up to N
+    (grouped-query attention run as multi-head) and split as the queries are."""
+    sharder = sharding.active_sharder()
+    if sharder is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return k_btkh, v_btkh  # inside a shard_map (`context_attention`): local heads
+    n, k = q_btnh.shape[2], k_btkh.shape[2]
+    heads = sharder.spec(("batch", "length", "heads", None), q_btnh.shape)[2]
+    kv_heads = sharder.spec(("batch", "length", "kv_heads", None), k_btkh.shape)[2]
+    if heads == kv_heads or n == k:
+        return k_btkh, v_btkh
+    return tuple(sharding.constrain(jnp.repeat(x, n // k, axis=2),
+                                    ("batch", "length", "heads", None))
+                 for x in (k_btkh, v_btkh))
+
+
 def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
     # jax.nn.dot_product_attention does not take segments; its cuDNN backend does.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    k_btkh, v_btkh = heads_split_alike(q_btnh, k_btkh, v_btkh)
     offsets, lengths = segments.offsets_bm, segments.lengths_bm
     if offsets.shape[1] == 2:
         # One segment a row (padded rows under `context`): JAX hands cuDNN the offsets

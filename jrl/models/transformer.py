@@ -222,6 +222,8 @@ def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts, rows=None):
                                             jnp.swapaxes(v_bskh, 1, 2), mask_b1ts, rows)
     if rows is not None:
         mask_b1ts = rows.to_cache_rows(mask_b1ts, ("batch", None, None, None))
+    if impl == "cudnn":
+        k_bskh, v_bskh = packed_attention.heads_split_alike(q_btnh, k_bskh, v_bskh)
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
                                         implementation=impl)
 

@@ -52,6 +52,16 @@ SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
              "actor.clip_ratio": "clip_ratio", "rollout.temperature": "temperature"}
 
 
+def vmapped_model(model: ModelConfig) -> ModelConfig:
+    """`model` as the vmapped programs run it: training attention on XLA where "auto"
+    would take cuDNN on a GPU (JAX's cuDNN attention batches neither a vmapped mask nor
+    vmapped segment lengths: its batching rule reshapes them per head and per row), or
+    splash on a TPU. A forced "cudnn" is refused before the run (`jrl.train`)."""
+    if model.attention_impl != "auto":
+        return model
+    return dataclasses.replace(model, attention_impl="xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One run of a multi-run program: its seed, peak actor learning rate, initial
@@ -281,6 +291,7 @@ class MultiRunTrainer:
         s = self.s = settings
         mesh = self.mesh = mesh or RunsMesh()
         params = mesh.put(params)
+        model = vmapped_model(model)
         self.model, self.tokenizer, self.runs = model, tokenizer, runs
         self.steps_per_call, self.data_seed = steps_per_call, data_seed
         self.reward = in_graph.resolve(s.reward.in_graph_fn, tokenizer)
@@ -470,7 +481,8 @@ def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, trai
             return ckpt.restore(step, (mesh or RunsMesh()).put(params))[0]
         print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}, "
               f"{len(runs)} runs at once", flush=True)
-        params = train_sft_runs(params, train_rows, tokenizer, model=model, config=config,
+        params = train_sft_runs(params, train_rows, tokenizer, model=vmapped_model(model),
+                                config=config,
                                 seeds=[r.seed for r in runs], steps_per_call=steps_per_call,
                                 mesh=mesh)
         ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})

@@ -128,6 +128,10 @@ def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
         raise ConfigError(f"mesh.context={config.mesh.context}: runs in one program "
                           "(trainer.runs, reward.in_graph_fn) split over mesh.runs, not "
                           "over the sequence; use mesh.context=1, or rewards on the host")
+    if config.model.get("attention_impl") == "cudnn":
+        raise ConfigError("model.attention_impl='cudnn': runs in one program "
+                          "(trainer.runs, reward.in_graph_fn) are vmapped, and JAX's cuDNN "
+                          "attention cannot be; use 'auto' (XLA there) or 'xla'")
     critic = config.get("critic", {}).get("model", {})
     for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
                       ("critic.model.lora_rank", critic.get("lora_rank", 0))):

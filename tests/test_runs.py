@@ -353,10 +353,13 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "rollout.devices": 1},
      "reward.in_graph_fn: 'exact_match' scores on the device and cannot be combined with "
      "rollout.devices=1"),
+    ({**IN_GRAPH, "model.attention_impl": "cudnn"},
+     "model.attention_impl='cudnn': runs in one program (trainer.runs, reward.in_graph_fn) "
+     "are vmapped"),
 ], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused",
         "sweep_clip_overridden", "sweep_value", "sweep_empty", "sweep_negative", "sweep_twice",
         "mesh_runs_divisor", "mesh_runs_host_loop", "lora", "rollout_data_dir",
-        "validation_data_dir", "rollout_devices"])
+        "validation_data_dir", "rollout_devices", "cudnn"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "run"
     with pytest.raises(ConfigError) as err:
@@ -364,6 +367,14 @@ def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides
     assert str(err.value).startswith(message), str(err.value)
     assert "\n" not in str(err.value)
     assert not workdir.exists()
+
+
+def test_vmapped_programs_take_xla_attention_where_auto_would_take_cudnn():
+    from jrl.models import ModelConfig
+
+    assert runs_lib.vmapped_model(ModelConfig.preset("tiny")).attention_impl == "xla"
+    forced = ModelConfig.preset("tiny", attention_impl="splash")
+    assert runs_lib.vmapped_model(forced) is forced
 
 
 # --------------------------------------------------------------------------- devices

@@ -18,11 +18,13 @@ formed on the accelerators:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
 from jrl.models import decode_attention as decode_lib
@@ -109,8 +111,7 @@ def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto"):
     if impl == "cudnn":
         return _cudnn(q_btnh, k_btkh, v_btkh, segments)
     if impl == "splash":
-        return splash(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt,
-                      interpret=jax.default_backend() != "tpu")
+        return _splash_per_shard(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt)
     if impl != "xla":
         raise ValueError(f"packed attention impl must be one of {IMPLS}, got {impl!r}")
     return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_btkh, 1, 2),
@@ -159,6 +160,26 @@ def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
         q_btnh, k_btkh, v_btkh, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
         kv_offsets=offsets, scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL)
     return jnp.where(used, out, jnp.zeros((), out.dtype))
+
+
+def _splash_per_shard(q_btnh, k_btkh, v_btkh, segment_ids_bt):
+    """`splash` on each device's rows (and heads, where both head counts split over
+    `tensor`): XLA cannot split a Mosaic TPU call over devices and refuses to lower one
+    that spans several. Inside a `shard_map` (`context_attention`) it is the call itself."""
+    fn = functools.partial(splash, interpret=jax.default_backend() != "tpu")
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return fn(q_btnh, k_btkh, v_btkh, segment_ids_bt)
+
+    def specs(sharder):
+        batch = sharder.spec(("batch",), q_btnh.shape[:1])[0]
+        heads = sharder.spec((None, None, "heads", None), q_btnh.shape)[2]
+        kv_heads = sharder.spec((None, None, "kv_heads", None), k_btkh.shape)[2]
+        if heads != kv_heads:
+            heads = kv_heads = None
+        q, kv = P(batch, None, heads, None), P(batch, None, kv_heads, None)
+        return (q, kv, kv, P(batch, None)), q
+
+    return sharding.per_shard(fn, specs, q_btnh, k_btkh, v_btkh, segment_ids_bt)
 
 
 def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,

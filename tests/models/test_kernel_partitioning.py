@@ -1,9 +1,13 @@
-"""cuDNN attention under a `tensor` axis that splits the query heads but not the
-key/value heads (Qwen2.5-3B's 16 / 2 at tensor 4), compiled for 8 CPU devices with
-cuDNN's version checks passed: JAX's cuDNN partitioner refuses queries, keys and values
-split differently, so jrl repeats the key/value heads first (`heads_split_alike`). On the
-CPU the compile then stops where it should, at the missing CPU lowering of cuDNN's op,
-past the partitioner."""
+"""The training attention's accelerator kernels over a mesh of 8 CPU devices, lowered or
+compiled as far as the CPU allows: what no CPU test that runs the XLA reference sees.
+
+- cuDNN under a `tensor` axis that splits the query heads but not the key/value heads
+  (Qwen2.5-3B's 16 / 2 at tensor 4), with cuDNN's version checks passed: JAX's cuDNN
+  partitioner refuses queries, keys and values split differently, so jrl repeats the
+  key/value heads first (`heads_split_alike`). The compile then stops where it should
+  on a CPU, at the missing CPU lowering of cuDNN's op, past the partitioner.
+- Splash attention (a Mosaic TPU call) lowered for a TPU: XLA cannot split such a call
+  over devices, so jrl runs it on each device's rows and heads (`_splash_per_shard`)."""
 
 import textwrap
 
@@ -69,3 +73,37 @@ def test_cudnn_gets_past_the_partitioner_when_tensor_splits_only_the_query_heads
                                                                                    case):
     assert "same sharding" not in stops[case], stops
     assert "not found for platform cpu" in stops[case], stops
+
+
+_SPLASH = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp
+    from jrl import logprobs, sharding
+    from jrl.models import ModelConfig, init_params, packed_attention
+
+    config = ModelConfig.preset("qwen3-0.6b", num_layers=1, vocab_size=256, hidden_size=256,
+                                intermediate_size=256, num_heads=4, num_kv_heads=2,
+                                dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
+    jax.default_backend = lambda: "tpu"  # what jrl sees on a TPU host
+    out = {"impl": packed_attention.choose_impl("auto", config.dtype, 128, 256)}
+    ones = lambda t: jnp.ones((8, t), jnp.int32)  # padded rows of 128 + 128 slots
+    f = lambda p, *a: logprobs.response_log_probs(p, *a, config=config)
+    for sizes in (dict(data=8), dict(data=4, tensor=2)):
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes),
+                                                      jax.devices()))
+        with sharder.active():
+            try:
+                text = jax.jit(f).trace(params, ones(128), ones(128), ones(128),
+                                        ones(128)).lower(lowering_platforms=("tpu",)).as_text()
+                out[str(sizes)] = text.count("tpu_custom_call") > 0
+            except Exception as e:
+                out[str(sizes)] = str(e).splitlines()[0][:300]
+    print(json.dumps(out))
+""")
+
+
+def test_splash_attention_lowers_for_a_tpu_over_several_devices():
+    out = run_script(_SPLASH)
+    assert out.pop("impl") == "splash", out
+    assert out == {"{'data': 8}": True, "{'data': 4, 'tensor': 2}": True}, out

@@ -90,9 +90,44 @@ _PASSES_SCRIPT = textwrap.dedent("""
 """)
 
 
+# `data,fsdp,tensor,context`, as MeshSettings reads them in order: two GRPO steps on one
+# device and two context meshes.
+_RL_STEPS_SCRIPT = textwrap.dedent("""
+    import os, tempfile
+    from tests.sharding.runner import main
+
+    out = os.path.join(tempfile.mkdtemp(prefix="jrl-context-"), "metrics.json")
+    main(["--algo", "grpo", "--meshes", "1,1,1 2,1,1,4 1,2,2,2+packed", "--steps", "2",
+          "--out", out])
+    print(open(out).read())
+""")
+
+# Runs scripts one after another in this process, each in a namespace of its own, and
+# prints {name: the JSON object the script printed last}.
+_EACH_SCRIPT = textwrap.dedent("""
+    import contextlib, io, json
+    results = {}
+    for name, script in SCRIPTS.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(script, {"__name__": "__main__"})
+        results[name] = json.loads(printed.getvalue().strip().splitlines()[-1])
+    print(json.dumps(results))
+""")
+
+
 @pytest.fixture(scope="module")
-def passes():
-    return run_script(_PASSES_SCRIPT)
+def context_runs():
+    """{script: its JSON} of the passes, the run through the trainer and the RL steps,
+    made in one process of 8 devices (a process costs seconds to start)."""
+    scripts = {"passes": _PASSES_SCRIPT, "trainer": _TRAINER_SCRIPT,
+               "rl_steps": _RL_STEPS_SCRIPT}
+    return run_script(f"SCRIPTS = {scripts!r}\n" + _EACH_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def passes(context_runs):
+    return context_runs["passes"]
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -111,14 +146,13 @@ def test_log_probs_and_gradients_match_one_device(passes, layout, mesh):
         assert got["entropy"] < 1e-4, got
 
 
-def test_rl_steps_on_context_meshes_match_one_device(tmp_path):
+def test_rl_steps_on_context_meshes_match_one_device(context_runs):
     """Two GRPO steps (rollout, log-prob passes, updates with the KL loss and entropy) on
     (data=2, context=4) and, with token-budget micro-batches in every pass, on (fsdp=2,
     context=2, tensor=2) vs one device with padded micro-batches."""
-    from tests.sharding.test_meshes import _run, assert_same_metrics
+    from tests.sharding.test_meshes import assert_same_metrics
 
-    # `data,fsdp,tensor,context`, as MeshSettings reads them in order.
-    runs = _run(tmp_path, "grpo", "1,1,1 2,1,1,4 1,2,2,2+packed", 2)
+    runs = context_runs["rl_steps"]
     expected = runs["1,1,1"]
     assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in expected)
     assert_same_metrics(expected, runs["2,1,1,4"])
@@ -147,8 +181,8 @@ _TRAINER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_run_with_mesh_context_trains_through_the_trainer():
-    got = run_script(_TRAINER_SCRIPT)
+def test_a_run_with_mesh_context_trains_through_the_trainer(context_runs):
+    got = context_runs["trainer"]
     assert got["steps"] == [1, 2], got
     assert got["finite"], got
     assert any(loss != 0.0 for loss in got["pg_loss"]), got

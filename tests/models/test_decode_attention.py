@@ -600,12 +600,12 @@ def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
 
 @NEEDS_MOSAIC
 @NEEDS_HOPPER_OFF_CPU
-@pytest.mark.parametrize("fused", [False, True])
-def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch, fused):
+def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch):
     """A bf16 Qwen2 model (qkv bias, the fused operand), ragged left-padded prompts,
     temperature 1: the same tokens with `decode_attention_impl="mosaic"` as with "xla"
-    for the same key, and log-probs within bf16 rounding; with `MOSAIC_TILES` fused,
-    the decode steps run the fused variant. (The kernel takes bf16
+    for the same key, and log-probs within bf16 rounding, for the kernel and (with
+    `MOSAIC_TILES` fused) its fused variant, each against the one XLA path's rollout
+    (which neither reads). (The kernel takes bf16
     caches only, and bf16 sums in another order differ by a rounding: the weights are
     drawn smaller than the float32 test's, where such a rounding flips no sample at
     this key; at 0.3 it flips some, the Triton kernel's too.)"""
@@ -617,20 +617,25 @@ def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch
     mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
     sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
-    calls = []
-    name = "_mosaic_fused" if fused else "_mosaic"
-    kernel = getattr(da, name)
-    monkeypatch.setattr(da, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    monkeypatch.setattr(da, "MOSAIC_TILES", da.MosaicTiles(fused=fused))
-    jax.clear_caches()  # MOSAIC_TILES is read when the sampler is traced
-    outs = {impl: rollout.generate(params, ids, mask, jax.random.key(3), sampling,
-                                   config=dataclasses.replace(config, decode_attention_impl=impl))
-            for impl in ("xla", "mosaic")}
-    assert calls  # the decode steps ran the kernel
-    np.testing.assert_array_equal(outs["mosaic"].responses, outs["xla"].responses)
-    chex.assert_trees_all_close(outs["mosaic"].rollout_log_probs,
-                                outs["xla"].rollout_log_probs, rtol=2e-2, atol=2e-2)
-    assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.3  # not a degenerate model
+
+    def generate(impl):
+        return rollout.generate(params, ids, mask, jax.random.key(3), sampling,
+                                config=dataclasses.replace(config, decode_attention_impl=impl))
+
+    xla = generate("xla")
+    assert float(jnp.std(xla.rollout_log_probs)) > 0.3  # not a degenerate model
+    for fused in (False, True):
+        calls, name = [], "_mosaic_fused" if fused else "_mosaic"
+        kernel = getattr(da, name)
+        monkeypatch.setattr(da, name, lambda *a, kernel=kernel, calls=calls, **kw:
+                            calls.append(1) or kernel(*a, **kw))
+        monkeypatch.setattr(da, "MOSAIC_TILES", da.MosaicTiles(fused=fused))
+        jax.clear_caches()  # MOSAIC_TILES is read when the sampler is traced
+        mosaic = generate("mosaic")
+        assert calls, fused  # the decode steps ran the kernel
+        np.testing.assert_array_equal(mosaic.responses, xla.responses, err_msg=f"{fused=}")
+        chex.assert_trees_all_close(mosaic.rollout_log_probs, xla.rollout_log_probs,
+                                    rtol=2e-2, atol=2e-2)
 
 
 @NEEDS_MOSAIC

@@ -8,7 +8,10 @@ the `jax.distributed` set-up can differ from the test process's:
 
 Each mesh is `data,fsdp,tensor` over the first data*fsdp*tensor devices; the output
 maps each mesh to its list of per-step metrics. With `--coordinator`, the process joins a
-`jax.distributed` cluster (`--num_processes`, `--process_id`).
+`jax.distributed` cluster (`--num_processes`, `--process_id`). With `--jobs '{"name":
+["--algo", "ppo", ...], ...}'` it runs several such jobs (each its own arguments) one
+after another in this process (a process costs seconds to start), and the output maps
+each name to its job's output.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def packed(config):
     return config
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--algo", choices=("grpo", "ppo", "multi_turn"), default="grpo")
     parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'; a mesh "
@@ -112,8 +115,13 @@ def main(argv=None) -> None:
                         "update in two mini-batches, after a separate value pass")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume "
                         "from (trainer.resume_mode='resume_path')")
-    args = parser.parse_args(argv)
+    parser.add_argument("--jobs", default=None, help="JSON: {name: [arguments of a job]}, "
+                        "run one after another (a multi-turn job patches the tools: last)")
+    return parser
 
+
+def run_job(args) -> dict[str, list[dict]]:
+    """Runs `args.meshes` of one job; returns {mesh: per-step metrics} (process 0)."""
     import jax
 
     from jrl import sharding, train
@@ -147,6 +155,19 @@ def main(argv=None) -> None:
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "metrics.jsonl")) as f:
                 results[mesh] = [json.loads(line) for line in f]
+    return results
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+    if args.jobs:
+        results = {name: run_job(_parser().parse_args([*job, "--out", args.out]))
+                   for name, job in json.loads(args.jobs).items()}
+    else:
+        results = run_job(args)
+
+    import jax
+
     if jax.process_index() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -44,6 +44,32 @@ def _run(tmp_path, algo: str, meshes: str, steps: int = 3, *flags) -> dict[str, 
     return json.loads(out.read_text())
 
 
+# GRPO with decode compaction on one device and the three meshes: the mesh test compares
+# them, and the two-process test compares its processes with (data=8) in one.
+ALL_MESHES, GRPO_FLAGS = " ".join(("1,1,1",) + MESHES), ("--compact",)
+# The runs the tests compare, by name: the runner's arguments of each.
+JOBS = {
+    "grpo": ["--algo", "grpo", "--meshes", ALL_MESHES, "--steps", "3", *GRPO_FLAGS],
+    "ppo": ["--algo", "ppo", "--meshes", ALL_MESHES, "--steps", "3"],
+    # PPO with the separate value pass: padded on one device and (data=2, fsdp=2,
+    # tensor=2), and with token-budget micro-batches on both.
+    "value_pass": ["--algo", "ppo", "--meshes", "1,1,1 2,2,2 1,1,1+packed 2,2,2+packed",
+                   "--steps", "2", "--value_pass"],
+    # Last: the multi-turn config reads every turn as a tool call in its process.
+    "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 8,1,1 2,2,2", "--steps", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """{job: {mesh: per-step metrics}} of `JOBS`, made in one process (a process of 8
+    devices costs seconds to start) and shared by the tests."""
+    out = tmp_path_factory.mktemp("meshes") / "jobs.json"
+    subprocess.run([sys.executable, "-m", "tests.sharding.runner", "--jobs", json.dumps(JOBS),
+                    "--out", str(out)], cwd=ROOT, env=_env(8), check=True, timeout=900)
+    return json.loads(out.read_text())
+
+
 def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
     assert len(expected) == len(actual)
     compared = 0
@@ -58,11 +84,10 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_meshes_match_one_device(tmp_path, algo):
+def test_meshes_match_one_device(mesh_runs, algo):
     """3 steps on (data=8), (fsdp=8), (data=2, fsdp=2, tensor=2) vs one device; GRPO with
     decode compaction, which gathers each batch shard's rows on its own devices."""
-    flags = ("--compact",) if algo == "grpo" else ()
-    runs = _run(tmp_path, algo, " ".join(("1,1,1",) + MESHES), 3, *flags)
+    runs = mesh_runs[algo]
     expected = runs["1,1,1"]
     # The runs must have learned something for the comparison to mean anything.
     assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in expected)
@@ -71,21 +96,21 @@ def test_meshes_match_one_device(tmp_path, algo):
         assert_same_metrics(expected, runs[mesh])
 
 
-def test_ppo_value_pass_meshes_match_one_device(tmp_path):
+def test_ppo_value_pass_meshes_match_one_device(mesh_runs):
     """PPO with the separate value pass and the critic's update in two mini-batches (the
     mesh test above values the batch in the critic's update) on (data=2, fsdp=2,
     tensor=2) vs one device."""
-    runs = _run(tmp_path, "ppo", "1,1,1 2,2,2", 2, "--value_pass")
+    runs = mesh_runs["value_pass"]
     assert len({r["critic/score/mean"] for r in runs["1,1,1"]}) > 1
     assert_same_metrics(runs["1,1,1"], runs["2,2,2"])
 
 
-def test_packed_passes_match_padded_on_meshes(tmp_path):
+def test_packed_passes_match_padded_on_meshes(mesh_runs):
     """PPO with token-budget micro-batches in every pass (value and log-prob passes, the
     critic's and the actor's updates in two mini-batches each) on one device and on
     (data=2, fsdp=2, tensor=2), against the padded passes on one device: the same
     metrics, whatever the mesh and the micro-batching."""
-    runs = _run(tmp_path, "ppo", "1,1,1 1,1,1+packed 2,2,2+packed", 2, "--value_pass")
+    runs = mesh_runs["value_pass"]
     assert len({r["critic/score/mean"] for r in runs["1,1,1"]}) > 1
     for mesh in ("1,1,1+packed", "2,2,2+packed"):
         assert_same_metrics(runs["1,1,1"], runs[mesh])
@@ -98,14 +123,15 @@ def _free_port() -> int:
 
 
 def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list[dict]:
-    """Runs the GRPO config in 2 processes x 4 CPU devices on one shared workdir."""
+    """Runs the GRPO config (with decode compaction) in 2 processes x 4 CPU devices on one
+    shared workdir."""
     out = tmp_path / f"two_processes_{steps}.json"
     address = f"localhost:{_free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.sharding.runner", "--algo", "grpo", "--meshes", "8,1,1",
          "--steps", str(steps), "--out", str(out), "--coordinator", address,
          "--workdir", str(tmp_path / "run"),
-         "--num_processes", "2", "--process_id", str(i),
+         "--num_processes", "2", "--process_id", str(i), *GRPO_FLAGS,
          *(["--resume_from", resume_from] if resume_from else [])],
         cwd=ROOT, env=_env(4)) for i in range(2)]
     try:
@@ -117,10 +143,10 @@ def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list
     return json.loads(out.read_text())["8,1,1"]
 
 
-def test_multi_turn_meshes_match_one_device(tmp_path):
+def test_multi_turn_meshes_match_one_device(mesh_runs):
     """Multi-turn rollouts with a calculator (every turn ending at a newline or a digit
     calls it) on (data=8) and (data=2, fsdp=2, tensor=2) vs one device."""
-    runs = _run(tmp_path, "multi_turn", "1,1,1 8,1,1 2,2,2", steps=2)
+    runs = mesh_runs["multi_turn"]
     expected = runs["1,1,1"]
     assert all(r["multi_turn/tool_calls/total"] > 0 for r in expected)
     assert max(r["multi_turn/segments"] for r in expected) >= 2
@@ -128,10 +154,11 @@ def test_multi_turn_meshes_match_one_device(tmp_path):
         assert_same_metrics(expected, runs[mesh])
 
 
-def test_two_processes_match_one_process(tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8;
-    the two write one checkpoint together, and a second launch resumes from it."""
-    expected = _run(tmp_path, "grpo", "8,1,1", steps=3)["8,1,1"]
+def test_two_processes_match_one_process(tmp_path, mesh_runs):
+    """2 processes x 4 CPU devices (jax.distributed, local coordinator) = 1 process x 8
+    (the mesh test's GRPO run); the two write one checkpoint together, and a second launch
+    resumes from it."""
+    expected = mesh_runs["grpo"]["8,1,1"]
     assert_same_metrics(expected[:2], _two_processes(tmp_path, steps=2))
     # Both processes wrote one orbax checkpoint together (step 2: the last step).
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]

@@ -660,25 +660,15 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     top = cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
     total = cast(jnp.zeros((rows,), jnp.float32), row_layout)
     acc = cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA)
-    log2e = math.log2(math.e)
 
     def step(j, carry):
         top, total, acc = carry
         buffer = lax.rem(j - first, stages)
         mgpu.barrier_wait(barriers.at[buffer])
 
-        logits = _scores(q_smem, k_smem.at[buffer], interpreted)
-        ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
-                               mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
-        # Padding before `start` and slots after `slot` (not yet written) are masked.
-        logits = jnp.where((ids >= start) & (ids <= slot), logits * (scale * log2e), -jnp.inf)
-        new_top = jnp.maximum(top, logits.max(axis=1))
-        correction = jnp.exp2(top - new_top)
-        weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
-        total = total * correction + weights.sum(axis=1)
-
-        weighted = _weighted(weights.astype(dtype), v_smem.at[buffer], interpreted)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        new_top, total, acc = _online_block(
+            (top, total, acc), q_smem, k_smem.at[buffer], v_smem.at[buffer], j * block,
+            start, slot, scale=scale, interpreted=interpreted)
         # Both wgmmas have finished reading the buffer: refill it.
         pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
         return new_top, total, acc
@@ -733,7 +723,6 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
     row_layout = mgpu.Layout.WGMMA.reduce(1)
     floor = lambda: cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
     zeros = lambda shape, layout: cast(jnp.zeros(shape, jnp.float32), layout)
-    log2e = math.log2(math.e)
 
     def step(t, carry):
         top, total, acc = carry
@@ -752,16 +741,9 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
         total, acc = total * keep, acc * keep
         buffer = lax.rem(t, stages)
         mgpu.barrier_wait(barriers.at[buffer])
-        logits = _scores(q_smem.at[r % 2], k_smem.at[buffer], interpreted)
-        ids = j * block + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
-                               mgpu.Layout.WGMMA)
-        logits = jnp.where((ids >= start) & (ids <= slot), logits * (scale * log2e), -jnp.inf)
-        new_top = jnp.maximum(top, logits.max(axis=1))
-        correction = jnp.exp2(top - new_top)
-        weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
-        total = total * correction + weights.sum(axis=1)
-        weighted = _weighted(weights.astype(dtype), v_smem.at[buffer], interpreted)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+        new_top, total, acc = _online_block(
+            (top, total, acc), q_smem.at[r % 2], k_smem.at[buffer], v_smem.at[buffer],
+            j * block, start, slot, scale=scale, interpreted=interpreted)
         pl.when(t + stages < count)(functools.partial(fetch, t + stages, buffer))
 
         @pl.when(j == blocks - 1)
@@ -776,6 +758,29 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
     lax.fori_loop(0, count, step, (floor(), zeros((rows,), row_layout),
                                    zeros((rows, h), mgpu.Layout.WGMMA)))
     mgpu.wait_smem_to_gmem(0)
+
+
+def _online_block(carry, q_smem, k_tile, v_tile, first_slot, start, slot, *, scale,
+                  interpreted):
+    """One cache block of the Mosaic GPU kernels' online softmax: the query rows'
+    running maximum (base 2), sum of weights and weighted values `carry` updated with
+    the block's slots `first_slot + [0, block)`, those before `start` (padding) and after
+    `slot` (not yet written) masked."""
+    top, total, acc = carry
+    rows, block = q_smem.shape[0], k_tile.shape[0]
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    logits = _scores(q_smem, k_tile, interpreted)
+    ids = first_slot + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
+                            mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
+    logits = jnp.where((ids >= start) & (ids <= slot),
+                       logits * (scale * math.log2(math.e)), -jnp.inf)
+    new_top = jnp.maximum(top, logits.max(axis=1))
+    correction = jnp.exp2(top - new_top)
+    weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+    total = total * correction + weights.sum(axis=1)
+    weighted = _weighted(weights.astype(q_smem.dtype), v_tile, interpreted)
+    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
+    return new_top, total, acc
 
 
 def _scores(q_smem, k_tile, interpreted):
@@ -970,8 +975,10 @@ def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem
     carry = (cast(jnp.full((rows,), -1e30, jnp.float32), row_layout),
              cast(jnp.zeros((rows,), jnp.float32), row_layout),
              cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA))
-    attend = functools.partial(_fused_step, q_smem=q_smem, scale=scale, cast=cast,
-                               interpreted=interpreted)
+
+    def attend(carry, k_tile, v_tile, first_id, lo, hi):
+        return _online_block(carry, q_smem, k_tile, v_tile, first_id, lo, hi, scale=scale,
+                             interpreted=interpreted)
 
     def step(j, carry):
         buffer = lax.rem(j - first, stages)
@@ -987,25 +994,6 @@ def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem
     mgpu.commit_smem()
     mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
     mgpu.wait_smem_to_gmem(0)  # the output and the cache stores
-
-
-def _fused_step(carry, k_tile, v_tile, first_id, lo, hi, *, q_smem, scale, cast,
-                interpreted):
-    """One online-softmax step of `_mosaic_fused_kernel`: the queries against a tile of
-    keys and values whose rows are the ids `first_id + i`, those outside `[lo, hi]`
-    masked."""
-    top, total, acc = carry
-    logits = _scores(q_smem, k_tile, interpreted)
-    ids = first_id + cast(lax.broadcasted_iota(jnp.int32, logits.shape, 1), mgpu.Layout.WGMMA)
-    log2e = math.log2(math.e)
-    logits = jnp.where((ids >= lo) & (ids <= hi), logits * (scale * log2e), -jnp.inf)
-    new_top = jnp.maximum(top, logits.max(axis=1))
-    correction = jnp.exp2(top - new_top)
-    weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
-    total = total * correction + weights.sum(axis=1)
-    weighted = _weighted(weights.astype(q_smem.dtype), v_tile, interpreted)
-    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
-    return new_top, total, acc
 
 
 def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype, moved):

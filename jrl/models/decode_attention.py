@@ -654,12 +654,7 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     for i in range(stages):
         pl.when(first + i < end)(functools.partial(fetch, first + i, i))
     mgpu.barrier_wait(q_barrier)
-    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
-    row_layout = mgpu.Layout.WGMMA.reduce(1)
-    # A finite floor, so a row whose slots were all masked gives weights of 0, not NaN.
-    top = cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
-    total = cast(jnp.zeros((rows,), jnp.float32), row_layout)
-    acc = cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA)
+    top, total, acc = _online_start(rows, h, interpreted)
 
     def step(j, carry):
         top, total, acc = carry
@@ -719,10 +714,6 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
     fetch_query(0)
     for i in range(stages):
         pl.when(i < count)(functools.partial(fetch, i, i))
-    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
-    row_layout = mgpu.Layout.WGMMA.reduce(1)
-    floor = lambda: cast(jnp.full((rows,), -1e30, jnp.float32), row_layout)
-    zeros = lambda shape, layout: cast(jnp.zeros(shape, jnp.float32), layout)
 
     def step(t, carry):
         top, total, acc = carry
@@ -755,9 +746,19 @@ def _mosaic_rows_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, q_smem,
 
         return new_top, total, acc
 
-    lax.fori_loop(0, count, step, (floor(), zeros((rows,), row_layout),
-                                   zeros((rows, h), mgpu.Layout.WGMMA)))
+    lax.fori_loop(0, count, step, _online_start(rows, h, interpreted))
     mgpu.wait_smem_to_gmem(0)
+
+
+def _online_start(rows, h, interpreted):
+    """The online softmax's state before any block, on the WGMMA layout: a running
+    maximum at a finite floor (so a row whose slots are all masked gives weights of 0,
+    not NaN), no weight and no weighted value."""
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    row_layout = mgpu.Layout.WGMMA.reduce(1)
+    return (cast(jnp.full((rows,), -1e30, jnp.float32), row_layout),
+            cast(jnp.zeros((rows,), jnp.float32), row_layout),
+            cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA))
 
 
 def _online_block(carry, q_smem, k_tile, v_tile, first_slot, start, slot, *, scale,
@@ -852,7 +853,8 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     dtype."""
     b, n, h = q_bnh.shape
     kv, s, dtype = k_bksh.shape[1], k_bksh.shape[2], k_bksh.dtype
-    block, stages, group, rows, moved, transforms = _mosaic_layout(n, k_bksh, v_bksh, tiles)
+    layout = _mosaic_layout(n, k_bksh, v_bksh, tiles)
+    block, stages, group, rows, moved, transforms = layout
     rows_like, slots_like = tiles.split_like or (b, s)
     splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
@@ -860,7 +862,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     interpreted = mosaic_backend.interpret(interpret)
     if tiles.row_group > 1 and b % tiles.row_group == 0:
         out_bkrh = _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot,
-                                layout=_mosaic_layout(n, k_bksh, v_bksh, tiles),
+                                layout=layout,
                                 group_rows=tiles.row_group, interpreted=interpreted)
         return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
     kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
@@ -971,10 +973,7 @@ def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem
         mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(0, 1)], k_ref.at[b, kv, pl.ds(slot, 1)])
         mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(8, 1)], v_ref.at[b, kv, pl.ds(slot, 1)])
 
-    row_layout = mgpu.Layout.WGMMA.reduce(1)
-    carry = (cast(jnp.full((rows,), -1e30, jnp.float32), row_layout),
-             cast(jnp.zeros((rows,), jnp.float32), row_layout),
-             cast(jnp.zeros((rows, h), jnp.float32), mgpu.Layout.WGMMA))
+    carry = _online_start(rows, h, interpreted)
 
     def attend(carry, k_tile, v_tile, first_id, lo, hi):
         return _online_block(carry, q_smem, k_tile, v_tile, first_id, lo, hi, scale=scale,

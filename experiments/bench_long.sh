@@ -18,8 +18,17 @@
 #   decode_kernel   the decode kernel alone at the batch sizes the decode loop compacts to
 #                   (32 / 64 / 96 / 128 rows of 8,704 slots, half and nearly full), split
 #                   over slots into 1, 2, 4 or 8 parts (experiments/bench_decode_kernel.py)
+#   head_backward   the log-prob head's backward (experiments/check_head_backward.py; its
+#                   --configs from HB_CONFIGS when set, HB_TIMEOUT seconds) and
+#                   tests/models/test_head_kernel.py compiled on the GPU
+#   port            the decode attention's Mosaic GPU variants against the Triton kernel:
+#                   experiments/check_mosaic_decode.py at the 0.5B shapes, then the sampler
+#                   (bench_rollout.py, batch 64 / 256 / 512, P128 / R256) on Triton and on
+#                   Mosaic GPU with PORT_TILES (default "128,2,compact,rows4")
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
-# "+bN" (--decode_buckets N), e.g. natural+split4,1024+b8.
+# "+bN" (--decode_buckets N), "+mosaic" or "+mosaicSPEC" (--decode_attention mosaic
+# [--mosaic_tiles SPEC]), "+hbxla" (--head_backward xla: the log-prob head's backward
+# in XLA), e.g. natural+split4,1024+b8 or short+mosaic128,2,compact,rows4.
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
 # 560) caps the whole call, each run getting what is left.
 set -uo pipefail
@@ -60,10 +69,14 @@ for name in "$@"; do
       "") ;;
       split*) extra+=(--decode_split "${o#split}") ;;
       b*) extra+=(--decode_buckets "${o#b}") ;;
+      hbxla) extra+=(--head_backward xla) ;;
+      mosaic) extra+=(--decode_attention mosaic) ;;
+      mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;
       *) echo "unknown setting $o in $name" >&2; exit 2 ;;
     esac
   done
   LONG_RUN=("${LONG[@]}" "${extra[@]}")
+  SHORT_RUN=("${SHORT[@]}" "${extra[@]}")
   case "$base" in
     decode_kernel)
       for fill in 4608 8600; do
@@ -72,6 +85,22 @@ for name in "$@"; do
           --no_tiles_sweep --out "$OUT/decode_kernel_$fill.json" 2>&1 \
           | grep -v "^[WI]0000" | tee "$OUT/decode_kernel_$fill.log"
       done ;;
+    port)
+      PYTHONPATH=/tmp/site:$ROOT timeout 330 python3 experiments/check_mosaic_decode.py \
+        --layers 8 --repeats 10 --only "0.5B b64" "0.5B b256" "0.5B b512" "0.5B b128 long" \
+        "0.5B b32 long" --out "$OUT/port_decode.json" 2>&1 | grep -v "^[WI]0000" \
+        | tee "$OUT/port_decode.log"
+      PYTHONPATH=/tmp/site:$ROOT timeout $((BUDGET_S - SECONDS)) python3 \
+        experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf \
+        --decode-attention pallas mosaic --mosaic-tiles "${PORT_TILES:-128,2,compact,rows4}" \
+        --out "$OUT/port_rollout.json" 2>&1 | grep -v "^[WI]0000" | tee "$OUT/port_rollout.log" ;;
+    head_backward)
+      PYTHONPATH=/tmp/site:$ROOT timeout "${HB_TIMEOUT:-200}" python3 \
+        experiments/check_head_backward.py ${HB_CONFIGS:+--configs $HB_CONFIGS} \
+        --out "$OUT/head_backward.json" 2>&1 | grep -v "^[WI]0000" | tee "$OUT/head_backward.log"
+      JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$ROOT timeout 200 python3 -m pytest -q \
+        -p no:cacheprovider tests/models/test_head_kernel.py 2>&1 | tail -n 30 \
+        | tee "$OUT/head_tests.log" ;;
     check) PYTHONPATH=/tmp/site:$ROOT python3 experiments/check_packed_attention.py 2>&1 \
              | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;
     forced) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz ;;
@@ -83,7 +112,7 @@ for name in "$@"; do
                      --remat dots_saveable ;;
     before_natural) run before_natural "$ROOT/before" "${LONG_RUN[@]}" --micro_batch 8 \
                       --remat dots_saveable "${NATURAL[@]}" ;;
-    short) run short "$ROOT" "${SHORT[@]}" ;;
+    short) run "$name" "$ROOT" "${SHORT_RUN[@]}" ;;
     short_packed) run short_packed "$ROOT" "${SHORT[@]}" --dynamic_bsz ;;
     profile_short) run profile_short "$ROOT" "${SHORT[@]}" --dynamic_bsz --steps 0 \
                      --trace_dir /tmp/trace_short ;;

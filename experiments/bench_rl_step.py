@@ -118,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
+    p.add_argument("--head_backward", default="mosaic", choices=("xla", "mosaic"),
+                   help="jrl.models.head_kernel.BACKWARD: where the log-prob kernel's "
+                        "backward forms d loss / d logits (mosaic: grad_logits on chip)")
     p.add_argument("--mosaic_tiles", default=None,
                    help="jrl.models.decode_attention.MOSAIC_TILES (with --decode_attention "
                         "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
@@ -547,6 +550,8 @@ def set_decode_split(spec: str | None) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_head_blocks(args.head_blocks)
+    from jrl.models import head_kernel
+    head_kernel.BACKWARD = args.head_backward
     set_mosaic_tiles(args.mosaic_tiles)
     set_decode_split(args.decode_split)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)

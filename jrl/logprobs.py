@@ -124,17 +124,24 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
     `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`. Without `entropy_grad`
     the entropy's cotangent is ignored (its term costs a pass over the chunk's logits).
-    Whatever `impl` the forward pass took, this one runs in XLA (`jrl.models.head_kernel`
-    says why).
+    With `impl="mosaic"` (and `head_kernel.BACKWARD` "mosaic") d(loss)/d(logits) comes
+    from `head_kernel.grad_logits`, the logits recomputed on chip; the two matmuls of the
+    chain rule stay XLA's either way.
     """
-    del impl
     weight, hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc = residuals
     g_lp_nbc, g_ent_nbc = cotangents
     vocab = weight.shape[0] if vocab_first else weight.shape[1]
     w = weight.astype(hidden_nbcd.dtype)
+    kernel = impl == "mosaic" and head_kernel.BACKWARD == "mosaic"
+    if kernel:  # whole vocabulary blocks; the padding's gradients (0) are cut at the end
+        w = head_kernel.pad_vocab(w, vocab_first, head_kernel.MOSAIC_BACKWARD)
 
-    def body(grad_w, xs):
-        hidden_bcd, targets_bc, log_z_bc, ent_bc, g_lp_bc, g_ent_bc = xs
+    def grad_logits(hidden_bcd, targets_bc, log_z_bc, ent_bc, g_lp_bc, g_ent_bc):
+        if kernel:
+            return head_kernel.grad_logits(
+                hidden_bcd, w, targets_bc, log_z_bc, g_lp_bc, g_ent_bc, ent_bc, vocab=vocab,
+                vocab_first=vocab_first, temperature=temperature,
+                entropy_grad=with_entropy and entropy_grad)
         log_p_bcv = (_chunk_logits(w, hidden_bcd, vocab_first, temperature)
                      - log_z_bc[..., None])
         p_bcv = jnp.exp(log_p_bcv)
@@ -142,7 +149,11 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
         grad_bcv = g_lp_bc[..., None] * (onehot_bcv.astype(jnp.float32) - p_bcv)
         if with_entropy and entropy_grad:
             grad_bcv -= g_ent_bc[..., None] * p_bcv * (log_p_bcv + ent_bc[..., None])
-        grad_bcv = (grad_bcv / temperature).astype(hidden_bcd.dtype)
+        return (grad_bcv / temperature).astype(hidden_bcd.dtype)
+
+    def body(grad_w, xs):
+        hidden_bcd = xs[0]
+        grad_bcv = grad_logits(*xs)
         if vocab_first:
             grad_h_bcd = jnp.einsum("bcv,vd->bcd", grad_bcv, w)
             grad_w_chunk = jnp.einsum("bcv,bcd->vd", grad_bcv, hidden_bcd,
@@ -154,7 +165,8 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
         return grad_w + grad_w_chunk, grad_h_bcd
 
     xs = (hidden_nbcd, targets_nbc, log_z_nbc, ent_nbc, g_lp_nbc, g_ent_nbc)
-    grad_w, grad_h_nbcd = jax.lax.scan(body, jnp.zeros(weight.shape, jnp.float32), xs)
+    grad_w, grad_h_nbcd = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+    grad_w = grad_w[:vocab] if vocab_first else grad_w[:, :vocab]
     return grad_w.astype(weight.dtype), grad_h_nbcd, None
 
 

@@ -17,10 +17,14 @@ written as `[V / block_v, T]`. A small XLA pass merges the blocks:
 `log Z - (sum_j a_j exp(m_j - M)) / (sum_j l_j exp(m_j - M))`, and the target's
 logit `sum_j zt_j`.
 
-This is the forward pass only. The backward pass (`jrl.logprobs._fused_bwd`) still
-recomputes each chunk's float32 logits in XLA (a Triton kernel that recomputed a
-block's logits and wrote `d loss / dz` straight away was no faster there;
-docs/performance_history.md, round five).
+The backward pass (`jrl.logprobs._fused_bwd`) needs `d loss / dz` for the two matmuls
+of the chain rule (`dz W`, `dz^T h`, left to XLA). `grad_logits` forms it with the same
+pipeline: each block's logits recomputed on chip and turned into `d loss / dz` on the
+accumulator's registers (from the forward's `log Z` and entropy and the cotangents),
+written once in the compute dtype, where XLA writes the chunk's float32 logits and
+reads them back. Alone it takes 0.75x XLA's time (8,192 tokens of the Qwen2.5-0.5B
+head, an H200); in the GRPO step it saves 1-2% of the update
+(docs/performance.md, "Kernels on Mosaic GPU").
 
 The kernel is written for Pallas' Mosaic GPU backend (Hopper: H100, H200): each
 program copies `[t, k]` tiles of h and `[v, k]` tiles of W (tied embeddings; `[k, v]`
@@ -273,19 +277,17 @@ def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy
         out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
 
 
-def _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, *, vocab, blocks, scale,
+def _write_statistics(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
                       with_entropy, emulated):
-    """A block's statistics (`_mosaic_statistics`; only the last vocabulary block masks
-    padding) to `out_gmem[:, j, t0:]` through `out_smem`."""
+    """The forward kernels' epilogue: a block's statistics (`_mosaic_statistics`; only
+    the last vocabulary block masks padding) to `out_gmem[:, j, t0:]` through the
+    `[stats, rows]` SMEM buffer `scratch[0]`; `staged[0]` holds the tokens' targets."""
     mgpu = mosaic_backend.plgpu
+    (y_smem,), (out_smem,) = staged, scratch
     stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=j * blocks.v,
                               vocab=vocab, scale=scale, with_entropy=with_entropy,
                               emulated=emulated)
-    if vocab % blocks.v:
-        pl.when(j == vocab // blocks.v)(lambda: stats(masked=True))
-        pl.when(j != vocab // blocks.v)(lambda: stats(masked=False))
-    else:
-        stats(masked=False)
+    _per_block_mask(stats, j, vocab, blocks)
     mgpu.commit_smem()
     rows = out_smem.shape[1]
     for i in range(out_smem.shape[0]):
@@ -293,31 +295,102 @@ def _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, *, vocab, blocks,
     mgpu.wait_smem_to_gmem(0)
 
 
-def _mosaic_kernel(h_gmem, w_gmem, y_gmem, out_gmem, y_smem, out_smem, barriers, *,
-                   vocab_first, blocks, group, emulated, **stats):
-    """One `[t, v]` block on one warpgroup: its logits reduced to `(m, l, zt[, a])` per
-    token, written to `out_gmem[:, j, t0:t0 + t]` (the `_stats_kernel`'s statistics)."""
+def _per_block_mask(fn, j, vocab, blocks):
+    """`fn(masked=...)`: masked in the last vocabulary block where it holds padding."""
+    if vocab % blocks.v:
+        pl.when(j == vocab // blocks.v)(lambda: fn(masked=True))
+        pl.when(j != vocab // blocks.v)(lambda: fn(masked=False))
+    else:
+        fn(masked=False)
+
+
+def _write_grads(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
+                 entropy_grad, emulated):
+    """The backward kernel's epilogue: `d loss / d z` of a `[rows, v]` block from its
+    accumulator `z_tv` (`h W` without the temperature), stored in the gradient's dtype
+    to `out_gmem[t0:, j v:]` through the SMEM tile `scratch[0]`. Per token (`staged`):
+    the target, `log2 Z` (base 2), `a = g_lp / temperature`, `c = a + b H` and
+    `b = g_ent / temperature`, so that with `p = 2^(z log2 e / temperature - log2 Z)`
+
+        d loss / d z = a onehot(y) - p (c + b ln p)
+
+    (`jrl.logprobs._fused_bwd`'s formula); padding entries get 0."""
     mgpu = mosaic_backend.plgpu
-    barrier = barriers.at[0]
+    (vectors_smem,), (tile_smem,) = staged, scratch
+    y_smem, log2_z_smem, a_smem, c_smem, b_smem = (vectors_smem.at[i] for i in range(5))
+    rows = lambda ref: jax.lax.broadcast_in_dim(_load_rows(ref, emulated), z_tv.shape, [0])
+
+    def grads(masked):
+        log2_p = z_tv * scale - rows(log2_z_smem)
+        p_tv = jnp.exp2(log2_p)
+        coef_tv = rows(c_smem)
+        if entropy_grad:
+            coef_tv = coef_tv + rows(b_smem) * (log2_p * _LN2)
+        g_tv = -p_tv * coef_tv
+        cols_tv = _columns(z_tv.shape, j * blocks.v, emulated)
+        hit_tv = cols_tv.astype(jnp.float32) == rows(y_smem)  # ids below 2^24: exact
+        g_tv = jnp.where(hit_tv, g_tv + rows(a_smem), g_tv)
+        if masked:  # padding: p 0, ln p -inf
+            g_tv = jnp.where(cols_tv < vocab, g_tv, 0.0)
+        tile_smem[...] = g_tv.astype(tile_smem.dtype)
+
+    _per_block_mask(grads, j, vocab, blocks)
+    mgpu.commit_smem()
+    mgpu.copy_smem_to_gmem(tile_smem, out_gmem.at[pl.ds(t0, tile_smem.shape[0]),
+                                                  pl.ds(j * blocks.v, blocks.v)])
+    mgpu.wait_smem_to_gmem(0)
+
+
+def _stage_rows(inputs, smems, barriers, t0, first=0):
+    """TMA copies of each `[..., T]` input's tokens from `t0` into its SMEM buffer, each
+    completing on its own barrier (`barriers[i]`; one copy a barrier: Pallas' GPU
+    interpreter can hang on a barrier that several copies arrive at; `first`: the index
+    of the first input's barrier)."""
+    mgpu = mosaic_backend.plgpu
+    for i, (x_gmem, x_smem) in enumerate(zip(inputs, smems, strict=True)):
+        tokens = (slice(None),) * (len(x_smem.shape) - 1) + (pl.ds(t0, x_smem.shape[-1]),)
+        mgpu.copy_gmem_to_smem(x_gmem.at[tokens], x_smem, barriers.at[first + i])
+
+
+def _wait_rows(barriers, count, first=0):
+    for i in range(count):
+        mosaic_backend.plgpu.barrier_wait(barriers.at[first + i])
+
+
+def _block_start(blocks, group):
+    """(vocabulary block, first token) of this program."""
     j = jax.lax.axis_index("v")
     t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
-    mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
+    return j, t0
+
+
+def _mosaic_kernel(h_gmem, w_gmem, *refs, inputs, vocab_first, blocks, group, emulated,
+                   epilogue):
+    """One `[t, v]` block on one warpgroup: its logits (`_mosaic_logits`) handed to
+    `epilogue(z_tv, staged, scratch, out_gmem, j, t0)` with the block's rows of the
+    `inputs` `[T]` operands in SMEM (`staged`) and the epilogue's `scratch` buffers."""
+    inputs_gmem, out_gmem = refs[:inputs], refs[inputs]
+    staged, scratch, barriers = refs[inputs + 1:2 * inputs + 1], refs[2 * inputs + 1:-1], refs[-1]
+    j, t0 = _block_start(blocks, group)
+    _stage_rows(inputs_gmem, staged, barriers, t0)
     z_tv = _mosaic_logits(h_gmem, w_gmem, t0, j * blocks.v, vocab_first=vocab_first,
                           blocks=blocks, emulated=emulated)
-    mgpu.barrier_wait(barrier)
-    _write_statistics(z_tv, y_smem, out_smem, out_gmem, j, t0, blocks=blocks,
-                      emulated=emulated, **stats)
+    _wait_rows(barriers, inputs)
+    epilogue(z_tv, staged, scratch, out_gmem, j, t0)
 
 
-def _mosaic_kernel_specialized(h_gmem, w_gmem, y_gmem, out_gmem, *, vocab_first, blocks,
-                               group, emulated, **stats):
-    """One `[t, v]` block on `blocks.consumers` warpgroups, each multiplying and reducing
-    its `t / consumers` tokens, fed by one more warpgroup that only issues the TMA copies
-    (`emit_pipeline_warp_specialized`, the tiles of W shared by the consumers)."""
+def _mosaic_kernel_specialized(h_gmem, w_gmem, *refs, inputs, vocab_first, blocks, group,
+                               emulated, epilogue, staged_types, scratch_types):
+    """One `[t, v]` block on `blocks.consumers` warpgroups, each multiplying its
+    `t / consumers` tokens and running `epilogue` on them (as `_mosaic_kernel`), fed by
+    one more warpgroup that only issues the TMA copies (`emit_pipeline_warp_specialized`,
+    the tiles of W shared by the consumers). `staged_types` / `scratch_types`: each
+    consumer's SMEM vectors for the inputs' rows and the epilogue's buffers, as
+    `(shape, dtype, transforms)`."""
     mgpu = mosaic_backend.plgpu
+    inputs_gmem, out_gmem = refs[:inputs], refs[inputs]
     n, rows = blocks.consumers, blocks.t // blocks.consumers
-    j = jax.lax.axis_index("v")
-    t0 = (jax.lax.axis_index("g") * group + jax.lax.axis_index("t")) * blocks.t
+    j, t0 = _block_start(blocks, group)
     specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, j * blocks.v,
                                              vocab_first=vocab_first, blocks=blocks)
     pipeline = lambda body, context: mgpu.emit_pipeline_warp_specialized(
@@ -326,20 +399,20 @@ def _mosaic_kernel_specialized(h_gmem, w_gmem, y_gmem, out_gmem, *, vocab_first,
         compute_context=context)
     ignore = lambda *_, **__: None  # allocations depend on neither function
 
-    def scoped(allocations, y_smem, out_smem, barriers, w_kv):
+    def scoped(allocations, w_kv, barriers, *buffers):
         wg = jax.lax.axis_index("wg")
         mine = t0 + wg * rows
+        staged = [b.at[wg] for b in buffers[:inputs]]
+        scratch = [b.at[wg] for b in buffers[inputs:]]
 
         def context(run_pipeline):
-            mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(mine, rows)], y_smem.at[wg],
-                                   barriers.at[wg])
+            _stage_rows(inputs_gmem, staged, barriers, mine, first=wg * inputs)
 
             def with_accumulator(acc_ref):
                 run_pipeline(acc_ref)
                 z_tv = acc_ref[...]
-                mgpu.barrier_wait(barriers.at[wg])
-                _write_statistics(z_tv, y_smem.at[wg], out_smem.at[wg], out_gmem, j, mine,
-                                  blocks=blocks, emulated=emulated, **stats)
+                _wait_rows(barriers, inputs, first=wg * inputs)
+                epilogue(z_tv, staged, scratch, out_gmem, j, mine)
             pl.run_scoped(with_accumulator, mgpu.ACC((rows, blocks.v), jnp.float32))
 
         def body(_, h_smem, w_smem, acc_ref):
@@ -350,51 +423,95 @@ def _mosaic_kernel_specialized(h_gmem, w_gmem, y_gmem, out_gmem, *, vocab_first,
 
         pipeline(body, context)(*operands, allocations=allocations)
 
-    stat_count = 4 if stats["with_entropy"] else 3
     # Interpreted, the transposed copies of W's tiles (`_wgmma_step`), allocated by all.
     w_kv = (mgpu.SMEM((n, blocks.k, blocks.v), w_gmem.dtype) if emulated and vocab_first
             else None)
-    pl.run_scoped(scoped, pipeline(ignore, ignore).get_allocations(*operands),
-                  mgpu.SMEM((n, rows), jnp.int32), mgpu.SMEM((n, stat_count, rows), jnp.float32),
-                  mgpu.Barrier(num_barriers=n), w_kv, collective_axes="wg")
+    buffers = [mgpu.SMEM((n, *shape), dtype, transforms=transforms)
+               for shape, dtype, transforms in (*staged_types, *scratch_types)]
+    pl.run_scoped(scoped, pipeline(ignore, ignore).get_allocations(*operands), w_kv,
+                  mgpu.Barrier(num_barriers=n * inputs), *buffers,
+                  collective_axes="wg")
 
 
-def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
-                  interpret):
-    """The Mosaic GPU kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`:
-    a grid of groups of token blocks, by `V / v` vocabulary blocks, by a group's token
-    blocks (the last axis varies fastest: the programs running at once share a block of
-    W, and a group's hidden states are read again from L2)."""
-    mosaic_backend.require("model.logprob_impl")
+def _launch(h_td, w, inputs, *, out_type, epilogue, scratch_types, vocab_first, blocks,
+            mode):
+    """The kernel over `h_td [T, D]` (T whole `blocks.t`) and W's vocabulary blocks,
+    each block's logits handed to `epilogue` (`_mosaic_kernel`) with the block's rows of
+    the `[T]` `inputs` staged in SMEM and `scratch_types` (`(shape, dtype, transforms)`
+    per consumer warpgroup) for its buffers. The grid: groups of token blocks, by
+    vocabulary blocks, by a group's token blocks (the last axis varies fastest: the
+    programs running at once share a block of W, and a group's hidden states are read
+    again from L2)."""
     mgpu = mosaic_backend.plgpu
-    tp = h_td.shape[0]
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
-    nt = tp // blocks.t
+    nt = h_td.shape[0] // blocks.t
     group = max(g for g in range(1, min(blocks.group or nt, nt) + 1) if nt % g == 0)
-    stats = 4 if with_entropy else 3
-    mode = mosaic_backend.interpret(force=bool(interpret))
-    settings = dict(vocab=vocab, vocab_first=vocab_first, scale=_LOG2E / temperature,
-                    with_entropy=with_entropy, blocks=blocks, group=group,
-                    emulated=mode is not False)
+    settings = dict(inputs=len(inputs), vocab_first=vocab_first, blocks=blocks, group=group,
+                    emulated=mode is not False, epilogue=epilogue)
+    rows = blocks.t // blocks.consumers
+    staged_types = [((*x.shape[:-1], rows), x.dtype, ()) for x in inputs]
     if blocks.consumers == 1:
         kernel = functools.partial(_mosaic_kernel, **settings)
-        threads = dict(scratch_types=[mgpu.SMEM((blocks.t,), jnp.int32),
-                                      mgpu.SMEM((stats, blocks.t), jnp.float32),
-                                      mgpu.Barrier(num_barriers=1)])
+        threads = dict(scratch_types=[
+            *(mgpu.SMEM(shape, dtype, transforms=t)
+              for shape, dtype, t in (*staged_types, *scratch_types)),
+            mgpu.Barrier(num_barriers=len(inputs))])
     else:  # the consumers and one memory warpgroup
-        kernel = functools.partial(_mosaic_kernel_specialized, **settings)
+        kernel = functools.partial(_mosaic_kernel_specialized, staged_types=staged_types,
+                                   scratch_types=scratch_types, **settings)
         threads = dict(num_threads=blocks.consumers + 1, thread_name="wg")
     # Mosaic GPU takes operands at 256-byte aligned addresses. Left to itself, XLA's GPU
     # compiler may hand a custom call a slice of a larger buffer by its address (targets
     # shifted by one token: 4 bytes in), which the kernel then refuses at run time; the
     # barrier makes each operand a buffer of its own.
-    operands = jax.lax.optimization_barrier((h_td, w, y_t.astype(jnp.int32)))
-    out = mgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
-        grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
+    operands = jax.lax.optimization_barrier((h_td, w, *inputs))
+    return mgpu.kernel(
+        kernel, out_type=out_type, grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
         compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode, **threads,
     )(*operands)
+
+
+def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy, blocks,
+                  interpret):
+    """The Mosaic GPU kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`
+    (`_write_statistics`)."""
+    mosaic_backend.require("model.logprob_impl")
+    tp = h_td.shape[0]
+    nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
+    stats = 4 if with_entropy else 3
+    mode = mosaic_backend.interpret(force=bool(interpret))
+    epilogue = functools.partial(_write_statistics, vocab=vocab, blocks=blocks,
+                                 scale=_LOG2E / temperature, with_entropy=with_entropy,
+                                 emulated=mode is not False)
+    out = _launch(h_td, w, (y_t.astype(jnp.int32),),
+                  out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
+                  epilogue=epilogue,
+                  scratch_types=[((stats, blocks.t // blocks.consumers), jnp.float32, ())],
+                  vocab_first=vocab_first, blocks=blocks, mode=mode)
     return tuple(out)
+
+
+def _mosaic_grads(h_td, w, y_t, log2_z_t, a_t, c_t, b_t, *, vocab, vocab_first, temperature,
+                  entropy_grad, blocks, interpret):
+    """The backward kernel: `d loss / d z` `[T, Vp]` in `h_td`'s dtype (`_write_grads`),
+    each block's logits recomputed on chip."""
+    mosaic_backend.require("model.logprob_impl")
+    mgpu = mosaic_backend.plgpu
+    vp = w.shape[0] if vocab_first else w.shape[1]
+    mode = mosaic_backend.interpret(force=bool(interpret))
+    itemsize = jnp.dtype(h_td.dtype).itemsize
+    swizzle = mgpu.find_swizzle(min(blocks.v, 128 // itemsize) * itemsize * 8)
+    tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
+    epilogue = functools.partial(_write_grads, vocab=vocab, blocks=blocks,
+                                 scale=_LOG2E / temperature, entropy_grad=entropy_grad,
+                                 emulated=mode is not False)
+    # One `[5, T]` operand, one copy a block (the interpreter hangs on several).
+    vectors = jnp.stack([x.astype(jnp.float32) for x in (y_t, log2_z_t, a_t, c_t, b_t)])
+    return _launch(h_td, w, (vectors,),
+                   out_type=jax.ShapeDtypeStruct((h_td.shape[0], vp), h_td.dtype),
+                   epilogue=epilogue,
+                   scratch_types=[((blocks.t // blocks.consumers, blocks.v), h_td.dtype, tiled)],
+                   vocab_first=vocab_first, blocks=blocks, mode=mode)
 
 
 def _merge(parts, with_entropy):
@@ -474,3 +591,63 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
         return (rows(3), P(None, None), rows(2)), (rows(2),) * 3
 
     return sharding.per_shard(fn, specs, h_btd, weight, targets_bt)
+
+
+# The backward kernel's tiles: the forward's (`_write_grads` adds a `[64, 256]` tile per
+# consumer: 208 KiB of Hopper's 227 KiB of shared memory). Alone, at 8,192 tokens of the
+# Qwen2.5-0.5B head (experiments/check_head_backward.py; experiments/results/mosaic/call10),
+# 128 entries x 4 stages was faster (4.87 ms against 5.60; XLA 7.46), but in the GRPO
+# step these tiles were (learn 1.502 against 1.519 s, XLA's backward 1.523 and 1.518;
+# calls 12 and 13, one H200).
+MOSAIC_BACKWARD = MOSAIC_FORWARD
+
+# `_fused_bwd` (jrl.logprobs) with `impl="mosaic"`: "mosaic" forms d(loss)/d(logits)
+# with `grad_logits` (the logits recomputed on chip, written once in the compute
+# dtype), "xla" recomputes each chunk's float32 logits in XLA (the benches' before).
+BACKWARD = "mosaic"
+
+
+def _local_grads(h_btd, w, y_bt, log_z_bt, g_lp_bt, g_ent_bt, ent_bt, *, vocab, vocab_first,
+                 temperature, entropy_grad, blocks, interpret):
+    """`grad_logits` on this device's `[B, T]` tokens, in one launch."""
+    b, t, d = h_btd.shape
+    _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks)
+    n = b * t
+    pad = -n % blocks.t
+    flat = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2))
+    a_t = flat(g_lp_bt.astype(jnp.float32)) / temperature
+    b_t = (flat(g_ent_bt.astype(jnp.float32)) / temperature if entropy_grad
+           else jnp.zeros_like(a_t))
+    c_t = a_t + b_t * flat(ent_bt.astype(jnp.float32))
+    grads = _mosaic_grads(flat(h_btd), w, flat(y_bt), flat(log_z_bt) * _LOG2E, a_t, c_t, b_t,
+                          vocab=vocab, vocab_first=vocab_first, temperature=temperature,
+                          entropy_grad=entropy_grad, blocks=blocks, interpret=interpret)
+    return (grads[:n] if pad else grads).reshape(b, t, -1)
+
+
+def grad_logits(h_btd: Array, weight: Array, targets_bt: Array, log_z_bt: Array,
+                g_lp_bt: Array, g_ent_bt: Array, ent_bt: Array, *, vocab: int,
+                vocab_first: bool, temperature: float = 1.0, entropy_grad: bool = True,
+                blocks: MosaicBlocks | None = None, interpret: bool = False) -> Array:
+    """`d loss / d z` for the logits `z = h W / temperature`, `[B, T, Vp]` in `h_btd`'s
+    dtype, from the forward pass's `log Z` and entropy and the cotangents of the
+    log-probs (`g_lp`) and the entropies (`g_ent`, ignored unless `entropy_grad`):
+
+        g_lp (onehot(y) - p) - g_ent p (ln p + H),  divided by the temperature,
+
+    each block of logits recomputed on chip by the forward kernel's pipeline and the
+    gradient formed on its registers (no float32 logits in memory). `weight` is
+    `pad_vocab`'s unembedding; the padding entries' gradients are 0. The chain rule
+    through the unembedding (`grad @ W`, `grad^T @ h`) is left to XLA's matmuls. Under
+    a `Sharder`, per device's rows as `log_softmax_stats`."""
+    fn = functools.partial(_local_grads, vocab=vocab, vocab_first=vocab_first,
+                           temperature=temperature, entropy_grad=entropy_grad,
+                           blocks=blocks or MOSAIC_BACKWARD, interpret=interpret)
+
+    def specs(sharder):
+        batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
+        rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
+        return (rows(3), P(None, None), *(rows(2),) * 5), rows(3)
+
+    return sharding.per_shard(fn, specs, h_btd, weight, targets_bt, log_z_bt, g_lp_bt,
+                              g_ent_bt, ent_bt)

@@ -103,18 +103,57 @@ def test_unpadded_or_overpadded_unembedding_is_refused():
                                  interpret=True)
 
 
+def _grad_reference(h, w, y, temperature, g_lp, g_ent, entropy_grad):
+    """float64 `d loss / d (h W)` of `loss = sum g_lp log p[y] + sum g_ent H` (the
+    logits' 1 / temperature included), with the `log Z` and entropy it needs."""
+    z, log_z, _, p, ent = _reference(h, w, y, temperature)
+    log_p = z - log_z[:, None]
+    onehot = np.arange(p.shape[1])[None] == np.asarray(y[0])[:, None]
+    grad = g_lp[:, None] * (onehot - p)
+    if entropy_grad:  # dH/dz_v = -p_v (log p_v + H)
+        grad -= g_ent[:, None] * p * (log_p + ent[:, None])
+    return grad / temperature, log_z, ent
+
+
+@INTERPRETS
+@pytest.mark.parametrize(("consumers", "vocab_first", "entropy_grad"),
+                         [(1, True, True), (1, False, False), (2, True, False),
+                          (2, False, True)])
+def test_grad_logits_match_float64(consumers, vocab_first, entropy_grad):
+    """The backward kernel's `d loss / d z` against float64 numpy: T = 37 tokens (one
+    block, padded), V = 101 entries (the last block masked; its padding gets 0), the
+    targets of a few tokens in that last block."""
+    h, w, y = _inputs(seed=8)
+    y = y.at[0, :3].set(V - 1)
+    rng = np.random.default_rng(9)
+    g_lp, g_ent = rng.normal(size=T), rng.normal(size=T)
+    want, log_z, ent = _grad_reference(h, w, y, TEMPERATURE, g_lp, g_ent, entropy_grad)
+    blocks = hk.MosaicBlocks(t=64 * consumers, v=32, k=16, stages=2, consumers=consumers)
+    weight = hk.pad_vocab(w if vocab_first else w.T, vocab_first, blocks)
+    row = lambda x: jnp.asarray(x, jnp.float32)[None]
+    got = hk.grad_logits(h, weight, y, row(log_z), row(g_lp), row(g_ent), row(ent),
+                         vocab=V, vocab_first=vocab_first, temperature=TEMPERATURE,
+                         entropy_grad=entropy_grad, blocks=blocks, interpret=True)
+    assert got.shape == (1, T, 128) and got.dtype == h.dtype
+    np.testing.assert_allclose(got[0, :, :V], want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got[0, :, V:], 0.0)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(hk, "MOSAIC_FORWARD", SMALL)
+    monkeypatch.setattr(hk, "MOSAIC_BACKWARD", SMALL)
 
 
 @OFF_GPU
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("chunk_size", [4, None])
-def test_token_log_probs_kernel_matches_xla(small_blocks, tied, chunk_size):
+def test_token_log_probs_kernel_matches_xla(small_blocks, monkeypatch, tied, chunk_size):
     """Values and gradients (hidden states, unembedding) of the log-probs and the
-    entropy through `token_log_probs`, the kernel's forward (and the residuals it
-    hands the backward pass) against the chunked XLA path."""
+    entropy through `token_log_probs`, the kernels' forward and backward (the residuals
+    the forward hands the backward, `grad_logits`' per-token inputs, the padded
+    vocabulary's rows cut from the unembedding's gradient) against the chunked XLA
+    path."""
     rng = np.random.default_rng(4)
     b, r = 3, 10
     hidden = jnp.asarray(rng.normal(size=(b, r, D)), jnp.float32)
@@ -131,6 +170,10 @@ def test_token_log_probs_kernel_matches_xla(small_blocks, tied, chunk_size):
                                            entropy_grad=entropy_grad, impl=impl)
         return jnp.sum(lp * weights_lp) + jnp.sum(ent * weights_ent), (lp, ent)
 
+    kernel_calls = []
+    grads = hk._mosaic_grads
+    monkeypatch.setattr(hk, "_mosaic_grads",
+                        lambda *a, **k: kernel_calls.append(k["entropy_grad"]) or grads(*a, **k))
     for entropy_grad in (True, False):
         grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
         (g_params, g_hidden), (lp, ent) = grad(params, hidden, "mosaic", entropy_grad)
@@ -139,6 +182,7 @@ def test_token_log_probs_kernel_matches_xla(small_blocks, tied, chunk_size):
         chex.assert_trees_all_close(g_hidden, w_hidden, rtol=1e-4, atol=1e-5)
         chex.assert_trees_all_close(g_params, w_params, rtol=1e-4, atol=1e-5)
         assert float(jnp.abs(g_hidden).max()) > 1e-2
+    assert kernel_calls == [True, False]  # the backward kernel formed d loss / d z
 
 
 @OFF_GPU
@@ -201,7 +245,8 @@ def test_choice_and_errors(monkeypatch):
     # kernel on a GPU stops naming the key.
     assert hk.choose_impl("auto", 256, dtype=jnp.float32) == "xla"
     assert hk.choose_impl("auto", 256, dtype=jnp.float16) == "mosaic"
-    assert hk.choose_impl("mosaic", 256, dtype=jnp.float32) == "mosaic"  # interpret mode
+    if jax.default_backend() != "gpu":
+        assert hk.choose_impl("mosaic", 256, dtype=jnp.float32) == "mosaic"  # interpret mode
     with monkeypatch.context() as patch:
         patch.setattr(hk.jax, "default_backend", lambda: "gpu")
         with pytest.raises(ConfigError, match="model.logprob_impl='mosaic' needs a 16-bit"):
@@ -297,7 +342,20 @@ _SHARDED_SCRIPT = textwrap.dedent("""
             parts.append(jnp.where(valid, e * z, 0.0).sum(1))
         return tuple(x[None] for x in parts)
 
+    def xla_grads(h_td, w, y_t, log2_z_t, a_t, c_t, b_t, *, vocab, vocab_first,
+                  temperature, entropy_grad, blocks, interpret):
+        # The backward kernel's d loss / d z by XLA: a onehot - p (c + b ln p).
+        z = jnp.dot(h_td, w.T if vocab_first else w) / temperature
+        log_p = z - (log2_z_t / np.log2(np.e))[:, None]
+        p = jnp.exp(log_p)
+        onehot = jnp.arange(z.shape[1])[None] == y_t[:, None]
+        coef = c_t[:, None] + (b_t[:, None] * log_p if entropy_grad else 0.0)
+        grad = a_t[:, None] * onehot - p * coef
+        return jnp.where(jnp.arange(z.shape[1]) < vocab, grad, 0.0).astype(h_td.dtype)
+
     hk._mosaic_parts = xla_parts
+    hk._mosaic_grads = xla_grads
+    hk.MOSAIC_BACKWARD = hk.MOSAIC_FORWARD
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(8, 6, 32)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 70, (8, 6)), jnp.int32)
@@ -339,8 +397,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     """Under a `Sharder` the kernel runs in a shard_map over the batch axes, each device
     on its rows (no gathers), and values and gradients match the XLA path. The kernel
-    itself is stood in for by XLA's statistics here: Pallas' GPU interpreter cannot run
-    kernels of several devices at once (it races on its simulated barriers)."""
+    itself (forward and backward) is stood in for by XLA here: Pallas' GPU interpreter
+    cannot run kernels of several devices at once (it races on its simulated barriers)."""
     result = run_script(_SHARDED_SCRIPT)
     assert set(result) == {"data", "fsdp_tensor", "gathers"}
     assert result.pop("gathers") == 0, result

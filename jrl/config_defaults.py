@@ -67,10 +67,11 @@ def base_config() -> ml_collections.ConfigDict:
     # backend) or mosaic (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and
     # a bfloat16/float16 cache; only when set).
     c.model.decode_attention_impl = "auto"
-    # Unembedding + log-softmax of the log-prob and update passes' forward: auto (a
-    # Pallas kernel on its Mosaic GPU backend that keeps the logits on chip, on Hopper
-    # GPUs for hidden sizes up to 1,024; else XLA), xla (chunked float32 logits) or
-    # mosaic (the kernel, forced; a ConfigError where jax lacks Mosaic GPU).
+    # Unembedding + log-softmax of the log-prob and update passes (forward, and the
+    # update's backward through d loss / d logits): auto (a Pallas kernel on its Mosaic
+    # GPU backend that keeps the logits on chip, on Hopper GPUs for hidden sizes up to
+    # 1,024; else XLA), xla (chunked float32 logits) or mosaic (the kernel, forced; a
+    # ConfigError where jax lacks Mosaic GPU).
     c.model.logprob_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).

@@ -328,7 +328,7 @@ def _write_grads(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale
             coef_tv = coef_tv + rows(b_smem) * (log2_p * _LN2)
         g_tv = -p_tv * coef_tv
         cols_tv = _columns(z_tv.shape, j * blocks.v, emulated)
-        hit_tv = cols_tv.astype(jnp.float32) == rows(y_smem)  # ids below 2^24: exact
+        hit_tv = cols_tv.astype(jnp.float32) == rows(y_smem)  # exact: `_EXACT_IDS`
         g_tv = jnp.where(hit_tv, g_tv + rows(a_smem), g_tv)
         if masked:  # padding: p 0, ln p -inf
             g_tv = jnp.where(cols_tv < vocab, g_tv, 0.0)
@@ -607,11 +607,18 @@ MOSAIC_BACKWARD = MOSAIC_FORWARD
 BACKWARD = "mosaic"
 
 
+_EXACT_IDS = 2 ** 24  # float32 holds every integer up to here
+
+
 def _local_grads(h_btd, w, y_bt, log_z_bt, g_lp_bt, g_ent_bt, ent_bt, *, vocab, vocab_first,
                  temperature, entropy_grad, blocks, interpret):
     """`grad_logits` on this device's `[B, T]` tokens, in one launch."""
     b, t, d = h_btd.shape
     _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks)
+    if vocab > _EXACT_IDS:
+        raise ValueError(f"the log-prob backward kernel takes token ids as float32, exact "
+                         f"up to {_EXACT_IDS}; got a vocabulary of {vocab}; use "
+                         "model.logprob_impl='xla'")
     n = b * t
     pad = -n % blocks.t
     flat = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2))

@@ -139,6 +139,19 @@ def test_grad_logits_match_float64(consumers, vocab_first, entropy_grad):
     np.testing.assert_array_equal(got[0, :, V:], 0.0)
 
 
+def test_grad_logits_refuses_ids_past_float32():
+    """The backward kernel carries token ids as float32: a vocabulary past 2^24 stops."""
+    vocab = 2 ** 24 + 1
+    h = jnp.zeros((1, 4, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((vocab + 31, 16), jnp.float32)  # padded to blocks of 32
+    row = jnp.zeros((1, 4), jnp.float32)
+    blocks = hk.MosaicBlocks(t=64, v=32, k=16, stages=2)
+    with pytest.raises(ValueError, match="exact up to 16777216; got a vocabulary of 16777217"):
+        jax.eval_shape(lambda w: hk.grad_logits(h, w, row.astype(jnp.int32), row, row, row,
+                                                row, vocab=vocab, vocab_first=True,
+                                                blocks=blocks, interpret=True), w)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(hk, "MOSAIC_FORWARD", SMALL)

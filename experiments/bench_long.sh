@@ -28,7 +28,7 @@
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
 # "+bN" (--decode_buckets N), "+mosaic" or "+mosaicSPEC" (--decode_attention mosaic
 # [--mosaic_tiles SPEC]), "+hbxla" (--head_backward xla: the log-prob head's backward
-# in XLA), e.g. natural+split4,1024+b8 or short+mosaic128,2,compact,rows4.
+# in XLA), "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g. natural+split4,1024+b8 or short+mosaic128,2,compact,rows4.
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
 # 560) caps the whole call, each run getting what is left.
 set -uo pipefail
@@ -70,6 +70,7 @@ for name in "$@"; do
       split*) extra+=(--decode_split "${o#split}") ;;
       b*) extra+=(--decode_buckets "${o#b}") ;;
       hbxla) extra+=(--head_backward xla) ;;
+      hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       mosaic) extra+=(--decode_attention mosaic) ;;
       mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;
       *) echo "unknown setting $o in $name" >&2; exit 2 ;;

@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head_blocks", default=None,
                    help="jrl.models.head_kernel.MOSAIC_FORWARD tiles: "
                    "t,v,k,stages,overlap,group,consumers")
+    p.add_argument("--head_backward_blocks", default=None,
+                   help="jrl.models.head_kernel.MOSAIC_BACKWARD tiles (grad_logits), as "
+                        "--head_blocks")
     p.add_argument("--lora_rank", type=int, default=0,
                    help="model.lora_rank (0: full fine-tuning); the base is then frozen in "
                         "the compute dtype and only the adapters train")
@@ -524,11 +527,16 @@ def print_table(args, results) -> None:
         print(f"| {label} | " + " | ".join(fn(r) for r in results) + " |")
 
 
-def set_head_blocks(spec: str | None) -> None:
-    """`--head_blocks`: the log-prob kernel's tiles (`jrl.models.head_kernel`)."""
-    if spec:
-        from jrl.models import head_kernel
-        head_kernel.MOSAIC_FORWARD = head_kernel.MosaicBlocks(*map(int, spec.split(",")))
+def set_head_kernel(args) -> None:
+    """`--head_blocks`, `--head_backward_blocks`: the log-prob kernels' tiles, and
+    `--head_backward`: where the backward forms d loss / d logits (`jrl.models.head_kernel`)."""
+    from jrl.models import head_kernel
+    blocks = lambda spec: head_kernel.MosaicBlocks(*map(int, spec.split(",")))
+    if args.head_blocks:
+        head_kernel.MOSAIC_FORWARD = blocks(args.head_blocks)
+    if args.head_backward_blocks:
+        head_kernel.MOSAIC_BACKWARD = blocks(args.head_backward_blocks)
+    head_kernel.BACKWARD = args.head_backward
 
 
 def set_mosaic_tiles(spec: str | None) -> None:
@@ -549,9 +557,7 @@ def set_decode_split(spec: str | None) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    set_head_blocks(args.head_blocks)
-    from jrl.models import head_kernel
-    head_kernel.BACKWARD = args.head_backward
+    set_head_kernel(args)
     set_mosaic_tiles(args.mosaic_tiles)
     set_decode_split(args.decode_split)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)

@@ -277,13 +277,13 @@ def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy
         out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
 
 
-def _write_statistics(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
+def _write_statistics(z_tv, y_smem, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
                       with_entropy, emulated):
     """The forward kernels' epilogue: a block's statistics (`_mosaic_statistics`; only
     the last vocabulary block masks padding) to `out_gmem[:, j, t0:]` through the
-    `[stats, rows]` SMEM buffer `scratch[0]`; `staged[0]` holds the tokens' targets."""
+    `[stats, rows]` SMEM buffer `scratch[0]`; `y_smem` holds the tokens' targets."""
     mgpu = mosaic_backend.plgpu
-    (y_smem,), (out_smem,) = staged, scratch
+    (out_smem,) = scratch
     stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=j * blocks.v,
                               vocab=vocab, scale=scale, with_entropy=with_entropy,
                               emulated=emulated)
@@ -304,11 +304,12 @@ def _per_block_mask(fn, j, vocab, blocks):
         fn(masked=False)
 
 
-def _write_grads(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
+def _write_grads(z_tv, vectors_smem, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
                  entropy_grad, emulated):
     """The backward kernel's epilogue: `d loss / d z` of a `[rows, v]` block from its
     accumulator `z_tv` (`h W` without the temperature), stored in the gradient's dtype
-    to `out_gmem[t0:, j v:]` through the SMEM tile `scratch[0]`. Per token (`staged`):
+    to `out_gmem[t0:, j v:]` through the SMEM tile `scratch[0]`. Per token (the rows of
+    `vectors_smem`):
     the target, `log2 Z` (base 2), `a = g_lp / temperature`, `c = a + b H` and
     `b = g_ent / temperature`, so that with `p = 2^(z log2 e / temperature - log2 Z)`
 
@@ -316,7 +317,7 @@ def _write_grads(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale
 
     (`jrl.logprobs._fused_bwd`'s formula); padding entries get 0."""
     mgpu = mosaic_backend.plgpu
-    (vectors_smem,), (tile_smem,) = staged, scratch
+    (tile_smem,) = scratch
     y_smem, log2_z_smem, a_smem, c_smem, b_smem = (vectors_smem.at[i] for i in range(5))
     rows = lambda ref: jax.lax.broadcast_in_dim(_load_rows(ref, emulated), z_tv.shape, [0])
 
@@ -341,20 +342,10 @@ def _write_grads(z_tv, staged, scratch, out_gmem, j, t0, *, vocab, blocks, scale
     mgpu.wait_smem_to_gmem(0)
 
 
-def _stage_rows(inputs, smems, barriers, t0, first=0):
-    """TMA copies of each `[..., T]` input's tokens from `t0` into its SMEM buffer, each
-    completing on its own barrier (`barriers[i]`; one copy a barrier: Pallas' GPU
-    interpreter can hang on a barrier that several copies arrive at; `first`: the index
-    of the first input's barrier)."""
-    mgpu = mosaic_backend.plgpu
-    for i, (x_gmem, x_smem) in enumerate(zip(inputs, smems, strict=True)):
-        tokens = (slice(None),) * (len(x_smem.shape) - 1) + (pl.ds(t0, x_smem.shape[-1]),)
-        mgpu.copy_gmem_to_smem(x_gmem.at[tokens], x_smem, barriers.at[first + i])
-
-
-def _wait_rows(barriers, count, first=0):
-    for i in range(count):
-        mosaic_backend.plgpu.barrier_wait(barriers.at[first + i])
+def _stage_tokens(x_gmem, x_smem, barrier, t0):
+    """TMA copy of the `[..., T]` per-token operand's tokens from `t0` into `x_smem`."""
+    tokens = (slice(None),) * (len(x_smem.shape) - 1) + (pl.ds(t0, x_smem.shape[-1]),)
+    mosaic_backend.plgpu.copy_gmem_to_smem(x_gmem.at[tokens], x_smem, barrier)
 
 
 def _block_start(blocks, group):
@@ -364,31 +355,31 @@ def _block_start(blocks, group):
     return j, t0
 
 
-def _mosaic_kernel(h_gmem, w_gmem, *refs, inputs, vocab_first, blocks, group, emulated,
-                   epilogue):
+def _mosaic_kernel(h_gmem, w_gmem, x_gmem, out_gmem, x_smem, *refs, vocab_first, blocks,
+                   group, emulated, epilogue):
     """One `[t, v]` block on one warpgroup: its logits (`_mosaic_logits`) handed to
-    `epilogue(z_tv, staged, scratch, out_gmem, j, t0)` with the block's rows of the
-    `inputs` `[T]` operands in SMEM (`staged`) and the epilogue's `scratch` buffers."""
-    inputs_gmem, out_gmem = refs[:inputs], refs[inputs]
-    staged, scratch, barriers = refs[inputs + 1:2 * inputs + 1], refs[2 * inputs + 1:-1], refs[-1]
+    `epilogue(z_tv, x_smem, scratch, out_gmem, j, t0, emulated=...)` with the block's
+    tokens of the per-token operand `x` in `x_smem` and the epilogue's `scratch` buffers
+    (`refs` but the last, a barrier)."""
+    mgpu = mosaic_backend.plgpu
+    scratch, barrier = refs[:-1], refs[-1].at[0]
     j, t0 = _block_start(blocks, group)
-    _stage_rows(inputs_gmem, staged, barriers, t0)
+    _stage_tokens(x_gmem, x_smem, barrier, t0)
     z_tv = _mosaic_logits(h_gmem, w_gmem, t0, j * blocks.v, vocab_first=vocab_first,
                           blocks=blocks, emulated=emulated)
-    _wait_rows(barriers, inputs)
-    epilogue(z_tv, staged, scratch, out_gmem, j, t0)
+    mgpu.barrier_wait(barrier)
+    epilogue(z_tv, x_smem, scratch, out_gmem, j, t0, emulated=emulated)
 
 
-def _mosaic_kernel_specialized(h_gmem, w_gmem, *refs, inputs, vocab_first, blocks, group,
-                               emulated, epilogue, staged_types, scratch_types):
+def _mosaic_kernel_specialized(h_gmem, w_gmem, x_gmem, out_gmem, *, vocab_first, blocks,
+                               group, emulated, epilogue, staged_type, scratch_types):
     """One `[t, v]` block on `blocks.consumers` warpgroups, each multiplying its
     `t / consumers` tokens and running `epilogue` on them (as `_mosaic_kernel`), fed by
     one more warpgroup that only issues the TMA copies (`emit_pipeline_warp_specialized`,
-    the tiles of W shared by the consumers). `staged_types` / `scratch_types`: each
-    consumer's SMEM vectors for the inputs' rows and the epilogue's buffers, as
+    the tiles of W shared by the consumers). `staged_type` / `scratch_types`: each
+    consumer's SMEM buffer for its tokens of `x` and the epilogue's buffers, as
     `(shape, dtype, transforms)`."""
     mgpu = mosaic_backend.plgpu
-    inputs_gmem, out_gmem = refs[:inputs], refs[inputs]
     n, rows = blocks.consumers, blocks.t // blocks.consumers
     j, t0 = _block_start(blocks, group)
     specs, operands, delay = _pipeline_specs(h_gmem, w_gmem, t0, j * blocks.v,
@@ -399,20 +390,19 @@ def _mosaic_kernel_specialized(h_gmem, w_gmem, *refs, inputs, vocab_first, block
         compute_context=context)
     ignore = lambda *_, **__: None  # allocations depend on neither function
 
-    def scoped(allocations, w_kv, barriers, *buffers):
+    def scoped(allocations, w_kv, barriers, x_smem, *buffers):
         wg = jax.lax.axis_index("wg")
         mine = t0 + wg * rows
-        staged = [b.at[wg] for b in buffers[:inputs]]
-        scratch = [b.at[wg] for b in buffers[inputs:]]
+        x_smem, scratch = x_smem.at[wg], [b.at[wg] for b in buffers]
 
         def context(run_pipeline):
-            _stage_rows(inputs_gmem, staged, barriers, mine, first=wg * inputs)
+            _stage_tokens(x_gmem, x_smem, barriers.at[wg], mine)
 
             def with_accumulator(acc_ref):
                 run_pipeline(acc_ref)
                 z_tv = acc_ref[...]
-                _wait_rows(barriers, inputs, first=wg * inputs)
-                epilogue(z_tv, staged, scratch, out_gmem, j, mine)
+                mgpu.barrier_wait(barriers.at[wg])
+                epilogue(z_tv, x_smem, scratch, out_gmem, j, mine, emulated=emulated)
             pl.run_scoped(with_accumulator, mgpu.ACC((rows, blocks.v), jnp.float32))
 
         def body(_, h_smem, w_smem, acc_ref):
@@ -427,44 +417,46 @@ def _mosaic_kernel_specialized(h_gmem, w_gmem, *refs, inputs, vocab_first, block
     w_kv = (mgpu.SMEM((n, blocks.k, blocks.v), w_gmem.dtype) if emulated and vocab_first
             else None)
     buffers = [mgpu.SMEM((n, *shape), dtype, transforms=transforms)
-               for shape, dtype, transforms in (*staged_types, *scratch_types)]
+               for shape, dtype, transforms in (staged_type, *scratch_types)]
     pl.run_scoped(scoped, pipeline(ignore, ignore).get_allocations(*operands), w_kv,
-                  mgpu.Barrier(num_barriers=n * inputs), *buffers,
-                  collective_axes="wg")
+                  mgpu.Barrier(num_barriers=n), *buffers, collective_axes="wg")
 
 
-def _launch(h_td, w, inputs, *, out_type, epilogue, scratch_types, vocab_first, blocks,
-            mode):
+def _launch(h_td, w, x, *, out_type, epilogue, scratch_types, vocab_first, blocks,
+            interpret):
     """The kernel over `h_td [T, D]` (T whole `blocks.t`) and W's vocabulary blocks,
-    each block's logits handed to `epilogue` (`_mosaic_kernel`) with the block's rows of
-    the `[T]` `inputs` staged in SMEM and `scratch_types` (`(shape, dtype, transforms)`
-    per consumer warpgroup) for its buffers. The grid: groups of token blocks, by
-    vocabulary blocks, by a group's token blocks (the last axis varies fastest: the
-    programs running at once share a block of W, and a group's hidden states are read
-    again from L2)."""
+    each block's logits handed to `epilogue` (`_mosaic_kernel`) with the block's tokens
+    of the per-token operand `x [..., T]` staged in SMEM (one copy a block: Pallas' GPU
+    interpreter hangs, most runs, when a consumer warpgroup issues two or more) and
+    `scratch_types` (`(shape, dtype, transforms)` per consumer warpgroup) for its
+    buffers; Pallas' GPU interpret mode where `interpret` or off a GPU. The grid: groups
+    of token blocks, by vocabulary blocks, by a group's token blocks (the last axis
+    varies fastest: the programs running at once share a block of W, and a group's
+    hidden states are read again from L2)."""
+    mosaic_backend.require("model.logprob_impl")
     mgpu = mosaic_backend.plgpu
+    mode = mosaic_backend.interpret(force=bool(interpret))
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
     nt = h_td.shape[0] // blocks.t
     group = max(g for g in range(1, min(blocks.group or nt, nt) + 1) if nt % g == 0)
-    settings = dict(inputs=len(inputs), vocab_first=vocab_first, blocks=blocks, group=group,
+    settings = dict(vocab_first=vocab_first, blocks=blocks, group=group,
                     emulated=mode is not False, epilogue=epilogue)
-    rows = blocks.t // blocks.consumers
-    staged_types = [((*x.shape[:-1], rows), x.dtype, ()) for x in inputs]
+    staged_type = ((*x.shape[:-1], blocks.t // blocks.consumers), x.dtype, ())
     if blocks.consumers == 1:
         kernel = functools.partial(_mosaic_kernel, **settings)
         threads = dict(scratch_types=[
             *(mgpu.SMEM(shape, dtype, transforms=t)
-              for shape, dtype, t in (*staged_types, *scratch_types)),
-            mgpu.Barrier(num_barriers=len(inputs))])
+              for shape, dtype, t in (staged_type, *scratch_types)),
+            mgpu.Barrier(num_barriers=1)])
     else:  # the consumers and one memory warpgroup
-        kernel = functools.partial(_mosaic_kernel_specialized, staged_types=staged_types,
+        kernel = functools.partial(_mosaic_kernel_specialized, staged_type=staged_type,
                                    scratch_types=scratch_types, **settings)
         threads = dict(num_threads=blocks.consumers + 1, thread_name="wg")
     # Mosaic GPU takes operands at 256-byte aligned addresses. Left to itself, XLA's GPU
     # compiler may hand a custom call a slice of a larger buffer by its address (targets
     # shifted by one token: 4 bytes in), which the kernel then refuses at run time; the
     # barrier makes each operand a buffer of its own.
-    operands = jax.lax.optimization_barrier((h_td, w, *inputs))
+    operands = jax.lax.optimization_barrier((h_td, w, x))
     return mgpu.kernel(
         kernel, out_type=out_type, grid=(nt // group, nv, group), grid_names=("g", "v", "t"),
         compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode, **threads,
@@ -475,19 +467,16 @@ def _mosaic_parts(h_td, w, y_t, *, vocab, vocab_first, temperature, with_entropy
                   interpret):
     """The Mosaic GPU kernel's per-block statistics `(m, l, zt[, a])`, each `[V / v, T]`
     (`_write_statistics`)."""
-    mosaic_backend.require("model.logprob_impl")
     tp = h_td.shape[0]
     nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
     stats = 4 if with_entropy else 3
-    mode = mosaic_backend.interpret(force=bool(interpret))
     epilogue = functools.partial(_write_statistics, vocab=vocab, blocks=blocks,
-                                 scale=_LOG2E / temperature, with_entropy=with_entropy,
-                                 emulated=mode is not False)
-    out = _launch(h_td, w, (y_t.astype(jnp.int32),),
+                                 scale=_LOG2E / temperature, with_entropy=with_entropy)
+    out = _launch(h_td, w, y_t.astype(jnp.int32),
                   out_type=jax.ShapeDtypeStruct((stats, nv, tp), jnp.float32),
                   epilogue=epilogue,
                   scratch_types=[((stats, blocks.t // blocks.consumers), jnp.float32, ())],
-                  vocab_first=vocab_first, blocks=blocks, mode=mode)
+                  vocab_first=vocab_first, blocks=blocks, interpret=interpret)
     return tuple(out)
 
 
@@ -498,20 +487,18 @@ def _mosaic_grads(h_td, w, y_t, log2_z_t, a_t, c_t, b_t, *, vocab, vocab_first, 
     mosaic_backend.require("model.logprob_impl")
     mgpu = mosaic_backend.plgpu
     vp = w.shape[0] if vocab_first else w.shape[1]
-    mode = mosaic_backend.interpret(force=bool(interpret))
     itemsize = jnp.dtype(h_td.dtype).itemsize
     swizzle = mgpu.find_swizzle(min(blocks.v, 128 // itemsize) * itemsize * 8)
     tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
     epilogue = functools.partial(_write_grads, vocab=vocab, blocks=blocks,
-                                 scale=_LOG2E / temperature, entropy_grad=entropy_grad,
-                                 emulated=mode is not False)
-    # One `[5, T]` operand, one copy a block (the interpreter hangs on several).
+                                 scale=_LOG2E / temperature, entropy_grad=entropy_grad)
+    # The five per-token vectors as one `[5, T]` operand (`_launch`: one copy a block).
     vectors = jnp.stack([x.astype(jnp.float32) for x in (y_t, log2_z_t, a_t, c_t, b_t)])
-    return _launch(h_td, w, (vectors,),
+    return _launch(h_td, w, vectors,
                    out_type=jax.ShapeDtypeStruct((h_td.shape[0], vp), h_td.dtype),
                    epilogue=epilogue,
                    scratch_types=[((blocks.t // blocks.consumers, blocks.v), h_td.dtype, tiled)],
-                   vocab_first=vocab_first, blocks=blocks, mode=mode)
+                   vocab_first=vocab_first, blocks=blocks, interpret=interpret)
 
 
 def _merge(parts, with_entropy):
@@ -534,6 +521,19 @@ def _call(h_td, w, y_t, *, impl, **kwargs):
     return _merge(_mosaic_parts(h_td, w, y_t, **kwargs), kwargs["with_entropy"])
 
 
+def _tokens(x, size):
+    """`[B, T, ...]` as `[size, ...]`: the B T tokens in a row, zeros after them."""
+    n = x.shape[0] * x.shape[1]
+    return jnp.pad(x.reshape(n, *x.shape[2:]), [(0, size - n)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _rows(sharder, h_btd):
+    """`ndim -> PartitionSpec` of an operand split by rows as the sharder splits
+    `h_btd`'s (the kernels' `per_shard` specs)."""
+    batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
+    return lambda ndim: P(batch, *([None] * (ndim - 1)))
+
+
 def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
     """`_call` over this device's `[B, T]` tokens, `tokens_per_call` at a time (its
     per-block statistics take `4 V / blocks.v` floats a token), outputs `[B, T]`."""
@@ -544,10 +544,8 @@ def _local_stats(h_btd, w, y_bt, *, tokens_per_call, blocks, **kwargs):
     whole_blocks = lambda x: -(-x // blocks.t) * blocks.t
     per_call = min(whole_blocks(n), whole_blocks(tokens_per_call))
     calls = -(-n // per_call)
-    pad = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]),
-                            [(0, calls * per_call - n)] + [(0, 0)] * (x.ndim - 2))
-    h_ctd = pad(h_btd).reshape(calls, per_call, d)
-    y_ct = pad(y_bt).reshape(calls, per_call)
+    h_ctd = _tokens(h_btd, calls * per_call).reshape(calls, per_call, d)
+    y_ct = _tokens(y_bt, calls * per_call).reshape(calls, per_call)
     stats = jax.lax.map(lambda xs: _call(xs[0], w, xs[1], blocks=blocks, **kwargs),
                         (h_ctd, y_ct))
     return tuple(x.reshape(-1)[:n].reshape(b, t) for x in stats)
@@ -586,8 +584,7 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
                            blocks=blocks or MOSAIC_FORWARD,
                            tokens_per_call=tokens_per_call, interpret=interpret)
     def specs(sharder):
-        batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
-        rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
+        rows = _rows(sharder, h_btd)
         return (rows(3), P(None, None), rows(2)), (rows(2),) * 3
 
     return sharding.per_shard(fn, specs, h_btd, weight, targets_bt)
@@ -620,8 +617,7 @@ def _local_grads(h_btd, w, y_bt, log_z_bt, g_lp_bt, g_ent_bt, ent_bt, *, vocab, 
                          f"up to {_EXACT_IDS}; got a vocabulary of {vocab}; use "
                          "model.logprob_impl='xla'")
     n = b * t
-    pad = -n % blocks.t
-    flat = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2))
+    flat = functools.partial(_tokens, size=n + -n % blocks.t)
     a_t = flat(g_lp_bt.astype(jnp.float32)) / temperature
     b_t = (flat(g_ent_bt.astype(jnp.float32)) / temperature if entropy_grad
            else jnp.zeros_like(a_t))
@@ -629,7 +625,7 @@ def _local_grads(h_btd, w, y_bt, log_z_bt, g_lp_bt, g_ent_bt, ent_bt, *, vocab, 
     grads = _mosaic_grads(flat(h_btd), w, flat(y_bt), flat(log_z_bt) * _LOG2E, a_t, c_t, b_t,
                           vocab=vocab, vocab_first=vocab_first, temperature=temperature,
                           entropy_grad=entropy_grad, blocks=blocks, interpret=interpret)
-    return (grads[:n] if pad else grads).reshape(b, t, -1)
+    return grads[:n].reshape(b, t, -1)
 
 
 def grad_logits(h_btd: Array, weight: Array, targets_bt: Array, log_z_bt: Array,
@@ -652,8 +648,7 @@ def grad_logits(h_btd: Array, weight: Array, targets_bt: Array, log_z_bt: Array,
                            blocks=blocks or MOSAIC_BACKWARD, interpret=interpret)
 
     def specs(sharder):
-        batch = sharder.spec(("batch",), h_btd.shape[:1])[0]
-        rows = lambda ndim: P(batch, *([None] * (ndim - 1)))
+        rows = _rows(sharder, h_btd)
         return (rows(3), P(None, None), *(rows(2),) * 5), rows(3)
 
     return sharding.per_shard(fn, specs, h_btd, weight, targets_bt, log_z_bt, g_lp_bt,

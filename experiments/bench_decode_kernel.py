@@ -4,6 +4,8 @@ its tile settings against the previous implementation and the XLA path, on one G
     python experiments/bench_decode_kernel.py --out decode_kernel.json
     python experiments/bench_decode_kernel.py --batch 4 16 64 --slots 65600 --fill 65000 \
         --splits 0 1 4 8 17 32 --no_tiles_sweep           # a few rows of a long cache
+    python experiments/bench_decode_kernel.py --no_tiles_sweep --splits 0 \
+        --skip previous xla --mosaic 64,2,compact 128,2,compact,fused   # vs Mosaic GPU
 
 Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64), a cache of 384 slots,
 rows starting at a random slot below 32 and the new token at `--fill`. One jitted
@@ -13,6 +15,8 @@ program in a profiler trace of `--repeats` calls (every kernel it launched, laun
 gaps excluded), divided by 24 and the calls. "previous" is the path this kernel
 replaced in round six: RoPE and two cache writes in XLA, then JAX's split-K
 decode-attention kernel (`pallas.ops.gpu.decode_attention.gqa`) and its merge.
+`--mosaic` adds the Mosaic GPU kernel at the tiles given (`MosaicTiles.from_spec`);
+each batch also prints its kernels' time per call (which kernel the time is in).
 """
 
 from __future__ import annotations
@@ -90,8 +94,13 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also the kernel (default tiles) split over slots into this many "
                              "parts (Tiles.splits; 0: slot_splits' choice)")
+    parser.add_argument("--mosaic", nargs="*", default=[],
+                        help="also the Mosaic GPU kernel at these tiles "
+                             "(MosaicTiles.from_spec strings, e.g. 64,2,compact)")
     parser.add_argument("--no_tiles_sweep", action="store_true",
                         help="skip the sweep over block / warps / stages")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="variants to leave out, e.g. previous xla")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = {"previous": previous,
@@ -105,6 +114,10 @@ def main() -> None:
         tiles = dataclasses.replace(da.TILES, splits=splits)
         variants[f"kernel splits {splits or 'auto'}"] = functools.partial(
             da.append_and_attend, impl="pallas", tiles=tiles)
+    for spec in args.mosaic:
+        variants[f"mosaic {spec}"] = functools.partial(
+            da.append_and_attend, impl="mosaic", tiles=da.MosaicTiles.from_spec(spec))
+    variants = {name: fn for name, fn in variants.items() if name not in args.skip}
     rows = []
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; us per layer-step")
     for batch in args.batch:
@@ -124,6 +137,9 @@ def main() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             tables = trace_summary.summarize(trace_dir)
         programs = {program: ms for program, ms, _ in tables["kernels by program"]}
+        for kernel, ms, calls in tables["kernels"][:12]:  # which kernels the time is in
+            print(f"batch {batch:4d}   kernel {kernel[:60]:60s} {ms / calls * 1e3:8.2f} us "
+                  f"x {calls}")
         for name, (program, _) in runs.items():
             us = 1e3 * programs[program] / (args.repeats * LAYERS)
             rows.append(dict(batch=batch, variant=name, us=us))

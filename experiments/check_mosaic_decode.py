@@ -75,16 +75,21 @@ FUSED_TILES = [da.MosaicTiles(128, 2, compact=True, fused=True),
                da.MosaicTiles(128, 2, fused=True)]
 
 
-def variants(smoke: bool) -> dict:
-    """name: (impl, tiles, block of cache slots read, None for all)."""
-    tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-2:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
-             if smoke else MOSAIC_TILES + FUSED_TILES)
+def variants(smoke: bool, specs=None, impls=("mosaic", "pallas", "xla")) -> dict:
+    """name: (impl, tiles, block of cache slots read, None for all); `specs`: the Mosaic
+    GPU tiles as `MosaicTiles.from_spec` strings instead of the lists above; `impls`:
+    the implementations to keep."""
+    if specs:
+        tiles = [da.MosaicTiles.from_spec(spec) for spec in specs]
+    else:
+        tiles = (MOSAIC_TILES[:1] + MOSAIC_TILES[-2:] + FUSED_TILES[:1] + FUSED_TILES[-1:]
+                 if smoke else MOSAIC_TILES + FUSED_TILES)
     out = {f"mosaic {t.block}/{t.stages}{' c' if t.compact else ''}{' f' if t.fused else ''}"
            f"{' s' if t.splits != 1 else ''}{f' r{t.row_group}' if t.row_group > 1 else ''}":
            ("mosaic", t, t.block) for t in tiles}
     out["pallas (default)"] = ("pallas", da.TILES, da.TILES.block)
     out["xla"] = ("xla", da.TILES, None)
-    return out
+    return {name: v for name, v in out.items() if v[0] in impls}
 
 
 def inputs(b, n, k, h, s, slot, seed=0):
@@ -225,6 +230,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=None, help="shape names to run")
+    parser.add_argument("--tiles", nargs="*", default=None,
+                        help="Mosaic GPU tiles to run instead of the default list, as "
+                             "MosaicTiles.from_spec strings (e.g. 64,2,compact)")
+    parser.add_argument("--impls", nargs="*", default=["mosaic", "pallas", "xla"],
+                        choices=["mosaic", "pallas", "xla"])
+    parser.add_argument("--no_edges", action="store_true",
+                        help="skip the runs with the new token at the cache's edges")
     parser.add_argument("--out", default="mosaic_decode.json")
     args = parser.parse_args()
     if args.smoke:
@@ -232,14 +244,15 @@ def main() -> None:
     interpret = args.smoke or jax.default_backend() != "gpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     shapes = {k: v for k, v in shapes.items() if args.only is None or k in args.only}
-    impls = variants(args.smoke)
+    impls = variants(args.smoke, args.tiles, args.impls)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, interpret={interpret}")
     print(f"{'shape':15s} {'variant':17s} {'us/layer':>9s} {'GB/s':>8s} {'valid':>8s} "
           f"{'err_f32':>9s} {'err_xla':>9s} {'cache':>9s} {'nan':>4s}")
     rows = []
     for name, shape in shapes.items():
         rows += run_shape(name, shape, impls, args, interpret)
-    rows += edges(impls, interpret, args.smoke)
+    if not args.no_edges:
+        rows += edges(impls, interpret, args.smoke)
     with open(args.out, "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                        args=vars(args), rows=rows), f, indent=1)

@@ -779,9 +779,9 @@ def _online_block(carry, q_smem, k_tile, v_tile, first_slot, start, slot, *, sca
     correction = jnp.exp2(top - new_top)
     weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
     total = total * correction + weights.sum(axis=1)
-    weighted = _weighted(weights.astype(q_smem.dtype), v_tile, interpreted)
-    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + weighted
-    return new_top, total, acc
+    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+    return new_top, total, _add_weighted(acc, weights.astype(q_smem.dtype), v_tile,
+                                         interpreted)
 
 
 def _scores(q_smem, k_tile, interpreted):
@@ -799,19 +799,21 @@ def _scores(q_smem, k_tile, interpreted):
     return pl.run_scoped(scores, mgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
 
 
-def _weighted(weights, v_tile, interpreted):
-    """`weights v` of the softmax weights (registers, the WGMMA layout) and one block's
-    values, `[rows, H]` float32, in a fresh accumulator the caller adds in registers
-    (`pl.run_state` on a carried one is not simulated by the interpreter);
-    `interpreted`: a dot, as the interpreter's wgmma takes no register operand."""
+def _add_weighted(acc, weights, v_tile, interpreted):
+    """`acc + weights v` of the softmax weights (registers, the WGMMA layout) and one
+    block's values, `[rows, H]` float32: the wgmma accumulates into the carried
+    accumulator itself (`ACC.init`), so no second `[rows, H]` float32 tile is live
+    (32 registers a thread at H = 64, which decide how many programs share a
+    multiprocessor); `interpreted`: a dot added in registers, as the interpreter's wgmma
+    takes no register operand and does not simulate `pl.run_state` on a carried
+    accumulator."""
     if interpreted:
-        return jnp.dot(weights, v_tile[...], preferred_element_type=jnp.float32)
+        return acc + jnp.dot(weights, v_tile[...], preferred_element_type=jnp.float32)
 
     def values(acc_ref):
         mgpu.wgmma(acc_ref, weights, v_tile)
-        return acc_ref[...]
 
-    return pl.run_scoped(values, mgpu.ACC((weights.shape[0], v_tile.shape[1]), jnp.float32))
+    return pl.run_state(values)(mgpu.ACC.init(acc))
 
 
 class _Layout(NamedTuple):

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The decode attention's Mosaic GPU kernel next to the Triton kernel on one GPU: each
+# variant's GPU time per layer-step (launch gaps excluded) and the Mosaic GPU kernels'
+# registers, which decide how many programs share a multiprocessor.
+#
+#   OUT=/path/to/results bash experiments/probe_decode_kernels.sh [STEP ...]
+#
+# Steps (all by default):
+#   registers  experiments/bench_decode_kernel.py at 256 and 512 rows of 384 slots with
+#              MOSAIC_GPU_DUMP_PTXAS=1 (ptxas' report: registers, spills), the Triton
+#              kernel and the Mosaic GPU tiles in PROBE_TILES; again for the tree in
+#              before/ (an export of an earlier commit's jrl/), when there is one
+#   sweep      the same times at 64 / 256 / 512 rows of 384 slots and 128 rows of 8,704
+# Each Mosaic GPU variant's program also runs XLA's RoPE, query padding and two cache
+# writes (the fused tiles: one fusion); the "kernel" lines split the time by kernel.
+# Nsight Compute (ncu) hung on these programs (no kernel profiled in 150 s): not used.
+# Needs wheels/ beside the tree (ml_collections for jrl's imports).
+set -uo pipefail
+OUT=${OUT:-probe_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
+TILES=(${PROBE_TILES:-64,2,compact 128,2,compact 64,2,compact,fused 128,2,compact,fused})
+STEPS=("$@")
+((${#STEPS[@]})) || STEPS=(registers sweep)
+
+bench() {  # bench TREE LOG SECONDS ARGS...: bench_decode_kernel.py, jrl from TREE
+  local tree=$1 log=$2 limit=$3
+  shift 3
+  PYTHONPATH=/tmp/site:$tree MOSAIC_GPU_DUMP_PTXAS=1 timeout -k 5 "$limit" \
+    python3 experiments/bench_decode_kernel.py --no_tiles_sweep --skip previous xla "$@" \
+    > "$log" 2>&1 < /dev/null
+  echo "-- $log: exit $?"
+  grep -E "Used [0-9]+ registers" "$log" | sort | uniq -c
+  grep -E "^batch" "$log"
+}
+
+for step in "${STEPS[@]}"; do
+  echo "== $step at ${SECONDS}s"
+  case "$step" in
+    registers)
+      bench "$PWD" "$OUT/registers.log" 200 --batch 256 512 --splits 0 --mosaic "${TILES[@]}"
+      if [[ -d before/jrl ]]; then
+        bench "$PWD/before" "$OUT/registers_before.log" 150 --batch 256 512 \
+          --mosaic "${TILES[@]}"
+      fi ;;
+    sweep)
+      bench "$PWD" "$OUT/sweep_short.log" 250 --batch 64 256 512 --splits 0 \
+        --mosaic "${TILES[@]}"
+      bench "$PWD" "$OUT/sweep_long.log" 150 --batch 128 --slots 8704 --fill 8600 \
+        --splits 0 --mosaic "${TILES[@]}" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+echo "== done at ${SECONDS}s"

@@ -289,6 +289,28 @@ def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
     assert "output_operand_alias" in text and "dynamic_update_slice" not in text
 
 
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("spec", ["128,2", "64,2,compact", "64,2,compact,fused",
+                                  "128,2,compact,splits2", "128,2,compact,rows4"])
+def test_mosaic_kernels_lower_for_the_gpu(spec):
+    """The Mosaic GPU kernel's compiled path (not the interpreter's, which the other
+    tests run: no `layout_cast`, dots instead of wgmmas from registers and into a
+    carried accumulator) lowers for CUDA without a GPU, to one Mosaic GPU call a step;
+    the fused tiles write the cache in the kernel (no `dynamic_update_slice`)."""
+    sds = jax.ShapeDtypeStruct
+    b, n, kv, h, s = 8, 14, 2, 64, 256
+    args = (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
+            sds((b, kv, h), jnp.bfloat16), sds((b, h // 2), jnp.float32),
+            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+    tiles = da.MosaicTiles.from_spec(spec)
+    fn = lambda *a: da.append_and_attend(*a, impl="mosaic", tiles=tiles)
+    with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
+        text = _lower_for_cuda(fn, args)
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert ("dynamic_update_slice" in text) != tiles.fused
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (4, 4)])
 def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,

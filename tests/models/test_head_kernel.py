@@ -152,6 +152,27 @@ def test_grad_logits_refuses_ids_past_float32():
                                                 blocks=blocks, interpret=True), w)
 
 
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("blocks", [None, hk.MosaicBlocks(t=64, v=128, k=64, stages=2)],
+                         ids=["default", "one-consumer"])
+def test_kernels_lower_for_the_gpu(blocks, monkeypatch):
+    """The forward and backward kernels' compiled path (not the interpreter's, which the
+    other tests run: `emulated` off in the epilogues, the warp-specialized pipeline at
+    the default tiles) lowers for CUDA without a GPU, one Mosaic GPU call each."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    sds = jax.ShapeDtypeStruct
+    b, t, d, vocab = 2, 128, 128, 1000
+    padded = -(-vocab // 256) * 256
+    h, w = sds((b, t, d), jnp.bfloat16), sds((padded, d), jnp.bfloat16)
+    y, row = sds((b, t), jnp.int32), sds((b, t), jnp.float32)
+    settings = dict(vocab=vocab, vocab_first=True, blocks=blocks)
+    stats = lambda h, w, y: hk.log_softmax_stats(h, w, y, with_entropy=True, **settings)
+    grads = lambda h, w, y, *rows: hk.grad_logits(h, w, y, *rows, **settings)
+    for fn, args in ((stats, (h, w, y)), (grads, (h, w, y, row, row, row, row))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(hk, "MOSAIC_FORWARD", SMALL)

@@ -274,17 +274,21 @@ def _lower_for_cuda(fn, args):
             raise
 
 
-def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
-    """On the GPU path (lowered here for CUDA without a GPU) the step is one Triton
-    call whose cache outputs alias its cache inputs: no copy of the cache per layer."""
+def _step_shapes(*, b, n, kv, h, s):
+    """`append_and_attend`'s arguments as shapes: bf16 queries, new keys and values and
+    caches, float32 RoPE tables, int32 row starts and slot."""
     sds = jax.ShapeDtypeStruct
-    b, n, kv, h, s = 8, 14, 2, 64, 128
-    args = (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
+    return (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
             sds((b, kv, h), jnp.bfloat16), sds((b, h // 2), jnp.float32),
             sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
             sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+
+
+def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
+    """On the GPU path (lowered here for CUDA without a GPU) the step is one Triton
+    call whose cache outputs alias its cache inputs: no copy of the cache per layer."""
     fn = lambda *a: da.append_and_attend(*a, impl="pallas")
-    text = _lower_for_cuda(fn, args)
+    text = _lower_for_cuda(fn, _step_shapes(b=8, n=14, kv=2, h=64, s=128))
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "output_operand_alias" in text and "dynamic_update_slice" not in text
 
@@ -297,16 +301,10 @@ def test_mosaic_kernels_lower_for_the_gpu(spec):
     tests run: no `layout_cast`, dots instead of wgmmas from registers and into a
     carried accumulator) lowers for CUDA without a GPU, to one Mosaic GPU call a step;
     the fused tiles write the cache in the kernel (no `dynamic_update_slice`)."""
-    sds = jax.ShapeDtypeStruct
-    b, n, kv, h, s = 8, 14, 2, 64, 256
-    args = (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
-            sds((b, kv, h), jnp.bfloat16), sds((b, h // 2), jnp.float32),
-            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
-            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
     tiles = da.MosaicTiles.from_spec(spec)
     fn = lambda *a: da.append_and_attend(*a, impl="mosaic", tiles=tiles)
     with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
-        text = _lower_for_cuda(fn, args)
+        text = _lower_for_cuda(fn, _step_shapes(b=8, n=14, kv=2, h=64, s=256))
     assert text.count("custom_call @mosaic_gpu") == 1
     assert ("dynamic_update_slice" in text) != tiles.fused
 

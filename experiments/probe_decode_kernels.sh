@@ -11,6 +11,11 @@
 #              kernel and the Mosaic GPU tiles in PROBE_TILES; again for the tree in
 #              before/ (an export of an earlier commit's jrl/), when there is one
 #   sweep      the same times at 64 / 256 / 512 rows of 384 slots and 128 rows of 8,704
+#   tests      tests/models/test_decode_attention.py compiled on the GPU (the kernels
+#              against XLA, through the sampler)
+#   sampler    experiments/bench_rollout.py (batch 64 / 256 / 512, P128 / R256) on the
+#              Triton kernel and on Mosaic GPU at SAMPLER_TILES (default
+#              "64,2,compact,fused")
 # Each Mosaic GPU variant's program also runs XLA's RoPE, query padding and two cache
 # writes (the fused tiles: one fusion); the "kernel" lines split the time by kernel.
 # Nsight Compute (ncu) hung on these programs (no kernel profiled in 150 s): not used.
@@ -50,6 +55,17 @@ for step in "${STEPS[@]}"; do
         --mosaic "${TILES[@]}"
       bench "$PWD" "$OUT/sweep_long.log" 150 --batch 128 --slots 8704 --fill 8600 \
         --splits 0 --mosaic "${TILES[@]}" ;;
+    tests)
+      JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$PWD timeout -k 5 200 python3 -m pytest \
+        -q -p no:cacheprovider tests/models/test_decode_attention.py > "$OUT/tests.log" \
+        2>&1 < /dev/null
+      echo "-- tests: exit $?"; tail -n 15 "$OUT/tests.log" ;;
+    sampler)
+      PYTHONPATH=/tmp/site:$PWD timeout -k 5 300 python3 experiments/bench_rollout.py \
+        --batch-sizes 64 256 512 --no-hf --decode-attention pallas mosaic \
+        --mosaic-tiles "${SAMPLER_TILES:-64,2,compact,fused}" --out "$OUT/sampler.json" \
+        > "$OUT/sampler.log" 2>&1 < /dev/null
+      echo "-- sampler: exit $?"; grep -v "^[WI]0000" "$OUT/sampler.log" | tail -n 25 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -11,6 +11,9 @@
 #              kernel and the Mosaic GPU tiles in PROBE_TILES; again for the tree in
 #              before/ (an export of an earlier commit's jrl/), when there is one
 #   sweep      the same times at 64 / 256 / 512 rows of 384 slots and 128 rows of 8,704
+#   compile    experiments/probe_mosaic_compile.py: seconds to lower and to compile 1, 2,
+#              8 and 24 decode steps (the sampler's layers) on either kernel, and how
+#              many times ptxas compiled a Mosaic GPU kernel for each
 #   tests      tests/models/test_decode_attention.py compiled on the GPU (the kernels
 #              against XLA, through the sampler)
 #   sampler    experiments/bench_rollout.py (batch 64 / 256 / 512, P128 / R256) on the
@@ -55,8 +58,15 @@ for step in "${STEPS[@]}"; do
         --mosaic "${TILES[@]}"
       bench "$PWD" "$OUT/sweep_long.log" 150 --batch 128 --slots 8704 --fill 8600 \
         --splits 0 --mosaic "${TILES[@]}" ;;
+    compile)
+      PYTHONPATH=/tmp/site:$PWD MOSAIC_GPU_DUMP_PTXAS=1 timeout -k 5 200 \
+        python3 experiments/probe_mosaic_compile.py --mosaic "${SAMPLER_TILES:-64,2,compact,fused}" \
+        > "$OUT/compile.log" 2>&1 < /dev/null
+      echo "-- compile: exit $?"
+      awk '/^== .* begin/ {name = $2 " " $3; n = 0} /Compiling entry function/ {n++}
+           /^== .* lower/ {print $0 "; ptxas runs " n}' "$OUT/compile.log" ;;
     tests)
-      JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$PWD timeout -k 5 200 python3 -m pytest \
+      JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$PWD timeout -k 5 300 python3 -m pytest \
         -q -p no:cacheprovider tests/models/test_decode_attention.py > "$OUT/tests.log" \
         2>&1 < /dev/null
       echo "-- tests: exit $?"; tail -n 15 "$OUT/tests.log" ;;

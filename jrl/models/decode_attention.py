@@ -657,16 +657,13 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     top, total, acc = _online_start(rows, h, interpreted)
 
     def step(j, carry):
-        top, total, acc = carry
         buffer = lax.rem(j - first, stages)
         mgpu.barrier_wait(barriers.at[buffer])
-
-        new_top, total, acc = _online_block(
-            (top, total, acc), q_smem, k_smem.at[buffer], v_smem.at[buffer], j * block,
-            start, slot, scale=scale, interpreted=interpreted)
+        carry = _online_block(carry, q_smem, k_smem.at[buffer], v_smem.at[buffer],
+                              j * block, start, slot, scale=scale, interpreted=interpreted)
         # Both wgmmas have finished reading the buffer: refill it.
         pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
-        return new_top, total, acc
+        return carry
 
     top, total, acc = lax.fori_loop(first, end, step, (top, total, acc))
     if splits > 1:  # a part without blocks: total 0, acc 0
@@ -766,18 +763,20 @@ def _online_block(carry, q_smem, k_tile, v_tile, first_slot, start, slot, *, sca
     """One cache block of the Mosaic GPU kernels' online softmax: the query rows'
     running maximum (base 2), sum of weights and weighted values `carry` updated with
     the block's slots `first_slot + [0, block)`, those before `start` (padding) and after
-    `slot` (not yet written) masked."""
+    `slot` (not yet written) masked. The maximum is taken of the raw scores (the scale
+    is positive, so it commutes with rounding) and the weights are `exp2(score * scale'
+    - top)`, one fused multiply-add a score."""
     top, total, acc = carry
     rows, block = q_smem.shape[0], k_tile.shape[0]
     cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
     logits = _scores(q_smem, k_tile, interpreted)
     ids = first_slot + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
                             mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
-    logits = jnp.where((ids >= start) & (ids <= slot),
-                       logits * (scale * math.log2(math.e)), -jnp.inf)
-    new_top = jnp.maximum(top, logits.max(axis=1))
+    logits = jnp.where((ids >= start) & (ids <= slot), logits, -jnp.inf)
+    scale2 = scale * math.log2(math.e)
+    new_top = jnp.maximum(top, logits.max(axis=1) * scale2)
     correction = jnp.exp2(top - new_top)
-    weights = jnp.exp2(logits - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+    weights = jnp.exp2(logits * scale2 - lax.broadcast_in_dim(new_top, logits.shape, [0]))
     total = total * correction + weights.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
     return new_top, total, _add_weighted(acc, weights.astype(q_smem.dtype), v_tile,
@@ -931,27 +930,32 @@ def _merge_parts(out_bkprh, lse_bkpr):
     return merged / total_bkr[..., None]
 
 
+# Rows of the fused kernel's tile of the new token (its key or value, then zeros): the
+# least a wgmma takes as the second matmul's K (16 of a 16-bit type), so the new
+# token's softmax step scores 16 slots, not a whole block.
+_NEW_ROWS = 16
+
+
 def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem,
                          v_smem, new_k_smem, new_v_smem, new_rows, barriers, x_barrier, *,
                          block, stages, scale, moved, interpreted):
-    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved +
-    16, H]` holds its query group (the first `moved` rows, padded), the new key (row
-    `moved`) and value (row `moved + 8`), each followed by zero rows; `k_ref`/`v_ref`
-    are the cache's buffers, aliased in and out. The program stores the new key and
-    value at `slot` of its own cache row (TMA stores from `new_rows`), attends over the
-    cache blocks holding `[start, slot)` as `_mosaic_kernel` does (the slot itself is
-    masked, so whether a block copy sees the old or the new value there does not
-    matter), then over the new token from SMEM: one more step of the online softmax
-    on a 64-row tile whose first row is the new key (value), the other rows zero
-    (`new_v_smem`'s rows past 8 are zeroed here, so their zero weights meet no
-    uninitialised NaN) and masked. `interpreted` as `_mosaic_kernel`'s."""
+    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved + 8
+    + _NEW_ROWS, H]` holds its query group (the first `moved` rows, padded), the new key
+    (row `moved`, then 7 zero rows) and value (row `moved + 8`, then `_NEW_ROWS - 1` zero
+    rows); `k_ref`/`v_ref` are the cache's buffers, aliased in and out. The program
+    stores the new key and value at `slot` of its own cache row (TMA stores from
+    `new_rows`), attends over the cache blocks holding `[start, slot)` as `_mosaic_kernel`
+    does (the slot itself is masked, so whether a block copy sees the old or the new
+    value there does not matter), then over the new token from SMEM: one more step of
+    the online softmax on `_NEW_ROWS`-row tiles copied from `x_ref`, whose first row is
+    the new key (value) and whose other rows are masked (the value tile's are zeros, so
+    their zero weights meet no NaN). `interpreted` as `_mosaic_kernel`'s."""
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
     start, slot = start_ref[b], slot_ref[0]
     first = start // block
     end = jnp.maximum(first, (slot + block - 1) // block)  # the blocks holding [start, slot)
     rows, h = q_smem.shape
     dtype = q_smem.dtype
-    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
 
     def fetch(j, buffer):
         blk = pl.ds(j * block, block)
@@ -960,13 +964,10 @@ def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem
 
     for i in range(stages):
         pl.when(first + i < end)(functools.partial(fetch, first + i, i))
-    new_v_smem[...] = cast(jnp.zeros(new_v_smem.shape, jnp.float32),
-                           mgpu.Layout.WGMMA).astype(dtype)
-    mgpu.commit_smem()  # the zeros before the TMA copy over the first rows
     group_rows = q_smem if moved == rows else q_smem.at[pl.ds(0, moved)]
     mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(0, moved)], group_rows, x_barrier)
     for tile, row in ((new_k_smem, moved), (new_v_smem, moved + 8)):
-        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(row, 8)], tile.at[pl.ds(0, 8)], x_barrier)
+        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(row, _NEW_ROWS)], tile, x_barrier)
     mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(moved, 16)], new_rows, x_barrier)
     mgpu.barrier_wait(x_barrier)
 
@@ -1001,8 +1002,9 @@ def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype,
     """The fused kernel's one operand from the projection's output, in XLA (one fusion
     under jit): the bias added (rounded to the operand's dtype), the queries and keys
     rotated (`rope.apply_rope`), each key/value head's query group padded to `moved`
-    rows, then its key and its value each as a row followed by 7 zero rows, in `dtype`
-    (the cache's): `[B, K, moved + 16, H]`."""
+    rows, then its key as a row followed by 7 zero rows and its value as a row followed
+    by `_NEW_ROWS - 1` zero rows, in `dtype` (the cache's): `[B, K, moved + 8 +
+    _NEW_ROWS, H]`."""
     if bias_jh is not None:
         qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
     b, _, h = qkv_bjh.shape
@@ -1012,7 +1014,8 @@ def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype,
     pad = lambda x, rows: jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, rows - x.shape[2]),
                                                     (0, 0)))
     return jnp.concatenate([pad(rotate(q_bnh).reshape(b, num_kv, group, h), moved),
-                            pad(rotate(k_bkh)[:, :, None], 8), pad(v_bkh[:, :, None], 8)],
+                            pad(rotate(k_bkh)[:, :, None], 8),
+                            pad(v_bkh[:, :, None], _NEW_ROWS)],
                            axis=2)
 
 
@@ -1030,9 +1033,14 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
                            cos_bk.astype(jnp.float32), num_heads=num_heads, num_kv=kv,
                            dtype=dtype, moved=moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
+    # The new value's tile is the second wgmma's B, whose K (`_NEW_ROWS`) must be a
+    # multiple of its swizzle's width: 32 bytes, 16 elements.
+    width = 32 // jnp.dtype(dtype).itemsize
+    narrow = (mgpu.TilingTransform((8, width)), mgpu.SwizzleTransform(32))
     interpreted = mosaic_backend.interpret(interpret)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
-               tile((64, h)), tile((64, h)), mgpu.SMEM((16, h), dtype),
+               tile((_NEW_ROWS, h)), mgpu.SMEM((_NEW_ROWS, h), dtype, transforms=narrow),
+               mgpu.SMEM((16, h), dtype),
                mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
                              scale=1.0 / math.sqrt(h), moved=moved,

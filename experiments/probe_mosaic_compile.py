@@ -1,7 +1,8 @@
 """Where the sampler's longer compile with the Mosaic GPU decode kernel goes: one jitted
 program of N decode-attention steps (N separate caches, as the sampler's N layers),
 lowered and compiled for N = 1, 2, 8 and 24, for the Triton kernel and the Mosaic GPU
-kernel at `--mosaic` tiles; prints the seconds of `lower()` and of `compile()` and,
+kernel at `--mosaic` tiles; prints the seconds of `lower()` and of `compile()`, the
+distinct Mosaic GPU kernel hashes in the lowered program and,
 with MOSAIC_GPU_DUMP_PTXAS=1, how many times ptxas compiled a Mosaic GPU kernel
 (stdout lines "Compiling entry function", counted by the driver).
 
@@ -11,6 +12,7 @@ with MOSAIC_GPU_DUMP_PTXAS=1, how many times ptxas compiled a Mosaic GPU kernel
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import jax
@@ -52,8 +54,11 @@ def main() -> None:
             t1 = time.perf_counter()
             lowered.compile()
             t2 = time.perf_counter()
-            print(f"== {impl} layers={layers} lower {t1 - t0:.2f} s compile {t2 - t1:.2f} s",
-                  flush=True)
+            # Mosaic GPU compiles a kernel once per distinct hash (its runtime's cache):
+            # as many hashes as steps would explain one ptxas run a step.
+            hashes = set(re.findall(r'kernel_hash = "([^"]*)"', lowered.as_text()))
+            print(f"== {impl} layers={layers} lower {t1 - t0:.2f} s compile {t2 - t1:.2f} s"
+                  f" distinct kernel hashes {len(hashes)}", flush=True)
 
 
 if __name__ == "__main__":

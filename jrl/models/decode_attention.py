@@ -177,8 +177,11 @@ class MosaicTiles:
 
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
-# read when a program is traced: set it before the first trace.
-MOSAIC_TILES = MosaicTiles()
+# read when a program is traced: set it before the first trace. The fastest measured at
+# short caches (an H200, GPU time a layer-step at batch 256 of 384 slots: 17.34 µs
+# against 18.94 unfused and 20.13 fused at 128-slot blocks; docs/performance.md,
+# "Kernels on Mosaic GPU", call 15).
+MOSAIC_TILES = MosaicTiles(64, 2, compact=True, fused=True)
 
 
 def _as_mosaic(tiles) -> MosaicTiles:
@@ -1032,26 +1035,38 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     x_bkrh = fused_operand(qkv_bjh, bias_jh, sin_bk.astype(jnp.float32),
                            cos_bk.astype(jnp.float32), num_heads=num_heads, num_kv=kv,
                            dtype=dtype, moved=moved)
+    call = _fused_call(b, kv, h, jnp.dtype(dtype), block, stages, rows, moved, transforms,
+                       bool(mosaic_backend.interpret(interpret)))
+    out_bkrh, k_bksh, v_bksh = call(x_bkrh, start_b, slot.reshape(1), k_bksh, v_bksh)
+    out_bnh = out_bkrh[:, :, :group].reshape(b, num_heads, h).astype(qkv_bjh.dtype)
+    return out_bnh, k_bksh, v_bksh
+
+
+@functools.cache
+def _fused_call(b, kv, h, dtype, block, stages, rows, moved, transforms, interpreted):
+    """The fused kernel's jitted call `(x_bkrh, start_b, slot_1, k_bksh, v_bksh) ->
+    (out_bkrh, k_bksh, v_bksh)`, one per configuration: the decode step's layers call
+    the same function, so their program lowers the kernel once (a private function the
+    layers share) instead of once a layer."""
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
     # The new value's tile is the second wgmma's B, whose K (`_NEW_ROWS`) must be a
     # multiple of its swizzle's width: 32 bytes, 16 elements.
-    width = 32 // jnp.dtype(dtype).itemsize
+    width = 32 // dtype.itemsize
     narrow = (mgpu.TilingTransform((8, width)), mgpu.SwizzleTransform(32))
-    interpreted = mosaic_backend.interpret(interpret)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                tile((_NEW_ROWS, h)), mgpu.SMEM((_NEW_ROWS, h), dtype, transforms=narrow),
                mgpu.SMEM((16, h), dtype),
                mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
-                             scale=1.0 / math.sqrt(h), moved=moved,
-                             interpreted=bool(interpreted))
+                             scale=1.0 / math.sqrt(h), moved=moved, interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.
     run = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
                     out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
                     mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
                     compiler_params=mgpu.CompilerParams(approx_math=True),
-                    interpret=interpreted, name="append_and_attend_fused")
+                    interpret=mosaic_backend.interpret(interpreted),
+                    name="append_and_attend_fused")
 
     @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
     def call(x_bkrh, start_b, slot_1, k_bksh, v_bksh):
@@ -1060,9 +1075,7 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
             out_bkrh = run(x_bkrh, start_b, slot_1, k_ref, v_ref)
         return out_bkrh, jax.freeze(k_ref), jax.freeze(v_ref)
 
-    out_bkrh, k_bksh, v_bksh = call(x_bkrh, start_b, slot.reshape(1), k_bksh, v_bksh)
-    out_bnh = out_bkrh[:, :, :group].reshape(b, num_heads, h).astype(qkv_bjh.dtype)
-    return out_bnh, k_bksh, v_bksh
+    return call
 
 
 def _no_vma_check():

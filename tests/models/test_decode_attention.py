@@ -4,6 +4,7 @@ attention), and the sampler run through them against the sampler on the XLA path
 
 import dataclasses
 import functools
+import re
 import textwrap
 from unittest import mock
 
@@ -674,6 +675,29 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
     assert "output_operand_alias" in calls(texts[True])[0]
     assert "dynamic_update_slice" not in texts[True]
     assert texts[False].count("dynamic_update_slice") == 2
+
+
+@NEEDS_MOSAIC
+def test_mosaic_fused_kernel_lowers_once_for_all_layers():
+    """A decode step's layers (three caches of one shape) call one jitted kernel
+    function: lowered for CUDA, the program holds one Mosaic GPU call, in a function
+    that each layer calls (its Mosaic GPU lowering, ~0.3 s a kernel, runs once)."""
+    n, (qkv, bias, sin, cos, k, v, start, slot) = _qkv_operands(True)
+
+    def layers(qkv, bias, sin, cos, start, slot, *caches):
+        outs = []
+        for k_cache, v_cache in zip(caches[::2], caches[1::2], strict=True):
+            out, _, _ = da.append_and_attend_qkv(
+                qkv, bias, sin, cos, k_cache, v_cache, start, slot, num_heads=n,
+                impl="mosaic", tiles=da.MosaicTiles(64, 2, compact=True, fused=True))
+            outs.append(out)
+        return outs
+
+    text = _lower_for_cuda(layers, (qkv, bias, sin, cos, start, slot, k, v, k, v, k, v))
+    assert text.count("custom_call @mosaic_gpu") == 1
+    kernel_fn = re.findall(r"func\.func private @(\S+)\(", text.split(
+        "custom_call @mosaic_gpu")[0])[-1]
+    assert text.count(f"call @{kernel_fn}(") == 3, kernel_fn
 
 
 def test_mosaic_fused_operand_is_one_fusion():

@@ -2,9 +2,9 @@
 program of N decode-attention steps (N separate caches, as the sampler's N layers),
 lowered and compiled for N = 1, 2, 8 and 24, for the Triton kernel and the Mosaic GPU
 kernel at `--mosaic` tiles; prints the seconds of `lower()` and of `compile()`, the
-distinct Mosaic GPU kernel hashes in the lowered program and,
-with MOSAIC_GPU_DUMP_PTXAS=1, how many times ptxas compiled a Mosaic GPU kernel
-(stdout lines "Compiling entry function", counted by the driver).
+distinct Mosaic GPU kernel hashes in the lowered program and, with
+MOSAIC_GPU_DUMP_PTXAS=1, how many times ptxas compiled a Mosaic GPU kernel (stdout
+lines "Compiling entry function", counted by `probe_decode_kernels.sh compile`).
 
     MOSAIC_GPU_DUMP_PTXAS=1 python experiments/probe_mosaic_compile.py
 """

@@ -178,9 +178,10 @@ class MosaicTiles:
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
 # read when a program is traced: set it before the first trace. The fastest measured at
-# short caches (an H200, GPU time a layer-step at batch 256 of 384 slots: 17.34 µs
-# against 18.94 unfused and 20.13 fused at 128-slot blocks; docs/performance.md,
-# "Kernels on Mosaic GPU", call 15).
+# short caches (an H200, GPU time a layer-step at batch 256 of 384 slots, one call before
+# the fused kernel's 16-row step for the new token: 18.48 µs, against 18.94 unfused and
+# 20.13 fused at 128-slot blocks; 17.34 after it; docs/performance.md, "Kernels on
+# Mosaic GPU", call 15).
 MOSAIC_TILES = MosaicTiles(64, 2, compact=True, fused=True)
 
 

@@ -943,17 +943,18 @@ _NEW_ROWS = 16
 def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem,
                          v_smem, new_k_smem, new_v_smem, new_rows, barriers, x_barrier, *,
                          block, stages, scale, moved, interpreted):
-    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved + 8
-    + _NEW_ROWS, H]` holds its query group (the first `moved` rows, padded), the new key
-    (row `moved`, then 7 zero rows) and value (row `moved + 8`, then `_NEW_ROWS - 1` zero
-    rows); `k_ref`/`v_ref` are the cache's buffers, aliased in and out. The program
+    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved +
+    16, H]` holds its query group (the first `moved` rows, padded), the new key (row
+    `moved`, then 7 zero rows) and value (row `moved + 8`, then 7 zero rows);
+    `k_ref`/`v_ref` are the cache's buffers, aliased in and out. The program
     stores the new key and value at `slot` of its own cache row (TMA stores from
     `new_rows`), attends over the cache blocks holding `[start, slot)` as `_mosaic_kernel`
     does (the slot itself is masked, so whether a block copy sees the old or the new
     value there does not matter), then over the new token from SMEM: one more step of
     the online softmax on `_NEW_ROWS`-row tiles copied from `x_ref`, whose first row is
-    the new key (value) and whose other rows are masked (the value tile's are zeros, so
-    their zero weights meet no NaN). `interpreted` as `_mosaic_kernel`'s."""
+    the new key (value) and whose other rows are masked (the value tile's are zeros or
+    the value again, so their zero weights meet no NaN). `interpreted` as
+    `_mosaic_kernel`'s."""
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
     start, slot = start_ref[b], slot_ref[0]
     first = start // block
@@ -970,9 +971,12 @@ def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem
         pl.when(first + i < end)(functools.partial(fetch, first + i, i))
     group_rows = q_smem if moved == rows else q_smem.at[pl.ds(0, moved)]
     mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(0, moved)], group_rows, x_barrier)
-    for tile, row in ((new_k_smem, moved), (new_v_smem, moved + 8)):
-        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(row, _NEW_ROWS)], tile, x_barrier)
-    mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(moved, 16)], new_rows, x_barrier)
+    new_kv = x_ref.at[b, kv, pl.ds(moved, 16)]  # the key, 7 zeros, the value, 7 zeros
+    mgpu.copy_gmem_to_smem(new_kv, new_k_smem, x_barrier)
+    for half in (0, 8):  # the value's 8 rows, twice: the other copy is masked
+        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(moved + 8, 8)],
+                               new_v_smem.at[pl.ds(half, 8)], x_barrier)
+    mgpu.copy_gmem_to_smem(new_kv, new_rows, x_barrier)
     mgpu.barrier_wait(x_barrier)
 
     @pl.when(slot < k_ref.shape[2])  # a slot past the cache is not written
@@ -1006,9 +1010,8 @@ def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype,
     """The fused kernel's one operand from the projection's output, in XLA (one fusion
     under jit): the bias added (rounded to the operand's dtype), the queries and keys
     rotated (`rope.apply_rope`), each key/value head's query group padded to `moved`
-    rows, then its key as a row followed by 7 zero rows and its value as a row followed
-    by `_NEW_ROWS - 1` zero rows, in `dtype` (the cache's): `[B, K, moved + 8 +
-    _NEW_ROWS, H]`."""
+    rows, then its key and its value, each as a row followed by 7 zero rows, in `dtype`
+    (the cache's): `[B, K, moved + 16, H]`."""
     if bias_jh is not None:
         qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
     b, _, h = qkv_bjh.shape
@@ -1019,7 +1022,7 @@ def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype,
                                                     (0, 0)))
     return jnp.concatenate([pad(rotate(q_bnh).reshape(b, num_kv, group, h), moved),
                             pad(rotate(k_bkh)[:, :, None], 8),
-                            pad(v_bkh[:, :, None], _NEW_ROWS)],
+                            pad(v_bkh[:, :, None], 8)],
                            axis=2)
 
 
@@ -1057,7 +1060,7 @@ def _fused_call(b, kv, h, dtype, block, stages, rows, moved, transforms, interpr
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                tile((_NEW_ROWS, h)), mgpu.SMEM((_NEW_ROWS, h), dtype, transforms=narrow),
                mgpu.SMEM((16, h), dtype),
-               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
+               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=5)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
                              scale=1.0 / math.sqrt(h), moved=moved, interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
@@ -934,150 +935,221 @@ def _merge_parts(out_bkprh, lse_bkpr):
     return merged / total_bkr[..., None]
 
 
-# Rows of the fused kernel's tile of the new token (its key or value, then zeros): the
-# least a wgmma takes as the second matmul's K (16 of a 16-bit type), so the new
-# token's softmax step scores 16 slots, not a whole block.
-_NEW_ROWS = 16
+def _fused_rows(moved: int) -> int:
+    """Rows of the fused kernel's query tile (wgmma's M, a multiple of 64): the query
+    group (`moved` rows), then the new key's and value's rows (`moved`, `moved + 8`)."""
+    return -(-(moved + 9) // 64) * 64
 
 
-def _mosaic_fused_kernel(x_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem,
-                         v_smem, new_k_smem, new_v_smem, new_rows, barriers, x_barrier, *,
-                         block, stages, scale, moved, interpreted):
-    """One (row, key/value head) of the fused Mosaic GPU kernel. `x_ref [B, K, moved +
-    16, H]` holds its query group (the first `moved` rows, padded), the new key (row
-    `moved`, then 7 zero rows) and value (row `moved + 8`, then 7 zero rows);
-    `k_ref`/`v_ref` are the cache's buffers, aliased in and out. The program
-    stores the new key and value at `slot` of its own cache row (TMA stores from
-    `new_rows`), attends over the cache blocks holding `[start, slot)` as `_mosaic_kernel`
-    does (the slot itself is masked, so whether a block copy sees the old or the new
-    value there does not matter), then over the new token from SMEM: one more step of
-    the online softmax on `_NEW_ROWS`-row tiles copied from `x_ref`, whose first row is
-    the new key (value) and whose other rows are masked (the value tile's are zeros or
-    the value again, so their zero weights meet no NaN). `interpreted` as
-    `_mosaic_kernel`'s."""
+def rope_table(sin_bk, cos_bk):
+    """The fused kernel's rotation of each row's new token, float32 `[B, 2, H]`: row 0
+    is `[cos, cos]`, row 1 `[-sin, sin]`, so a head vector `x` rotates (`rope.apply_rope`)
+    to `x * row0 + swap(x) * row1`, `swap` exchanging its halves. A step's layers share
+    it (one fusion a step)."""
+    cos, sin = cos_bk.astype(jnp.float32), sin_bk.astype(jnp.float32)
+    return jnp.stack([jnp.concatenate([cos, cos], axis=-1),
+                      jnp.concatenate([-sin, sin], axis=-1)], axis=1)
+
+
+def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads, moved,
+                         has_bias, swap_in_buffer, interpreted):
+    """One (row, key/value head) of the fused Mosaic GPU kernel, from a fused
+    projection's output `qkv_ref [B * (N + 2K), H]` (before bias and RoPE, rows as one
+    axis), its bias as `fused_bias` arranges it (when `has_bias`), the rotation table
+    (`rope_table`) and the cache's buffers `k_ref`/`v_ref`, aliased in and out.
+
+    The program copies its query group, new key and new value into rows `[0, group)`,
+    `moved` and `moved + 8` of a plain `[R, H]` tile (R: `_fused_rows`). In registers it
+    adds the bias, rounds to the cache's dtype (as the projection's own bias add
+    rounds), rotates the queries and the key (`x * cos' + swap(x) * sin'`, the halves'
+    swap a wgmma with a permutation matrix, exact; the matrix takes the last key buffer
+    before that buffer's first copy when a block holds its rows), keeps the value and
+    zeroes every other row. The result is the query tile (the scores' A) and, back in
+    the plain tile, the key and value that TMA stores at `slot` of the cache row. The
+    program then attends over the cache blocks holding `[start, slot]` as
+    `_mosaic_kernel` does: the block holding `slot` is copied in only once those
+    stores are done, so it holds the new token, and nothing else of it is kept in
+    SMEM. A slot past the cache is neither written nor attended. The output's `group`
+    rows go from the plain tile to `[B, N, H]`. SMEM holds the two tiles, the key and
+    value buffers and the rotation table, so four programs share a multiprocessor.
+    `interpreted` as `_mosaic_kernel`'s."""
+    if has_bias:
+        bias_ref, *refs = refs
+    (rot_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, x_smem,
+     rot_smem, *swap_smem, barriers, x_barrier) = refs
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
     start, slot = start_ref[b], slot_ref[0]
-    first = start // block
-    end = jnp.maximum(first, (slot + block - 1) // block)  # the blocks holding [start, slot)
     rows, h = q_smem.shape
     dtype = q_smem.dtype
+    num_kv, num_slots = k_ref.shape[1], k_ref.shape[2]
+    joined = num_heads + 2 * num_kv  # the operand's rows a batch row
+    first = start // block
+    last = slot // block  # the block the new token goes to
+    end = jnp.maximum(first, jnp.minimum(last + 1, num_slots // block))
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    wgmma_layout = mgpu.Layout.WGMMA
 
     def fetch(j, buffer):
         blk = pl.ds(j * block, block)
         mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
         mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
 
-    for i in range(stages):
-        pl.when(first + i < end)(functools.partial(fetch, first + i, i))
-    group_rows = q_smem if moved == rows else q_smem.at[pl.ds(0, moved)]
-    mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(0, moved)], group_rows, x_barrier)
-    new_kv = x_ref.at[b, kv, pl.ds(moved, 16)]  # the key, 7 zeros, the value, 7 zeros
-    mgpu.copy_gmem_to_smem(new_kv, new_k_smem, x_barrier)
-    for half in (0, 8):  # the value's 8 rows, twice: the other copy is masked
-        mgpu.copy_gmem_to_smem(x_ref.at[b, kv, pl.ds(moved + 8, 8)],
-                               new_v_smem.at[pl.ds(half, 8)], x_barrier)
-    mgpu.copy_gmem_to_smem(new_kv, new_rows, x_barrier)
+    # The first copies of blocks before the new token's (the last buffer's after the
+    # permutation matrix has been read).
+    early = stages - 1 if swap_in_buffer else stages
+    for i in range(early):
+        pl.when((first + i < end) & (first + i < last))(
+            functools.partial(fetch, first + i, i))
+    places = ((kv * group, 0, group), (num_heads + kv, moved, 1),
+              (num_heads + num_kv + kv, moved + 8, 1))
+    for head, row, count in places:
+        mgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(b * joined + head, count)],
+                               x_smem.at[pl.ds(row, count)], x_barrier)
+    mgpu.copy_gmem_to_smem(rot_ref.at[b], rot_smem, x_barrier)
+    load = lambda ref: (ref[...] if interpreted else
+                        mgpu.load(ref, (), layout=wgmma_layout, optimized=False))
+    if has_bias:  # from GMEM to registers while the copies run
+        bias = load(bias_ref.at[kv]).astype(jnp.float32)
+
+    if not interpreted:  # the halves' swap as a matrix: swap[i, j] = (i == j ± H/2)
+        region = swap_smem[0] if swap_smem else k_smem.at[stages - 1]
+        swap_rows = cast(lax.broadcasted_iota(jnp.int32, (64, h), 0), wgmma_layout)
+        swap_cols = cast(lax.broadcasted_iota(jnp.int32, (64, h), 1), wgmma_layout)
+        for part in range(0, h, 64):  # 64-row parts (WGMMA's layout)
+            ones = swap_rows + part == lax.rem(swap_cols + h // 2, h)
+            region.at[pl.ds(part, 64)][...] = jnp.where(ones, 1.0, 0.0).astype(dtype)
+        swap = region.at[pl.ds(0, h)]
+        mgpu.commit_smem()
     mgpu.barrier_wait(x_barrier)
 
-    @pl.when(slot < k_ref.shape[2])  # a slot past the cache is not written
+    x = load(x_smem).astype(jnp.float32)
+    if has_bias:
+        x = x + bias
+    x = x.astype(dtype)
+    if interpreted:
+        swapped = jnp.concatenate([x[:, h // 2:], x[:, :h // 2]], axis=1).astype(jnp.float32)
+    else:
+        def swap_halves(acc_ref):
+            mgpu.wgmma(acc_ref, x, swap)
+            return acc_ref[...]
+
+        swapped = pl.run_scoped(swap_halves, mgpu.ACC((rows, h), jnp.float32))
+    column = lambda i: lax.broadcast_in_dim(
+        rot_smem[i] if interpreted else mgpu.load(
+            rot_smem.at[i], (), layout=wgmma_layout.reduce(0), optimized=False),
+        (rows, h), [1])
+    x = x.astype(jnp.float32)
+    row_ids = cast(lax.broadcasted_iota(jnp.int32, (rows, h), 0), wgmma_layout)
+    new = jnp.where((row_ids < group) | (row_ids == moved), x * column(0) + swapped * column(1),
+                    jnp.where(row_ids == moved + 8, x, 0.0)).astype(dtype)
+    q_smem[...] = new
+    mgpu.commit_smem()  # and every thread has loaded the plain tile: overwrite it
+    x_smem[...] = new
+    mgpu.commit_smem()
+
+    @pl.when(slot < num_slots)  # a slot past the cache is not written
     def _():
-        mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(0, 1)], k_ref.at[b, kv, pl.ds(slot, 1)])
-        mgpu.copy_smem_to_gmem(new_rows.at[pl.ds(8, 1)], v_ref.at[b, kv, pl.ds(slot, 1)])
+        for row, cache in ((moved, k_ref), (moved + 8, v_ref)):
+            mgpu.copy_smem_to_gmem(x_smem.at[pl.ds(row, 1)], cache.at[b, kv, pl.ds(slot, 1)])
 
-    carry = _online_start(rows, h, interpreted)
+    def fetch_after_stores(j, buffer):
+        pl.when(j == last)(lambda: mgpu.wait_smem_to_gmem(0))  # the new token is in GMEM
+        fetch(j, buffer)
 
-    def attend(carry, k_tile, v_tile, first_id, lo, hi):
-        return _online_block(carry, q_smem, k_tile, v_tile, first_id, lo, hi, scale=scale,
-                             interpreted=interpreted)
+    for i in range(stages):  # the first copies not made above
+        late = (first + i >= last) if i < early else True
+        pl.when((first + i < end) & late)(functools.partial(fetch_after_stores, first + i, i))
 
     def step(j, carry):
         buffer = lax.rem(j - first, stages)
         mgpu.barrier_wait(barriers.at[buffer])
-        carry = attend(carry, k_smem.at[buffer], v_smem.at[buffer], j * block, start, slot - 1)
+        carry = _online_block(carry, q_smem, k_smem.at[buffer], v_smem.at[buffer], j * block,
+                              start, slot, scale=scale, interpreted=interpreted)
         # Both wgmmas have finished reading the buffer: refill it.
-        pl.when(j + stages < end)(functools.partial(fetch, j + stages, buffer))
+        pl.when(j + stages < end)(functools.partial(fetch_after_stores, j + stages, buffer))
         return carry
 
-    carry = lax.fori_loop(first, end, step, carry)
-    _, total, acc = attend(carry, new_k_smem, new_v_smem, 0, 0, 0)  # the new token
-    q_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+    _, total, acc = lax.fori_loop(first, end, step, _online_start(rows, h, interpreted))
+    mgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the plain tile's stores have read it
+    x_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
     mgpu.commit_smem()
-    mgpu.copy_smem_to_gmem(group_rows, o_ref.at[b, kv])
-    mgpu.wait_smem_to_gmem(0)  # the output and the cache stores
-
-
-def fused_operand(qkv_bjh, bias_jh, sin_bk, cos_bk, *, num_heads, num_kv, dtype, moved):
-    """The fused kernel's one operand from the projection's output, in XLA (one fusion
-    under jit): the bias added (rounded to the operand's dtype), the queries and keys
-    rotated (`rope.apply_rope`), each key/value head's query group padded to `moved`
-    rows, then its key and its value, each as a row followed by 7 zero rows, in `dtype`
-    (the cache's): `[B, K, moved + 16, H]`."""
-    if bias_jh is not None:
-        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
-    b, _, h = qkv_bjh.shape
-    group = num_heads // num_kv
-    rotate = lambda x: rope.apply_rope(x[:, None], sin_bk[:, None], cos_bk[:, None])[:, 0]
-    q_bnh, k_bkh, v_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + num_kv], axis=1)
-    pad = lambda x, rows: jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, rows - x.shape[2]),
-                                                    (0, 0)))
-    return jnp.concatenate([pad(rotate(q_bnh).reshape(b, num_kv, group, h), moved),
-                            pad(rotate(k_bkh)[:, :, None], 8),
-                            pad(v_bkh[:, :, None], 8)],
-                           axis=2)
+    mgpu.copy_smem_to_gmem(x_smem.at[pl.ds(0, group)], o_ref.at[b, pl.ds(kv * group, group)])
+    mgpu.wait_smem_to_gmem(0)  # the output
 
 
 def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
                   num_heads, interpret, tiles: MosaicTiles):
-    """`MosaicTiles.fused`: the operand (`fused_operand`) and the kernel
-    (`_mosaic_fused_kernel`), whose cache buffers are JAX refs (`jax.new_ref`) passed to
+    """`MosaicTiles.fused`: the kernel (`_mosaic_fused_kernel`) on the projection's
+    output itself, whose cache buffers are JAX refs (`jax.new_ref`) passed to
     `pl.kernel`, which aliases them in and out; (`[B, N, H]` in the operand's dtype,
     the updated key and value buffers)."""
     b, _, h = qkv_bjh.shape
     kv, dtype = k_bksh.shape[1], k_bksh.dtype
-    block, stages, group, rows, moved, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh,
-                                                                   tiles)
-    x_bkrh = fused_operand(qkv_bjh, bias_jh, sin_bk.astype(jnp.float32),
-                           cos_bk.astype(jnp.float32), num_heads=num_heads, num_kv=kv,
-                           dtype=dtype, moved=moved)
-    call = _fused_call(b, kv, h, jnp.dtype(dtype), block, stages, rows, moved, transforms,
+    block, stages, group, _, _, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh, tiles)
+    moved = -(-group // 8) * 8  # its query rows: the group's whole 8-row tiles
+    call = _fused_call(b, num_heads, kv, h, jnp.dtype(dtype), block, stages, group, moved,
+                       transforms, bias_jh is not None,
                        bool(mosaic_backend.interpret(interpret)))
-    out_bkrh, k_bksh, v_bksh = call(x_bkrh, start_b, slot.reshape(1), k_bksh, v_bksh)
-    out_bnh = out_bkrh[:, :, :group].reshape(b, num_heads, h).astype(qkv_bjh.dtype)
-    return out_bnh, k_bksh, v_bksh
+    operands = [qkv_bjh.astype(dtype).reshape(-1, h)]  # rows as one axis: a free reshape
+    if bias_jh is not None:
+        operands.append(fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
+                                   moved=moved))
+    out_bnh, k_bksh, v_bksh = call(*operands, rope_table(sin_bk, cos_bk), start_b,
+                                   slot.reshape(1), k_bksh, v_bksh)
+    return out_bnh.astype(qkv_bjh.dtype), k_bksh, v_bksh
+
+
+def fused_bias(bias_jh, *, num_heads, num_kv, moved):
+    """The qkv projection's bias as the fused kernel adds it, `[K, R, H]` (R:
+    `_fused_rows`): each key/value head's query group at rows `[0, group)`, its key's
+    at row `moved` and its value's at `moved + 8`, zeros elsewhere (one gather of the
+    parameter)."""
+    group = num_heads // num_kv
+    index = np.full((num_kv, _fused_rows(moved)), bias_jh.shape[0])  # the zero row
+    for kv in range(num_kv):
+        index[kv, :group] = kv * group + np.arange(group)
+        index[kv, moved] = num_heads + kv
+        index[kv, moved + 8] = num_heads + num_kv + kv
+    padded = jnp.concatenate([bias_jh, jnp.zeros_like(bias_jh[:1])])
+    return padded[index]
 
 
 @functools.cache
-def _fused_call(b, kv, h, dtype, block, stages, rows, moved, transforms, interpreted):
-    """The fused kernel's jitted call `(x_bkrh, start_b, slot_1, k_bksh, v_bksh) ->
-    (out_bkrh, k_bksh, v_bksh)`, one per configuration: the decode step's layers call
-    the same function, so their program lowers the kernel once (a private function the
-    layers share) instead of once a layer."""
+def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transforms, has_bias,
+                interpreted):
+    """The fused kernel's jitted call `(qkv_bjh[, bias_jh], rot_b2h, start_b, slot_1,
+    k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration: the decode
+    step's layers call the same function, so their program lowers the kernel once (a
+    private function the layers share) instead of once a layer."""
+    rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
-    # The new value's tile is the second wgmma's B, whose K (`_NEW_ROWS`) must be a
-    # multiple of its swizzle's width: 32 bytes, 16 elements.
-    width = 32 // dtype.itemsize
-    narrow = (mgpu.TilingTransform((8, width)), mgpu.SwizzleTransform(32))
+    swap_rows = -(-h // 64) * 64  # the permutation's rows, written in 64-row parts
+    swap_in_buffer = stages >= 2 and block >= swap_rows
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
-               tile((_NEW_ROWS, h)), mgpu.SMEM((_NEW_ROWS, h), dtype, transforms=narrow),
-               mgpu.SMEM((16, h), dtype),
-               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=5)]
+               mgpu.SMEM((rows, h), dtype), mgpu.SMEM((2, h), jnp.float32),
+               *([] if swap_in_buffer or interpreted else [tile((swap_rows, h))]),
+               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
-                             scale=1.0 / math.sqrt(h), moved=moved, interpreted=interpreted)
+                             scale=1.0 / math.sqrt(h), group=group, num_heads=num_heads,
+                             moved=moved, has_bias=has_bias,
+                             swap_in_buffer=swap_in_buffer or interpreted,
+                             interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.
     run = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
-                    out_type=jax.ShapeDtypeStruct((b, kv, moved, h), dtype),
+                    out_type=jax.ShapeDtypeStruct((b, num_heads, h), dtype),
                     mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
                     compiler_params=mgpu.CompilerParams(approx_math=True),
                     interpret=mosaic_backend.interpret(interpreted),
                     name="append_and_attend_fused")
 
     @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
-    def call(x_bkrh, start_b, slot_1, k_bksh, v_bksh):
+    def call(*args):
+        *operands, k_bksh, v_bksh = args
         k_ref, v_ref = (jax.new_ref(x, memory_space=mgpu.GMEM) for x in (k_bksh, v_bksh))
         with _no_vma_check():  # as `plgpu.kernel` calls `pl.kernel`
-            out_bkrh = run(x_bkrh, start_b, slot_1, k_ref, v_ref)
-        return out_bkrh, jax.freeze(k_ref), jax.freeze(v_ref)
+            out_bnh = run(*operands, k_ref, v_ref)
+        return out_bnh, jax.freeze(k_ref), jax.freeze(v_ref)
 
     return call
 

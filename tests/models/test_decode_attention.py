@@ -3,7 +3,6 @@ a GPU and in interpret mode elsewhere, against the XLA reference (the cache writ
 attention), and the sampler run through them against the sampler on the XLA path."""
 
 import dataclasses
-import functools
 import re
 import textwrap
 from unittest import mock
@@ -675,6 +674,11 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
     assert "output_operand_alias" in calls(texts[True])[0]
     assert "dynamic_update_slice" not in texts[True]
     assert texts[False].count("dynamic_update_slice") == 2
+    # The fused kernel reads the projection's output as it is (its rows as one axis, a
+    # reshape), with no op between them (bias add, RoPE, padding): it adds the bias and
+    # rotates in the kernel.
+    operand = re.search(r"call @\S+\((%\w+),", texts[True]).group(1)
+    assert f"{operand} = stablehlo.reshape %arg0 " in texts[True]
 
 
 @NEEDS_MOSAIC
@@ -700,29 +704,30 @@ def test_mosaic_fused_kernel_lowers_once_for_all_layers():
     assert text.count(f"call @{kernel_fn}(") == 3, kernel_fn
 
 
-def test_mosaic_fused_operand_is_one_fusion():
-    """The fused variant's XLA side compiles (on CPU) to one fusion: bias, RoPE, the
-    query group's padding and the new key and value rows; and its rows hold what the
-    kernel expects (queries, then the key and the value, each at the head of 8 rows)."""
-    b, n, kv, h = 2, 4, 2, 32
-    qkv = jax.random.normal(jax.random.key(0), (b, n + 2 * kv, h), jnp.bfloat16)
-    bias = jax.random.normal(jax.random.key(1), (n + 2 * kv, h), jnp.bfloat16)
-    angles = jax.random.uniform(jax.random.key(2), (b, h // 2), maxval=40.0)
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    make = jax.jit(functools.partial(da.fused_operand, num_heads=n, num_kv=kv,
-                                     dtype=jnp.bfloat16, moved=8))
-    text = make.lower(qkv, bias, sin, cos).compile().as_text()
-    entry = text[text.index("ENTRY"):]
-    assert entry.count(" fusion(") == 1, entry
-    x = np.asarray(make(qkv, bias, sin, cos), np.float64)
-    assert x.shape == (b, kv, 8 + 8 + 8, h)
-    biased = np.asarray(qkv + bias, np.float64)
-    q = naive_rope(biased[:, :n], np.asarray(angles)).reshape(b, kv, n // kv, h)
-    np.testing.assert_allclose(x[:, :, :n // kv], q, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(x[:, :, 8], naive_rope(biased[:, n:n + kv], np.asarray(angles)),
-                               rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(x[:, :, 16], biased[:, n + kv:].astype(np.float32)
-                                  .astype(jnp.bfloat16).astype(np.float64))
-    zeros = np.ones(24, bool)
-    zeros[[*range(n // kv), 8, 16]] = False
-    assert not x[:, :, zeros].any()
+def test_fused_bias_places_each_heads_rows_where_the_kernel_adds_them():
+    """The fused kernel's bias `[K, R, H]`: key/value head k's query heads' biases at
+    rows [0, group), its key's at row `moved` and its value's at `moved + 8`, every
+    other row zero (Qwen2.5-0.5B's 14 query and 2 key/value heads)."""
+    n, kv, h, moved = 14, 2, 4, 8
+    bias = np.arange((n + 2 * kv) * h, dtype=np.float32).reshape(n + 2 * kv, h) + 1
+    got = np.asarray(da.fused_bias(jnp.asarray(bias), num_heads=n, num_kv=kv, moved=moved))
+    assert got.shape == (kv, 64, h)
+    for k in range(kv):
+        want = np.zeros((64, h), np.float32)
+        want[:7] = bias[7 * k:7 * k + 7]
+        want[8] = bias[14 + k]
+        want[16] = bias[16 + k]
+        np.testing.assert_array_equal(got[k], want)
+
+
+def test_rope_table_rotates_as_rope():
+    """The fused kernel's rotation table: `x * row0 + swap(x) * row1` (the halves of
+    `x` exchanged) is RoPE (float64 reference), for every row's angles."""
+    b, m, h = 3, 5, 32
+    x = np.asarray(jax.random.normal(jax.random.key(0), (b, m, h)), np.float64)
+    angles = np.asarray(jax.random.uniform(jax.random.key(1), (b, h // 2), maxval=40.0))
+    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles)), np.float64)
+    assert table.shape == (b, 2, h)
+    swapped = np.concatenate([x[..., h // 2:], x[..., :h // 2]], axis=-1)
+    np.testing.assert_allclose(x * table[:, None, 0] + swapped * table[:, None, 1],
+                               naive_rope(x, angles), rtol=1e-6, atol=1e-6)

@@ -108,7 +108,8 @@ def slot_block(config: ModelConfig, full_slots: int) -> int:
     impl = decode_attention.choose_impl(config.decode_attention_impl, config.head_dim,
                                         full_slots)
     tiles = {"pallas": decode_attention.TILES, "mosaic": decode_attention.MOSAIC_TILES}
-    return math.lcm(SLOT_BLOCK, tiles[impl].block) if impl in tiles else SLOT_BLOCK
+    # (A Mosaic GPU block of 0 is 64 or 128 by the cache's length: 128 divides alike.)
+    return math.lcm(SLOT_BLOCK, tiles[impl].block or 128) if impl in tiles else SLOT_BLOCK
 
 
 def segment_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:

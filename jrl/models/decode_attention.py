@@ -129,9 +129,11 @@ class MosaicTiles:
     travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
     instead of wgmma's 64 (a TMA copy of a slice of a swizzled buffer; the rows of the
     buffer it leaves unset score garbage that is never read back). `fused`: the kernel
-    takes the new token's query group, key and value as one operand made by one XLA
-    fusion (bias, RoPE, padding) and writes the key and value into the cache itself
-    (`_mosaic_fused`), so no cache-write ops run around it. `splits` (not with
+    reads the qkv projection's output itself (bias and RoPE in registers) and writes the
+    key and value into the cache itself (`_mosaic_fused_kernel`), so no XLA op runs
+    between the projection and it, nor a cache write around it. `block` 0: by the
+    cache's slots (`split_like`'s when given), 64 below `LONG_CACHE` slots, 128 from it
+    (the faster of the two on either side, docs/performance.md). `splits` (not with
     `fused`): programs per (row, key/value head), each over its share of the filled
     blocks, as the Triton kernel's `Tiles.splits` (0: `slot_splits`' choice; each part
     stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them).
@@ -178,12 +180,13 @@ class MosaicTiles:
 
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
-# read when a program is traced: set it before the first trace. The fastest measured at
-# short caches (an H200, GPU time a layer-step at batch 256 of 384 slots, one call before
-# the fused kernel's 16-row step for the new token: 18.48 µs, against 18.94 unfused and
-# 20.13 fused at 128-slot blocks; 17.34 after it; docs/performance.md, "Kernels on
-# Mosaic GPU", call 15).
-MOSAIC_TILES = MosaicTiles(64, 2, compact=True, fused=True)
+# read when a program is traced: set it before the first trace. The fused kernel, its
+# block by the cache's length: on an H200 (docs/performance.md, "Kernels on Mosaic GPU",
+# call 16), GPU time a layer-step at 64 against 128-slot blocks was 39.06 against 40.70
+# µs at batch 256 of 1,024 slots, then 41.31 against 37.72 at batch 128 of 2,048, 74.45
+# against 67.00 of 4,096 and 151.96 against 133.98 of 8,704.
+LONG_CACHE = 2048
+MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True)
 
 
 def _as_mosaic(tiles) -> MosaicTiles:
@@ -842,7 +845,8 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
     if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
         raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
                          f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
-    block = tiles.block if s % tiles.block == 0 else _BLOCK
+    block = tiles.block or (128 if (tiles.split_like or (0, s))[1] >= LONG_CACHE else 64)
+    block = block if s % block == 0 else _BLOCK
     group = num_heads // kv
     rows = -(-group // 64) * 64
     swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes

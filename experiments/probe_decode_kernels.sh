@@ -19,8 +19,10 @@
 #   sampler    experiments/bench_rollout.py (batch 64 / 256 / 512, P128 / R256) on the
 #              Triton kernel and on Mosaic GPU at SAMPLER_TILES (default
 #              "64,2,compact,fused")
-# Each Mosaic GPU variant's program also runs XLA's RoPE, query padding and two cache
-# writes (the fused tiles: one fusion); the "kernel" lines split the time by kernel.
+# Each unfused Mosaic GPU variant's program also runs XLA's RoPE, query padding and two
+# cache writes; the fused tiles read the qkv projection's output (the bench joins its
+# q, k and v first, ~2 us, which a sampler's fused projection does not); the "kernel"
+# lines split the time by kernel.
 # Nsight Compute (ncu) hung on these programs (no kernel profiled in 150 s): not used.
 # Needs wheels/ beside the tree (ml_collections for jrl's imports).
 set -uo pipefail

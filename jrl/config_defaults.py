@@ -63,9 +63,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora_rollout = "merged"
     # Cache write and attention of decode steps: auto (one Pallas kernel that writes the
     # new key/value and attends over the filled cache slots, on GPU with jax's Pallas
-    # Triton backend; else XLA), xla, pallas (a ConfigError where jax lacks that
-    # backend) or mosaic (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and
-    # a bfloat16/float16 cache; only when set).
+    # Triton backend; without that backend, on a Hopper GPU with a bfloat16/float16
+    # cache, the kernel on its Mosaic GPU backend; else XLA), xla, pallas (a ConfigError
+    # where jax lacks the Triton backend) or mosaic (the Mosaic GPU kernel, for Hopper
+    # GPUs and a bfloat16/float16 cache).
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes (forward, and the
     # update's backward through d loss / d logits): auto (a Pallas kernel on its Mosaic

@@ -540,7 +540,8 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None):
 def cache_slots(config: ModelConfig, needed: int) -> int:
     """Cache slots for `needed` tokens: rounded up to whole blocks where the decode steps
     run the decode-attention kernel."""
-    return decode_attention.cache_slots(config.decode_attention_impl, config.head_dim, needed)
+    return decode_attention.cache_slots(config.decode_attention_impl, config.head_dim, needed,
+                                        config.dtype)
 
 
 def _decode_step(params, state: _DecodeState, prompt_len: int, config):

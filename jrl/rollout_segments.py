@@ -106,7 +106,7 @@ def slot_block(config: ModelConfig, full_slots: int) -> int:
     where they divide the cache's slots, else of 64, so each segment's cache must
     divide alike for the kernel to sum a row's blocks as the single program's does."""
     impl = decode_attention.choose_impl(config.decode_attention_impl, config.head_dim,
-                                        full_slots)
+                                        full_slots, config.dtype)
     tiles = {"pallas": decode_attention.TILES, "mosaic": decode_attention.MOSAIC_TILES}
     # (A Mosaic GPU block of 0 is 64 or 128 by the cache's length: 128 divides alike.)
     return math.lcm(SLOT_BLOCK, tiles[impl].block or 128) if impl in tiles else SLOT_BLOCK

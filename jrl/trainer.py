@@ -447,7 +447,7 @@ class RLTrainer:
         block = 0 if s.multi_turn is None else s.multi_turn.config.max_tool_response_tokens + 1
         slots = decode_attention.cache_slots(
             m.decode_attention_impl, m.head_dim,
-            s.max_prompt_length + s.rollout.max_new_tokens + block)
+            s.max_prompt_length + s.rollout.max_new_tokens + block, m.dtype)
         name = f"KV cache, {rows} rows x {slots} slots"
         if s.rollout.cache_segments > 1:  # the first segment's; later ones follow the tokens
             first = rollout_segments.segment_slots(m, s.max_prompt_length, s.rollout)[0]

@@ -96,7 +96,8 @@ class ModelConfig:
         Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
-        `jrl.models.decode_attention` on GPU where it applies, else XLA), "xla",
+        `jrl.models.decode_attention` on GPU where it applies: on Pallas' Triton
+        backend, or without it on its Mosaic GPU backend on Hopper; else XLA), "xla",
         "pallas" (a ConfigError where jax lacks Pallas' Triton backend) or "mosaic"
         (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and a bfloat16 or
         float16 cache; a ConfigError where jax lacks that backend).

@@ -199,16 +199,18 @@ def _as_mosaic(tiles) -> MosaicTiles:
     return MosaicTiles(tiles.block, tiles.stages)
 
 
-def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
+def choose_impl(impl: str, head_dim: int, num_slots: int | None = None,
+                dtype=None) -> str:
     """`"pallas"` where the kernel applies (GPU, Pallas' Triton backend installed, a
     power-of-two head_dim of at least 32, whose halves are the kernel's dot operands,
-    and, when given, a cache of whole blocks), else `"xla"`; a forced `impl` is
-    returned as is, but a forced `"pallas"` stops with a ConfigError without the
-    Triton backend, and with a ValueError on a GPU with a head_dim the kernel cannot
-    take (off a GPU the kernel runs in interpret mode, where any head_dim works); a
-    forced `"mosaic"` (the Mosaic GPU kernel, chosen only when forced) with a
-    ConfigError without Pallas' Mosaic GPU backend, and with a ValueError on a GPU
-    other than Hopper."""
+    and, when given, a cache of whole blocks); where the Triton backend is missing (jax
+    0.11 deprecates it), `"mosaic"` where its kernel applies instead (a Hopper GPU,
+    Pallas' Mosaic GPU backend, such a head_dim up to 256 and a 16-bit cache `dtype`);
+    else `"xla"`. A forced `impl` is returned as is, but a forced `"pallas"` stops with
+    a ConfigError without the Triton backend, and with a ValueError on a GPU with a
+    head_dim the kernel cannot take (off a GPU the kernel runs in interpret mode, where
+    any head_dim works); a forced `"mosaic"` with a ConfigError without Pallas' Mosaic
+    GPU backend, and with a ValueError on a GPU other than Hopper."""
     on_gpu = jax.default_backend() == "gpu"
     head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
     if impl == "pallas":
@@ -226,15 +228,20 @@ def choose_impl(impl: str, head_dim: int, num_slots: int | None = None) -> str:
             "use 'auto' or 'xla'")
     if impl != "auto":
         return impl
-    ok = (on_gpu and head_ok and triton_backend.available()
-          and (num_slots is None or num_slots % _BLOCK == 0))
-    return "pallas" if ok else "xla"
+    if not (on_gpu and head_ok and (num_slots is None or num_slots % _BLOCK == 0)):
+        return "xla"
+    if triton_backend.available():
+        return "pallas"
+    mosaic_ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
+                 and head_dim <= 256 and dtype is not None
+                 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+    return "mosaic" if mosaic_ok else "xla"
 
 
-def cache_slots(impl: str, head_dim: int, needed: int) -> int:
+def cache_slots(impl: str, head_dim: int, needed: int, dtype=None) -> int:
     """Slots to allocate for `needed` tokens: rounded up to whole kernel blocks when
-    the decode steps will run the kernel."""
-    if choose_impl(impl, head_dim) not in ("pallas", "mosaic"):
+    the decode steps will run a kernel (`choose_impl`; `dtype`: the cache's)."""
+    if choose_impl(impl, head_dim, dtype=dtype) not in ("pallas", "mosaic"):
         return needed
     return -(-needed // _BLOCK) * _BLOCK
 

@@ -527,8 +527,11 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
 
 def _decode_impl(config: ModelConfig) -> str:
     """The kernel of a decode step given a `DecodeStep` (`_attention_mask` chose one):
-    the Mosaic GPU kernel when forced, else the Triton kernel."""
-    return "mosaic" if config.decode_attention_impl == "mosaic" else "pallas"
+    the Mosaic GPU kernel when forced or where `auto` takes it (no Triton backend),
+    else the Triton kernel."""
+    impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
+                                  dtype=config.dtype)
+    return "mosaic" if impl == "mosaic" else "pallas"
 
 
 def _decode_tiles(config: ModelConfig, cache):
@@ -549,7 +552,7 @@ def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
     to the one being written)."""
     if cache is not None and num_queries == 1:
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
-                                      cache.max_len)
+                                      cache.max_len, config.dtype)
         if impl in ("pallas", "mosaic"):
             if isinstance(cache, RowCache):  # the kernel runs on the cache's rows
                 mask = cache.to_cache_rows(mask, ("batch", None))

@@ -2,10 +2,11 @@
 has it.
 
 jrl's two GPU kernels, the decode step's attention (`decode_attention`) and the
-log-prob head (`head_kernel`), are written for it. jax 0.11 marks it deprecated in
-favour of Mosaic GPU and says it will be removed. Without it, `"auto"` takes the XLA
-path for both, and a forced `"pallas"` stops with a ConfigError naming its key: jrl
-itself still imports and runs.
+log-prob head (`head_kernel`), were written for it; the head has moved to Mosaic GPU.
+jax 0.11 marks it deprecated in favour of Mosaic GPU and says it will be removed.
+Without it, `"auto"` takes the decode attention's Mosaic GPU kernel on a Hopper GPU
+with a 16-bit cache and the XLA path elsewhere, and a forced `"pallas"` stops with a
+ConfigError naming its key: jrl itself still imports and runs.
 """
 
 from __future__ import annotations

@@ -549,7 +549,8 @@ def test_mosaic_tiles_from_the_benches_spec():
 
 
 def test_mosaic_is_chosen_only_when_forced(monkeypatch):
-    """"mosaic" is a forced choice (never "auto"'s), rounds the cache to whole blocks like
+    """"mosaic" is a forced choice (`auto` takes it only without the Triton backend, with
+    a 16-bit cache dtype: below), rounds the cache to whole blocks like
     "pallas", stops with a ConfigError naming the key without the Mosaic GPU backend,
     and with a ValueError on a cache that is not 16-bit (wgmma's operands)."""
     assert da.choose_impl("mosaic", 64) == "mosaic"
@@ -573,6 +574,40 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
         ModelConfig(family="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
                     decode_attention_impl="mosaic")
+
+
+def test_auto_takes_the_mosaic_kernel_on_hopper_where_the_triton_backend_is_missing(
+        monkeypatch):
+    """On a GPU (here mocked) `auto` takes the Triton kernel while jax has its backend;
+    without it, the Mosaic GPU kernel on Hopper with a bfloat16/float16 cache (its
+    wgmma operands), rounding the cache to whole blocks, and the model's decode steps
+    run it; else XLA (a float32 cache, another GPU, a head_dim it cannot take, no
+    Mosaic GPU backend)."""
+    from jrl.models import transformer, triton_backend  # noqa: PLC0415
+
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: True)
+    monkeypatch.setattr(mosaic_backend, "plgpu", object())  # a backend that imports
+    config = ModelConfig(family="qwen2", vocab_size=8, hidden_size=16, intermediate_size=8,
+                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                         dtype="bfloat16")
+    if triton_backend.available():
+        assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "pallas"
+        assert transformer._decode_impl(config) == "pallas"
+    monkeypatch.setattr(triton_backend, "plgpu", None)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "mosaic"
+    assert da.choose_impl("auto", 128, None, "float16") == "mosaic"
+    assert transformer._decode_impl(config) == "mosaic"
+    assert da.cache_slots("auto", 64, 200, "bfloat16") == 256
+    assert da.cache_slots("auto", 64, 200, "float32") == 200
+    for args in ((64, 384, jnp.float32), (64, 384, None), (48, 384, jnp.bfloat16),
+                 (512, 384, jnp.bfloat16), (64, 100, jnp.bfloat16)):
+        assert da.choose_impl("auto", *args) == "xla", args
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: True)
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
 
 
 @NEEDS_MOSAIC

@@ -955,8 +955,9 @@ def _fused_rows(moved: int) -> int:
 def rope_table(sin_bk, cos_bk):
     """The fused kernel's rotation of each row's new token, float32 `[B, 2, H]`: row 0
     is `[cos, cos]`, row 1 `[-sin, sin]`, so a head vector `x` rotates (`rope.apply_rope`)
-    to `x * row0 + swap(x) * row1`, `swap` exchanging its halves. A step's layers share
-    it (one fusion a step)."""
+    to `x * row0 + swap(x) * row1`, `swap` exchanging its halves. It is the same for
+    every layer of a step (the same inputs: XLA's common-subexpression elimination may
+    keep one)."""
     cos, sin = cos_bk.astype(jnp.float32), sin_bk.astype(jnp.float32)
     return jnp.stack([jnp.concatenate([cos, cos], axis=-1),
                       jnp.concatenate([-sin, sin], axis=-1)], axis=1)
@@ -1135,15 +1136,15 @@ def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transfo
     rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
     swap_rows = -(-h // 64) * 64  # the permutation's rows, written in 64-row parts
-    swap_in_buffer = stages >= 2 and block >= swap_rows
+    # (The interpreter swaps the halves without the matrix.)
+    swap_in_buffer = interpreted or (stages >= 2 and block >= swap_rows)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                mgpu.SMEM((rows, h), dtype), mgpu.SMEM((2, h), jnp.float32),
-               *([] if swap_in_buffer or interpreted else [tile((swap_rows, h))]),
+               *([] if swap_in_buffer else [tile((swap_rows, h))]),
                mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
                              scale=1.0 / math.sqrt(h), group=group, num_heads=num_heads,
-                             moved=moved, has_bias=has_bias,
-                             swap_in_buffer=swap_in_buffer or interpreted,
+                             moved=moved, has_bias=has_bias, swap_in_buffer=swap_in_buffer,
                              interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.

@@ -7,7 +7,7 @@ its tile settings against the previous implementation and the XLA path, on one G
     python experiments/bench_decode_kernel.py --no_tiles_sweep --splits 0 \
         --skip previous xla --mosaic 64,2,compact 128,2,compact,fused   # vs Mosaic GPU
 
-Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64), a cache of 384 slots,
+Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64; `--heads`), a cache of 384 slots,
 rows starting at a random slot below 32 and the new token at `--fill`. One jitted
 call runs the step on 24 separate cache buffers (a decode step's layers, each
 donated and updated in place). The time per layer is the GPU time of the variant's
@@ -52,16 +52,17 @@ def previous(q, k_new, v_new, sin, cos, k, v, start, slot):
     return out.astype(q.dtype), k, v
 
 
-def run_variant(index, fn, batch, fill, slots, repeats):
+def run_variant(index, fn, batch, fill, slots, repeats, heads=(14, 2, 64)):
     """Compiles and warms up variant `index`, then runs it `repeats` times (to be
     traced); its program is named `variant_<index>`."""
+    n, kv, h = heads
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (batch, 14, 64), jnp.bfloat16)
-    k_new, v_new = (jax.random.normal(key, (batch, 2, 64), jnp.bfloat16) for key in keys[1:3])
+    q = jax.random.normal(keys[0], (batch, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (batch, kv, h), jnp.bfloat16) for key in keys[1:3])
     start = jnp.asarray(np.random.default_rng(0).integers(0, 32, batch), jnp.int32)
-    angles = (start[:, None] + fill) * jnp.ones((1, 32), jnp.float32) / 100
+    angles = (start[:, None] + fill) * jnp.ones((1, h // 2), jnp.float32) / 100
     sin, cos = jnp.sin(angles), jnp.cos(angles)
-    zeros = lambda: jnp.zeros((batch, 2, slots, 64), jnp.bfloat16)
+    zeros = lambda: jnp.zeros((batch, kv, slots, h), jnp.bfloat16)
     caches = [(zeros(), zeros()) for _ in range(LAYERS)]
 
     def layers(caches, q):
@@ -91,6 +92,9 @@ def main() -> None:
     parser.add_argument("--fill", type=int, default=256, help="the new token's slot")
     parser.add_argument("--slots", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--heads", type=int, nargs=3, default=[14, 2, 64],
+                        metavar=("N", "K", "H"), help="query heads, key/value heads, head_dim "
+                        "(default Qwen2.5-0.5B's; 28 4 128 is Qwen2.5-7B's)")
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also the kernel (default tiles) split over slots into this many "
                              "parts (Tiles.splits; 0: slot_splits' choice)")
@@ -119,14 +123,15 @@ def main() -> None:
             da.append_and_attend, impl="mosaic", tiles=da.MosaicTiles.from_spec(spec))
     variants = {name: fn for name, fn in variants.items() if name not in args.skip}
     rows = []
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; us per layer-step")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; heads {args.heads}, "
+          f"{args.slots} slots; us per layer-step")
     for batch in args.batch:
         runs = {}  # name: (program name, traced runs)
         for name, fn in variants.items():
             index = len(rows) + len(runs)
             try:
                 runs[name] = (f"jit_variant_{index}", run_variant(
-                    index, fn, batch, args.fill, args.slots, args.repeats))
+                    index, fn, batch, args.fill, args.slots, args.repeats, args.heads))
             except Exception as e:  # a setting Triton rejects
                 rows.append(dict(batch=batch, variant=name, error=str(e)[:300]))
                 print(f"batch {batch:4d} {name:22s} error {str(e)[:120]}")

@@ -11,6 +11,10 @@
 #              kernel and the Mosaic GPU tiles in PROBE_TILES; again for the tree in
 #              before/ (an export of an earlier commit's jrl/), when there is one
 #   sweep      the same times at 64 / 256 / 512 rows of 384 slots and 128 rows of 8,704
+#   wide       the same times at Qwen2.5-7B's heads (28 / 4 / 128) at 128 and 256 rows of
+#              384 slots and 128 rows of 2,048, for the tree and before/ (when there is one)
+#   profile    experiments/profile_decode_kernel.py: cycles in each named region of the
+#              fused kernel (0.5B heads at 256 and 512 rows, 7B heads at 128 and 256)
 #   compile    experiments/probe_mosaic_compile.py: seconds to lower and to compile 1, 2,
 #              8 and 24 decode steps (the sampler's layers) on either kernel, and how
 #              many times ptxas compiled a Mosaic GPU kernel for each
@@ -60,6 +64,23 @@ for step in "${STEPS[@]}"; do
         --mosaic "${TILES[@]}"
       bench "$PWD" "$OUT/sweep_long.log" 150 --batch 128 --slots 8704 --fill 8600 \
         --splits 0 --mosaic "${TILES[@]}" ;;
+    wide)
+      for tree in "$PWD" "$PWD/before"; do
+        [[ -d $tree/jrl ]] || continue
+        tag=$([[ $tree == "$PWD" ]] && echo tree || echo before)
+        bench "$tree" "$OUT/wide_short_$tag.log" 200 --heads 28 4 128 --batch 128 256 \
+          --splits 0 --mosaic "${TILES[@]}"
+        bench "$tree" "$OUT/wide_long_$tag.log" 150 --heads 28 4 128 --batch 128 \
+          --slots 2048 --fill 1900 --splits 0 --mosaic "${TILES[@]}"
+      done ;;
+    profile)
+      for shape in "14 2 64 --batch 256 512" "28 4 128 --batch 128 256"; do
+        PYTHONPATH=/tmp/site:$PWD timeout -k 5 150 python3 experiments/profile_decode_kernel.py \
+          --heads $shape --out "$OUT/profile_${shape%% *}.json" \
+          >> "$OUT/profile.log" 2>&1 < /dev/null
+        echo "-- profile $shape: exit $?"
+      done
+      grep -v "^[WI]0000" "$OUT/profile.log" | tail -n 60 ;;
     compile)
       PYTHONPATH=/tmp/site:$PWD MOSAIC_GPU_DUMP_PTXAS=1 timeout -k 5 200 \
         python3 experiments/probe_mosaic_compile.py --mosaic "${SAMPLER_TILES:-64,2,compact,fused}" \

@@ -784,18 +784,21 @@ def _online_block(carry, q_smem, k_tile, v_tile, first_slot, start, slot, *, sca
     top, total, acc = carry
     rows, block = q_smem.shape[0], k_tile.shape[0]
     cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
-    logits = _scores(q_smem, k_tile, interpreted)
-    ids = first_slot + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
-                            mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
-    logits = jnp.where((ids >= start) & (ids <= slot), logits, -jnp.inf)
-    scale2 = scale * math.log2(math.e)
-    new_top = jnp.maximum(top, logits.max(axis=1) * scale2)
-    correction = jnp.exp2(top - new_top)
-    weights = jnp.exp2(logits * scale2 - lax.broadcast_in_dim(new_top, logits.shape, [0]))
-    total = total * correction + weights.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-    return new_top, total, _add_weighted(acc, weights.astype(q_smem.dtype), v_tile,
-                                         interpreted)
+    with jax.named_scope("scores"):  # (regions: experiments/profile_decode_kernel.py)
+        logits = _scores(q_smem, k_tile, interpreted)
+    with jax.named_scope("softmax"):
+        ids = first_slot + cast(lax.broadcasted_iota(jnp.int32, (rows, block), 1),
+                                mgpu.Layout.WGMMA)  # `mgpu.broadcasted_iota`'s two steps
+        logits = jnp.where((ids >= start) & (ids <= slot), logits, -jnp.inf)
+        scale2 = scale * math.log2(math.e)
+        new_top = jnp.maximum(top, logits.max(axis=1) * scale2)
+        correction = jnp.exp2(top - new_top)
+        weights = jnp.exp2(logits * scale2 - lax.broadcast_in_dim(new_top, logits.shape, [0]))
+        total = total * correction + weights.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+        weights = weights.astype(q_smem.dtype)
+    with jax.named_scope("values"):
+        return new_top, total, _add_weighted(acc, weights, v_tile, interpreted)
 
 
 def _scores(q_smem, k_tile, interpreted):
@@ -903,7 +906,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         scratch_types=scratch,
         grid=grid,
         grid_names=("rows", "heads", "parts")[:len(grid)],
-        compiler_params=mgpu.CompilerParams(approx_math=True),
+        compiler_params=mosaic_backend.compiler_params(),
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
     out_bkrh = out if splits == 1 else _merge_parts(*out)
@@ -932,7 +935,7 @@ def _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot, *, layout: _Layout, grou
                        mgpu.Barrier(num_arrivals=1, num_barriers=2)],
         grid=(b // group_rows, kv),
         grid_names=("rows", "heads"),
-        compiler_params=mgpu.CompilerParams(approx_math=True),
+        compiler_params=mosaic_backend.compiler_params(),
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
 
@@ -952,117 +955,154 @@ def _fused_rows(moved: int) -> int:
     return -(-(moved + 9) // 64) * 64
 
 
-def rope_table(sin_bk, cos_bk):
-    """The fused kernel's rotation of each row's new token, float32 `[B, 2, H]`: row 0
-    is `[cos, cos]`, row 1 `[-sin, sin]`, so a head vector `x` rotates (`rope.apply_rope`)
-    to `x * row0 + swap(x) * row1`, `swap` exchanging its halves. It is the same for
-    every layer of a step (the same inputs: XLA's common-subexpression elimination may
-    keep one)."""
-    cos, sin = cos_bk.astype(jnp.float32), sin_bk.astype(jnp.float32)
-    return jnp.stack([jnp.concatenate([cos, cos], axis=-1),
-                      jnp.concatenate([-sin, sin], axis=-1)], axis=1)
+def rope_table(sin_bk, cos_bk, swap_matmul=False):
+    """The fused kernel's rotation of each row's new token, float32, one copy a program:
+    `[B, 2, H/2]`, the cosines, then the sines (`rope.apply_rope`: halves `a, b` of a
+    head vector rotate to `a cos - b sin, b cos + a sin`); for `swap_matmul`
+    (`_swap_matmul`) `[B, 2, H]`, rows `[cos, cos]` and `[-sin, sin]`, so that `x`
+    rotates to `x * row0 + swap(x) * row1`. It is the same for every layer of a step
+    (the same inputs: XLA's common-subexpression elimination may keep one)."""
+    if swap_matmul:
+        cos, sin = cos_bk.astype(jnp.float32), sin_bk.astype(jnp.float32)
+        return jnp.stack([jnp.concatenate([cos, cos], axis=-1),
+                          jnp.concatenate([-sin, sin], axis=-1)], axis=1)
+    return jnp.stack([cos_bk, sin_bk], axis=1).astype(jnp.float32)
 
 
 def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads, moved,
-                         has_bias, swap_in_buffer, interpreted):
+                         has_bias, swap_matmul, interpreted):
     """One (row, key/value head) of the fused Mosaic GPU kernel, from a fused
     projection's output `qkv_ref [B * (N + 2K), H]` (before bias and RoPE, rows as one
     axis), its bias as `fused_bias` arranges it (when `has_bias`), the rotation table
     (`rope_table`) and the cache's buffers `k_ref`/`v_ref`, aliased in and out.
 
-    The program copies its query group, new key and new value into rows `[0, group)`,
-    `moved` and `moved + 8` of a plain `[R, H]` tile (R: `_fused_rows`). In registers it
+    The program first copies its query group, new key and new value into rows
+    `[0, group)`, `moved` and `moved + 8` of a plain `[R, H]` tile (R: `_fused_rows`;
+    kept as two `[R, H/2]` halves where RoPE rotates in halves), and only then the first
+    cache blocks, so the rows it waits on do not queue behind those. In registers it
     adds the bias, rounds to the cache's dtype (as the projection's own bias add
-    rounds), rotates the queries and the key (`x * cos' + swap(x) * sin'`, the halves'
-    swap a wgmma with a permutation matrix, exact; the matrix takes the last key buffer
-    before that buffer's first copy when a block holds its rows), keeps the value and
-    zeroes every other row. The result is the query tile (the scores' A) and, back in
-    the plain tile, the key and value that TMA stores at `slot` of the cache row. The
-    program then attends over the cache blocks holding `[start, slot]` as
-    `_mosaic_kernel` does: the block holding `slot` is copied in only once those
-    stores are done, so it holds the new token, and nothing else of it is kept in
-    SMEM. A slot past the cache is neither written nor attended. The output's `group`
-    rows go from the plain tile to `[B, N, H]`. SMEM holds the two tiles, the key and
-    value buffers and the rotation table, so four programs share a multiprocessor.
+    rounds), rotates the queries and the key, keeps the value and zeroes every other
+    row. RoPE's half swap (`_swap_matmul`): at head_dim 64 (and below) a wgmma with a
+    permutation matrix, exact, built in the last key buffer before that buffer's first
+    copy (`x * cos' + swap(x) * sin'`); from 128, where the matrix does not fit a
+    64-slot buffer, `a cos - b sin, b cos + a sin` of the halves, which the WGMMA layout
+    keeps in one thread (register slices; each half is stored on its own, as a column
+    slice of the swizzled query tile and as its own plain tile). The result is the
+    query tile (the scores' A) and, back in the plain tile, the key and value that TMA
+    stores at `slot` of the cache row. The program then attends over the cache blocks
+    holding `[start, slot]` as `_mosaic_kernel` does: the block holding `slot` is
+    copied in only once those stores are done, so it holds the new token, and nothing
+    else of it is kept in SMEM. A slot past the cache is neither written nor attended.
+    The output's `group` rows go from the plain tile to `[B, N, H]`. SMEM holds the two
+    tiles, the key and value buffers and the rotation table, so four programs share a
+    multiprocessor at head_dim 64. Named regions (`jax.named_scope`) time each phase
+    under `experiments/profile_decode_kernel.py`.
     `interpreted` as `_mosaic_kernel`'s."""
     if has_bias:
         bias_ref, *refs = refs
     (rot_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, x_smem,
-     rot_smem, *swap_smem, barriers, x_barrier) = refs
+     rot_smem, barriers, x_barrier) = refs
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
-    start, slot = start_ref[b], slot_ref[0]
+    start, slot = start_ref[b], slot_ref[0]  # (GMEM loads: their latency overlaps)
     rows, h = q_smem.shape
     dtype = q_smem.dtype
     num_kv, num_slots = k_ref.shape[1], k_ref.shape[2]
     joined = num_heads + 2 * num_kv  # the operand's rows a batch row
+    parts = x_smem.shape[0]  # the plain tile's column parts: 1, or RoPE's halves
+    width = h // parts
+    columns = [pl.ds(p * width, width) for p in range(parts)]
+    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
+    wgmma_layout = mgpu.Layout.WGMMA
+    load = lambda ref: (ref[...] if interpreted else
+                        mgpu.load(ref, (), layout=wgmma_layout, optimized=False))
+    # The new token's rows first: the prologue waits on them, and copies issued after
+    # the cache blocks' would queue behind those.
+    places = ((kv * group, 0, group), (num_heads + kv, moved, 1),
+              (num_heads + num_kv + kv, moved + 8, 1))
+    with jax.named_scope("copy_x"):
+        for head, row, count in places:
+            for part, cols in enumerate(columns):
+                mgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(b * joined + head, count), cols],
+                                       x_smem.at[part, pl.ds(row, count)], x_barrier)
+        mgpu.copy_gmem_to_smem(rot_ref.at[b], rot_smem, x_barrier)
+    if has_bias:  # from GMEM to registers while the copies run
+        with jax.named_scope("load_bias"):
+            bias = [load(bias_ref.at[kv, part]).astype(jnp.float32) for part in range(parts)]
+
     first = start // block
     last = slot // block  # the block the new token goes to
     end = jnp.maximum(first, jnp.minimum(last + 1, num_slots // block))
-    cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
-    wgmma_layout = mgpu.Layout.WGMMA
 
     def fetch(j, buffer):
         blk = pl.ds(j * block, block)
         mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
         mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
 
-    # The first copies of blocks before the new token's (the last buffer's after the
-    # permutation matrix has been read).
-    early = stages - 1 if swap_in_buffer else stages
+    # The first copies of blocks before the new token's (with the swap matrix in the
+    # last key buffer, that buffer's after the matrix has been read).
+    early = stages - 1 if swap_matmul else stages
     for i in range(early):
-        pl.when((first + i < end) & (first + i < last))(
-            functools.partial(fetch, first + i, i))
-    places = ((kv * group, 0, group), (num_heads + kv, moved, 1),
-              (num_heads + num_kv + kv, moved + 8, 1))
-    for head, row, count in places:
-        mgpu.copy_gmem_to_smem(qkv_ref.at[pl.ds(b * joined + head, count)],
-                               x_smem.at[pl.ds(row, count)], x_barrier)
-    mgpu.copy_gmem_to_smem(rot_ref.at[b], rot_smem, x_barrier)
-    load = lambda ref: (ref[...] if interpreted else
-                        mgpu.load(ref, (), layout=wgmma_layout, optimized=False))
-    if has_bias:  # from GMEM to registers while the copies run
-        bias = load(bias_ref.at[kv]).astype(jnp.float32)
+        pl.when((first + i < end) & (first + i < last))(functools.partial(fetch, first + i, i))
+    if swap_matmul and not interpreted:  # the halves' swap: swap[i, j] = (i == j ± H/2)
+        with jax.named_scope("swap_matrix"):
+            region = k_smem.at[stages - 1]
+            swap_rows = cast(lax.broadcasted_iota(jnp.int32, (64, h), 0), wgmma_layout)
+            swap_cols = cast(lax.broadcasted_iota(jnp.int32, (64, h), 1), wgmma_layout)
+            for part in range(0, h, 64):  # 64-row parts (WGMMA's layout)
+                ones = swap_rows + part == lax.rem(swap_cols + h // 2, h)
+                region.at[pl.ds(part, 64)][...] = jnp.where(ones, 1.0, 0.0).astype(dtype)
+            swap = region.at[pl.ds(0, h)]
+            mgpu.commit_smem()
+    with jax.named_scope("wait_x"):
+        mgpu.barrier_wait(x_barrier)
 
-    if not interpreted:  # the halves' swap as a matrix: swap[i, j] = (i == j ± H/2)
-        region = swap_smem[0] if swap_smem else k_smem.at[stages - 1]
-        swap_rows = cast(lax.broadcasted_iota(jnp.int32, (64, h), 0), wgmma_layout)
-        swap_cols = cast(lax.broadcasted_iota(jnp.int32, (64, h), 1), wgmma_layout)
-        for part in range(0, h, 64):  # 64-row parts (WGMMA's layout)
-            ones = swap_rows + part == lax.rem(swap_cols + h // 2, h)
-            region.at[pl.ds(part, 64)][...] = jnp.where(ones, 1.0, 0.0).astype(dtype)
-        swap = region.at[pl.ds(0, h)]
+    with jax.named_scope("rotate"):
+        x = [load(x_smem.at[part]).astype(jnp.float32) for part in range(parts)]
+        if has_bias:
+            x = [x_part + bias_part for x_part, bias_part in zip(x, bias, strict=True)]
+        x = [x_part.astype(dtype) for x_part in x]  # as the projection's bias add rounds
+        column = lambda i: lax.broadcast_in_dim(
+            rot_smem[i] if interpreted else mgpu.load(
+                rot_smem.at[i], (), layout=wgmma_layout.reduce(0), optimized=False),
+            (rows, width), [1])
+        if swap_matmul:
+            (x,) = x
+            if interpreted:
+                swapped = jnp.concatenate([x[:, h // 2:], x[:, :h // 2]],
+                                          axis=1).astype(jnp.float32)
+            else:
+                def swap_halves(acc_ref):
+                    mgpu.wgmma(acc_ref, x, swap)
+                    return acc_ref[...]
+
+                swapped = pl.run_scoped(swap_halves, mgpu.ACC((rows, h), jnp.float32))
+            x = x.astype(jnp.float32)
+            rotated = [x * column(0) + swapped * column(1)]
+            x = [x]
+        else:  # `a cos - b sin, b cos + a sin` of the halves `a, b`
+            low, high = (x_part.astype(jnp.float32) for x_part in x)
+            cos, sin = column(0), column(1)
+            rotated, x = [low * cos - high * sin, high * cos + low * sin], [low, high]
+        row_ids = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 0), wgmma_layout)
+        is_rotated = (row_ids < group) | (row_ids == moved)
+        is_value = row_ids == moved + 8
+        new = [jnp.where(is_rotated, rotated_part, jnp.where(is_value, x_part, 0.0)).astype(dtype)
+               for rotated_part, x_part in zip(rotated, x, strict=True)]
+    with jax.named_scope("store_tiles"):
+        for part, cols in enumerate(columns):
+            q_smem.at[:, cols][...] = new[part]
+        mgpu.commit_smem()  # and every thread has loaded the plain tile: overwrite it
+        for part in range(parts):
+            x_smem.at[part][...] = new[part]
         mgpu.commit_smem()
-    mgpu.barrier_wait(x_barrier)
-
-    x = load(x_smem).astype(jnp.float32)
-    if has_bias:
-        x = x + bias
-    x = x.astype(dtype)
-    if interpreted:
-        swapped = jnp.concatenate([x[:, h // 2:], x[:, :h // 2]], axis=1).astype(jnp.float32)
-    else:
-        def swap_halves(acc_ref):
-            mgpu.wgmma(acc_ref, x, swap)
-            return acc_ref[...]
-
-        swapped = pl.run_scoped(swap_halves, mgpu.ACC((rows, h), jnp.float32))
-    column = lambda i: lax.broadcast_in_dim(
-        rot_smem[i] if interpreted else mgpu.load(
-            rot_smem.at[i], (), layout=wgmma_layout.reduce(0), optimized=False),
-        (rows, h), [1])
-    x = x.astype(jnp.float32)
-    row_ids = cast(lax.broadcasted_iota(jnp.int32, (rows, h), 0), wgmma_layout)
-    new = jnp.where((row_ids < group) | (row_ids == moved), x * column(0) + swapped * column(1),
-                    jnp.where(row_ids == moved + 8, x, 0.0)).astype(dtype)
-    q_smem[...] = new
-    mgpu.commit_smem()  # and every thread has loaded the plain tile: overwrite it
-    x_smem[...] = new
-    mgpu.commit_smem()
 
     @pl.when(slot < num_slots)  # a slot past the cache is not written
     def _():
-        for row, cache in ((moved, k_ref), (moved + 8, v_ref)):
-            mgpu.copy_smem_to_gmem(x_smem.at[pl.ds(row, 1)], cache.at[b, kv, pl.ds(slot, 1)])
+        with jax.named_scope("write_kv"):
+            for row, cache in ((moved, k_ref), (moved + 8, v_ref)):
+                for part, cols in enumerate(columns):
+                    mgpu.copy_smem_to_gmem(x_smem.at[part, pl.ds(row, 1)],
+                                           cache.at[b, kv, pl.ds(slot, 1), cols])
 
     def fetch_after_stores(j, buffer):
         pl.when(j == last)(lambda: mgpu.wait_smem_to_gmem(0))  # the new token is in GMEM
@@ -1074,18 +1114,25 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
 
     def step(j, carry):
         buffer = lax.rem(j - first, stages)
-        mgpu.barrier_wait(barriers.at[buffer])
-        carry = _online_block(carry, q_smem, k_smem.at[buffer], v_smem.at[buffer], j * block,
-                              start, slot, scale=scale, interpreted=interpreted)
+        with jax.named_scope("wait_block"):
+            mgpu.barrier_wait(barriers.at[buffer])
+        with jax.named_scope("block"):
+            carry = _online_block(carry, q_smem, k_smem.at[buffer], v_smem.at[buffer],
+                                  j * block, start, slot, scale=scale, interpreted=interpreted)
         # Both wgmmas have finished reading the buffer: refill it.
         pl.when(j + stages < end)(functools.partial(fetch_after_stores, j + stages, buffer))
         return carry
 
     _, total, acc = lax.fori_loop(first, end, step, _online_start(rows, h, interpreted))
-    mgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the plain tile's stores have read it
-    x_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
-    mgpu.commit_smem()
-    mgpu.copy_smem_to_gmem(x_smem.at[pl.ds(0, group)], o_ref.at[b, pl.ds(kv * group, group)])
+    with jax.named_scope("output"):
+        mgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the plain tile's stores read it
+        out = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+        for part in range(parts):
+            x_smem.at[part][...] = out[:, part * width:(part + 1) * width]
+        mgpu.commit_smem()
+        for part, cols in enumerate(columns):
+            mgpu.copy_smem_to_gmem(x_smem.at[part, pl.ds(0, group)],
+                                   o_ref.at[b, pl.ds(kv * group, group), cols])
     mgpu.wait_smem_to_gmem(0)  # the output
 
 
@@ -1099,14 +1146,17 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     kv, dtype = k_bksh.shape[1], k_bksh.dtype
     block, stages, group, _, _, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh, tiles)
     moved = -(-group // 8) * 8  # its query rows: the group's whole 8-row tiles
+    swap_matmul = _swap_matmul(h, block)
     call = _fused_call(b, num_heads, kv, h, jnp.dtype(dtype), block, stages, group, moved,
                        transforms, bias_jh is not None,
-                       bool(mosaic_backend.interpret(interpret)))
+                       bool(mosaic_backend.interpret(interpret)), swap_matmul)
     operands = [qkv_bjh.astype(dtype).reshape(-1, h)]  # rows as one axis: a free reshape
     if bias_jh is not None:
-        operands.append(fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
-                                   moved=moved))
-    out_bnh, k_bksh, v_bksh = call(*operands, rope_table(sin_bk, cos_bk), start_b,
+        bias_krh = fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
+                              moved=moved)
+        parts = 1 if swap_matmul else 2  # as the plain tile's column parts
+        operands.append(bias_krh.reshape(kv, -1, parts, h // parts).transpose(0, 2, 1, 3))
+    out_bnh, k_bksh, v_bksh = call(*operands, rope_table(sin_bk, cos_bk, swap_matmul), start_b,
                                    slot.reshape(1), k_bksh, v_bksh)
     return out_bnh.astype(qkv_bjh.dtype), k_bksh, v_bksh
 
@@ -1126,32 +1176,43 @@ def fused_bias(bias_jh, *, num_heads, num_kv, moved):
     return padded[index]
 
 
+def _swap_matmul(h, block) -> bool:
+    """Whether the fused kernel rotates by a wgmma with a permutation matrix (built in
+    the last key buffer, which must hold its `H` rows, written in 64-row parts) rather
+    than in register halves (where it does not fit: `H` >= 128 at 64-slot blocks, whose
+    halves are whole 64-column tiles of the swizzled query tile). On an H200
+    (docs/performance.md, call 17): at head_dim 64 the matrix took 16.66 µs a layer-step
+    at batch 256 of 384 slots, a halves version that stored both halves through one
+    plain tile 18.11; at head_dim 128 (Qwen2.5-7B's heads, batch 128) the matrix in a
+    tile of its own (one program a multiprocessor) took 38.36 µs, the halves 28.93."""
+    return block >= -(-h // 64) * 64
+
+
 @functools.cache
 def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transforms, has_bias,
-                interpreted):
+                interpreted, swap_matmul):
     """The fused kernel's jitted call `(qkv_bjh[, bias_jh], rot_b2h, start_b, slot_1,
     k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration: the decode
     step's layers call the same function, so their program lowers the kernel once (a
     private function the layers share) instead of once a layer."""
     rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
-    swap_rows = -(-h // 64) * 64  # the permutation's rows, written in 64-row parts
-    # (The interpreter swaps the halves without the matrix.)
-    swap_in_buffer = interpreted or (stages >= 2 and block >= swap_rows)
+    parts = 1 if swap_matmul else 2  # the plain tile's column parts
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
-               mgpu.SMEM((rows, h), dtype), mgpu.SMEM((2, h), jnp.float32),
-               *([] if swap_in_buffer else [tile((swap_rows, h))]),
-               mgpu.Barrier(num_arrivals=2, num_barriers=stages), mgpu.Barrier(num_arrivals=4)]
+               mgpu.SMEM((parts, rows, h // parts), dtype),
+               mgpu.SMEM((2, h if swap_matmul else h // 2), jnp.float32),
+               mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+               mgpu.Barrier(num_arrivals=3 * parts + 1)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
                              scale=1.0 / math.sqrt(h), group=group, num_heads=num_heads,
-                             moved=moved, has_bias=has_bias, swap_in_buffer=swap_in_buffer,
+                             moved=moved, has_bias=has_bias, swap_matmul=swap_matmul,
                              interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.
     run = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
                     out_type=jax.ShapeDtypeStruct((b, num_heads, h), dtype),
                     mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
-                    compiler_params=mgpu.CompilerParams(approx_math=True),
+                    compiler_params=mosaic_backend.compiler_params(),
                     interpret=mosaic_backend.interpret(interpreted),
                     name="append_and_attend_fused")
 

@@ -10,6 +10,8 @@ warpgroup matmuls on the CPU: that is how the CPU tests run a kernel's own code.
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jrl.errors import ConfigError
@@ -42,6 +44,20 @@ def require(key: str) -> None:
             f"{key}='mosaic' needs Pallas' Mosaic GPU backend "
             f"(jax.experimental.pallas.mosaic_gpu), which does not import with jax "
             f"{jax.__version__} ({_IMPORT_ERROR}); use 'auto' or 'xla'")
+
+
+PROFILE_DIR_ENV = "JRL_MOSAIC_PROFILE_DIR"
+
+
+def compiler_params(**kwargs):
+    """`plgpu.CompilerParams(approx_math=True, **kwargs)`; where the environment sets
+    `JRL_MOSAIC_PROFILE_DIR` when a kernel is traced, its named regions
+    (`jax.named_scope` in the kernel body) are timed in each warpgroup and written there
+    as a Perfetto trace a call (`experiments/profile_decode_kernel.py` reads them)."""
+    directory = os.environ.get(PROFILE_DIR_ENV)
+    if directory:
+        kwargs = dict(profile_space=256, profile_dir=directory, **kwargs)
+    return plgpu.CompilerParams(approx_math=True, **kwargs)
 
 
 def interpret(force: bool = False):

@@ -755,14 +755,23 @@ def test_fused_bias_places_each_heads_rows_where_the_kernel_adds_them():
         np.testing.assert_array_equal(got[k], want)
 
 
-def test_rope_table_rotates_as_rope():
-    """The fused kernel's rotation table: `x * row0 + swap(x) * row1` (the halves of
-    `x` exchanged) is RoPE (float64 reference), for every row's angles."""
+@pytest.mark.parametrize("swap_matmul", [False, True])
+def test_rope_table_rotates_as_rope(swap_matmul):
+    """The fused kernel's rotation tables are RoPE (float64 reference), for every row's
+    angles: `[cos, sin]`, with halves `a, b` of a head vector rotated to
+    `a cos - b sin, b cos + a sin`; for the swap matmul `[cos, cos]` and `[-sin, sin]`,
+    with `x * row0 + swap(x) * row1` (`swap` exchanging the halves)."""
     b, m, h = 3, 5, 32
     x = np.asarray(jax.random.normal(jax.random.key(0), (b, m, h)), np.float64)
     angles = np.asarray(jax.random.uniform(jax.random.key(1), (b, h // 2), maxval=40.0))
-    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles)), np.float64)
-    assert table.shape == (b, 2, h)
-    swapped = np.concatenate([x[..., h // 2:], x[..., :h // 2]], axis=-1)
-    np.testing.assert_allclose(x * table[:, None, 0] + swapped * table[:, None, 1],
-                               naive_rope(x, angles), rtol=1e-6, atol=1e-6)
+    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles), swap_matmul),
+                       np.float64)
+    low, high = x[..., :h // 2], x[..., h // 2:]
+    if swap_matmul:
+        assert table.shape == (b, 2, h)
+        got = x * table[:, None, 0] + np.concatenate([high, low], axis=-1) * table[:, None, 1]
+    else:
+        assert table.shape == (b, 2, h // 2)
+        cos, sin = table[:, None, 0], table[:, None, 1]
+        got = np.concatenate([low * cos - high * sin, high * cos + low * sin], axis=-1)
+    np.testing.assert_allclose(got, naive_rope(x, angles), rtol=1e-6, atol=1e-6)

@@ -5,20 +5,27 @@ profiler (`JRL_MOSAIC_PROFILE_DIR`, `mosaic_backend.compiler_params`), on one GP
     python experiments/profile_decode_kernel.py --out profile.json
     python experiments/profile_decode_kernel.py --heads 28 4 128 --batch 128 --slots 384
 
-One call of the kernel (`append_and_attend_qkv`, `impl="mosaic"`) on random inputs,
-rows starting below 32 and the new token at `--fill`. Each program's first warpgroup
+The kernel (`append_and_attend_qkv`, `impl="mosaic"`) on random inputs, rows starting
+below 32 and the new token at `--fill`: three calls without the profiler warm the GPU,
+then the first call of the program built with it is traced (the kernel compiled anew;
+the figures of calls 17a-17d came from the first call of a cold program). Each
+program's first warpgroup
 records the SM clock at each region's entry and exit (thread 0 of the warpgroup, so
 a region that ends in a wait ends when that thread's wait does). Per region: the
 programs' mean and median cycles inside it (summed over its entries, e.g. every cache
 block), and when it starts, in cycles after the program's first record. The clock is
 the multiprocessor's (about 1.98 GHz on an H200 at full clock): figures are cycles.
-The profile adds a clock read and a shared-memory store at each boundary.
+The profile adds a clock read and a shared-memory store at each boundary (and 16
+bytes of shared memory a region entry); Mosaic GPU's dump subtracts an estimate of
+that overhead from each event, which shifts the start times and shortens regions
+that hold others.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -78,6 +85,14 @@ def summarize(regions_by_program):
                       max=float(np.max(spans)))
 
 
+def kernel_call(num_heads, fill, tiles):
+    """A new jitted kernel call (the profiler's setting is read when a call is built)."""
+    da._fused_call.cache_clear()
+    return jax.jit(lambda qkv, bias, sin, cos, k, v, start: da.append_and_attend_qkv(
+        qkv, bias, sin, cos, k, v, start, jnp.int32(fill), num_heads=num_heads,
+        impl="mosaic", tiles=tiles))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--heads", type=int, nargs=3, default=[14, 2, 64],
@@ -93,27 +108,34 @@ def main() -> None:
     tiles = da.MosaicTiles.from_spec(args.tiles)
     results = []
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; cycles a program")
+    if not 0 <= args.fill < args.slots:
+        parser.error(f"--fill {args.fill} must be a slot of the cache's {args.slots}")
     for batch in args.batch:
-        directory = tempfile.mkdtemp()
-        os.environ[mosaic_backend.PROFILE_DIR_ENV] = directory
-        da._fused_call.cache_clear()  # traced again, with the profiler on
         keys = jax.random.split(jax.random.key(batch), 4)
         qkv = jax.random.normal(keys[0], (batch, n + 2 * kv, h), jnp.bfloat16)
         bias = jax.random.normal(keys[1], (n + 2 * kv, h), jnp.bfloat16)
         start = jnp.asarray(np.random.default_rng(0).integers(0, 32, batch), jnp.int32)
         angles = (start[:, None] + args.fill) * jnp.ones((1, h // 2), jnp.float32) / 100
         cache = jax.random.normal(keys[2], (batch, kv, args.slots, h), jnp.bfloat16)
-        call = jax.jit(lambda qkv, bias, sin, cos, k, v, start: da.append_and_attend_qkv(
-            qkv, bias, sin, cos, k, v, start, jnp.int32(args.fill), num_heads=n,
-            impl="mosaic", tiles=tiles))
-        for _ in range(3):  # the last call's trace is read: a warm clock and caches
-            jax.block_until_ready(call(qkv, bias, jnp.sin(angles), jnp.cos(angles), cache,
-                                       cache, start))
-        del os.environ[mosaic_backend.PROFILE_DIR_ENV]
-        da._fused_call.cache_clear()
-        files = sorted(glob.glob(os.path.join(directory, "*-trace.json")))
-        with open(files[-1]) as f:
-            rows, span = summarize(programs(json.load(f)))
+        inputs = (qkv, bias, jnp.sin(angles), jnp.cos(angles), cache, cache, start)
+        build = functools.partial(kernel_call, n, args.fill, tiles)
+        warm = build()
+        for _ in range(3):  # the clock and the caches warm, without the profiler
+            jax.block_until_ready(warm(*inputs))
+        # Mosaic GPU names the trace file once, when the kernel is lowered, and will not
+        # overwrite it: the profiled program's first call is the one traced.
+        with tempfile.TemporaryDirectory() as directory:
+            os.environ[mosaic_backend.PROFILE_DIR_ENV] = directory
+            try:
+                jax.block_until_ready(build()(*inputs))
+            finally:
+                del os.environ[mosaic_backend.PROFILE_DIR_ENV]
+                da._fused_call.cache_clear()
+            files = sorted(glob.glob(os.path.join(directory, "*-trace.json")))
+            if not files:
+                raise SystemExit(f"no trace written in {directory}: is this a Hopper GPU?")
+            with open(files[-1]) as f:
+                rows, span = summarize(programs(json.load(f)))
         print(f"batch {batch}, {n}/{kv}/{h}, {args.slots} slots, new token at {args.fill}: "
               f"{len(files)} traces; program span mean {span['mean']:.0f}, median "
               f"{span['median']:.0f}, max {span['max']:.0f} cycles")

@@ -34,12 +34,12 @@ yet written after. Three implementations of `append_and_attend`:
   `MosaicTiles.row_group` one program runs several batch rows of a key/value head
   through one pipeline of copies (`_mosaic_rows_kernel`), for short caches, where a
   program of one row waits on each copy with nothing else to do.
-  `MosaicTiles(fused=True)` (forced only, like the rest of `"mosaic"`): one XLA
-  fusion (bias, RoPE, the query group's padding) makes the kernel's one operand,
-  and the kernel stores the new key and value at `slot` itself (the cache buffers
-  are JAX refs, aliased in and out of the kernel), attends over `[start, slot)` from
-  the cache and over the new token from that operand: no `dynamic_update_slice`
-  around it.
+  `MosaicTiles(fused=True)` (the sampler's `MOSAIC_TILES`): the kernel reads the
+  qkv projection's output itself, adds the bias and RoPE in registers, stores the new
+  key and value at `slot` (the cache buffers are JAX refs, aliased in and out of the
+  kernel) and attends over `[start, slot]` from the cache: no XLA op between the
+  projection and the kernel, no `dynamic_update_slice` around it
+  (`_mosaic_fused_kernel`).
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
@@ -906,7 +906,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         scratch_types=scratch,
         grid=grid,
         grid_names=("rows", "heads", "parts")[:len(grid)],
-        compiler_params=mosaic_backend.compiler_params(),
+        compiler_params=mosaic_backend.compiler_params(regions=8 + 3 * (s // block)),
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
     out_bkrh = out if splits == 1 else _merge_parts(*out)
@@ -935,7 +935,8 @@ def _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot, *, layout: _Layout, grou
                        mgpu.Barrier(num_arrivals=1, num_barriers=2)],
         grid=(b // group_rows, kv),
         grid_names=("rows", "heads"),
-        compiler_params=mosaic_backend.compiler_params(),
+        compiler_params=mosaic_backend.compiler_params(
+            regions=8 + 3 * group_rows * (k_bksh.shape[2] // block)),
         interpret=interpreted,
     )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
 
@@ -955,7 +956,7 @@ def _fused_rows(moved: int) -> int:
     return -(-(moved + 9) // 64) * 64
 
 
-def rope_table(sin_bk, cos_bk, swap_matmul=False):
+def rope_table(sin_bk, cos_bk, *, swap_matmul: bool):
     """The fused kernel's rotation of each row's new token, float32, one copy a program:
     `[B, 2, H/2]`, the cosines, then the sines (`rope.apply_rope`: halves `a, b` of a
     head vector rotate to `a cos - b sin, b cos + a sin`); for `swap_matmul`
@@ -973,31 +974,32 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
                          has_bias, swap_matmul, interpreted):
     """One (row, key/value head) of the fused Mosaic GPU kernel, from a fused
     projection's output `qkv_ref [B * (N + 2K), H]` (before bias and RoPE, rows as one
-    axis), its bias as `fused_bias` arranges it (when `has_bias`), the rotation table
-    (`rope_table`) and the cache's buffers `k_ref`/`v_ref`, aliased in and out.
+    axis), its bias (when `has_bias`: `fused_bias`' rows, split into the plain tile's
+    column parts, `[K, parts, R, H / parts]`), the rotation table (`rope_table`) and
+    the cache's buffers `k_ref`/`v_ref`, aliased in and out.
 
     The program first copies its query group, new key and new value into rows
     `[0, group)`, `moved` and `moved + 8` of a plain `[R, H]` tile (R: `_fused_rows`;
-    kept as two `[R, H/2]` halves where RoPE rotates in halves), and only then the first
-    cache blocks, so the rows it waits on do not queue behind those. In registers it
-    adds the bias, rounds to the cache's dtype (as the projection's own bias add
+    kept as two `[R, H/2]` planes where RoPE rotates in halves), and only then the
+    first cache blocks, so the rows it waits on do not queue behind those. In registers
+    it adds the bias, rounds to the cache's dtype (as the projection's own bias add
     rounds), rotates the queries and the key, keeps the value and zeroes every other
-    row. RoPE's half swap (`_swap_matmul`): at head_dim 64 (and below) a wgmma with a
-    permutation matrix, exact, built in the last key buffer before that buffer's first
-    copy (`x * cos' + swap(x) * sin'`); from 128, where the matrix does not fit a
-    64-slot buffer, `a cos - b sin, b cos + a sin` of the halves, which the WGMMA layout
-    keeps in one thread (register slices; each half is stored on its own, as a column
-    slice of the swizzled query tile and as its own plain tile). The result is the
-    query tile (the scores' A) and, back in the plain tile, the key and value that TMA
-    stores at `slot` of the cache row. The program then attends over the cache blocks
-    holding `[start, slot]` as `_mosaic_kernel` does: the block holding `slot` is
-    copied in only once those stores are done, so it holds the new token, and nothing
-    else of it is kept in SMEM. A slot past the cache is neither written nor attended.
-    The output's `group` rows go from the plain tile to `[B, N, H]`. SMEM holds the two
-    tiles, the key and value buffers and the rotation table, so four programs share a
-    multiprocessor at head_dim 64. Named regions (`jax.named_scope`) time each phase
-    under `experiments/profile_decode_kernel.py`.
-    `interpreted` as `_mosaic_kernel`'s."""
+    row. RoPE's half swap (`_swap_matmul`): where the head fits a key buffer (head_dim
+    at most the block), a wgmma with a permutation matrix, exact, built in the last
+    key buffer before that buffer's first copy (`x * cos' + swap(x) * sin'`);
+    otherwise (head_dim 128 at 64-slot blocks) `a cos - b sin, b cos + a sin` of the
+    halves, which the WGMMA layout keeps in one thread (register slices; each half is
+    stored on its own, as a column slice of the swizzled query tile and as its own
+    plain plane). The result is the query tile (the scores' A) and, back in the plain
+    tile, the key and value that TMA stores at `slot` of the cache row. The program
+    then attends over the cache blocks holding `[start, slot]` as `_mosaic_kernel`
+    does: the block holding `slot` is copied in only once those stores are done, so it
+    holds the new token, and nothing else of it is kept in SMEM. A slot past the cache
+    is neither written nor attended. The output's `group` rows go from the plain tile
+    to `[B, N, H]`. SMEM holds the two tiles, the key and value buffers and the
+    rotation table: four programs share a multiprocessor at head_dim 64 and 64-slot
+    blocks. Named regions (`jax.named_scope`) time each phase under
+    `experiments/profile_decode_kernel.py`. `interpreted` as `_mosaic_kernel`'s."""
     if has_bias:
         bias_ref, *refs = refs
     (rot_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, x_smem,
@@ -1147,6 +1149,13 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     block, stages, group, _, _, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh, tiles)
     moved = -(-group // 8) * 8  # its query rows: the group's whole 8-row tiles
     swap_matmul = _swap_matmul(h, block)
+    tile_columns = transforms[0].tiling[1]
+    if not swap_matmul and (h // 2) % tile_columns:
+        raise ValueError(f"the fused Mosaic GPU decode kernel rotates head_dim {h} in halves "
+                         f"at {block}-slot blocks, which must be whole {tile_columns}-column "
+                         f"tiles: use a head_dim of at most {block} or a multiple of "
+                         f"{2 * tile_columns}")
+    parts = _plain_parts(swap_matmul)
     call = _fused_call(b, num_heads, kv, h, jnp.dtype(dtype), block, stages, group, moved,
                        transforms, bias_jh is not None,
                        bool(mosaic_backend.interpret(interpret)), swap_matmul)
@@ -1154,9 +1163,9 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     if bias_jh is not None:
         bias_krh = fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
                               moved=moved)
-        parts = 1 if swap_matmul else 2  # as the plain tile's column parts
         operands.append(bias_krh.reshape(kv, -1, parts, h // parts).transpose(0, 2, 1, 3))
-    out_bnh, k_bksh, v_bksh = call(*operands, rope_table(sin_bk, cos_bk, swap_matmul), start_b,
+    out_bnh, k_bksh, v_bksh = call(*operands,
+                                   rope_table(sin_bk, cos_bk, swap_matmul=swap_matmul), start_b,
                                    slot.reshape(1), k_bksh, v_bksh)
     return out_bnh.astype(qkv_bjh.dtype), k_bksh, v_bksh
 
@@ -1176,28 +1185,37 @@ def fused_bias(bias_jh, *, num_heads, num_kv, moved):
     return padded[index]
 
 
+def _plain_parts(swap_matmul: bool) -> int:
+    """The fused kernel's plain tile's column parts: the whole head, or RoPE's halves."""
+    return 1 if swap_matmul else 2
+
+
 def _swap_matmul(h, block) -> bool:
     """Whether the fused kernel rotates by a wgmma with a permutation matrix (built in
     the last key buffer, which must hold its `H` rows, written in 64-row parts) rather
-    than in register halves (where it does not fit: `H` >= 128 at 64-slot blocks, whose
-    halves are whole 64-column tiles of the swizzled query tile). On an H200
-    (docs/performance.md, call 17): at head_dim 64 the matrix took 16.66 µs a layer-step
-    at batch 256 of 384 slots, a halves version that stored both halves through one
-    plain tile 18.11; at head_dim 128 (Qwen2.5-7B's heads, batch 128) the matrix in a
-    tile of its own (one program a multiprocessor) took 38.36 µs, the halves 28.93."""
+    than in register halves (where it does not fit: `H` 128 at 64-slot blocks, whose
+    halves are whole 64-column tiles of the swizzled query tile; at 128-slot blocks,
+    caches from `LONG_CACHE` slots, the matrix, not measured against the halves there).
+    On an H200 (docs/performance.md, call 17): at head_dim 64, batch 256 of 384 slots,
+    the matrix took 16.66 µs a layer-step and a halves version that stored both halves
+    through one plain tile 18.11 (17b). At head_dim 128 (Qwen2.5-7B's heads, batch 128)
+    the matrix in a tile of its own, one program a multiprocessor, took 35.40 (17b),
+    the halves 28.93 (17d, where ccfa351's kernel took 38.36)."""
     return block >= -(-h // 64) * 64
 
 
 @functools.cache
 def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transforms, has_bias,
                 interpreted, swap_matmul):
-    """The fused kernel's jitted call `(qkv_bjh[, bias_jh], rot_b2h, start_b, slot_1,
-    k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration: the decode
+    """The fused kernel's jitted call `(qkv_(b*j)h[, bias_kprh], rope_table, start_b,
+    slot_1, k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration (the
+    bias as `_mosaic_fused` splits it into parts, the table as `rope_table` makes it for
+    `swap_matmul`): the decode
     step's layers call the same function, so their program lowers the kernel once (a
     private function the layers share) instead of once a layer."""
     rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
-    parts = 1 if swap_matmul else 2  # the plain tile's column parts
+    parts = _plain_parts(swap_matmul)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                mgpu.SMEM((parts, rows, h // parts), dtype),
                mgpu.SMEM((2, h if swap_matmul else h // 2), jnp.float32),
@@ -1209,19 +1227,21 @@ def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transfo
                              interpreted=interpreted)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.
-    run = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
-                    out_type=jax.ShapeDtypeStruct((b, num_heads, h), dtype),
-                    mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
-                    compiler_params=mosaic_backend.compiler_params(),
-                    interpret=mosaic_backend.interpret(interpreted),
-                    name="append_and_attend_fused")
+    run = lambda num_slots: pl.kernel(
+        lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
+        out_type=jax.ShapeDtypeStruct((b, num_heads, h), dtype),
+        mesh=mgpu.Mesh(grid=(b, kv), grid_names=("rows", "heads")),
+        # (Profiled: the prologue's regions, then 5 a cache block.)
+        compiler_params=mosaic_backend.compiler_params(regions=16 + 5 * (num_slots // block)),
+        interpret=mosaic_backend.interpret(interpreted),
+        name="append_and_attend_fused")
 
     @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
     def call(*args):
         *operands, k_bksh, v_bksh = args
         k_ref, v_ref = (jax.new_ref(x, memory_space=mgpu.GMEM) for x in (k_bksh, v_bksh))
         with _no_vma_check():  # as `plgpu.kernel` calls `pl.kernel`
-            out_bnh = run(*operands, k_ref, v_ref)
+            out_bnh = run(k_bksh.shape[2])(*operands, k_ref, v_ref)
         return out_bnh, jax.freeze(k_ref), jax.freeze(v_ref)
 
     return call

@@ -49,14 +49,18 @@ def require(key: str) -> None:
 PROFILE_DIR_ENV = "JRL_MOSAIC_PROFILE_DIR"
 
 
-def compiler_params(**kwargs):
-    """`plgpu.CompilerParams(approx_math=True, **kwargs)`; where the environment sets
-    `JRL_MOSAIC_PROFILE_DIR` when a kernel is traced, its named regions
-    (`jax.named_scope` in the kernel body) are timed in each warpgroup and written there
-    as a Perfetto trace a call (`experiments/profile_decode_kernel.py` reads them)."""
+def compiler_params(regions: int = 64, **kwargs):
+    """`plgpu.CompilerParams(approx_math=True, **kwargs)`. Where the environment sets
+    `JRL_MOSAIC_PROFILE_DIR` when the kernel's call is built, Mosaic GPU's profiler
+    times the kernel's named regions (`jax.named_scope` in its body) in each warpgroup
+    and writes a Perfetto trace there (`experiments/profile_decode_kernel.py` reads
+    them). `regions`: the most region entries a warpgroup makes (each takes 16 bytes of
+    shared memory while profiling). The setting is read when the call is built: a call
+    already built (a jitted program, the fused kernel's `_fused_call` cache) keeps the
+    one it was built with."""
     directory = os.environ.get(PROFILE_DIR_ENV)
     if directory:
-        kwargs = dict(profile_space=256, profile_dir=directory, **kwargs)
+        kwargs = dict(profile_space=regions, profile_dir=directory, **kwargs)
     return plgpu.CompilerParams(approx_math=True, **kwargs)
 
 

@@ -356,11 +356,11 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                                      - want[0].astype(jnp.float32)))) > 0.1
 
 
-def _qkv_operands(with_bias):
-    """14 query heads and `append_and_attend_qkv`'s operands as shapes (bf16, 8 rows,
-    2 key/value heads, head_dim 64, 128 slots), for lowering without a GPU."""
+def _qkv_operands(with_bias, n=14, kv=2, h=64, s=128):
+    """`n` query heads and `append_and_attend_qkv`'s operands as shapes (bf16, 8 rows,
+    `kv` key/value heads, head_dim `h`, `s` slots), for lowering without a GPU."""
     sds = jax.ShapeDtypeStruct
-    b, n, kv, h, s = 8, 14, 2, 64, 128
+    b = 8
     bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
     return n, (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
                sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
@@ -717,6 +717,66 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
 
 
 @NEEDS_MOSAIC
+@pytest.mark.parametrize("slots", [384, 2048])  # 64- and 128-slot blocks
+def test_mosaic_fused_lowers_at_qwen_7b_heads(slots):
+    """Qwen2.5-7B's heads (28 / 4, head_dim 128) with the bias, lowered for CUDA: RoPE
+    in register halves at 64-slot blocks (the query tile stored by column slices), the
+    permutation matrix at 128-slot blocks; one Mosaic GPU call on the projection's
+    output, the cache aliased."""
+    n, args = _qkv_operands(True, n=28, kv=4, h=128, s=slots)
+    assert da._swap_matmul(128, 64 if slots < da.LONG_CACHE else 128) == (slots >= da.LONG_CACHE)
+    text = _lower_for_cuda(lambda *a: da.append_and_attend_qkv(
+        *a, num_heads=n, impl="mosaic", tiles=da.MOSAIC_TILES), args)
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "output_operand_alias" in calls[0]
+    operand = re.search(r"call @\S+\((%\w+),", text).group(1)
+    assert f"{operand} = stablehlo.reshape %arg0 " in text
+
+
+def test_fused_rotation_by_head_dim():
+    """The permutation matrix where the head fits a key buffer, halves elsewhere; a
+    head_dim whose halves are not whole 64-column tiles at that block stops with the
+    head_dim and what would do."""
+    assert da._swap_matmul(32, 64) and da._swap_matmul(64, 64) and da._swap_matmul(128, 128)
+    assert not da._swap_matmul(128, 64) and not da._swap_matmul(256, 128)
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="head_dim 192 in halves at 64-slot blocks"):
+        da._mosaic_fused(z((1, 4, 192), jnp.bfloat16), None, z((1, 96)), z((1, 96)),
+                         z((1, 1, 128, 192), jnp.bfloat16), z((1, 1, 128, 192), jnp.bfloat16),
+                         z((1,), jnp.int32), jnp.int32(3), num_heads=2, interpret=True,
+                         tiles=da.MosaicTiles(64, 2, compact=True, fused=True))
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("head_dim", [64, 128])  # the permutation matrix; register halves
+def test_mosaic_fused_with_bias_matches_xla(head_dim):
+    """The fused Mosaic GPU kernel on a projection's bf16 output and its bias, in both
+    rotations: the cache writes equal the XLA path's to the bit, the output within
+    bf16 rounding; a row starting at the new token, one mid-block, and a new token on
+    a block edge."""
+    n, kv, b, slots = 8, 2, 2, 192
+    keys = jax.random.split(jax.random.key(5), 5)
+    j = n + 2 * kv
+    qkv = jax.random.normal(keys[0], (b, j, head_dim), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (j, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kv, slots, head_dim), jnp.bfloat16)
+            for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, head_dim // 2), maxval=300.0)
+    for slot in (64, 100):
+        start = jnp.asarray([slot, 30], jnp.int32)
+        got, want = (_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v, start,
+                                 slot, num_heads=n, **args)
+                     for args in (dict(impl="mosaic", interpret=INTERPRET,
+                                       tiles=da.MosaicTiles(64, 2, compact=True, fused=True)),
+                                  dict(impl="xla")))
+        np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=2e-2, atol=2e-2)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@NEEDS_MOSAIC
 def test_mosaic_fused_kernel_lowers_once_for_all_layers():
     """A decode step's layers (three caches of one shape) call one jitted kernel
     function: lowered for CUDA, the program holds one Mosaic GPU call, in a function
@@ -764,7 +824,7 @@ def test_rope_table_rotates_as_rope(swap_matmul):
     b, m, h = 3, 5, 32
     x = np.asarray(jax.random.normal(jax.random.key(0), (b, m, h)), np.float64)
     angles = np.asarray(jax.random.uniform(jax.random.key(1), (b, h // 2), maxval=40.0))
-    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles), swap_matmul),
+    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles), swap_matmul=swap_matmul),
                        np.float64)
     low, high = x[..., :h // 2], x[..., h // 2:]
     if swap_matmul:

@@ -41,12 +41,15 @@ SPLIT = pytest.param("pallas_split", id="pallas_split")
 
 
 def kernel_args(kernel, tiles=None):
-    """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic_fused" is "mosaic"
-    with `MosaicTiles.fused` (`tiles`' block and stages), "pallas_split" is "pallas"
-    with 3 parts."""
+    """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic" is the unfused
+    Mosaic GPU kernel, "mosaic_fused" is "mosaic" with `MosaicTiles.fused` (`tiles`'
+    block and stages), "pallas_split" is "pallas" with 3 parts."""
     if kernel == "pallas_split":
         return dict(impl="pallas", interpret=INTERPRET,
                     tiles=dataclasses.replace(tiles or da.TILES, splits=3))
+    if kernel == "mosaic" and tiles is None:  # the unfused kernel (MOSAIC_TILES is fused)
+        return dict(impl=kernel, interpret=INTERPRET,
+                    tiles=dataclasses.replace(da.MOSAIC_TILES, fused=False))
     if kernel != "mosaic_fused":
         return dict(impl=kernel, interpret=INTERPRET, tiles=tiles)
     tiles = da._as_mosaic(tiles)

@@ -133,6 +133,7 @@ class MosaicTiles:
     key and value into the cache itself (`_mosaic_fused_kernel`), so no XLA op runs
     between the projection and it, nor a cache write around it. `block` 0: by the
     cache's slots (`split_like`'s when given), 64 below `LONG_CACHE` slots, 128 from it
+    (64 at a head_dim above 128, whose 128-slot buffers would not fit shared memory)
     (the faster of the two on either side, docs/performance.md). `splits` (not with
     `fused`): programs per (row, key/value head), each over its share of the filled
     blocks, as the Triton kernel's `Tiles.splits` (0: `slot_splits`' choice; each part
@@ -855,7 +856,10 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
     if dtype not in (jnp.bfloat16, jnp.float16) or v_bksh.dtype != dtype:
         raise ValueError(f"the Mosaic GPU decode attention needs a bfloat16 or float16 cache "
                          f"(wgmma operands), got {k_bksh.dtype} and {v_bksh.dtype}")
-    block = tiles.block or (128 if (tiles.split_like or (0, s))[1] >= LONG_CACHE else 64)
+    # (Two stages of 128-slot key and value blocks at head_dim 256 would need 256 KiB of
+    # shared memory: such heads keep 64-slot blocks.)
+    block = tiles.block or (128 if (tiles.split_like or (0, s))[1] >= LONG_CACHE and h <= 128
+                            else 64)
     block = block if s % block == 0 else _BLOCK
     group = num_heads // kv
     rows = -(-group // 64) * 64

@@ -720,14 +720,16 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("slots", [384, 2048])  # 64- and 128-slot blocks
-def test_mosaic_fused_lowers_at_qwen_7b_heads(slots):
-    """Qwen2.5-7B's heads (28 / 4, head_dim 128) with the bias, lowered for CUDA: RoPE
-    in register halves at 64-slot blocks (the query tile stored by column slices), the
-    permutation matrix at 128-slot blocks; one Mosaic GPU call on the projection's
-    output, the cache aliased."""
-    n, args = _qkv_operands(True, n=28, kv=4, h=128, s=slots)
-    assert da._swap_matmul(128, 64 if slots < da.LONG_CACHE else 128) == (slots >= da.LONG_CACHE)
+@pytest.mark.parametrize("n,kv,h,slots", [
+    (28, 4, 128, 384),   # Qwen2.5-7B's heads, 64-slot blocks: RoPE in register halves
+    (28, 4, 128, 2048),  # 128-slot blocks: the permutation matrix
+    (16, 2, 256, 2048),  # head_dim 256 keeps 64-slot blocks (128 would not fit SMEM)
+])
+def test_mosaic_fused_lowers_at_wide_heads(n, kv, h, slots):
+    """Heads of 128 and 256 with the bias, lowered for CUDA (through Mosaic GPU's own
+    lowering, which checks shared memory): one Mosaic GPU call on the projection's
+    output, the cache aliased, in either rotation."""
+    n, args = _qkv_operands(True, n=n, kv=kv, h=h, s=slots)
     text = _lower_for_cuda(lambda *a: da.append_and_attend_qkv(
         *a, num_heads=n, impl="mosaic", tiles=da.MOSAIC_TILES), args)
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]

@@ -1020,7 +1020,7 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
     cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
     wgmma_layout = mgpu.Layout.WGMMA
     load = lambda ref: (ref[...] if interpreted else
-                        mgpu.load(ref, (), layout=wgmma_layout, optimized=False))
+                        mosaic_backend.load(ref, wgmma_layout, optimized=False))
     # The new token's rows first: the prologue waits on them, and copies issued after
     # the cache blocks' would queue behind those.
     places = ((kv * group, 0, group), (num_heads + kv, moved, 1),
@@ -1068,8 +1068,8 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
             x = [x_part + bias_part for x_part, bias_part in zip(x, bias, strict=True)]
         x = [x_part.astype(dtype) for x_part in x]  # as the projection's bias add rounds
         column = lambda i: lax.broadcast_in_dim(
-            rot_smem[i] if interpreted else mgpu.load(
-                rot_smem.at[i], (), layout=wgmma_layout.reduce(0), optimized=False),
+            rot_smem[i] if interpreted else mosaic_backend.load(
+                rot_smem.at[i], wgmma_layout.reduce(0), optimized=False),
             (rows, width), [1])
         if swap_matmul:
             (x,) = x

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -171,19 +170,11 @@ def _check_shapes(d, padded_vocab, vocab, blocks):
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
-# jax 0.10 takes `plgpu.load(ref, idx, layout=...)`, 0.11 `plgpu.load(ref.at[idx], layout=...)`.
-_LOAD_TAKES_INDEX = (mosaic_backend.available() and inspect.signature(
-    mosaic_backend.plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
-
-
 def _load_rows(ref, emulated):
     """A `[t]` SMEM vector in the layout of the rows of a `[t, v]` wgmma accumulator."""
     if emulated:
         return ref[...]
-    rows = mosaic_backend.plgpu.Layout.WGMMA.reduce(1)
-    if _LOAD_TAKES_INDEX:
-        return mosaic_backend.plgpu.load(ref, (), layout=rows)
-    return mosaic_backend.plgpu.load(ref, layout=rows)
+    return mosaic_backend.load(ref, mosaic_backend.plgpu.Layout.WGMMA.reduce(1))
 
 
 def _columns(shape, v0, emulated):

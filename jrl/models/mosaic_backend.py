@@ -10,6 +10,7 @@ warpgroup matmuls on the CPU: that is how the CPU tests run a kernel's own code.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import jax
@@ -23,6 +24,20 @@ try:
 except ImportError as e:  # an older jax, or one built without it
     plgpu = InterpretGPUParams = None
     _IMPORT_ERROR = e
+
+
+# jax 0.10 takes `plgpu.load(ref, idx, ...)`; 0.11 `plgpu.load(ref.at[idx], ...)` and
+# deprecates the separate index.
+_LOAD_TAKES_INDEX = plgpu is not None and inspect.signature(
+    plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def load(ref, layout, **kwargs):
+    """`plgpu.load` of a whole ref into registers in `layout` (keywords as `plgpu.load`'s),
+    on either jax."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout, **kwargs)
+    return plgpu.load(ref, layout=layout, **kwargs)
 
 
 def available() -> bool:

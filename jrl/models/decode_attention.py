@@ -837,8 +837,9 @@ def _add_weighted(acc, weights, v_tile, interpreted):
 class _Layout(NamedTuple):
     """The Mosaic GPU kernels' shapes: `block` cache slots a step, `stages` buffers,
     `group` query heads per key/value head, `rows` of the query tile (wgmma's M: 64 per
-    warpgroup), `moved` query rows copied in and out (`MosaicTiles.compact`), and the
-    shared-memory `transforms` of an `[..., H]` tile (tiling + swizzle)."""
+    warpgroup), `moved` query rows copied in and out (`MosaicTiles.compact`, and always
+    in the fused kernel), and the shared-memory `transforms` of an `[..., H]` tile
+    (tiling + swizzle)."""
 
     block: int
     stages: int
@@ -867,7 +868,7 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
     transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                   mgpu.SwizzleTransform(swizzle))
     return _Layout(block=block, stages=max(1, min(tiles.stages, s // block)), group=group,
-                   rows=rows, moved=-(-group // 8) * 8 if tiles.compact else rows,
+                   rows=rows, moved=-(-group // 8) * 8 if tiles.compact or tiles.fused else rows,
                    transforms=transforms)
 
 
@@ -1019,8 +1020,8 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
     columns = [pl.ds(p * width, width) for p in range(parts)]
     cast = (lambda x, _: x) if interpreted else mgpu.layout_cast
     wgmma_layout = mgpu.Layout.WGMMA
-    load = lambda ref: (ref[...] if interpreted else
-                        mosaic_backend.load(ref, wgmma_layout, optimized=False))
+    load = lambda ref, layout=wgmma_layout: (
+        ref[...] if interpreted else mosaic_backend.load(ref, layout, optimized=False))
     # The new token's rows first: the prologue waits on them, and copies issued after
     # the cache blocks' would queue behind those.
     places = ((kv * group, 0, group), (num_heads + kv, moved, 1),
@@ -1068,9 +1069,7 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
             x = [x_part + bias_part for x_part, bias_part in zip(x, bias, strict=True)]
         x = [x_part.astype(dtype) for x_part in x]  # as the projection's bias add rounds
         column = lambda i: lax.broadcast_in_dim(
-            rot_smem[i] if interpreted else mosaic_backend.load(
-                rot_smem.at[i], wgmma_layout.reduce(0), optimized=False),
-            (rows, width), [1])
+            load(rot_smem.at[i], wgmma_layout.reduce(0)), (rows, width), [1])
         if swap_matmul:
             (x,) = x
             if interpreted:
@@ -1150,8 +1149,8 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     the updated key and value buffers)."""
     b, _, h = qkv_bjh.shape
     kv, dtype = k_bksh.shape[1], k_bksh.dtype
-    block, stages, group, _, _, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh, tiles)
-    moved = -(-group // 8) * 8  # its query rows: the group's whole 8-row tiles
+    block, stages, group, _, moved, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh,
+                                                                tiles)
     swap_matmul = _swap_matmul(h, block)
     tile_columns = transforms[0].tiling[1]
     if not swap_matmul and (h // 2) % tile_columns:
@@ -1214,9 +1213,9 @@ def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transfo
     """The fused kernel's jitted call `(qkv_(b*j)h[, bias_kprh], rope_table, start_b,
     slot_1, k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration (the
     bias as `_mosaic_fused` splits it into parts, the table as `rope_table` makes it for
-    `swap_matmul`): the decode
-    step's layers call the same function, so their program lowers the kernel once (a
-    private function the layers share) instead of once a layer."""
+    `swap_matmul`): the decode step's layers call the same function, so their program
+    lowers the kernel once (a private function the layers share) instead of once a
+    layer."""
     rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
     parts = _plain_parts(swap_matmul)

@@ -47,12 +47,12 @@ from jrl.data.dataset import (
     ground_truth,
     prompt_text,
 )
-from jrl.models import CACHE_LOGICAL_AXES, decode_attention, lora, param_logical_axes
+from jrl.models import CACHE_LOGICAL_AXES, lora, param_logical_axes
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rewards import responses as responses_lib
 from jrl.rewards import scoring
-from jrl.rollout import SamplingConfig, check_inputs, compiler_options
+from jrl.rollout import SamplingConfig, cache_slots, check_inputs, compiler_options
 from jrl.settings import Settings
 from jrl.update import ModelState
 
@@ -445,9 +445,7 @@ class RLTrainer:
         rows = prompts * s.rollout.n
         # A multi-turn rollout's cache also holds one tool block (`jrl.multi_turn`).
         block = 0 if s.multi_turn is None else s.multi_turn.config.max_tool_response_tokens + 1
-        slots = decode_attention.cache_slots(
-            m.decode_attention_impl, m.head_dim,
-            s.max_prompt_length + s.rollout.max_new_tokens + block, m.dtype)
+        slots = cache_slots(m, s.max_prompt_length + s.rollout.max_new_tokens + block)
         name = f"KV cache, {rows} rows x {slots} slots"
         if s.rollout.cache_segments > 1:  # the first segment's; later ones follow the tokens
             first = rollout_segments.segment_slots(m, s.max_prompt_length, s.rollout)[0]

@@ -8,17 +8,33 @@
 # On N GPUs: synchronous on all N; asynchronous with SPLIT (default N/2) sampling and
 # the rest training; and on 2 GPUs, without extra flags, also both with truncated IS
 # (token level), for the mismatch metrics and what the correction does with them.
+# BUDGET_S (default: none) caps the whole call, each run getting what is left; wheels/
+# beside the tree (ml_collections, absl, tensorboardX) are installed when present.
+# Long responses on 2 GPUs (docs/performance.md, "Long responses"):
+#   TAG=_r8192 bash experiments/bench_async.sh OUT --batch 16 --prompt_len 512 \
+#       --response_len 8192 --dynamic_bsz [--natural_stops --uniform_lengths 512,8192]
 set -euo pipefail
 out=${1:?usage: bench_async.sh OUT_DIR [flags]}
 shift
 mkdir -p "$out"
+source "$(dirname "$0")/wheels.sh"
+install_wheels
+export PYTHONPATH=${SITE}:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 n=$(python3 -c "import jax; print(jax.device_count())")
 kind=$(python3 -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_'))")
 bench() {  # name, flags...
-  local name=$1
+  local name=$1 limit=()
   shift
-  python3 experiments/bench_rl_step.py --algo grpo --steps 3 --warmup 2 "$@" \
-    --out "$out/${name}${TAG:-}_${n}x${kind}.json"
+  if [[ -n ${BUDGET_S:-} ]]; then
+    local left=$((BUDGET_S - SECONDS))
+    if ((left < 60)); then echo "== $name skipped: ${left}s left"; return; fi
+    limit=(timeout --kill-after=10 "$left")
+  fi
+  echo "== $name at ${SECONDS}s"
+  "${limit[@]}" python3 experiments/bench_rl_step.py --algo grpo --steps 3 --warmup 2 "$@" \
+    --out "$out/${name}${TAG:-}_${n}x${kind}.json" 2>&1 | grep -v "^[WI]0000" \
+    > "$out/${name}${TAG:-}_${n}x${kind}.log" || true
+  sed -n '/^| phase/,$p' "$out/${name}${TAG:-}_${n}x${kind}.log"
 }
 bench sync "$@"
 bench async --rollout_devices "${SPLIT:-$((n / 2))}" "$@"

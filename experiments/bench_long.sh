@@ -26,9 +26,11 @@
 #                   (bench_rollout.py, batch 64 / 256 / 512, P128 / R256) on Triton and on
 #                   Mosaic GPU with PORT_TILES (default "128,2,compact,rows4")
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
-# "+bN" (--decode_buckets N), "+mosaic" or "+mosaicSPEC" (--decode_attention mosaic
-# [--mosaic_tiles SPEC]), "+hbxla" (--head_backward xla: the log-prob head's backward
-# in XLA), "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g. natural+split4,1024+b8 or short+mosaic128,2,compact,rows4.
+# "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
+# or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+hbxla"
+# (--head_backward xla: the log-prob head's backward in XLA),
+# "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
+# natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
 # 560) caps the whole call, each run getting what is left.
 set -uo pipefail
@@ -48,16 +50,17 @@ NATURAL=(--natural_stops --uniform_lengths 512,8192)
 
 run() {  # run NAME TREE ARGS...
   local name=$1 tree=$2
+  local log="$OUT/${1//+/_}.log"  # "+" in a file name does not come back from the device
   shift 2
   local left=$((BUDGET_S - SECONDS))
   if ((left < 45)); then echo "== $name skipped: ${left}s left"; return; fi
   echo "== $name (timeout ${left}s, ${SECONDS}s elapsed)"
   (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout --kill-after=10 "$left" \
-    python3 experiments/bench_rl_step.py "$@" --out "$OUT/$name.json") 2>&1 \
-    | grep -v "^[WI]0000" > "$OUT/$name.log"
+    python3 experiments/bench_rl_step.py "$@" --out "${log%.log}.json") 2>&1 \
+    | grep -v "^[WI]0000" > "$log"
   echo "== $name exit ${PIPESTATUS[0]} at ${SECONDS}s"
-  if grep -q '^| phase' "$OUT/$name.log"; then sed -n '/^| phase/,$p' "$OUT/$name.log"
-  else tail -n 70 "$OUT/$name.log"; fi
+  if grep -q '^| phase' "$log"; then sed -n '/^| phase/,$p' "$log"
+  else tail -n 70 "$log"; fi
 }
 
 for name in "$@"; do
@@ -69,6 +72,7 @@ for name in "$@"; do
       "") ;;
       split*) extra+=(--decode_split "${o#split}") ;;
       b*) extra+=(--decode_buckets "${o#b}") ;;
+      tok*) extra+=(--max_token_len "${o#tok}") ;;
       hbxla) extra+=(--head_backward xla) ;;
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       mosaic) extra+=(--decode_attention mosaic) ;;

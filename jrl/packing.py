@@ -178,14 +178,25 @@ def for_sequences(prompt_ids, prompt_mask, responses, attention_mask, budget: in
     """
     tokens = jnp.concatenate([prompt_ids, responses], axis=1)
     mask = jnp.concatenate([prompt_mask, attention_mask], axis=1)
-    n, length = tokens.shape
-    context = context_attention.context_size()
-    length = -(-length // context) * context
+    n, width = tokens.shape
+    length = row_length(width, context_attention.context_size())
     shards = batch_shards()
-    # Never more rows per device than it has sequences: a large budget over a small
-    # pass would run mostly empty rows.
-    per_device = max(1, min(budget // length, -(-n // shards)))
-    return plan(tokens, mask, length=length, rows=shards * per_device)
+    return plan(tokens, mask, length=length,
+                rows=shards * rows_per_device(budget, length, n, shards))
+
+
+def row_length(width: int, context: int = 1) -> int:
+    """Slots of a packed row for sequences of at most `width` tokens (`P + R`): `width`
+    rounded up to a multiple of the mesh's `context` size."""
+    return -(-width // context) * context
+
+
+def rows_per_device(budget: int, length: int, sequences: int, shards: int) -> int:
+    """Packed rows of `length` slots a device runs per micro-batch of a pass over
+    `sequences` on `shards` batch shards: as many as `budget` tokens hold, at least one,
+    and never more than the device's share of the sequences (a large budget over a small
+    pass would run mostly empty rows)."""
+    return max(1, min(budget // length, -(-sequences // shards)))
 
 
 def loop(plan_: Plan, body, init):

@@ -251,6 +251,8 @@ def _fit(config, workdir, trainer: RLTrainer, start: rundir.Start, exit_after_st
     if lead:
         print(trainer.memory_report(), flush=True)
         print(trainer.prompt_sharing_report(), flush=True)
+        if (line := trainer.packing_report()) is not None:
+            print(line, flush=True)
     resumed = trainer.maybe_restore(start.resume_from)
     writer = metrics.MetricsWriter(workdir, config.trainer.logger, trainer.s.total_steps,
                                    config.to_dict(), start_step=trainer.step, enabled=lead)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import advantages as adv_lib
-from jrl import evaluate, interrupt, logprobs, metrics, multi_turn, rollout_segments, types
+from jrl import evaluate, interrupt, logprobs, metrics, multi_turn, packing, rollout_segments, types
 from jrl import sharding as sharding_lib
 from jrl import step as step_lib
 from jrl import tools as tools_lib
@@ -391,6 +391,36 @@ class RLTrainer:
             line += (f" (none: in every pass the rows a micro-batch puts on each of the "
                      f"{self.sharder.batch_size_multiple} batch shards have no factor above 1 "
                      f"in common with rollout.n={s.rollout.n})")
+        return line
+
+    def packing_report(self) -> str | None:
+        """One line: the packed rows each device runs per micro-batch in every pass with
+        token-budget micro-batches (None: no pass packs). A budget of one row runs one
+        full-length sequence a micro-batch."""
+        s, sh = self.s, self.sharder
+        passes = []
+        if s.log_prob_max_token_len is not None:
+            passes.append(("log-prob/value passes", "rollout.log_prob_max_token_len_per_gpu",
+                           s.log_prob_max_token_len, s.train_batch_size * s.rollout.n))
+        for role in ("actor", "critic"):
+            update = getattr(s, role) and getattr(s, role).update
+            if update is not None and update.max_token_len is not None:
+                passes.append((f"{role} update", f"{role}.ppo_max_token_len_per_gpu",
+                               update.max_token_len, update.mini_batch))
+        if not passes:
+            return None
+        width = s.max_prompt_length + s.rollout.max_new_tokens
+        length = packing.row_length(width, sh.context)
+        shards = sh.batch_size_multiple
+        rows = {name: packing.rows_per_device(budget, length, n, shards)
+                for name, _, budget, n in passes}
+        line = f"token-budget micro-batches, rows of {length} slots a device: " + ", ".join(
+            f"{name} {rows[name]} ({key}={budget})" for name, key, budget, _ in passes)
+        single = [key for name, key, _, n in passes if rows[name] == 1 and n > shards]
+        if single:
+            line += (f"; one row a micro-batch runs one full-length sequence: "
+                     f"{2 * length} tokens or more in "
+                     f"{', '.join(single)} give two (docs/guide.md, 'Long responses')")
         return line
 
     @functools.cached_property

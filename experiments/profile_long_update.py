@@ -15,7 +15,10 @@ update on a batch whose responses are forced to R or drawn from `--uniform_lengt
 each optionally followed by `+FLAG` or `+FLAG=VALUE` for more of `bench_rl_step.py`'s
 flags (`dyn:32768+scan_unroll+logprob_impl=xla`).
 With `--trace_dir`, the first variant's update (and forward) is traced once more and
-its kernels summarised (`trace_summary.py`). A rollout of this length is ~2 million
+its kernels summarised (`trace_summary.py`); with `--trace_all`, every variant's, each
+in its own folder, the summaries (and each variant's kernel totals, in `--out`) kept
+to the programs `--trace_program` matches (e.g. `learn`), for comparing variants
+kernel by kernel. A rollout of this length is ~2 million
 kernel launches, more than a trace holds, which is why the update is traced alone.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -48,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--uniform_lengths", default=None, metavar="LO,HI")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--trace_dir", default=None)
+    p.add_argument("--trace_all", action="store_true",
+                   help="trace every variant (TRACE_DIR/v0, v1, ...), not only the first")
+    p.add_argument("--trace_program", default=None,
+                   help="with --trace_all: summarise only these programs' kernels (a regex)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -107,7 +115,7 @@ def timed(fn, repeats: int):
     return times[0], statistics.median(times[1:])
 
 
-def run_variant(args, variant: str, trace: bool) -> dict:
+def run_variant(args, variant: str, trace: str | None) -> dict:
     bargs = bench_args(args, variant)
     with tempfile.TemporaryDirectory(prefix="profile_long_") as workdir:
         trainer, _, _ = bench_rl_step.build_trainer(bargs, "grpo", workdir)
@@ -127,7 +135,7 @@ def run_variant(args, variant: str, trace: bool) -> dict:
         forward_first, forward_s = timed(forward, args.repeats)
         learn_first, learn_s = timed(learn, args.repeats)
         if trace:
-            with trace_summary.maybe_trace(args.trace_dir):
+            with trace_summary.maybe_trace(trace):
                 jax.block_until_ready(forward())
                 jax.block_until_ready(learn())
         flops_token = getattr(trainer, "train_flops_per_token", 6.0 * trainer.num_params)
@@ -144,21 +152,29 @@ def run_variant(args, variant: str, trace: bool) -> dict:
                if peak and attention else None,
                peak_gib=(bench_rl_step.peak_memory_bytes() or 0) / 2**30)  # largest device's
     print(json.dumps(out), flush=True)
+    if trace and args.trace_all:
+        tables = trace_summary.summarize(trace, top=40, program=args.trace_program)
+        out["kernels"] = [dict(name=n, ms=ms, calls=c)
+                          for n, ms, c in tables.get("kernels", [])[:200]]  # none on a CPU
     return out
 
 
 def main(argv=None):
     args = parse_args(argv)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    results = [run_variant(args, v, trace=bool(args.trace_dir) and i == 0)
-               for i, v in enumerate(args.variants.split())]
+    def trace(i):
+        if args.trace_dir and args.trace_all:
+            return os.path.join(args.trace_dir, f"v{i}")
+        return args.trace_dir if i == 0 else None
+
+    results = [run_variant(args, v, trace(i)) for i, v in enumerate(args.variants.split())]
     print("\n| variant | forward s | learn s | MFU 6N | MFU with attention | first learn s |")
     print("|---|---|---|---|---|---|")
     for r in results:
         mfu = lambda x: f"{100 * x:.1f}%" if x else "-"
         print(f"| {r['variant']} | {r['forward_s']:.2f} | {r['learn_s']:.2f} | "
               f"{mfu(r['mfu_6n'])} | {mfu(r['mfu_attention'])} | {r['learn_first_s']:.1f} |")
-    if args.trace_dir:
+    if args.trace_dir and not args.trace_all:
         trace_summary.summarize(args.trace_dir, top=40)
     if args.out:
         with open(args.out, "w") as f:

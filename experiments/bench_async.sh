@@ -30,11 +30,13 @@ bench() {  # name, flags...
     if ((left < 60)); then echo "== $name skipped: ${left}s left"; return; fi
     limit=(timeout --kill-after=10 "$left")
   fi
+  local log="$out/${name}${TAG:-}_${n}x${kind}.log" rc=0
   echo "== $name at ${SECONDS}s"
-  "${limit[@]}" python3 experiments/bench_rl_step.py --algo grpo --steps 3 --warmup 2 "$@" \
-    --out "$out/${name}${TAG:-}_${n}x${kind}.json" 2>&1 | grep -v "^[WI]0000" \
-    > "$out/${name}${TAG:-}_${n}x${kind}.log" || true
-  sed -n '/^| phase/,$p' "$out/${name}${TAG:-}_${n}x${kind}.log"
+  ${limit[@]+"${limit[@]}"} python3 experiments/bench_rl_step.py --algo grpo --steps 3 \
+    --warmup 2 "$@" --out "${log%.log}.json" > "$log" 2>&1 || rc=$?
+  echo "== $name exit $rc at ${SECONDS}s"
+  if grep -q '^| phase' "$log"; then sed -n '/^| phase/,$p' "$log"
+  else grep -v "^[WI]0000" "$log" | tail -n 40; fi
 }
 bench sync "$@"
 bench async --rollout_devices "${SPLIT:-$((n / 2))}" "$@"

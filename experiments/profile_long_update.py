@@ -161,7 +161,12 @@ def run_variant(args, variant: str, trace: str | None) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.trace_all and not args.trace_dir:
+        raise SystemExit("--trace_all needs --trace_dir")
+    if args.trace_program and not args.trace_all:
+        raise SystemExit("--trace_program applies with --trace_all")
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+
     def trace(i):
         if args.trace_dir and args.trace_all:
             return os.path.join(args.trace_dir, f"v{i}")

@@ -394,14 +394,17 @@ class RLTrainer:
         return line
 
     def packing_report(self) -> str | None:
-        """One line: the packed rows each device runs per micro-batch in every pass with
-        token-budget micro-batches (None: no pass packs). A budget of one row runs one
-        full-length sequence a micro-batch."""
+        """One line: the packed rows each batch shard runs per micro-batch in every pass
+        with token-budget micro-batches (None: no pass packs; `mesh.context` splits each
+        row over its devices). A budget of one row runs one full-length sequence a
+        micro-batch."""
         s, sh = self.s, self.sharder
         passes = []
-        if s.log_prob_max_token_len is not None:
+        forward_runs = (not s.actor.skips_old_pass or self.ref_params is not None
+                        or (s.critic is not None and not s.critic.on_policy))  # `step.forward`
+        if s.log_prob_max_token_len is not None and forward_runs:
             passes.append(("log-prob/value passes", "rollout.log_prob_max_token_len_per_gpu",
-                           s.log_prob_max_token_len, s.train_batch_size * s.rollout.n))
+                           s.log_prob_max_token_len, self.batch_sequences))
         for role in ("actor", "critic"):
             update = getattr(s, role) and getattr(s, role).update
             if update is not None and update.max_token_len is not None:
@@ -414,7 +417,7 @@ class RLTrainer:
         shards = sh.batch_size_multiple
         rows = {name: packing.rows_per_device(budget, length, n, shards)
                 for name, _, budget, n in passes}
-        line = f"token-budget micro-batches, rows of {length} slots a device: " + ", ".join(
+        line = f"token-budget micro-batches, rows of {length} slots: " + ", ".join(
             f"{name} {rows[name]} ({key}={budget})" for name, key, budget, _ in passes)
         single = [key for name, key, _, n in passes if rows[name] == 1 and n > shards]
         if single:

@@ -56,7 +56,8 @@ for path in sorted(glob.glob(f"{out}/*{tag}_{n}x*.json")):
     rows[name] = r
     m = r["last_metrics"]
     print(f"{name:10s} step {r['phases_s']['step']:.3f} s  " + "  ".join(
-        f"{k} {r['phases_s'][k]:.3f}" for k in ("gen", "wait_rollout", "forward", "learn")
+        f"{k} {r['phases_s'][k]:.3f}"
+        for k in ("gen", "sync_rollout_weights", "wait_rollout", "forward", "learn")
         if k in r["phases_s"]) + f"  tok/s/dev {r['throughput_tokens_per_s_per_device']:.0f}"
         f"  peak {(r['peak_memory_bytes_process'] or 0) / 2**30:.1f} GiB  "
         f"kl {m.get('rollout_corr/kl', float('nan')):.2e}  "

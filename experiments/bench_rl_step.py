@@ -61,7 +61,7 @@ from jrl.trainer import RLTrainer  # noqa: E402
 # (old_log_prob, ref, values, adv, update_critic, update_actor).
 # With a sampling group (one-step asynchronous), `gen` runs beside the other phases and
 # `wait_rollout` is the part of it the step waits for.
-PHASES = ("gen", "wait_rollout", "forward", "reward", "learn", "step")
+PHASES = ("gen", "sync_rollout_weights", "wait_rollout", "forward", "reward", "learn", "step")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -83,7 +83,7 @@ class Timer:
     def __call__(self, name: str, fn: Callable, *args):
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
-        self.seconds[name] = time.perf_counter() - start
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
         return out
 
     def done(self) -> dict[str, float]:
@@ -581,12 +581,15 @@ class RLTrainer:
             if weights is None:
                 weights, version = self._sampler_weights(state), self.step
             self._resume_weights = None
-            self._pending = self._submit(weights, iterator, self.step, version)
+            self._pending = timer("sync_rollout_weights", self._submit, weights, iterator,
+                                  self.step, version)
         pending = self._pending
         self._pending = None
         if s.staleness == 1 and self.step + 1 < s.total_steps:
-            self._pending = self._submit(self._sampler_weights(state), iterator, self.step + 1,
-                                         self.step)
+            # Until the new weights are on the sampling group, which can wait behind the
+            # rollout still running there.
+            self._pending = timer("sync_rollout_weights", lambda: self._submit(
+                self._sampler_weights(state), iterator, self.step + 1, self.step))
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
             sampled, gen_seconds = timer("wait_rollout", pending.future.result)

@@ -96,6 +96,12 @@ def test_one_step_off_policy_and_its_resume(runs):
     tmp, got = runs
     full, sync = got["full"], got["sync"]
     assert [r["async/staleness"] for r in full] == [0.0, 1.0, 1.0, 1.0]
+    # Every step's phases are timed, the hand-over of the weights to the sampling group
+    # included: together within the step's time.
+    phases = ("sync_rollout_weights", "wait_rollout", "forward", "reward", "learn")
+    for r in full:
+        assert sum(r.get(f"timing_s/{p}", 0.0) for p in phases) <= r["timing_s/step"]
+    assert all("timing_s/sync_rollout_weights" in r for r in full[:-1])  # none after the last
     # The first step samples from the initial weights, as the synchronous trainer does.
     full0 = dict(full[0])
     full0.pop("async/staleness")

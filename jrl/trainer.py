@@ -592,9 +592,12 @@ class RLTrainer:
                 self._sampler_weights(state), iterator, self.step + 1, self.step))
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
-            sampled, gen_seconds = timer("wait_rollout", pending.future.result)
-            rollout = jax.tree.map(lambda x: jax.device_put(x, self.sharder.batch(x.ndim)),
-                                   sampled.rollout)
+            def receive():  # the rollout, moved onto the training devices
+                sampled, seconds = pending.future.result()
+                return sampled, seconds, jax.tree.map(
+                    lambda x: jax.device_put(x, self.sharder.batch(x.ndim)), sampled.rollout)
+
+            sampled, gen_seconds, rollout = timer("wait_rollout", receive)
             self._check_shared_prompts(rollout)
             exp = timer("forward", self._forward, state, self.ref_params, rollout, self.frozen)
             exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)

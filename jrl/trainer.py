@@ -577,12 +577,15 @@ class RLTrainer:
         does, the two groups working at once."""
         timer, state, s = Timer(), self.state, self.s
         if self._pending is None:  # the first step, after a resume, or staleness 0
-            weights, version = self._resume_weights, self.step - 1
-            if weights is None:
-                weights, version = self._sampler_weights(state), self.step
-            self._resume_weights = None
-            self._pending = timer("sync_rollout_weights", self._submit, weights, iterator,
-                                  self.step, version)
+            resumed, self._resume_weights = self._resume_weights, None
+
+            def first():  # a resumed run samples from the saved sampling weights
+                if resumed is not None:
+                    return self._submit(resumed, iterator, self.step, self.step - 1)
+                return self._submit(self._sampler_weights(state), iterator, self.step,
+                                    self.step)
+
+            self._pending = timer("sync_rollout_weights", first)
         pending = self._pending
         self._pending = None
         if s.staleness == 1 and self.step + 1 < s.total_steps:
@@ -592,12 +595,15 @@ class RLTrainer:
                 self._sampler_weights(state), iterator, self.step + 1, self.step))
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
-            def receive():  # the rollout, moved onto the training devices
-                sampled, seconds = pending.future.result()
-                return sampled, seconds, jax.tree.map(
-                    lambda x: jax.device_put(x, self.sharder.batch(x.ndim)), sampled.rollout)
+            received = []
 
-            sampled, gen_seconds, rollout = timer("wait_rollout", receive)
+            def receive():  # the rollout, on the training devices (the timer waits on
+                received.extend(pending.future.result())  # its arrays, not on the rows)
+                return jax.tree.map(lambda x: jax.device_put(x, self.sharder.batch(x.ndim)),
+                                    received[0].rollout)
+
+            rollout = timer("wait_rollout", receive)
+            sampled, gen_seconds = received
             self._check_shared_prompts(rollout)
             exp = timer("forward", self._forward, state, self.ref_params, rollout, self.frozen)
             exp, step_metrics = timer("reward", self._rewards, state, sampled, exp, gen_key)

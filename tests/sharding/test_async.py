@@ -101,7 +101,8 @@ def test_one_step_off_policy_and_its_resume(runs):
     phases = ("sync_rollout_weights", "wait_rollout", "forward", "reward", "learn")
     for r in full:
         assert sum(r.get(f"timing_s/{p}", 0.0) for p in phases) <= r["timing_s/step"]
-    assert all("timing_s/sync_rollout_weights" in r for r in full[:-1])  # none after the last
+    assert all("timing_s/sync_rollout_weights" in r for r in full[:-1])
+    assert "timing_s/sync_rollout_weights" not in full[-1]  # no rollout after the last
     # The first step samples from the initial weights, as the synchronous trainer does.
     full0 = dict(full[0])
     full0.pop("async/staleness")

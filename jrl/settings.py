@@ -458,17 +458,27 @@ class Settings:
         """The passes' bucket lengths for responses of `response_length` columns."""
         return buckets.sizes(response_length, self.response_buckets)
 
-    def _check_token_budgets(self) -> None:
-        """Every sequence must fit one packed row of a token-budget micro-batch."""
-        longest = self.max_prompt_length + self.rollout.max_new_tokens
-        budgets = {"rollout.log_prob_max_token_len_per_gpu": self.log_prob_max_token_len}
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence: `data.max_prompt_length + rollout.response_length`."""
+        return self.max_prompt_length + self.rollout.max_new_tokens
+
+    def token_budgets(self) -> list[tuple[str, int, int]]:
+        """`(config key, budget, sequences)` of each pass with token-budget micro-batches:
+        the log-prob and value passes over the batch, each update over a mini-batch."""
+        budgets = [("rollout.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len,
+                    self.train_batch_size * self.rollout.n)]
         for role in ("actor", "critic"):
             if getattr(self, role) is not None:
-                budgets[f"{role}.ppo_max_token_len_per_gpu"] = getattr(
-                    self, role).update.max_token_len
-        for key, budget in budgets.items():
-            if budget is None:
-                continue
+                update = getattr(self, role).update
+                budgets.append((f"{role}.ppo_max_token_len_per_gpu", update.max_token_len,
+                                update.mini_batch))
+        return [b for b in budgets if b[1] is not None]
+
+    def _check_token_budgets(self) -> None:
+        """Every sequence must fit one packed row of a token-budget micro-batch."""
+        longest = self.max_sequence_length
+        for key, budget, _ in self.token_budgets():
             if _number(key, budget, integer=True) < longest:
                 _fail(key, f"{budget} tokens cannot hold one sequence of up to {longest} "
                       f"(data.max_prompt_length + rollout.response_length); use at least "

@@ -182,6 +182,15 @@ def prompt_groups(s: Settings, rows: int) -> dict[str, int]:
     return groups
 
 
+def forward_passes(s: Settings, with_reference: bool) -> tuple[str, ...]:
+    """The passes `forward` runs: "old_log_probs" (not for an on-policy update, which
+    takes them from its own pass), "ref_log_probs" (`with_reference`) and "values" (a
+    critic whose update does not value the batch itself)."""
+    runs = {"old_log_probs": not s.actor.skips_old_pass, "ref_log_probs": with_reference,
+            "values": s.critic is not None and not s.critic.on_policy}
+    return tuple(name for name, on in runs.items() if on)
+
+
 def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
             model: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
@@ -214,14 +223,17 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
         return passes(functools.partial(logprobs.response_log_probs, **kwargs),
                       functools.partial(logprobs.packed_log_probs, **kwargs))(params, *seq)
 
+    runs = forward_passes(s, ref_params is not None)
     old_log_probs, entropy = None, None
-    if not s.actor.skips_old_pass:  # else the update's pass or the rollout gives them
+    if "old_log_probs" in runs:  # else the update's pass or the rollout gives them
         old_log_probs, entropy = log_probs(
             compute_params(actor_params(state, frozen), model), model, True)
     base_model = lora.without(model)
-    ref_log_probs = None if ref_params is None else log_probs(ref_params, base_model, False)[0]
+    ref_log_probs = None
+    if "ref_log_probs" in runs:
+        ref_log_probs = log_probs(ref_params, base_model, False)[0]
     values = None
-    if critic is not None and not s.critic.on_policy:  # else the critic's update values it
+    if critic is not None and "values" in runs:  # else the critic's update values it
         values = passes(functools.partial(logprobs.response_values, config=critic),
                         functools.partial(logprobs.packed_values, config=critic))(
             with_frozen(state.critic.params, frozen, critic), *seq)

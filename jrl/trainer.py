@@ -399,21 +399,15 @@ class RLTrainer:
         row over its devices). A budget of one row runs one full-length sequence a
         micro-batch."""
         s, sh = self.s, self.sharder
-        passes = []
-        forward_runs = (not s.actor.skips_old_pass or self.ref_params is not None
-                        or (s.critic is not None and not s.critic.on_policy))  # `step.forward`
-        if s.log_prob_max_token_len is not None and forward_runs:
-            passes.append(("log-prob/value passes", "rollout.log_prob_max_token_len_per_gpu",
-                           s.log_prob_max_token_len, self.batch_sequences))
-        for role in ("actor", "critic"):
-            update = getattr(s, role) and getattr(s, role).update
-            if update is not None and update.max_token_len is not None:
-                passes.append((f"{role} update", f"{role}.ppo_max_token_len_per_gpu",
-                               update.max_token_len, update.mini_batch))
+        names = {"rollout": "log-prob/value passes", "actor": "actor update",
+                 "critic": "critic update"}
+        forward_runs = bool(step_lib.forward_passes(s, self.ref_params is not None))
+        passes = [(names[key.split(".")[0]], key, budget, n)
+                  for key, budget, n in s.token_budgets()
+                  if forward_runs or not key.startswith("rollout.")]
         if not passes:
             return None
-        width = s.max_prompt_length + s.rollout.max_new_tokens
-        length = packing.row_length(width, sh.context)
+        length = packing.row_length(s.max_sequence_length, sh.context)
         shards = sh.batch_size_multiple
         rows = {name: packing.rows_per_device(budget, length, n, shards)
                 for name, _, budget, n in passes}
@@ -478,7 +472,7 @@ class RLTrainer:
         rows = prompts * s.rollout.n
         # A multi-turn rollout's cache also holds one tool block (`jrl.multi_turn`).
         block = 0 if s.multi_turn is None else s.multi_turn.config.max_tool_response_tokens + 1
-        slots = cache_slots(m, s.max_prompt_length + s.rollout.max_new_tokens + block)
+        slots = cache_slots(m, s.max_sequence_length + block)
         name = f"KV cache, {rows} rows x {slots} slots"
         if s.rollout.cache_segments > 1:  # the first segment's; later ones follow the tokens
             first = rollout_segments.segment_slots(m, s.max_prompt_length, s.rollout)[0]

@@ -1,0 +1,204 @@
+"""A decode step's matmuls on Mosaic GPU: `x [M, K] @ W [K, N]` for the few rows a decode
+step has (M <= 256), against XLA's (cuBLAS) dot. A prototype to decide whether the
+decode layer's matmuls, at 24% of the HBM bandwidth in the sampler (docs/performance.md,
+"The decode at 8,192 tokens"), can stream their weights faster in a kernel of jrl's own.
+
+    python experiments/skinny_matmul_mgpu.py [--rows 64 128 256] [--out results.json]
+
+Each program of the grid `(N / tn, splits)` multiplies its `[M, tn]` block over its
+`K / splits` slice of K: TMA copies of `[M, tk]` tiles of x and `[tk, tn]` tiles of W
+into swizzled shared memory, `stages` deep, each step a wgmma into a float32
+accumulator in registers. With one split it writes the block in x's dtype; with more,
+float32 partial sums `[splits, M, N]` that XLA adds (as cuBLAS' split-K does with its
+reduce kernel). Off a GPU it runs in Pallas' GPU interpret mode (the CPU check below).
+Times are GPU kernel time (CUPTI; a split-K run's reduce included), the median of
+`--reps` calls of `--layers` matmuls, each with weights of its own (so W is read from
+HBM, not L2), per matmul. Wall-clock timing does not do here: a call of these kernels
+is launch-bound (~20 us a matmul for XLA and the kernel alike, call 15d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jrl import rollout
+from jrl.models import mosaic_backend
+
+
+def matmul(x, w, *, tn: int, splits: int = 1, tk: int = 64, stages: int = 4,
+           interpret: bool | None = None):
+    """`x @ w` (`[M, K] @ [K, N]`, 16-bit, M a multiple of 64) on Mosaic GPU."""
+    mgpu = mosaic_backend.plgpu
+    m, k = x.shape
+    n = w.shape[1]
+    if m % 64 or n % tn or k % (tk * splits):
+        raise ValueError(f"M {m} (multiple of 64), N {n} (of tn {tn}), K {k} (of tk x "
+                         f"splits = {tk * splits}) do not tile")
+    k_steps = k // (tk * splits)
+    out_dtype = x.dtype if splits == 1 else jnp.float32
+    # As deep as shared memory holds (227 KiB on Hopper, less the output tile).
+    per_stage = (m * tk + tk * tn) * jnp.dtype(x.dtype).itemsize
+    stages = max(1, min(stages, (220 * 1024 - m * tn * jnp.dtype(out_dtype).itemsize)
+                        // per_stage))
+    itemsize = jnp.dtype(x.dtype).itemsize
+    swizzle = mgpu.find_swizzle(tk * itemsize * 8)
+    tiled = (mgpu.TilingTransform((8, swizzle // itemsize)), mgpu.SwizzleTransform(swizzle))
+    out_item = jnp.dtype(out_dtype).itemsize
+    out_swizzle = mgpu.find_swizzle(min(tn, 128 // out_item) * out_item * 8)
+    out_tiled = (mgpu.TilingTransform((8, out_swizzle // out_item)),
+                 mgpu.SwizzleTransform(out_swizzle))
+    mode = mosaic_backend.interpret(force=bool(interpret))
+
+    def kernel(x_gmem, w_gmem, out_gmem, out_smem):
+        j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        k0 = s * (k_steps * tk)
+        x_part = x_gmem.at[:, pl.ds(k0, k_steps * tk)]
+        w_part = w_gmem.at[pl.ds(k0, k_steps * tk), pl.ds(j * tn, tn)]
+        delay = int(k_steps > 1)
+        specs = [mgpu.BlockSpec((m, tk), lambda i: (0, i), transforms=tiled,
+                                delay_release=delay),
+                 mgpu.BlockSpec((tk, tn), lambda i: (i, 0), transforms=tiled,
+                                delay_release=delay)]
+
+        def compute(acc_ref):
+            def step(_, x_smem, w_smem):
+                mgpu.wgmma(acc_ref, x_smem, w_smem)
+                mgpu.wgmma_wait(delay)
+            mgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs,
+                               max_concurrent_steps=stages)(x_part, w_part)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(compute, mgpu.ACC((m, tn), jnp.float32))
+        out_smem[...] = acc.astype(out_dtype)
+        mgpu.commit_smem()
+        target = (out_gmem.at[:, pl.ds(j * tn, tn)] if splits == 1
+                  else out_gmem.at[s, :, pl.ds(j * tn, tn)])
+        mgpu.copy_smem_to_gmem(out_smem, target)
+        mgpu.wait_smem_to_gmem(0)
+
+    out_shape = (m, n) if splits == 1 else (splits, m, n)
+    operands = jax.lax.optimization_barrier((x, w))
+    out = mgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(n // tn, splits), grid_names=("n", "s"),
+        scratch_types=[mgpu.SMEM((m, tn), out_dtype, transforms=out_tiled)],
+        compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode,
+    )(*operands)
+    return out if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+
+
+# The 0.5B decode layer's four matmuls (fused qkv and gate/up, as the sampler runs them).
+SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)}
+CONFIGS = {  # (tn, splits, tk, stages) tried a shape; stages capped by shared memory
+    "qkv": [(64, 1, 64, 4), (64, 2, 64, 4), (64, 7, 64, 4), (128, 1, 64, 4),
+            (64, 1, 128, 4)],
+    "o": [(64, 1, 64, 4), (64, 2, 64, 4), (64, 7, 64, 4), (64, 1, 128, 4)],
+    "gate_up": [(128, 1, 64, 4), (64, 1, 64, 6), (128, 1, 64, 6), (256, 1, 64, 4)],
+    "down": [(64, 2, 64, 4), (64, 4, 64, 4), (64, 19, 64, 4), (128, 4, 64, 4),
+             (64, 2, 128, 4), (128, 2, 64, 6)],
+}
+
+
+def _kernel_ms(fn, *args, reps: int) -> float:
+    """Median over `reps` calls of the GPU time of `fn`'s kernels (CUPTI, through Mosaic
+    GPU's profiler): launch gaps and the host excluded."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    _, times = profiler.measure(fn, iterations=reps)(*args)
+    return float(np.median(times))
+
+
+def _over_layers(mm):
+    """One compiled call of `mm` with each layer's own weights, with the sampler's XLA
+    options (cuBLAS for every dot, `rollout.compiler_options`)."""
+    mm = jax.jit(mm)  # one lowering (and one ptxas run) for every layer's call
+    fn = jax.jit(lambda x, *weights: [mm(x, w) for w in weights])
+    options = rollout.compiler_options(rollout.SamplingConfig())
+
+    def call(x, *weights):
+        if call.compiled is None:
+            call.compiled = fn.lower(x, *weights).compile(options)
+        return call.compiled(x, *weights)
+
+    call.compiled = None
+    return call
+
+
+def bench(rows, layers: int, reps: int, hbm_gbps: float):
+    results = []
+    for name, (k, n) in SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), layers + 1)
+        ws = [(jax.random.normal(key, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+              for key in keys[1:]]
+        for m in rows:
+            x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+            ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
+
+            floor_us = k * n * 2 / hbm_gbps / 1e3
+            xla_us = _kernel_ms(_over_layers(jnp.dot), x, *ws, reps=reps) * 1e3 / layers
+            row = {"shape": name, "m": m, "k": k, "n": n, "xla_us": xla_us,
+                   "floor_us": floor_us, "kernels": {}}
+            print(f"{name:8} M {m:4} K {k:5} N {n:5}: XLA {xla_us:7.2f} us "
+                  f"({floor_us / xla_us:5.1%} of HBM)", flush=True)
+            for tn, splits, tk, stages in CONFIGS[name]:
+                label = f"tn{tn} s{splits} tk{tk} st{stages}"
+                mm = functools.partial(matmul, tn=tn, splits=splits, tk=tk, stages=stages)
+                try:
+                    got = jax.jit(mm)(x, ws[0]).astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                    us = _kernel_ms(_over_layers(mm), x, *ws, reps=reps) * 1e3 / layers
+                except Exception as e:  # a tile that does not fit: report and go on
+                    print(f"    {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    row["kernels"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    continue
+                row["kernels"][label] = {"us": us, "rel_err": err}
+                print(f"    {label}: {us:7.2f} us ({floor_us / us:5.1%} of HBM, "
+                      f"{xla_us / us:4.2f}x XLA), max rel err {err:.1e}", flush=True)
+            results.append(row)
+    return results
+
+
+def check_interpret():
+    """The kernel in Pallas' GPU interpret mode against XLA, on the CPU."""
+    rng = np.random.default_rng(0)
+    for (m, k, n), (tn, splits, tk, stages) in itertools.product(
+            [(64, 256, 128)], [(64, 1, 64, 2), (64, 2, 64, 2), (128, 4, 64, 2)]):
+        x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(k, n)), jnp.bfloat16)
+        got = matmul(x, w, tn=tn, splits=splits, tk=tk, stages=stages, interpret=True)
+        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+        print(f"interpret M {m} K {k} N {n} tn {tn} splits {splits}: max rel err {err:.1e}")
+        assert err < 2e-2, err
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--hbm_gbps", type=float, default=4800.0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        check_interpret()
+        return
+    print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    results = bench(args.rows, args.layers, args.reps, args.hbm_gbps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,35 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from check_packed_attention import bench as timed  # this folder is on the path
+from check_packed_attention import layout
 
 from jrl.models import packed_attention
 
 N, K, H = 14, 2, 64
-
-
-def segment_ids(rows: int, length: int, lengths: list[int]):
-    seg = np.zeros((rows, length), np.int32)
-    for r in range(rows):
-        at = 0
-        for sid, n in enumerate(lengths, start=1):
-            seg[r, at:at + n] = sid
-            at += n
-    return jnp.asarray(seg)
-
-
-def timed(fn, *args, reps: int):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
 
 
 def flops(rows: int, lengths: list[int], backward: bool) -> float:
@@ -57,7 +38,7 @@ def measure(rows, length, lengths, bounds, reps):
     q = jnp.asarray(rng.normal(size=(rows, length, N, H)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=(rows, length, K, H)), jnp.bfloat16)
             for _ in range(2))
-    seg = segment_ids(rows, length, lengths)
+    seg = layout(rows, length, [lengths] * rows)
     out = []
 
     def both(name, attention):

@@ -8,8 +8,9 @@ attention at the Qwen2.5-0.5B heads (14 query, 2 key/value, 64 wide, bf16), forw
 alone and forward with backward (`value_and_grad` of the summed output), as
 `packed_attention.attend(..., "cudnn")` runs it with a bound M of segments a row, and,
 where every segment has one length, as cuDNN's padded causal call on the same tokens
-(`jax.nn.dot_product_attention(is_causal=True)`, one sequence a row): the floor a
-packed call could reach. TFLOP/s counts the causal half of each segment's QK^T and PV.
+(`jax.nn.dot_product_attention(is_causal=True)`, one sequence a row): what the
+same tokens cost unpacked. Times are wall-clock medians, so dispatch weighs on the
+smallest rows. TFLOP/s counts the causal half of each segment's QK^T and PV.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A decode step's matmuls on Mosaic GPU: `x [M, K] @ W [K, N]` for the few rows a decode
 step has (M <= 256), against XLA's (cuBLAS) dot. A prototype to decide whether the
 decode layer's matmuls, at 24% of the HBM bandwidth in the sampler (docs/performance.md,
-"The decode at 8,192 tokens"), can stream their weights faster in a kernel of jrl's own.
+"Long responses", "Where the time goes"), can stream their weights faster in a kernel
+of jrl's own.
 
     python experiments/skinny_matmul_mgpu.py [--rows 64 128 256] [--out results.json]
 
@@ -12,8 +13,9 @@ accumulator in registers. With one split it writes the block in x's dtype; with 
 float32 partial sums `[splits, M, N]` that XLA adds (as cuBLAS' split-K does with its
 reduce kernel). Off a GPU it runs in Pallas' GPU interpret mode (the CPU check below).
 Times are GPU kernel time (CUPTI; a split-K run's reduce included), the median of
-`--reps` calls of `--layers` matmuls, each with weights of its own (so W is read from
-HBM, not L2), per matmul. Wall-clock timing does not do here: a call of these kernels
+`--reps` calls of `--layers` matmuls, each with weights of its own, per matmul (48
+layers: 77 MB of the smallest weights, the output projection's, against the H200's 50
+MB of L2, so most reads come from HBM). Wall-clock timing does not do here: a call of these kernels
 is launch-bound (~20 us a matmul for XLA and the kernel alike, call 15d).
 """
 
@@ -117,20 +119,13 @@ def _kernel_ms(fn, *args, reps: int) -> float:
     return float(np.median(times))
 
 
-def _over_layers(mm):
+def _over_layers(mm, x, weights):
     """One compiled call of `mm` with each layer's own weights, with the sampler's XLA
-    options (cuBLAS for every dot, `rollout.compiler_options`)."""
+    options (cuBLAS for every dot, `rollout.compiler_options`); a `Compiled`, which the
+    profiler runs as it is."""
     mm = jax.jit(mm)  # one lowering (and one ptxas run) for every layer's call
-    fn = jax.jit(lambda x, *weights: [mm(x, w) for w in weights])
-    options = rollout.compiler_options(rollout.SamplingConfig())
-
-    def call(x, *weights):
-        if call.compiled is None:
-            call.compiled = fn.lower(x, *weights).compile(options)
-        return call.compiled(x, *weights)
-
-    call.compiled = None
-    return call
+    fn = jax.jit(lambda x, *ws: [mm(x, w) for w in ws])
+    return fn.lower(x, *weights).compile(rollout.compiler_options(rollout.SamplingConfig()))
 
 
 def bench(rows, layers: int, reps: int, hbm_gbps: float):
@@ -144,7 +139,7 @@ def bench(rows, layers: int, reps: int, hbm_gbps: float):
             ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
 
             floor_us = k * n * 2 / hbm_gbps / 1e3
-            xla_us = _kernel_ms(_over_layers(jnp.dot), x, *ws, reps=reps) * 1e3 / layers
+            xla_us = _kernel_ms(_over_layers(jnp.dot, x, ws), x, *ws, reps=reps) * 1e3 / layers
             row = {"shape": name, "m": m, "k": k, "n": n, "xla_us": xla_us,
                    "floor_us": floor_us, "kernels": {}}
             print(f"{name:8} M {m:4} K {k:5} N {n:5}: XLA {xla_us:7.2f} us "
@@ -155,7 +150,7 @@ def bench(rows, layers: int, reps: int, hbm_gbps: float):
                 try:
                     got = jax.jit(mm)(x, ws[0]).astype(jnp.float32)
                     err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                    us = _kernel_ms(_over_layers(mm), x, *ws, reps=reps) * 1e3 / layers
+                    us = _kernel_ms(_over_layers(mm, x, ws), x, *ws, reps=reps) * 1e3 / layers
                 except Exception as e:  # a tile that does not fit: report and go on
                     print(f"    {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     row["kernels"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -184,7 +179,7 @@ def check_interpret():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--layers", type=int, default=48)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--hbm_gbps", type=float, default=4800.0)
     p.add_argument("--out", default=None)

@@ -5,13 +5,18 @@ decode layer's matmuls, at 24% of the HBM bandwidth in the sampler (docs/perform
 of jrl's own.
 
     python experiments/skinny_matmul_mgpu.py [--rows 64 128 256] [--out results.json]
+    python experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf --gemm cublas mosaic \
+        [--mosaic_gemm "896x1152=64,1,64,4;4864x896=64,4,64,4"]
 
 Each program of the grid `(N / tn, splits)` multiplies its `[M, tn]` block over its
 `K / splits` slice of K: TMA copies of `[M, tk]` tiles of x and `[tk, tn]` tiles of W
 into swizzled shared memory, `stages` deep, each step a wgmma into a float32
 accumulator in registers. With one split it writes the block in x's dtype; with more,
 float32 partial sums `[splits, M, N]` that XLA adds (as cuBLAS' split-K does with its
-reduce kernel). Off a GPU it runs in Pallas' GPU interpret mode (the CPU check below).
+reduce kernel). Off a GPU it runs in Pallas' GPU interpret mode (the CPU checks below:
+the kernel against XLA, and a small model's rollout with its decode projections on it).
+`on_decode_projections` puts the model's decode-step projections on it while a program
+is traced; `bench_rollout.py --gemm mosaic` times the sampler so.
 Times are GPU kernel time (CUPTI; a split-K run's reduce included), the median of
 `--reps` calls of `--layers` matmuls, each with weights of its own, per matmul (48
 layers: 77 MB of the smallest weights, the output projection's, against the H200's 50
@@ -22,9 +27,11 @@ is launch-bound (~20 us a matmul for XLA and the kernel alike, call 15d).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +102,65 @@ def matmul(x, w, *, tn: int, splits: int = 1, tk: int = 64, stages: int = 4,
         compiler_params=mgpu.CompilerParams(approx_math=True), interpret=mode,
     )(*operands)
     return out if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+
+
+def default_config(k: int, n: int) -> tuple[int, int, int, int]:
+    """`(tn, splits, tk, stages)` for a `[K, N]` weight: 64-wide blocks of N, and K split
+    (up to 4 ways) until there are a GPU's worth of programs."""
+    tk, tn = 64, 64
+    programs = n // tn
+    splits = 1
+    for s in (2, 4):
+        if programs * splits >= 132 or (k // tk) % s:
+            break
+        splits = s
+    return tn, splits, tk, 4
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                 *, configs, max_rows):
+    """`lax.dot_general` as a flax projection calls it, on `matmul` where it is a decode
+    step's: no batch dimensions, the kernel's leading dimensions contracted with the
+    input's trailing ones, at most `max_rows` rows, 16-bit operands, blocks that tile."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    fallback = lambda: jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                           preferred_element_type=preferred_element_type)
+    nc = len(lc)
+    if (lb or rb or tuple(rc) != tuple(range(nc))
+            or tuple(lc) != tuple(range(lhs.ndim - nc, lhs.ndim))
+            or lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype).itemsize != 2):
+        return fallback()
+    rows = int(np.prod(lhs.shape[:lhs.ndim - nc]))
+    k = int(np.prod(lhs.shape[lhs.ndim - nc:]))
+    n = int(np.prod(rhs.shape[nc:]))
+    tn, splits, tk, stages = configs.get((k, n)) or default_config(k, n)
+    if rows > max_rows or n % tn or k % (tk * splits):
+        return fallback()
+    padded = -(-rows // 64) * 64
+    x = jnp.pad(lhs.reshape(rows, k), ((0, padded - rows), (0, 0)))
+    out = matmul(x, rhs.reshape(k, n), tn=tn, splits=splits, tk=tk, stages=stages)
+    return out[:rows].reshape(*lhs.shape[:lhs.ndim - nc], *rhs.shape[nc:])
+
+
+@contextlib.contextmanager
+def on_decode_projections(configs: dict | None = None, max_rows: int = 256):
+    """While active, the projections jrl's model builds (`transformer._dense`) run their
+    decode steps' matmuls (at most `max_rows` rows) on `matmul`: `configs` maps a
+    weight's `(K, N)` to `(tn, splits, tk, stages)` (else `default_config`). Trace the
+    program inside the context. For the benchmark only: it swaps the `nn` the transformer
+    module sees for one whose `DenseGeneral` takes this dot."""
+    from jrl.models import transformer
+
+    dot = functools.partial(_dot_general, configs=dict(configs or {}), max_rows=max_rows)
+    linen = transformer.nn
+    patched = types.SimpleNamespace(**{name: getattr(linen, name) for name in dir(linen)
+                                       if not name.startswith("__")})
+    patched.DenseGeneral = functools.partial(linen.DenseGeneral, dot_general=dot)
+    transformer.nn = patched
+    try:
+        yield
+    finally:
+        transformer.nn = linen
 
 
 # The 0.5B decode layer's four matmuls (fused qkv and gate/up, as the sampler runs them).
@@ -176,6 +242,40 @@ def check_interpret():
         assert err < 2e-2, err
 
 
+def check_decode_interpret(new_tokens: int = 3):
+    """A small bf16 model's sampled rollout (one key) with its decode projections on
+    `matmul` (Pallas' GPU interpret mode) against the same rollout on XLA's dot, on the
+    CPU: the same tokens, and their log-probs close."""
+    from jrl import step
+    from jrl.models.config import ModelConfig
+    from jrl.models.transformer import init_params
+
+    config = ModelConfig.preset("tiny", vocab_size=64, hidden_size=128, intermediate_size=256,
+                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                dtype="bfloat16", param_dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 8)), jnp.int32)
+    mask = jnp.ones_like(ids)
+    sampling = rollout.SamplingConfig(max_new_tokens=new_tokens, ignore_stop=True)
+
+    def run():  # a function of its own each time: jit's cache would reuse the first trace
+        def generate(params, ids, mask):
+            sampler_config, params = step.sampling_params(params, config)
+            out = rollout.generate(params, ids, mask, jax.random.key(1), sampling=sampling,
+                                   config=sampler_config)
+            return out.responses, out.rollout_log_probs
+        return jax.jit(generate)(params, ids, mask)
+
+    want = run()
+    with on_decode_projections(max_rows=256):
+        got = run()
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    err = float(jnp.max(jnp.abs(got[1] - want[1])))
+    print(f"decode on the kernel (interpret): the same {new_tokens} tokens a row, "
+          f"log-probs within {err:.1e}")
+    assert err < 5e-2, err
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
@@ -186,6 +286,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         check_interpret()
+        check_decode_interpret()
         return
     print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     results = bench(args.rows, args.layers, args.reps, args.hbm_gbps)

@@ -138,8 +138,15 @@ def _dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_
         return fallback()
     padded = -(-rows // 64) * 64
     x = jnp.pad(lhs.reshape(rows, k), ((0, padded - rows), (0, 0)))
-    out = matmul(x, rhs.reshape(k, n), tn=tn, splits=splits, tk=tk, stages=stages)
+    out = _jitted_matmul(tn, splits, tk, stages)(x, rhs.reshape(k, n))
     return out[:rows].reshape(*lhs.shape[:lhs.ndim - nc], *rhs.shape[nc:])
+
+
+@functools.cache
+def _jitted_matmul(tn, splits, tk, stages):
+    """One jitted `matmul` a block configuration: the call sites of a program that share
+    a shape lower (and run ptxas on) its kernel once."""
+    return jax.jit(functools.partial(matmul, tn=tn, splits=splits, tk=tk, stages=stages))
 
 
 @contextlib.contextmanager

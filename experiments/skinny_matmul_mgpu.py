@@ -189,6 +189,8 @@ def _kernel_ms(fn, *args, reps: int) -> float:
 
     jax.block_until_ready(fn(*args))
     _, times = profiler.measure(fn, iterations=reps)(*args)
+    if times is None:
+        raise RuntimeError("the profiler saw no kernels")
     return float(np.median(times))
 
 

@@ -27,13 +27,13 @@ import dataclasses
 import functools
 import io
 import itertools
-import json
 import math
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_json  # this folder is on the path when a script here runs
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
 from jrl.models import decode_attention as da
@@ -149,10 +149,7 @@ def main() -> None:
             us = 1e3 * programs[program] / (args.repeats * LAYERS)
             rows.append(dict(batch=batch, variant=name, us=us))
             print(f"batch {batch:4d} {name:22s} {us:8.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           args=vars(args), rows=rows), f, indent=1)
+    results_json.write(args.out, args=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_json  # this folder is on the path when a script here runs
 
 from jrl import multi_turn, rollout
 from jrl import tools as tools_lib
@@ -123,10 +124,7 @@ def main():
         print(f"| {r['sampler']} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"{r['model_tokens_per_s']:,.0f} | {r.get('num_turns/mean', 1):.1f} | "
               f"{r.get('multi_turn/segments', 1):.0f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "rows": rows}, f, indent=1)
+    results_json.write(args.out, args=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ smallest rows. TFLOP/s counts the causal half of each segment's QK^T and PV.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_json  # this folder is on the path when a script here runs
 from check_packed_attention import bench as timed  # this folder is on the path
 from check_packed_attention import layout
 
@@ -91,10 +91,7 @@ def main(argv=None):
     results = []
     for rows, length, lengths, bounds in LAYOUTS:
         results += measure(rows, length, lengths, bounds, args.reps)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "results": results}, f, indent=1)
+    results_json.write(args.out, results=results)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_json  # this folder is on the path when a script here runs
 
 from jrl.models import decode_attention as da
 from jrl.models import mosaic_backend
@@ -145,10 +146,7 @@ def main() -> None:
                   f"{row['median']:8.0f} {row['starts_at']:9.0f}")
         results.append(dict(batch=batch, heads=args.heads, slots=args.slots, fill=args.fill,
                             tiles=args.tiles, span=span, regions=rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           results=results), f, indent=1)
+    results_json.write(args.out, results=results)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import bench_rl_step  # this folder is on the path when a script here runs
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_json  # this folder is on the path when a script here runs
 import trace_summary
 
 from jrl import metrics, types
@@ -181,10 +182,7 @@ def main(argv=None):
               f"{mfu(r['mfu_6n'])} | {mfu(r['mfu_attention'])} | {r['learn_first_s']:.1f} |")
     if args.trace_dir and not args.trace_all:
         trace_summary.summarize(args.trace_dir, top=40)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           results=results), f, indent=2)
+    results_json.write(args.out, results=results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ that compile): the trainer's `timing_s/*` phases, verl's throughput (prompt +
 response tokens of the step / step time / #devices), the MFU of the actor update
 (6 * params * tokens * ppo_epochs / update time / peak bf16 FLOP/s) and the peak
 device memory of the process up to the end of that algorithm's steps (with
-`--algo both`, GRPO runs first, so PPO's figure is the larger of the two).
+`--algo both`, GRPO runs first, so PPO's figure is the larger of the two). For the
+first step, the seconds each program took to trace, lower and compile are printed
+and kept (`first_step_compiles_s`; none for a program read back from
+$JAX_COMPILATION_CACHE_DIR).
 
     python experiments/bench_rl_step.py --out rl_step.json                   # one H100
     python experiments/bench_rl_step.py --preset tiny --batch 4 --n 2 \\
@@ -62,6 +65,45 @@ from jrl.trainer import RLTrainer  # noqa: E402
 # With a sampling group (one-step asynchronous), `gen` runs beside the other phases and
 # `wait_rollout` is the part of it the step waits for.
 PHASES = ("gen", "sync_rollout_weights", "wait_rollout", "forward", "reward", "learn", "step")
+
+
+class CompileLog:
+    """Seconds JAX spends tracing, lowering and compiling each program while `active`
+    (jax.monitoring's duration events, by the jitted function's name). A program read
+    back from the persistent compilation cache records no compile."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+              "/jax/core/compile/backend_compile_duration": "compile"}
+
+    def __init__(self):
+        self.active = False
+        self.seconds: dict[str, dict[str, float]] = {}
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **kwargs) -> None:
+        kind = self.EVENTS.get(event)
+        if self.active and kind:
+            name = str(kwargs.get("fun_name", "?"))  # "jit(f)" when lowered, "f" traced
+            name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+            per = self.seconds.setdefault(name, {})
+            per[kind] = per.get(kind, 0.0) + duration
+
+    def table(self, top: int = 12) -> str:
+        """The programs that took longest, as a markdown table."""
+        total = lambda per: sum(per.values())
+        ranked = sorted(self.seconds.items(), key=lambda kv: -total(kv[1]))
+        lines = ["| program | trace s | lower s | compile s |", "|---|---|---|---|"]
+        lines += [f"| {name} | {per.get('trace', 0):.1f} | {per.get('lower', 0):.1f} | "
+                  f"{per.get('compile', 0):.1f} |" for name, per in ranked[:top]]
+        sums = {k: sum(per.get(k, 0.0) for per in self.seconds.values())
+                for k in ("trace", "lower", "compile")}
+        lines.append(f"| all {len(ranked)} | {sums['trace']:.1f} | {sums['lower']:.1f} | "
+                     f"{sums['compile']:.1f} |")
+        return "\n".join(lines)
+
+
+COMPILES = CompileLog()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -402,11 +444,16 @@ def run_algo(args, algo: str) -> dict:
         trainer, iterator, info = build_trainer(args, algo, workdir)
         setup_s = time.perf_counter() - start
         print(f"[{algo}] trainer built in {setup_s:.1f} s\n{trainer.memory_report()}", flush=True)
-        steps = []
+        steps, first_compiles = [], {}
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
+            COMPILES.seconds, COMPILES.active = {}, i == 0
             m = trainer.train_step(iterator)
+            COMPILES.active = False
             m["wall_s"] = time.perf_counter() - start
+            if i == 0:
+                first_compiles = COMPILES.seconds
+                print(f"[{algo}] the first step's programs:\n{COMPILES.table()}", flush=True)
             steps.append(m)
             timed = "timed" if i >= args.warmup else "warm-up"
             phases = ", ".join(f"{k} {m[f'timing_s/{k}']:.2f}" for k in PHASES
@@ -429,7 +476,8 @@ def run_algo(args, algo: str) -> dict:
     timed = steps[args.warmup:]
     if not timed:  # --steps 0: a compile and, with --trace_dir, a traced step only
         return dict(algo=algo, setup_s=setup_s, memory_report=memory,
-                    warmup_wall_s=[m["wall_s"] for m in steps], **info)
+                    warmup_wall_s=[m["wall_s"] for m in steps],
+                    first_step_compiles_s=first_compiles, **info)
     devices = jax.device_count()
     phases = {k: mean([m[f"timing_s/{k}"] for m in timed if f"timing_s/{k}" in m])
               for k in PHASES}
@@ -464,6 +512,7 @@ def run_algo(args, algo: str) -> dict:
         algo=algo, setup_s=setup_s, prompt_group=k, hfu_actor=hfu,
         mfu_actor_with_attention=mfu_attention, attention_flops=attention,
         warmup_wall_s=[m["wall_s"] for m in steps[:args.warmup]],
+        first_step_compiles_s=first_compiles,
         timed_wall_s=[m["wall_s"] for m in timed], phases_s=phases,
         phases_per_step_s=[{k: m[f"timing_s/{k}"] for k in PHASES if f"timing_s/{k}" in m}
                            for m in timed],

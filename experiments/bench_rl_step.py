@@ -208,6 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="algorithm.rollout_correction.rollout_is (truncated IS)")
     p.add_argument("--rollout_is_threshold", default="2.0", help="u (TIS) or \"l_u\" (IcePop)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel_compile", default="on", choices=("on", "off"),
+                   help="trainer.parallel_compile: the first step's programs compiled at once")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--trace_dir", default=None,
                    help="trace one more step of each algorithm here and summarise its kernels")
@@ -346,6 +348,8 @@ def make_config(args, algo: str):
     c.trainer.test_freq = 0
     c.trainer.save_freq = 0
     c.trainer.logger = ("console",)
+    if "parallel_compile" in c.trainer:  # (older trees lack the key)
+        c.trainer.parallel_compile = args.parallel_compile == "on"
     if "mesh" in c:
         for axis in ("data", "fsdp", "tensor", "context"):
             if axis in c.mesh:

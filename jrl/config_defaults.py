@@ -541,6 +541,11 @@ def base_config() -> ml_collections.ConfigDict:
     # $JAX_COMPILATION_CACHE_DIR when set, else $XDG_CACHE_HOME/jrl/xla (~/.cache/jrl/xla);
     # "": off (jax's own setting left alone). Library use of jrl never sets it.
     c.trainer.compilation_cache_dir = config_dict.placeholder(str)
+    # Compile the first step's programs (rollout, forward, update; the first validation's
+    # rollout with val_before_train) at once, one thread each, before the step: the first
+    # step waits for the slowest program instead of their sum (RLTrainer.compile_programs).
+    # False: each compiles when first called.
+    c.trainer.parallel_compile = True
     return c
 
 

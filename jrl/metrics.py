@@ -144,7 +144,10 @@ class MetricsWriter:
             # The first training step compiled; a new bar times the rest from here.
             self._bar.leave = False
             self._bar.close()
-            if "timing_s/step" in metrics:
+            if "timing_s/compile" in metrics:  # compiled before the step, at once
+                tqdm.write(f"step {step}: {metrics['timing_s/step']:.1f} s, after "
+                           f"{metrics['timing_s/compile']:.1f} s compiling its programs")
+            elif "timing_s/step" in metrics:
                 tqdm.write(f"step {step}: {metrics['timing_s/step']:.1f} s "
                            "(including compilation)")
             self._bar = _progress_bar(self._bar.total, step, compiling=False)

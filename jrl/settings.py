@@ -333,6 +333,8 @@ class TrainerSettings:
     runs: int = 1
     sweep: str | None = None
     steps_per_call: int = 1
+    # Compile the first step's programs at once (`RLTrainer.compile_programs`).
+    parallel_compile: bool = True
 
     @property
     def multi_run(self) -> bool:
@@ -786,6 +788,8 @@ def _trainer(config) -> TrainerSettings:
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
                            rollout_data_dir=t.rollout_data_dir,
                            validation_data_dir=t.validation_data_dir,
+                           parallel_compile=_flag("trainer.parallel_compile",
+                                                  t.get("parallel_compile", True)),
                            **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
 
 

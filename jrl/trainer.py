@@ -241,6 +241,8 @@ class RLTrainer:
         self.state: types.TrainState = self._init(actor_params, key, self.frozen)
         self.step, self.data = 0, IteratorState()  # the host's part of the state
         self._saved_step = 0  # the step of the latest checkpoint (saved or restored)
+        self._programs_compiled = False  # `compile_programs` has run
+        self._compile_s = None  # its seconds, until the first step reports them
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
 
@@ -545,10 +547,66 @@ class RLTrainer:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def compile_programs(self, val_batch_size: int | None = None) -> list[str]:
+        """Compiles the first step's programs before it runs (`trainer.parallel_compile`):
+        the rollout, `step.forward` and `step.learn` (ReMax's greedy rollout too), and with
+        `val_batch_size` the validation's rollout for batches of that many prompts. Each is
+        traced and lowered in turn on the shapes the step will give it (tracing is Python's),
+        then all compile at once, a thread each (XLA compiles outside the GIL): the first
+        step waits for the slowest program instead of the sum. The step's own calls then
+        find them in jit's cache. Returns the names of the programs compiled; none (and
+        nothing done) after the first call, with the setting off, or for a step of another
+        shape: one-step asynchronous, multi-turn, dynamic sampling or a segmented cache,
+        whose programs compile when first called. The first step's metrics carry the
+        seconds this took as `timing_s/compile`."""
+        s = self.s
+        if (self._programs_compiled or not s.trainer.parallel_compile
+                or self.rollout_sharder is not None or s.multi_turn is not None
+                or s.filter_groups is not None or s.rollout.cache_segments > 1
+                or s.validation.cache_segments > 1):
+            return []
+        self._programs_compiled, start = True, time.perf_counter()
+        state, b = self.state, self.sharder.batch
+        prompts = lambda rows: jax.ShapeDtypeStruct((rows, s.max_prompt_length), jnp.int32,
+                                                    sharding=b(2))
+        lowered = {}
+        with self.sharder.active():
+            key, gen_key = self._step_keys(self.root_key, state.step)
+
+            def rollout(name, sampling, rows, key=gen_key):
+                ids = prompts(rows)
+                with self.sampling_sharder.active():  # as `_generate` traces it
+                    lowered[name] = self._generator(sampling).lower(state, ids, ids, key,
+                                                                    self.frozen)
+                return lowered[name].out_info
+
+            out = rollout("generate", s.rollout, s.train_batch_size)
+            lowered["forward"] = self._forward.lower(state, self.ref_params, out, self.frozen)
+            n, r = out.responses.shape
+            host = dict(token_level_scores=jax.ShapeDtypeStruct((n, r), jnp.float32,
+                                                                sharding=b(2)),
+                        uid=jax.ShapeDtypeStruct((n,), jnp.int32, sharding=b(1)))
+            if self.estimator.needs_baseline:
+                rollout("generate_greedy", dataclasses.replace(s.rollout, n=1, do_sample=False),
+                        s.train_batch_size)
+                host["reward_baselines"] = jax.ShapeDtypeStruct((n,), jnp.float32,
+                                                                sharding=b(1))
+            exp = lowered["forward"].out_info.replace(**host)
+            lowered["learn"] = self._learn.lower(state, exp, key, self.frozen)
+            if val_batch_size:
+                multiple = self.sampling_sharder.batch_size_multiple
+                rows = -(-min(val_batch_size, len(self.val_rows)) // multiple) * multiple
+                rollout("validate", s.validation, rows, self._validation_key(0))
+        with concurrent.futures.ThreadPoolExecutor(len(lowered), "jrl-compile") as pool:
+            list(pool.map(lambda program: program.compile(), lowered.values()))
+        self._compile_s = time.perf_counter() - start
+        return list(lowered)
+
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step (the module docstring's data path); returns its metrics."""
         if self.rollout_sharder is not None:
             return self._train_step_async(iterator)
+        self.compile_programs()
         timer, state = Timer(), self.state
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
@@ -561,6 +619,8 @@ class RLTrainer:
             step_metrics.update(self._learn_metrics(jax.device_get(learned)))
         self.state, self.step, self.data = state, self.step + 1, iterator.state
         timing = timer.done()
+        if self._compile_s is not None:  # `compile_programs`' seconds, before this step
+            timing["timing_s/compile"], self._compile_s = self._compile_s, None
         return {**step_metrics, **timing, **self._perf_metrics(step_metrics, timer.seconds)}
 
     def _train_step_async(self, iterator: BatchIterator) -> dict[str, float]:
@@ -785,12 +845,11 @@ class RLTrainer:
         `trainer.validation_data_dir` the samples go to `<dir>/<step>.jsonl`.
         """
         sampling, state = self.s.validation, self.state
-        key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.step)
         turns, samples = [], []
 
         def respond(rows, padded, start):
             self._local.metrics = {}
-            out = self._generate(state, padded, sampling, jax.random.fold_in(key, start))
+            out = self._generate(state, padded, sampling, self._validation_key(start))
             turns.append(dict(self._local.metrics))
             scored = self._score(rows, out, sampling.n)()
             if self.s.trainer.validation_data_dir is not None:
@@ -804,6 +863,11 @@ class RLTrainer:
         result.update({f"val-aux/{k}": v for k, v in multi_turn.combine_metrics(turns).items()})
         self._write_samples(self.s.trainer.validation_data_dir, self.step, samples, sampling.n)
         return result
+
+    def _validation_key(self, start: int):
+        """The key of the validation batch from row `start` at this step."""
+        key = jax.random.fold_in(jax.random.fold_in(self.root_key, 2**31 - 2), self.step)
+        return jax.random.fold_in(key, start)
 
     def _write_samples(self, directory: str | None, step: int, batches, n: int) -> None:
         """`<directory>/<step>.jsonl` (`metrics.write_samples`) of scored batches
@@ -832,7 +896,10 @@ class RLTrainer:
                                  state=self.data)
         due = lambda every: every and (self.step % every == 0 or self.step == s.total_steps)
         last_val = {}
-        if t.val_before_train and self.step == 0 and self.val_rows:
+        validate_first = t.val_before_train and self.step == 0 and bool(self.val_rows)
+        if self.step < s.total_steps:
+            self.compile_programs(val_batch_size if validate_first else None)
+        if validate_first:
             last_val = self.validate(val_batch_size)
             if writer:
                 writer.write(0, last_val)

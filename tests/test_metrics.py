@@ -73,6 +73,13 @@ def test_compiling_until_the_first_training_step(writer, capsys):
     assert "compilation" not in capsys.readouterr().out
 
 
+def test_first_step_compiled_ahead_names_both_times(writer, capsys):
+    # `trainer.parallel_compile`: the programs compiled before the step, which ran fast.
+    writer.write(1, {**_step(0.5, seconds=1.9), "timing_s/compile": 57.1})
+    assert writer._bar.desc == "rl"
+    assert "step 1: 1.9 s, after 57.1 s compiling its programs" in capsys.readouterr().out
+
+
 def test_resumed_run_compiles_its_first_step(tmp_path):
     w = metrics.MetricsWriter(str(tmp_path), ["console"], total_steps=6, start_step=4)
     assert "compiling" in w._bar.desc and w._bar.n == 4

@@ -550,15 +550,17 @@ class RLTrainer:
     def compile_programs(self, val_batch_size: int | None = None) -> list[str]:
         """Compiles the first step's programs before it runs (`trainer.parallel_compile`):
         the rollout, `step.forward` and `step.learn` (ReMax's greedy rollout too), and with
-        `val_batch_size` the validation's rollout for batches of that many prompts. Each is
-        traced and lowered in turn on the shapes the step will give it (tracing is Python's),
-        then all compile at once, a thread each (XLA compiles outside the GIL): the first
-        step waits for the slowest program instead of the sum. The step's own calls then
-        find them in jit's cache. Returns the names of the programs compiled; none (and
-        nothing done) after the first call, with the setting off, or for a step of another
-        shape: one-step asynchronous, multi-turn, dynamic sampling or a segmented cache,
-        whose programs compile when first called. The first step's metrics carry the
-        seconds this took as `timing_s/compile`."""
+        `val_batch_size` the validation's rollout for batches of that many prompts.
+
+        Each is traced on the shapes the step will give it, then lowered, the update
+        first (the slowest to compile), and handed to a thread that compiles it while the
+        next lowers (XLA compiles outside the GIL): the first step waits for about the
+        slowest program instead of the sum. The step's own calls then find them in jit's
+        cache. Returns the names of the programs compiled; none (and nothing done) after
+        the first call, with the setting off, or for a step of another shape: one-step
+        asynchronous, multi-turn, dynamic sampling or a segmented cache, whose programs
+        compile when first called. The first step's metrics carry the seconds this took
+        as `timing_s/compile`."""
         s = self.s
         if (self._programs_compiled or not s.trainer.parallel_compile
                 or self.rollout_sharder is not None or s.multi_turn is not None
@@ -567,40 +569,40 @@ class RLTrainer:
             return []
         self._programs_compiled, start = True, time.perf_counter()
         state, b = self.state, self.sharder.batch
-        prompts = lambda rows: jax.ShapeDtypeStruct((rows, s.max_prompt_length), jnp.int32,
-                                                    sharding=b(2))
-        lowered = {}
+        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=b(len(shape)))
+        traced = {}
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
 
             def rollout(name, sampling, rows, key=gen_key):
-                ids = prompts(rows)
+                ids = struct((rows, s.max_prompt_length), jnp.int32)
                 with self.sampling_sharder.active():  # as `_generate` traces it
-                    lowered[name] = self._generator(sampling).lower(state, ids, ids, key,
-                                                                    self.frozen)
-                return lowered[name].out_info
+                    traced[name] = self._generator(sampling).trace(state, ids, ids, key,
+                                                                   self.frozen)
+                return traced[name].out_info
 
             out = rollout("generate", s.rollout, s.train_batch_size)
-            lowered["forward"] = self._forward.lower(state, self.ref_params, out, self.frozen)
+            traced["forward"] = self._forward.trace(state, self.ref_params, out, self.frozen)
             n, r = out.responses.shape
-            host = dict(token_level_scores=jax.ShapeDtypeStruct((n, r), jnp.float32,
-                                                                sharding=b(2)),
-                        uid=jax.ShapeDtypeStruct((n,), jnp.int32, sharding=b(1)))
+            host = dict(token_level_scores=struct((n, r), jnp.float32),
+                        uid=struct((n,), jnp.int32))
             if self.estimator.needs_baseline:
                 rollout("generate_greedy", dataclasses.replace(s.rollout, n=1, do_sample=False),
                         s.train_batch_size)
-                host["reward_baselines"] = jax.ShapeDtypeStruct((n,), jnp.float32,
-                                                                sharding=b(1))
-            exp = lowered["forward"].out_info.replace(**host)
-            lowered["learn"] = self._learn.lower(state, exp, key, self.frozen)
+                host["reward_baselines"] = struct((n,), jnp.float32)
+            exp = traced["forward"].out_info.replace(**host)
+            traced["learn"] = self._learn.trace(state, exp, key, self.frozen)
             if val_batch_size:
                 multiple = self.sampling_sharder.batch_size_multiple
                 rows = -(-min(val_batch_size, len(self.val_rows)) // multiple) * multiple
                 rollout("validate", s.validation, rows, self._validation_key(0))
-        with concurrent.futures.ThreadPoolExecutor(len(lowered), "jrl-compile") as pool:
-            list(pool.map(lambda program: program.compile(), lowered.values()))
+            order = sorted(traced, key=lambda name: name != "learn")
+            with concurrent.futures.ThreadPoolExecutor(len(order), "jrl-compile") as pool:
+                compiles = [pool.submit(traced[name].lower().compile) for name in order]
+                for done in compiles:
+                    done.result()  # a compile's error, raised here
         self._compile_s = time.perf_counter() - start
-        return list(lowered)
+        return order
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step (the module docstring's data path); returns its metrics."""

@@ -544,7 +544,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Compile the first step's programs (rollout, forward, update; the first validation's
     # rollout with val_before_train) at once, one thread each, before the step: the first
     # step waits for the slowest program instead of their sum (RLTrainer.compile_programs).
-    # False: each compiles when first called.
+    # False, and runs with rollout.devices, multi-turn or rollout.cache_segments > 1: each
+    # compiles when first called.
     c.trainer.parallel_compile = True
     return c
 

@@ -558,14 +558,13 @@ class RLTrainer:
         slowest program instead of the sum. The step's own calls then find them in jit's
         cache. Returns the names of the programs compiled; none (and nothing done) after
         the first call, with the setting off, or for a step of another shape: one-step
-        asynchronous, multi-turn, dynamic sampling or a segmented cache, whose programs
-        compile when first called. The first step's metrics carry the seconds this took
+        asynchronous, multi-turn or a segmented cache, whose programs compile when first
+        called. The first step's metrics carry the seconds this took
         as `timing_s/compile`."""
-        s = self.s
+        s, fg = self.s, self.s.filter_groups
         if (self._programs_compiled or not s.trainer.parallel_compile
                 or self.rollout_sharder is not None or s.multi_turn is not None
-                or s.filter_groups is not None or s.rollout.cache_segments > 1
-                or s.validation.cache_segments > 1):
+                or s.rollout.cache_segments > 1 or s.validation.cache_segments > 1):
             return []
         self._programs_compiled, start = True, time.perf_counter()
         state, b = self.state, self.sharder.batch
@@ -581,12 +580,16 @@ class RLTrainer:
                                                                    self.frozen)
                 return traced[name].out_info
 
-            out = rollout("generate", s.rollout, s.train_batch_size)
+            out = rollout("generate", s.rollout,
+                          s.train_batch_size if fg is None else fg.gen_batch_size)
+            if fg is not None:  # the batch DAPO's rounds fill on the host (`_sample`)
+                out = jax.tree.map(lambda x: struct((self.batch_sequences, *x.shape[1:]),
+                                                    x.dtype), out)
             traced["forward"] = self._forward.trace(state, self.ref_params, out, self.frozen)
             n, r = out.responses.shape
             host = dict(token_level_scores=struct((n, r), jnp.float32),
                         uid=struct((n,), jnp.int32))
-            if self.estimator.needs_baseline:
+            if self.estimator.needs_baseline:  # over the step's prompts (`_rewards`)
                 rollout("generate_greedy", dataclasses.replace(s.rollout, n=1, do_sample=False),
                         s.train_batch_size)
                 host["reward_baselines"] = struct((n,), jnp.float32)

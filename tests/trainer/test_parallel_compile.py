@@ -30,6 +30,12 @@ class Compiles:
 COMPILES = Compiles()
 
 
+def _varied_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """Differs between random responses, so DAPO's groups vary and fill the batch."""
+    del data_source, ground_truth, extra_info
+    return float(sum(map(ord, solution_str)) % 7)
+
+
 def _trainer(tmp_path, overrides):
     config = tiny_config(**overrides)
     tokenizer = experiment.build_tokenizer(config)
@@ -37,7 +43,8 @@ def _trainer(tmp_path, overrides):
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
     model, params = experiment.build_model(config, tokenizer)
-    scorer, _ = experiment.build_reward(config, s)
+    scorer = (_varied_reward if s.filter_groups is not None
+              else experiment.build_reward(config, s)[0])
     trainer = RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(tmp_path), 0)
     return trainer, BatchIterator(rows, s.train_batch_size, 0), config
 
@@ -49,6 +56,8 @@ def _trainer(tmp_path, overrides):
      "actor.use_kl_loss": True, "actor.ppo_epochs": 2},
     {"algorithm.adv_estimator": "remax"},  # a greedy rollout for the baselines
     {"model.lora_rank": 4, "actor.use_kl_loss": True},  # the frozen base, the reference
+    # DAPO's dynamic sampling: rounds of 6 prompts fill a batch of 4 on the host
+    {"algorithm.filter_groups.enable": True, "data.gen_batch_size": 6},
     # token budgets in the forward and update passes
     {"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 16,
      "rollout.log_prob_use_dynamic_bsz": True, "rollout.log_prob_max_token_len_per_gpu": 16,
@@ -56,6 +65,8 @@ def _trainer(tmp_path, overrides):
 ])
 def test_the_first_step_compiles_nothing_after_compile_programs(tmp_path, overrides):
     trainer, iterator, _ = _trainer(tmp_path, overrides)
+    if trainer.s.filter_groups is not None:  # the trainer's rounds draw gen_batch_size prompts
+        iterator = BatchIterator(trainer.train_rows, trainer.s.filter_groups.gen_batch_size, 0)
     try:
         COMPILES.names, COMPILES.active = [], True
         compiled = trainer.compile_programs(val_batch_size=8)

@@ -15,6 +15,9 @@
 #                  heuristics, no kernel autotuning): how much of a compile is autotuning
 #   grpo_notriton  grpo_parallel with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (every
 #                  matmul on cuBLAS, as the sampler's program already is)
+#   grpo_llvm_parallel   grpo_parallel with XLA_FLAGS=
+#                  --xla_gpu_enable_llvm_module_compilation_parallelism=true (XLA splits a
+#                  program's LLVM module and compiles the parts in threads; off by default)
 # Each run prints the first step's wall time and its programs' trace / lower / compile
 # seconds (bench_rl_step.py), and any rematerialization warning XLA gave. Needs wheels/
 # beside the tree; BUDGET_S (default 560) caps the whole call.
@@ -46,6 +49,8 @@ for name in "${runs[@]}"; do
     grpo_noautotune) env=(XLA_FLAGS=--xla_gpu_autotune_level=0)
       args=(--algo grpo "${TUNED[@]}") ;;
     grpo_notriton) env=(XLA_FLAGS=--xla_gpu_enable_triton_gemm=false)
+      args=(--algo grpo "${TUNED[@]}") ;;
+    grpo_llvm_parallel) env=(XLA_FLAGS=--xla_gpu_enable_llvm_module_compilation_parallelism=true)
       args=(--algo grpo "${TUNED[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac

@@ -542,11 +542,13 @@ def base_config() -> ml_collections.ConfigDict:
     # "": off (jax's own setting left alone). Library use of jrl never sets it.
     c.trainer.compilation_cache_dir = config_dict.placeholder(str)
     # Compile the first step's programs (rollout, forward, update; the first validation's
-    # rollout with val_before_train) at once, one thread each, before the step: the first
-    # step waits for the slowest program instead of their sum (RLTrainer.compile_programs).
-    # False, and runs with rollout.devices, multi-turn or rollout.cache_segments > 1: each
+    # rollout with val_before_train) at once, one thread each, before the step, which then
+    # waits for less than the sum of their compiles (RLTrainer.compile_programs). None: on
+    # a GPU or TPU, off on a CPU (whose compiles share its cores with each other: tests ran
+    # slower). Off, and for runs with rollout.devices, multi-turn, rollout.cache_segments
+    # > 1 or several runs in one program (trainer.runs, reward.in_graph_fn), each program
     # compiles when first called.
-    c.trainer.parallel_compile = True
+    c.trainer.parallel_compile = config_dict.placeholder(bool)
     return c
 
 

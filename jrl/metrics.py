@@ -146,7 +146,8 @@ class MetricsWriter:
             self._bar.close()
             if "timing_s/compile" in metrics:  # compiled before the step, at once
                 tqdm.write(f"step {step}: {metrics['timing_s/step']:.1f} s, after "
-                           f"{metrics['timing_s/compile']:.1f} s compiling its programs")
+                           f"{metrics['timing_s/compile']:.1f} s compiling (or reading back) "
+                           "its programs")
             elif "timing_s/step" in metrics:
                 tqdm.write(f"step {step}: {metrics['timing_s/step']:.1f} s "
                            "(including compilation)")

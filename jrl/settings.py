@@ -64,6 +64,12 @@ def _flag(key: str, value) -> bool:
     return value
 
 
+def _optional_flag(key: str, value) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        _fail(key, f"must be True, False or None (automatic), got {value!r}")
+    return value
+
+
 def _choice(key: str, value, choices) -> str:
     if value not in choices:
         _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
@@ -333,8 +339,9 @@ class TrainerSettings:
     runs: int = 1
     sweep: str | None = None
     steps_per_call: int = 1
-    # Compile the first step's programs at once (`RLTrainer.compile_programs`).
-    parallel_compile: bool = True
+    # Compile the first step's programs at once (`RLTrainer.compile_programs`); None: on
+    # a GPU or TPU, off on a CPU.
+    parallel_compile: bool | None = None
 
     @property
     def multi_run(self) -> bool:
@@ -788,8 +795,8 @@ def _trainer(config) -> TrainerSettings:
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
                            rollout_data_dir=t.rollout_data_dir,
                            validation_data_dir=t.validation_data_dir,
-                           parallel_compile=_flag("trainer.parallel_compile",
-                                                  t.get("parallel_compile", True)),
+                           parallel_compile=_optional_flag("trainer.parallel_compile",
+                                                           t.get("parallel_compile")),
                            **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
 
 

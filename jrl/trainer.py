@@ -552,19 +552,23 @@ class RLTrainer:
         the rollout, `step.forward` and `step.learn` (ReMax's greedy rollout too), and with
         `val_batch_size` the validation's rollout for batches of that many prompts.
 
-        Each is traced on the shapes the step will give it, then lowered, the update
-        first (the slowest to compile), and handed to a thread that compiles it while the
-        next lowers (XLA compiles outside the GIL): the first step waits for about the
-        slowest program instead of the sum. The step's own calls then find them in jit's
-        cache. Returns the names of the programs compiled; none (and nothing done) after
-        the first call, with the setting off, or for a step of another shape: one-step
+        Each is traced on the shapes the step will give it (one after another: tracing
+        and lowering are Python's), then lowered, the update first (the slowest to
+        compile), and handed to a thread that compiles it while the next lowers (XLA
+        compiles outside the GIL). The compiles slow each other down, but the first step
+        waits for less than their sum. The step's own calls then find the programs in
+        jit's cache (small ones, such as a reward model's, still compile in the step).
+        Returns the names of the programs compiled; none (and nothing done) after the
+        first call, with the setting off, or for a step of another shape: one-step
         asynchronous, multi-turn or a segmented cache, whose programs compile when first
-        called. The first step's metrics carry the seconds this took
-        as `timing_s/compile`."""
+        called. The first step's metrics carry the seconds this took as
+        `timing_s/compile`."""
         s, fg = self.s, self.s.filter_groups
-        if (self._programs_compiled or not s.trainer.parallel_compile
-                or self.rollout_sharder is not None or s.multi_turn is not None
-                or s.rollout.cache_segments > 1 or s.validation.cache_segments > 1):
+        enabled = s.trainer.parallel_compile
+        if enabled is None:  # a CPU's compiles share its cores: one at a time is as fast
+            enabled = jax.default_backend() != "cpu"
+        if (self._programs_compiled or not enabled or self.rollout_sharder is not None
+                or s.multi_turn is not None or s.rollout.cache_segments > 1):
             return []
         self._programs_compiled, start = True, time.perf_counter()
         state, b = self.state, self.sharder.batch
@@ -573,6 +577,9 @@ class RLTrainer:
         with self.sharder.active():
             key, gen_key = self._step_keys(self.root_key, state.step)
 
+            # The key as each caller passes it: the step's from a program, the validation's
+            # made eagerly. jit tells the two apart, so with the same sampling and rows
+            # (ReMax's greedy rollout and a greedy validation) they are two programs.
             def rollout(name, sampling, rows, key=gen_key):
                 ids = struct((rows, s.max_prompt_length), jnp.int32)
                 with self.sampling_sharder.active():  # as `_generate` traces it
@@ -595,7 +602,7 @@ class RLTrainer:
                 host["reward_baselines"] = struct((n,), jnp.float32)
             exp = traced["forward"].out_info.replace(**host)
             traced["learn"] = self._learn.trace(state, exp, key, self.frozen)
-            if val_batch_size:
+            if val_batch_size and self.val_rows:
                 multiple = self.sampling_sharder.batch_size_multiple
                 rows = -(-min(val_batch_size, len(self.val_rows)) // multiple) * multiple
                 rollout("validate", s.validation, rows, self._validation_key(0))
@@ -902,7 +909,7 @@ class RLTrainer:
         due = lambda every: every and (self.step % every == 0 or self.step == s.total_steps)
         last_val = {}
         validate_first = t.val_before_train and self.step == 0 and bool(self.val_rows)
-        if self.step < s.total_steps:
+        if self.step < s.total_steps and exit_after_steps != 0:
             self.compile_programs(val_batch_size if validate_first else None)
         if validate_first:
             last_val = self.validate(val_batch_size)

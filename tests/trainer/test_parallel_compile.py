@@ -6,11 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jrl import experiment, settings
 from jrl.data.dataset import BatchIterator
-from jrl.trainer import RLTrainer
+from tests.eight_devices import run_script
 
-from .tiny import tiny_config
+from .tiny import tiny_trainer
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -37,16 +36,14 @@ def _varied_reward(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _trainer(tmp_path, overrides):
-    config = tiny_config(**overrides)
-    tokenizer = experiment.build_tokenizer(config)
-    rows, val_rows = experiment.build_data(config, tokenizer)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
-    model, params = experiment.build_model(config, tokenizer)
-    scorer = (_varied_reward if s.filter_groups is not None
-              else experiment.build_reward(config, s)[0])
-    trainer = RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(tmp_path), 0)
-    return trainer, BatchIterator(rows, s.train_batch_size, 0), config
+    """The tiny trainer and its iterator (DAPO's: rounds of gen_batch_size prompts)."""
+    overrides = {"trainer.parallel_compile": True, **overrides}  # (None: off on a CPU)
+    trainer = tiny_trainer(tmp_path, overrides,
+                           _varied_reward if "algorithm.filter_groups.enable" in overrides
+                           else None)
+    fg = trainer.s.filter_groups
+    prompts = trainer.s.train_batch_size if fg is None else fg.gen_batch_size
+    return trainer, BatchIterator(trainer.train_rows, prompts, 0)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -63,10 +60,8 @@ def _trainer(tmp_path, overrides):
      "rollout.log_prob_use_dynamic_bsz": True, "rollout.log_prob_max_token_len_per_gpu": 16,
      "actor.use_kl_loss": True},
 ])
-def test_the_first_step_compiles_nothing_after_compile_programs(tmp_path, overrides):
-    trainer, iterator, _ = _trainer(tmp_path, overrides)
-    if trainer.s.filter_groups is not None:  # the trainer's rounds draw gen_batch_size prompts
-        iterator = BatchIterator(trainer.train_rows, trainer.s.filter_groups.gen_batch_size, 0)
+def test_the_first_step_compiles_none_of_its_programs_again(tmp_path, overrides):
+    trainer, iterator = _trainer(tmp_path, overrides)
     try:
         COMPILES.names, COMPILES.active = [], True
         compiled = trainer.compile_programs(val_batch_size=8)
@@ -95,7 +90,7 @@ def test_the_first_step_compiles_nothing_after_compile_programs(tmp_path, overri
 def test_the_first_step_is_the_same_with_and_without(tmp_path):
     metrics = []
     for on in (True, False):
-        trainer, iterator, _ = _trainer(tmp_path / str(on), {"trainer.parallel_compile": on})
+        trainer, iterator = _trainer(tmp_path / str(on), {"trainer.parallel_compile": on})
         try:
             metrics.append(trainer.train_step(iterator))
             assert trainer.compile_programs() == []  # on: done by the step; off: never
@@ -105,4 +100,103 @@ def test_the_first_step_is_the_same_with_and_without(tmp_path):
         assert metrics[0][key] == metrics[1][key], key
     # The compile's seconds, reported by the step they were spent for (on only).
     assert metrics[0]["timing_s/compile"] > 0 and "timing_s/compile" not in metrics[1]
+
+
+
+def _programs(names):
+    return [n.removeprefix("jit(").rstrip(")") for n in names]
+
+
+def test_remax_greedy_and_validation_rollouts_of_one_shape(tmp_path):
+    # ReMax's greedy rollout and the validation's (default val_kwargs: one greedy sample)
+    # at the step's 4 prompts: the same sampling and shapes, keys passed differently.
+    trainer, iterator = _trainer(tmp_path, {"algorithm.adv_estimator": "remax",
+                                            "data.val_batch_size": 4})
+    try:
+        COMPILES.names, COMPILES.active = [], True
+        compiled = trainer.compile_programs(val_batch_size=4)
+        COMPILES.names = []
+        trainer.train_step(iterator)
+        trainer.validate(4)
+        COMPILES.active = False
+        assert {"generate", "generate_greedy", "validate"} <= set(compiled)
+        assert "generate" not in _programs(COMPILES.names), COMPILES.names
+    finally:
+        COMPILES.active = False
+        trainer.close()
+
+
+def test_fit_compiles_the_validation_before_training_with_the_step(tmp_path):
+    trainer, _ = _trainer(tmp_path, {"trainer.val_before_train": True,
+                                     "trainer.total_training_steps": 1})
+    returned = []
+    compile_programs = trainer.compile_programs
+    trainer.compile_programs = lambda *a: returned.append(compile_programs(*a)) or returned[-1]
+    try:
+        COMPILES.names, COMPILES.active = [], True
+        trainer.fit(val_batch_size=8)
+        COMPILES.active = False
+        assert {"generate", "forward", "learn", "validate"} <= set(returned[0]), returned
+        # Each program once: the first call compiled them all, later calls none.
+        assert all(names == [] for names in returned[1:]), returned
+        programs = _programs(COMPILES.names)
+        assert programs.count("generate") == 2 and programs.count("learn") == 1, programs
+    finally:
+        COMPILES.active = False
+        trainer.close()
+
+
+_MESH_SCRIPT = """
+import json
+import jax
+from jrl import experiment, settings, sharding
+from jrl.data.dataset import BatchIterator
+from jrl.trainer import RLTrainer
+from tests.sharding.runner import packed, tiny_mesh_config
+
+names = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: names.append(str(kw.get("fun_name")))
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+out = {}
+for algo, (data, fsdp, tensor), pack in [("grpo", (2, 2, 2), False), ("ppo", (4, 2, 1), True)]:
+    config = tiny_mesh_config(algo, 2)
+    config = packed(config) if pack else config
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+    config.trainer.parallel_compile = True
+    tok = experiment.build_tokenizer(config)
+    rows, val_rows = experiment.build_data(config, tok)
+    s = settings.from_config(config, stop_token_ids=tok.eos_token_ids,
+                             pad_token_id=tok.pad_token_id, num_train_rows=len(rows))
+    sharder = sharding.from_config(config)
+    model, params = experiment.build_model(config, tok, sharder)
+    scorer, _ = experiment.build_reward(config, s)
+    trainer = RLTrainer(s, model, params, tok, rows, val_rows, scorer, "WORKDIR", 0,
+                        sharder=sharder)
+    compiled = trainer.compile_programs(8)
+    names.clear()
+    trainer.train_step(BatchIterator(rows, s.train_batch_size, 0))
+    trainer.validate(8)
+    again = [n for n in names if any(p in n for p in ("generate", "forward", "learn"))]
+    out[algo] = dict(compiled=compiled, again=again)
+    trainer.close()
+print(json.dumps(out))
+"""
+
+
+def test_meshes_compile_none_of_the_step_programs_again(tmp_path):
+    # Shardings over data, fsdp and tensor (and token budgets), on 8 CPU devices.
+    result = run_script(_MESH_SCRIPT.replace("WORKDIR", str(tmp_path)), timeout=600)
+    for algo in ("grpo", "ppo"):
+        assert {"generate", "forward", "learn", "validate"} <= set(result[algo]["compiled"])
+        assert result[algo]["again"] == [], result
+
+
+def test_the_default_is_off_on_a_cpu_only(tmp_path):
+    trainer, _ = _trainer(tmp_path, {"trainer.parallel_compile": None})
+    try:
+        assert trainer.s.trainer.parallel_compile is None
+        assert (trainer.compile_programs() != []) == (jax.default_backend() != "cpu")
+    finally:
+        trainer.close()
 

@@ -7,11 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jrl import experiment, settings
 from jrl.data.dataset import BatchIterator
-from jrl.trainer import RLTrainer
 
-from .tiny import tiny_config
+from .tiny import tiny_trainer
 
 
 @pytest.mark.parametrize("overrides", [
@@ -21,16 +19,9 @@ from .tiny import tiny_config
      "trainer.critic_warmup": 2},  # PPO with a critic, a reference and both KL terms
 ])
 def test_step_runs_under_transfer_guard(tmp_path, overrides):
-    config = tiny_config(**overrides)
-    tokenizer = experiment.build_tokenizer(config)
-    rows, val_rows = experiment.build_data(config, tokenizer)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
-    model, params = experiment.build_model(config, tokenizer)
-    scorer, _ = experiment.build_reward(config, s)
-    trainer = RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(tmp_path), 0)
+    trainer = tiny_trainer(tmp_path, overrides)
     try:
-        iterator = BatchIterator(rows, s.train_batch_size, 0)
+        iterator = BatchIterator(trainer.train_rows, trainer.s.train_batch_size, 0)
         trainer.train_step(iterator)  # compiles (constants may move to the devices here)
         with jax.transfer_guard("disallow"):
             # The guard is on: an implicit transfer in this block is an error.

@@ -30,6 +30,22 @@ def tiny_config(**overrides):
     return apply_overrides(c, overrides)
 
 
+def tiny_trainer(workdir, overrides: dict, reward_fn=None):
+    """An `RLTrainer` of `tiny_config(**overrides)` in `workdir` (the config's reward
+    unless `reward_fn` is given)."""
+    from jrl import experiment, settings
+    from jrl.trainer import RLTrainer
+
+    config = tiny_config(**overrides)
+    tokenizer = experiment.build_tokenizer(config)
+    rows, val_rows = experiment.build_data(config, tokenizer)
+    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
+                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
+    model, params = experiment.build_model(config, tokenizer)
+    scorer = reward_fn or experiment.build_reward(config, s)[0]
+    return RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(workdir), 0)
+
+
 def tiny_hf_checkpoint(path):
     """A random tiny model of the char tokenizer's vocabulary saved in HF format at
     `path`; returns `(model config, params)`."""

@@ -149,10 +149,9 @@ def test_fit_compiles_the_validation_before_training_with_the_step(tmp_path):
 _MESH_SCRIPT = """
 import json
 import jax
-from jrl import experiment, settings, sharding
 from jrl.data.dataset import BatchIterator
-from jrl.trainer import RLTrainer
 from tests.sharding.runner import packed, tiny_mesh_config
+from tests.trainer.tiny import trainer_of
 
 names = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -164,18 +163,10 @@ for algo, (data, fsdp, tensor), pack in [("grpo", (2, 2, 2), False), ("ppo", (4,
     config = packed(config) if pack else config
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
     config.trainer.parallel_compile = True
-    tok = experiment.build_tokenizer(config)
-    rows, val_rows = experiment.build_data(config, tok)
-    s = settings.from_config(config, stop_token_ids=tok.eos_token_ids,
-                             pad_token_id=tok.pad_token_id, num_train_rows=len(rows))
-    sharder = sharding.from_config(config)
-    model, params = experiment.build_model(config, tok, sharder)
-    scorer, _ = experiment.build_reward(config, s)
-    trainer = RLTrainer(s, model, params, tok, rows, val_rows, scorer, "WORKDIR", 0,
-                        sharder=sharder)
+    trainer = trainer_of(config, "WORKDIR")
     compiled = trainer.compile_programs(8)
     names.clear()
-    trainer.train_step(BatchIterator(rows, s.train_batch_size, 0))
+    trainer.train_step(BatchIterator(trainer.train_rows, trainer.s.train_batch_size, 0))
     trainer.validate(8)
     again = [n for n in names if any(p in n for p in ("generate", "forward", "learn"))]
     out[algo] = dict(compiled=compiled, again=again)

@@ -31,19 +31,25 @@ def tiny_config(**overrides):
 
 
 def tiny_trainer(workdir, overrides: dict, reward_fn=None):
-    """An `RLTrainer` of `tiny_config(**overrides)` in `workdir` (the config's reward
-    unless `reward_fn` is given)."""
-    from jrl import experiment, settings
+    """An `RLTrainer` of `tiny_config(**overrides)` in `workdir` (see `trainer_of`)."""
+    return trainer_of(tiny_config(**overrides), workdir, reward_fn)
+
+
+def trainer_of(config, workdir, reward_fn=None):
+    """An `RLTrainer` of `config` in `workdir`, on the mesh `config.mesh` makes (the
+    config's reward unless `reward_fn` is given)."""
+    from jrl import experiment, settings, sharding
     from jrl.trainer import RLTrainer
 
-    config = tiny_config(**overrides)
     tokenizer = experiment.build_tokenizer(config)
     rows, val_rows = experiment.build_data(config, tokenizer)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
-    model, params = experiment.build_model(config, tokenizer)
+    sharder = sharding.from_config(config)
+    model, params = experiment.build_model(config, tokenizer, sharder)
     scorer = reward_fn or experiment.build_reward(config, s)[0]
-    return RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(workdir), 0)
+    return RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(workdir), 0,
+                     sharder=sharder)
 
 
 def tiny_hf_checkpoint(path):

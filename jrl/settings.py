@@ -58,15 +58,13 @@ def _number(key: str, value, *, allow_zero: bool = False, integer: bool = False)
     return int(value) if integer else value
 
 
-def _flag(key: str, value) -> bool:
+def _flag(key: str, value, automatic: bool = False) -> bool | None:
+    """`value`, a bool (or, with `automatic`, None: the key's automatic choice)."""
+    if automatic and value is None:
+        return value
     if not isinstance(value, bool):
-        _fail(key, f"must be True or False, got {value!r}")
-    return value
-
-
-def _optional_flag(key: str, value) -> bool | None:
-    if value is not None and not isinstance(value, bool):
-        _fail(key, f"must be True, False or None (automatic), got {value!r}")
+        valid = "True, False or None (automatic)" if automatic else "True or False"
+        _fail(key, f"must be {valid}, got {value!r}")
     return value
 
 
@@ -795,8 +793,8 @@ def _trainer(config) -> TrainerSettings:
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
                            rollout_data_dir=t.rollout_data_dir,
                            validation_data_dir=t.validation_data_dir,
-                           parallel_compile=_optional_flag("trainer.parallel_compile",
-                                                           t.get("parallel_compile")),
+                           parallel_compile=_flag("trainer.parallel_compile",
+                                                  t.get("parallel_compile"), automatic=True),
                            **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
 
 

@@ -29,6 +29,11 @@ class Compiles:
 COMPILES = Compiles()
 
 
+def _programs(names):
+    """Jitted functions' names as the events give them ("jit(learn)"), bare ("learn")."""
+    return [n.removeprefix("jit(").rstrip(")") for n in names]
+
+
 def _varied_reward(data_source, solution_str, ground_truth, extra_info=None):
     """Differs between random responses, so DAPO's groups vary and fill the batch."""
     del data_source, ground_truth, extra_info
@@ -74,11 +79,9 @@ def test_the_first_step_compiles_none_of_its_programs_again(tmp_path, overrides)
         assert ("generate_greedy" in compiled) == (overrides.get("algorithm.adv_estimator")
                                                    == "remax")
         # The rollout's, forward's and learn's programs compiled ahead, not in the step.
-        assert {"generate", "forward", "learn"} <= {n.removeprefix("jit(").rstrip(")")
-                                                    for n in ahead}
+        assert {"generate", "forward", "learn"} <= set(_programs(ahead))
         step_programs = {"generate", "forward", "learn", "generate_from"}
-        again = [n for n in COMPILES.names
-                 if n.removeprefix("jit(").rstrip(")") in step_programs]
+        again = [n for n in _programs(COMPILES.names) if n in step_programs]
         assert not again, f"compiled again in the step: {again}"
         assert np.isfinite(m["actor/pg_loss"])
         assert trainer.compile_programs() == []  # once
@@ -100,11 +103,6 @@ def test_the_first_step_is_the_same_with_and_without(tmp_path):
         assert metrics[0][key] == metrics[1][key], key
     # The compile's seconds, reported by the step they were spent for (on only).
     assert metrics[0]["timing_s/compile"] > 0 and "timing_s/compile" not in metrics[1]
-
-
-
-def _programs(names):
-    return [n.removeprefix("jit(").rstrip(")") for n in names]
 
 
 def test_remax_greedy_and_validation_rollouts_of_one_shape(tmp_path):
@@ -190,4 +188,3 @@ def test_the_default_is_off_on_a_cpu_only(tmp_path):
         assert (trainer.compile_programs() != []) == (jax.default_backend() != "cpu")
     finally:
         trainer.close()
-

@@ -15,9 +15,10 @@
 #                  heuristics, no kernel autotuning): how much of a compile is autotuning
 #   grpo_notriton  grpo_parallel with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (every
 #                  matmul on cuBLAS, as the sampler's program already is)
-#   grpo_llvm_parallel   grpo_parallel with XLA_FLAGS=
-#                  --xla_gpu_enable_llvm_module_compilation_parallelism=true (XLA splits a
-#                  program's LLVM module and compiles the parts in threads; off by default)
+#   grpo_threads   grpo_parallel with XLA_FLAGS=--xla_gpu_force_compilation_parallelism=16
+#                  (a thread per core of the device machine for XLA's code generation;
+#                  0, the default, leaves it to XLA). jaxlib 0.11.2 no longer knows
+#                  --xla_gpu_enable_llvm_module_compilation_parallelism
 # Each run prints the first step's wall time and its programs' trace / lower / compile
 # seconds (bench_rl_step.py), and any rematerialization warning XLA gave. Needs wheels/
 # beside the tree; BUDGET_S (default 560) caps the whole call.
@@ -50,7 +51,7 @@ for name in "${runs[@]}"; do
       args=(--algo grpo "${TUNED[@]}") ;;
     grpo_notriton) env=(XLA_FLAGS=--xla_gpu_enable_triton_gemm=false)
       args=(--algo grpo "${TUNED[@]}") ;;
-    grpo_llvm_parallel) env=(XLA_FLAGS=--xla_gpu_enable_llvm_module_compilation_parallelism=true)
+    grpo_threads) env=(XLA_FLAGS=--xla_gpu_force_compilation_parallelism=16)
       args=(--algo grpo "${TUNED[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac

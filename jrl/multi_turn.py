@@ -52,7 +52,15 @@ from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
-from jrl.rollout import SamplingConfig, _prefill, jit_sampler, per_layer, row_keys, sample_tokens
+from jrl.rollout import (
+    SamplingConfig,
+    _prefill,
+    decoding_mask,
+    jit_sampler,
+    per_layer,
+    row_keys,
+    sample_tokens,
+)
 from jrl.sharding import constrain
 
 Params = Mapping[str, Any]
@@ -127,8 +135,11 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
         feed = state.active
         key_mask = lax.dynamic_update_slice_in_dim(
             state.key_mask, feed[:, None].astype(state.key_mask.dtype), state.slot, axis=1)
+        # A row not decoding (its turn ended, or it waits for the next segment) has its
+        # outputs discarded.
+        attended = decoding_mask(key_mask, state.slot, feed)
         hidden, cache = forward(params, state.last_tokens[:, None], state.positions[:, None],
-                                key_mask, state.cache, state.slot, config=config)
+                                attended, state.cache, state.slot, config=config)
         logits = constrain(unembed(params, hidden[:, 0]), ("batch", None))
         state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + 1,
                               positions=state.positions + feed)

@@ -549,20 +549,31 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
 
     The token sampled at step i-1 goes to slot `P + i - 1` (shared by all rows) at
     RoPE position `prompt_lengths + i - 1`. Rows that have stopped are fed their
-    pad token too; their outputs are discarded.
+    pad token too and attend to the new slot alone (`decoding_mask`), so attention
+    costs follow the rows still running between the batch sizes the loop compacts to
+    (`decode_buckets`).
     """
     slot = prompt_len + state.step - 1
     num_rows = state.last_tokens.shape[0]
     key_mask = lax.dynamic_update_slice_in_dim(
         state.key_mask, jnp.ones((num_rows, 1), state.key_mask.dtype), slot, axis=1
     )
+    attended = decoding_mask(key_mask, slot, ~state.done)
     positions = (state.prompt_lengths + state.step - 1)[:, None]
     hidden_n1d, cache = forward(
-        params, state.last_tokens[:, None], positions, key_mask, state.cache, slot,
+        params, state.last_tokens[:, None], positions, attended, state.cache, slot,
         config=config,
     )
     logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
     return logits_nv, state.replace(cache=cache, key_mask=key_mask)
+
+
+def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
+    """The mask `[N, S]` a decode step attends with: `key_mask` for the `running` rows,
+    the new `slot` alone for the others, whose outputs are discarded; a decode kernel
+    then reads one block of such a row's cache instead of all its filled ones."""
+    only_new = (jnp.arange(key_mask.shape[1]) == slot).astype(key_mask.dtype)
+    return jnp.where(running[:, None], key_mask, only_new[None, :])
 
 
 def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:

@@ -96,6 +96,44 @@ def test_log_probs_of_the_whole_row_equal_the_samplers_turn_by_turn(monkeypatch,
                                atol=1e-5, rtol=0)
 
 
+def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
+    """In a segment's decode steps a row whose turn has ended (or that waits) gets a mask
+    of the new slot alone, so the decode kernels read one block of its cache; a row
+    still decoding has the new slot among its others. Without the one-slot mask an idle
+    row's new slot would be masked out."""
+    config = _tiny_model()
+    params = init_params(config, jax.random.key(1))
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    seen = []
+    forward = multi_turn.forward
+
+    def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
+        if tokens.shape[1] == 1:  # a decode step (the prefill and tool blocks feed more)
+            jax.debug.callback(lambda m, w: seen.append((np.asarray(m), int(w))),
+                               key_mask, write_index)
+        return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
+
+    monkeypatch.setattr(multi_turn, "forward", recording)
+    sampling = SamplingConfig(n=2, max_new_tokens=80, stop_token_ids=(CHAR.eos_token_id,),
+                              pad_token_id=CHAR.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=4, max_user_turns=4,
+                                    max_tool_response_tokens=24,
+                                    turn_stop_ids=tuple(CHAR.encode("aeiou\n")))
+    ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: "], 24)
+    multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling, config=config,
+                        tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+    jax.effects_barrier()
+    assert seen
+    idle = 0
+    for key_mask, slot in seen:
+        np.testing.assert_array_equal(key_mask[:, slot], 1, err_msg=f"slot {slot}")
+        alone = key_mask.sum(axis=1) == 1
+        idle += int(alone.sum())
+        assert np.all(key_mask[~alone].sum(axis=1) > 1)
+    assert idle > 0  # some rows waited while others decoded
+
+
 def _runs(flags):
     """(start, end) of each run of True in `flags`."""
     edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))

@@ -199,6 +199,40 @@ def test_stop_tokens(small_params, prompts, greedy_reference):
     assert_well_formed(out, forced)
 
 
+def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greedy_reference,
+                                                    monkeypatch):
+    """A decode step gives a row that has stopped a mask of the new slot alone (so the
+    decode kernels read one block of its cache), and a running row its prompt and every
+    token up to the new one."""
+    ids, mask = prompts
+    num_new, prompt_len = 8, ids.shape[1]
+    stops, lengths = pick_stop_tokens(greedy_reference, num_new)
+    seen = []
+    forward = rollout.forward
+
+    def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
+        if tokens.shape[1] == 1:  # a decode step (the prefill feeds the prompts)
+            jax.debug.callback(lambda m, w: seen.append((np.asarray(m), int(w))),
+                               key_mask, write_index)
+        return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
+
+    monkeypatch.setattr(rollout, "forward", recording)
+    sampling = SamplingConfig(max_new_tokens=num_new, do_sample=False, stop_token_ids=stops)
+    out = rollout.generate(small_params, ids, mask, jax.random.key(0), sampling, config=SMALL)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(out.response_lengths, lengths)
+    assert len(seen) == num_new - 1, len(seen)  # steps 1 .. R-1 (step 0 is the prefill's)
+    for key_mask, slot in sorted(seen, key=lambda x: x[1]):
+        step = slot - prompt_len + 1  # the response token this step samples
+        num_slots = key_mask.shape[1]
+        only_new = (np.arange(num_slots) == slot)[None]
+        running = np.pad(mask, ((0, 0), (0, num_slots - prompt_len)))
+        running[:, prompt_len:slot + 1] = 1
+        want = np.where((lengths <= step)[:, None], only_new, running)
+        np.testing.assert_array_equal(key_mask, want, err_msg=f"decode step {step}")
+    assert seen and any((lengths <= s - prompt_len + 1).any() for _, s in seen)
+
+
 def expected_distribution(logits, sampling):
     """Sampling distribution by the sort-based definition (HF / vLLM), in float64."""
     z = logits.astype(np.float64) / sampling.temperature

@@ -97,24 +97,32 @@ def test_log_probs_of_the_whole_row_equal_the_samplers_turn_by_turn(monkeypatch,
 
 
 def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
-    """In a segment's decode steps a row whose turn has ended (or that waits) gets a mask
-    of the new slot alone, so the decode kernels read one block of its cache; a row
-    still decoding has the new slot among its others. Without the one-slot mask an idle
-    row's new slot would be masked out."""
+    """In a segment's decode steps the forward gets, for a row not decoding (its turn
+    ended, or it waits), a mask of the new slot alone, so the decode kernels read one
+    block of its cache; a decoding row keeps its own mask (its filled slots and the new
+    one)."""
     config = _tiny_model()
     params = init_params(config, jax.random.key(1))
     monkeypatch.setattr(tools_lib, "parse_tool_calls",
                         lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
-    seen = []
-    forward = multi_turn.forward
+    kept, attended = {}, {}
+    forward, decoding_mask = multi_turn.forward, multi_turn.decoding_mask
+
+    def recording_mask(key_mask, slot, running):
+        jax.debug.callback(lambda m, s, r: kept.__setitem__(int(s), (np.asarray(m),
+                                                                     np.asarray(r))),
+                           key_mask, slot, running)
+        return decoding_mask(key_mask, slot, running)
 
     def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
         if tokens.shape[1] == 1:  # a decode step (the prefill and tool blocks feed more)
-            jax.debug.callback(lambda m, w: seen.append((np.asarray(m), int(w))),
+            jax.debug.callback(lambda m, w: attended.__setitem__(int(w), np.asarray(m)),
                                key_mask, write_index)
         return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
 
     monkeypatch.setattr(multi_turn, "forward", recording)
+    monkeypatch.setattr(multi_turn, "decoding_mask", recording_mask)
+    jax.clear_caches()  # so that the programs are traced with the recording functions
     sampling = SamplingConfig(n=2, max_new_tokens=80, stop_token_ids=(CHAR.eos_token_id,),
                               pad_token_id=CHAR.pad_token_id)
     mt = multi_turn.MultiTurnConfig(max_assistant_turns=4, max_user_turns=4,
@@ -124,13 +132,15 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
     multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling, config=config,
                         tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
     jax.effects_barrier()
-    assert seen
+    assert attended and sorted(attended) == sorted(kept)  # one mask a decode step
     idle = 0
-    for key_mask, slot in seen:
-        np.testing.assert_array_equal(key_mask[:, slot], 1, err_msg=f"slot {slot}")
-        alone = key_mask.sum(axis=1) == 1
-        idle += int(alone.sum())
-        assert np.all(key_mask[~alone].sum(axis=1) > 1)
+    for slot, got in attended.items():
+        key_mask, running = kept[slot]
+        only_new = np.arange(got.shape[1]) == slot
+        np.testing.assert_array_equal(got[~running], np.broadcast_to(only_new, got[~running].shape))
+        np.testing.assert_array_equal(got[running], key_mask[running])
+        assert np.all(got[running].sum(axis=1) > 1) and np.all(got[running][:, slot] == 1)
+        idle += int((~running).sum())
     assert idle > 0  # some rows waited while others decoded
 
 

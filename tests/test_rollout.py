@@ -16,6 +16,7 @@ from jrl import rollout
 from jrl.models import ModelConfig, forward_logits, init_params, positions_from_mask
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
+from tests.markers import NEEDS_TRITON
 
 # A small Qwen2-style model whose random logits are spread out (large init), so that
 # greedy argmaxes are not near-ties and cached vs uncached rounding cannot flip them.
@@ -207,6 +208,7 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
     ids, mask = prompts
     num_new, prompt_len = 8, ids.shape[1]
     stops, lengths = pick_stop_tokens(greedy_reference, num_new)
+    jax.clear_caches()  # so that the sampler is traced with the recording forward
     seen = []
     forward = rollout.forward
 
@@ -231,6 +233,38 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
         want = np.where((lengths <= step)[:, None], only_new, running)
         np.testing.assert_array_equal(key_mask, want, err_msg=f"decode step {step}")
     assert seen and any((lengths <= s - prompt_len + 1).any() for _, s in seen)
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=NEEDS_TRITON)])
+def test_stopped_rows_mask_changes_no_rollout(monkeypatch, impl):
+    """Stopped rows attending to their new slot alone (`decoding_mask`) changes no token,
+    log-prob or length against their attending to the whole cache, with and without
+    compaction, on the XLA path and the Triton kernel (interpret mode off a GPU)."""
+    config = dataclasses.replace(SMALL, head_dim=16, decode_attention_impl=impl)
+    params = random_params(config, 0)
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
+    traced = []
+
+    def whole_cache(key_mask, slot, running):
+        traced.append(slot)
+        return key_mask
+
+    for buckets in (1, 3):
+        sampling = SamplingConfig(n=2, max_new_tokens=12, temperature=1.2,
+                                  stop_token_ids=tuple(range(2, 9)), decode_buckets=buckets)
+        run = lambda sampling=sampling: rollout.generate(params, ids, mask, jax.random.key(1),
+                                                         sampling, config=config)
+        jax.clear_caches()
+        got = run()
+        lengths = np.asarray(got.response_lengths)
+        assert len(set(lengths)) > 3 and lengths.min() < 4, lengths  # rows stop early
+        with monkeypatch.context() as patch:
+            patch.setattr(rollout, "decoding_mask", whole_cache)
+            jax.clear_caches()
+            want = run()
+        assert traced, "the sampler was not traced with the whole-cache mask"
+        traced.clear()
+        chex.assert_trees_all_equal(got, want)
 
 
 def expected_distribution(logits, sampling):

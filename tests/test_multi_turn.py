@@ -16,6 +16,7 @@ from jrl.models import ModelConfig, init_params
 from jrl.rollout import SamplingConfig
 from tests import char_tokenizer
 from tests.markers import NEEDS_TRITON
+from tests.tracing import retrace
 
 CHAR = CharTokenizer()
 
@@ -122,7 +123,7 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
 
     monkeypatch.setattr(multi_turn, "forward", recording)
     monkeypatch.setattr(multi_turn, "decoding_mask", recording_mask)
-    jax.clear_caches()  # so that the programs are traced with the recording functions
+    retrace(monkeypatch, multi_turn)  # traced with the recording functions
     sampling = SamplingConfig(n=2, max_new_tokens=80, stop_token_ids=(CHAR.eos_token_id,),
                               pad_token_id=CHAR.pad_token_id)
     mt = multi_turn.MultiTurnConfig(max_assistant_turns=4, max_user_turns=4,

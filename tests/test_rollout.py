@@ -17,6 +17,7 @@ from jrl.models import ModelConfig, forward_logits, init_params, positions_from_
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
 from tests.markers import NEEDS_TRITON
+from tests.tracing import retrace
 
 # A small Qwen2-style model whose random logits are spread out (large init), so that
 # greedy argmaxes are not near-ties and cached vs uncached rounding cannot flip them.
@@ -208,7 +209,7 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
     ids, mask = prompts
     num_new, prompt_len = 8, ids.shape[1]
     stops, lengths = pick_stop_tokens(greedy_reference, num_new)
-    jax.clear_caches()  # so that the sampler is traced with the recording forward
+    retrace(monkeypatch, rollout)  # traced with the recording forward, not read from a cache
     seen = []
     forward = rollout.forward
 
@@ -249,18 +250,17 @@ def test_stopped_rows_mask_changes_no_rollout(monkeypatch, impl):
         traced.append(slot)
         return key_mask
 
+    retrace(monkeypatch, rollout)  # each generate traced anew, through the patch or not
     for buckets in (1, 3):
         sampling = SamplingConfig(n=2, max_new_tokens=12, temperature=1.2,
                                   stop_token_ids=tuple(range(2, 9)), decode_buckets=buckets)
         run = lambda sampling=sampling: rollout.generate(params, ids, mask, jax.random.key(1),
                                                          sampling, config=config)
-        jax.clear_caches()
         got = run()
         lengths = np.asarray(got.response_lengths)
         assert len(set(lengths)) > 3 and lengths.min() < 4, lengths  # rows stop early
         with monkeypatch.context() as patch:
             patch.setattr(rollout, "decoding_mask", whole_cache)
-            jax.clear_caches()
             want = run()
         assert traced, "the sampler was not traced with the whole-cache mask"
         traced.clear()

@@ -16,7 +16,7 @@ from jrl.models import ModelConfig, init_params
 from jrl.rollout import SamplingConfig
 from tests import char_tokenizer
 from tests.markers import NEEDS_TRITON
-from tests.tracing import retrace
+from tests.tracing import decode_masks
 
 CHAR = CharTokenizer()
 
@@ -106,8 +106,7 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
     params = init_params(config, jax.random.key(1))
     monkeypatch.setattr(tools_lib, "parse_tool_calls",
                         lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
-    kept, attended = {}, {}
-    forward, decoding_mask = multi_turn.forward, multi_turn.decoding_mask
+    kept, decoding_mask = {}, multi_turn.decoding_mask
 
     def recording_mask(key_mask, slot, running):
         jax.debug.callback(lambda m, s, r: kept.__setitem__(int(s), (np.asarray(m),
@@ -115,15 +114,8 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
                            key_mask, slot, running)
         return decoding_mask(key_mask, slot, running)
 
-    def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
-        if tokens.shape[1] == 1:  # a decode step (the prefill and tool blocks feed more)
-            jax.debug.callback(lambda m, w: attended.__setitem__(int(w), np.asarray(m)),
-                               key_mask, write_index)
-        return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
-
-    monkeypatch.setattr(multi_turn, "forward", recording)
     monkeypatch.setattr(multi_turn, "decoding_mask", recording_mask)
-    retrace(monkeypatch, multi_turn)  # traced with the recording functions
+    attended = decode_masks(monkeypatch, multi_turn)  # what each decode step's forward got
     sampling = SamplingConfig(n=2, max_new_tokens=80, stop_token_ids=(CHAR.eos_token_id,),
                               pad_token_id=CHAR.pad_token_id)
     mt = multi_turn.MultiTurnConfig(max_assistant_turns=4, max_user_turns=4,

@@ -17,7 +17,7 @@ from jrl.models import ModelConfig, forward_logits, init_params, positions_from_
 from jrl.rollout import SamplingConfig
 from tests.eight_devices import run_script
 from tests.markers import NEEDS_TRITON
-from tests.tracing import retrace
+from tests.tracing import decode_masks, retrace
 
 # A small Qwen2-style model whose random logits are spread out (large init), so that
 # greedy argmaxes are not near-ties and cached vs uncached rounding cannot flip them.
@@ -209,23 +209,13 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
     ids, mask = prompts
     num_new, prompt_len = 8, ids.shape[1]
     stops, lengths = pick_stop_tokens(greedy_reference, num_new)
-    retrace(monkeypatch, rollout)  # traced with the recording forward, not read from a cache
-    seen = []
-    forward = rollout.forward
-
-    def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
-        if tokens.shape[1] == 1:  # a decode step (the prefill feeds the prompts)
-            jax.debug.callback(lambda m, w: seen.append((np.asarray(m), int(w))),
-                               key_mask, write_index)
-        return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
-
-    monkeypatch.setattr(rollout, "forward", recording)
+    seen = decode_masks(monkeypatch, rollout)
     sampling = SamplingConfig(max_new_tokens=num_new, do_sample=False, stop_token_ids=stops)
     out = rollout.generate(small_params, ids, mask, jax.random.key(0), sampling, config=SMALL)
     jax.effects_barrier()
     np.testing.assert_array_equal(out.response_lengths, lengths)
     assert len(seen) == num_new - 1, len(seen)  # steps 1 .. R-1 (step 0 is the prefill's)
-    for key_mask, slot in sorted(seen, key=lambda x: x[1]):
+    for slot, key_mask in sorted(seen.items()):
         step = slot - prompt_len + 1  # the response token this step samples
         num_slots = key_mask.shape[1]
         only_new = (np.arange(num_slots) == slot)[None]
@@ -233,7 +223,7 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
         running[:, prompt_len:slot + 1] = 1
         want = np.where((lengths <= step)[:, None], only_new, running)
         np.testing.assert_array_equal(key_mask, want, err_msg=f"decode step {step}")
-    assert seen and any((lengths <= s - prompt_len + 1).any() for _, s in seen)
+    assert any((lengths <= s - prompt_len + 1).any() for s in seen)
 
 
 @pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=NEEDS_TRITON)])

@@ -2,6 +2,9 @@
 
 import functools
 
+import jax
+import numpy as np
+
 
 def retrace(monkeypatch, module):
     """Makes every program `module.jit_sampler` jits trace afresh at each call (JAX keeps
@@ -16,3 +19,21 @@ def retrace(monkeypatch, module):
         return jit_sampler(call, sampling, **jit_kwargs)
 
     monkeypatch.setattr(module, "jit_sampler", fresh)
+
+
+def decode_masks(monkeypatch, module) -> dict:
+    """Patches `module.forward` to record the mask of every decode step (one token a
+    row; the prefill and multi-turn blocks feed more) in the returned dict, by its write
+    slot, as the program runs (read it after `jax.effects_barrier()`); with `retrace`,
+    so the programs are traced through the patch."""
+    masks, forward = {}, module.forward
+
+    def recording(params, tokens, positions, key_mask, cache, write_index, **kw):
+        if tokens.shape[1] == 1:
+            jax.debug.callback(lambda m, w: masks.__setitem__(int(w), np.asarray(m)),
+                               key_mask, write_index)
+        return forward(params, tokens, positions, key_mask, cache, write_index, **kw)
+
+    monkeypatch.setattr(module, "forward", recording)
+    retrace(monkeypatch, module)
+    return masks

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import experiment, logprobs, settings, sharding
+from jrl import logprobs
 from jrl.errors import ConfigError
 from jrl.models import lora
 from jrl.train import run
 from jrl.trainer import RLTrainer
 
 from .test_resume import _final_state, _metrics
-from .tiny import tiny_config, tiny_hf_checkpoint
+from .tiny import tiny_config, tiny_hf_checkpoint, trainer_parts
 
 _LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "actor.optim.lr": 1e-2,
          "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.01}
@@ -51,7 +51,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(tmp_path):
 
 def test_trainer_keeps_one_base_and_its_reference_log_probs_are_the_base_models(tmp_path):
     config = tiny_config(**_LORA)
-    s, model, params, tokenizer, sharder = _build(config)
+    s, model, params, tokenizer, _, _, sharder = trainer_parts(config)
     trainer = RLTrainer(s, model, params, tokenizer, [], [], lambda *a, **k: 0.0,
                         str(tmp_path), 0, sharder=sharder)
     try:
@@ -77,16 +77,6 @@ def test_trainer_keeps_one_base_and_its_reference_log_probs_are_the_base_models(
         trainer.close()
 
 
-def _build(config):
-    tokenizer = experiment.build_tokenizer(config)
-    train_rows, _ = experiment.build_data(config, tokenizer)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
-    sharder = sharding.from_config(config)
-    model, params = experiment.build_model(config, tokenizer, sharder)
-    return s, model, params, tokenizer, sharder
-
-
 def test_resume_with_lora_is_bit_identical(tmp_path):
     config = tiny_config(**_LORA, **{"trainer.total_training_steps": 4,
                                      "trainer.save_freq": 2, "trainer.test_freq": 2})
@@ -106,7 +96,7 @@ def test_resume_with_lora_is_bit_identical(tmp_path):
 def test_bad_lora_keys_are_named(tmp_path, key, value, message):
     config = tiny_config(**{**_LORA, key: value})
     with pytest.raises(ConfigError, match=message):
-        _build(config)
+        trainer_parts(config)
 
 
 def test_lora_run_from_a_hf_checkpoint_exports_merged_weights_and_a_peft_adapter(tmp_path):

@@ -35,11 +35,11 @@ def tiny_trainer(workdir, overrides: dict, reward_fn=None):
     return trainer_of(tiny_config(**overrides), workdir, reward_fn)
 
 
-def trainer_of(config, workdir, reward_fn=None):
-    """An `RLTrainer` of `config` in `workdir`, on the mesh `config.mesh` makes (the
-    config's reward unless `reward_fn` is given)."""
+def trainer_parts(config):
+    """What an `RLTrainer` of `config` is built from: `(settings, model, params,
+    tokenizer, train rows, validation rows, sharder)`, on the mesh `config.mesh` makes;
+    a bad key raises here, before any trainer exists."""
     from jrl import experiment, settings, sharding
-    from jrl.trainer import RLTrainer
 
     tokenizer = experiment.build_tokenizer(config)
     rows, val_rows = experiment.build_data(config, tokenizer)
@@ -47,6 +47,16 @@ def trainer_of(config, workdir, reward_fn=None):
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
     sharder = sharding.from_config(config)
     model, params = experiment.build_model(config, tokenizer, sharder)
+    return s, model, params, tokenizer, rows, val_rows, sharder
+
+
+def trainer_of(config, workdir, reward_fn=None):
+    """An `RLTrainer` of `config` in `workdir`, on the mesh `config.mesh` makes (the
+    config's reward unless `reward_fn` is given)."""
+    from jrl import experiment
+    from jrl.trainer import RLTrainer
+
+    s, model, params, tokenizer, rows, val_rows, sharder = trainer_parts(config)
     scorer = reward_fn or experiment.build_reward(config, s)[0]
     return RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(workdir), 0,
                      sharder=sharder)

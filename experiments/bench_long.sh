@@ -12,8 +12,8 @@
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with
 #                   the settings it was measured at (--micro_batch 8 --remat dots_saveable)
 #   before_natural  likewise with the uniform lengths (needs a before/ that has the flag)
-#   natural_before  natural (token-budget micro-batches, uniform lengths) in before/: this
-#                   tree's natural run on an earlier commit, same settings
+#   natural_before / forced_before   natural / forced (token-budget micro-batches) in
+#                   before/: this tree's runs on an earlier commit, same settings
 #   short / before_short   the docs/performance.md workload (64 x 8, P128 / R256), GRPO
 #   short_packed    that workload with token-budget micro-batches
 #   profile         forced, one traced step after the compile: where the time goes
@@ -120,6 +120,7 @@ for name in "$@"; do
     before_natural) run before_natural "$ROOT/before" "${LONG_RUN[@]}" --micro_batch 8 \
                       --remat dots_saveable "${NATURAL[@]}" ;;
     natural_before) run "$name" "$ROOT/before" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
+    forced_before) run "$name" "$ROOT/before" "${LONG_RUN[@]}" --dynamic_bsz ;;
     short) run "$name" "$ROOT" "${SHORT_RUN[@]}" ;;
     short_packed) run short_packed "$ROOT" "${SHORT[@]}" --dynamic_bsz ;;
     profile_short) run profile_short "$ROOT" "${SHORT[@]}" --dynamic_bsz --steps 0 \

@@ -21,9 +21,9 @@ from jrl.models import ModelConfig, init_params, lora, transformer
 from jrl.train import run
 from jrl.trainer import RLTrainer
 
-from .test_lora import _LORA, _build
+from .test_lora import _LORA
 from .test_resume import _final_state, _metrics
-from .tiny import tiny_config, tiny_hf_checkpoint
+from .tiny import tiny_config, tiny_hf_checkpoint, trainer_parts
 
 # The critic's adapters target other projections, with another rank and alpha, than the
 # actor's (all-linear, r = 4, alpha = 8): the critic's own settings must be the ones used.
@@ -95,7 +95,7 @@ def _random_rollout(vocab, batch=4, prompt_len=4, response_len=3, seed=0):
 
 def test_critic_lora_state_is_adapters_and_a_value_head_on_the_frozen_base(tmp_path):
     config = tiny_config(**_CRITIC)
-    s, model, params, tokenizer, sharder = _build(config)
+    s, model, params, tokenizer, _, _, sharder = trainer_parts(config)
     assert s.critic.lora_rank == 2 and s.critic.lora_alpha == 4.0
     assert s.critic.lora_targets == _CRITIC_TARGETS
     critic_model = step.critic_model(model, s)
@@ -154,7 +154,7 @@ def test_critic_lora_state_is_adapters_and_a_value_head_on_the_frozen_base(tmp_p
 
 def test_a_short_run_moves_the_critic_adapters_and_head_not_the_base(tmp_path):
     config = tiny_config(**_CRITIC)
-    s, model, params, tokenizer, sharder = _build(config)
+    s, model, params, tokenizer, _, _, sharder = trainer_parts(config)
     train_rows, _ = experiment.build_data(config, tokenizer)
     trainer = RLTrainer(s, model, params, tokenizer, train_rows, [], _score, str(tmp_path), 0,
                         sharder=sharder)
@@ -427,7 +427,7 @@ def test_build_model_reads_a_lora_base_in_the_compute_dtype(tmp_path):
 
 def test_trainer_keeps_a_bfloat16_base_and_float32_adapters_for_actor_and_critic(tmp_path):
     config = tiny_config(**_CRITIC, **{"model.dtype": "bfloat16"})
-    s, model, params, tokenizer, sharder = _build(config)
+    s, model, params, tokenizer, _, _, sharder = trainer_parts(config)
     base, _ = lora.split(params)
     trainer = RLTrainer(s, model, params, tokenizer, [], [], _score, str(tmp_path), 0,
                         sharder=sharder)

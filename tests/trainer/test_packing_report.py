@@ -5,12 +5,11 @@ import pytest
 
 from jrl.trainer import RLTrainer
 
-from .test_lora import _build
-from .tiny import tiny_config
+from .tiny import tiny_config, trainer_parts
 
 
 def _report(tmp_path, **overrides):
-    s, model, params, tokenizer, sharder = _build(tiny_config(**overrides))
+    s, model, params, tokenizer, _, _, sharder = trainer_parts(tiny_config(**overrides))
     trainer = RLTrainer(s, model, params, tokenizer, [], [], lambda *a, **k: 0.0,
                         str(tmp_path), 0, sharder=sharder)
     try:

@@ -15,6 +15,7 @@
 #   natural_before / forced_before   natural / forced (token-budget micro-batches) in
 #                   before/: this tree's runs on an earlier commit, same settings
 #   short / before_short   the docs/performance.md workload (64 x 8, P128 / R256), GRPO
+#   short_natural / before_short_natural   the same with stop ids (--stop_prob 0.004)
 #   short_packed    that workload with token-budget micro-batches
 #   profile         forced, one traced step after the compile: where the time goes
 #   decode_kernel   the decode kernel alone at the batch sizes the decode loop compacts to
@@ -127,6 +128,8 @@ for name in "$@"; do
                      --trace_dir /tmp/trace_short ;;
     profile) run profile "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --steps 0 --trace_dir /tmp/trace ;;
     before_short) run before_short "$ROOT/before" "${SHORT[@]}" ;;
+    short_natural) run "$name" "$ROOT" "${SHORT_RUN[@]}" --natural_stops --stop_prob 0.004 ;;
+    before_short_natural) run "$name" "$ROOT/before" "${SHORT[@]}" --natural_stops --stop_prob 0.004 ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac
 done

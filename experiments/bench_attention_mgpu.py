@@ -7,8 +7,9 @@ its backward not causal) against cuDNN on the same tokens, one layer's heads.
 Shapes: rows x tokens at the Qwen2.5-0.5B heads (14 query, 2 key/value, 64 wide) and
 the 7B heads (28, 4, 128), float16. Causal: cuDNN forward alone and forward with
 backward, the Mosaic GPU kernel forward alone over a few of its tunings. Not causal
-(where the Mosaic GPU kernel has a backward): both forward with backward. Outputs are
-compared with cuDNN's. TFLOP/s counts the causal half of QK^T and PV when causal (a
+(where the Mosaic GPU kernel has a backward): both forward with backward, timed only.
+The kernel applies no softmax scale, so it gets q scaled by 1/sqrt(head_dim); its causal
+output is compared with cuDNN's. TFLOP/s counts the causal half of QK^T and PV when causal (a
 backward as 2.5 forwards more). Times are wall-clock medians of 10 calls.
 """
 

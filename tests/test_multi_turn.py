@@ -101,7 +101,7 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
     """In a segment's decode steps the forward gets, for a row not decoding (its turn
     ended, or it waits), a mask of the new slot alone, so the decode kernels read one
     block of its cache; a decoding row keeps its own mask (its filled slots and the new
-    one)."""
+    one). The rollout is the one every row's own mask gives."""
     config = _tiny_model()
     params = init_params(config, jax.random.key(1))
     monkeypatch.setattr(tools_lib, "parse_tool_calls",
@@ -122,8 +122,12 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
                                     max_tool_response_tokens=24,
                                     turn_stop_ids=tuple(CHAR.encode("aeiou\n")))
     ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: "], 24)
-    multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling, config=config,
-                        tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+    def run():
+        return multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling,
+                                   config=config, tokenizer=CHAR,
+                                   tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+
+    out = run()
     jax.effects_barrier()
     assert attended and sorted(attended) == sorted(kept)  # one mask a decode step
     idle = 0
@@ -135,6 +139,18 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
         assert np.all(got[running].sum(axis=1) > 1) and np.all(got[running][:, slot] == 1)
         idle += int((~running).sum())
     assert idle > 0  # some rows waited while others decoded
+    # Their outputs are discarded: with every row's own mask the rollout is the same.
+    traced = []
+
+    def own_mask(key_mask, slot, running):
+        traced.append(slot)
+        return key_mask
+
+    monkeypatch.setattr(multi_turn, "decoding_mask", own_mask)
+    plain = run()
+    assert traced  # the programs were traced afresh through the patch
+    for field in ("responses", "attention_mask", "rollout_log_probs"):
+        np.testing.assert_array_equal(getattr(plain, field), getattr(out, field), err_msg=field)
 
 
 def _runs(flags):

@@ -514,13 +514,26 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0).astype(c.dtype), _HIDDEN)
     sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
     mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
-    layer = DecoderLayer(c)
+
+    # One jitted function for every layer, made afresh for this trace: traced and
+    # lowered once per call of `_cached_forward` instead of once per layer (the
+    # sampler's decode buckets each trace a decode step), called with the layer's own
+    # cache buffers as a one-layer cache; XLA inlines the calls, so the program is the
+    # same. Fresh, so that no trace outlives the mesh (`constrain`) it was made under.
+    @jax.jit
+    def apply_layer(layer_params, x_btd, one_layer, sin_btk, cos_btk, mask_b1ts, write_index):
+        (x_btd, one_layer), _ = DecoderLayer(c).apply(
+            {"params": layer_params}, (x_btd, one_layer), 0, sin_btk, cos_btk, mask_b1ts,
+            write_index)
+        return x_btd, one_layer
+
     stacked = not isinstance(params["layers"], (list, tuple))
     for i in range(c.num_layers):
         layer_params = (jax.tree.map(lambda w, i=i: w[i], params["layers"]) if stacked
                         else params["layers"][i])
-        (x_btd, cache), _ = layer.apply({"params": layer_params}, (x_btd, cache), i,
-                                        sin_btk, cos_btk, mask_b1ts, write_index)
+        x_btd, one_layer = apply_layer(layer_params, x_btd, cache.replace(
+            k=(cache.k[i],), v=(cache.v[i],)), sin_btk, cos_btk, mask_b1ts, write_index)
+        cache = cache.replace_layer(i, *one_layer.layer(0))
     final_norm = RMSNorm(c.rms_norm_eps, "embed", c.dtype, c.param_dtype)
     return final_norm.apply({"params": params["final_norm"]}, x_btd), cache
 

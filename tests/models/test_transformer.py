@@ -17,6 +17,7 @@ from jrl.models import (
     ModelConfig,
     RopeScaling,
     forward,
+    init_cache,
     init_critic_params,
     init_params,
     param_logical_axes,
@@ -170,6 +171,22 @@ def test_unrolled_layers_lower_without_a_loop(tiny):
         c = dataclasses.replace(config, remat="dots_saveable", scan_unroll=unroll)
         hlo = _grad.lower(params, tokens, mask, c).as_text()
         assert ("stablehlo.while" in hlo) != unroll, f"scan_unroll={unroll}"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])  # a decode step, a prefill
+def test_a_forward_with_a_cache_traces_one_layer_for_all(num_tokens):
+    """The layers of a forward with a cache are L calls of one jitted layer, traced
+    once (the sampler traces a decode step per decode bucket, 24+ layers each)."""
+    config = dataclasses.replace(PRESETS["tiny"], num_layers=3)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: init_cache(config, 2, 8))
+    tokens = jnp.zeros((2, num_tokens), jnp.int32)
+    jaxpr = jax.make_jaxpr(functools.partial(forward, config=config))(
+        params, tokens, tokens, jnp.ones((2, 8), jnp.int32), cache, 2)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")
+             and e.params["name"] == "apply_layer"]
+    assert len(calls) == config.num_layers
+    assert len({id(e.params["jaxpr"]) for e in calls}) == 1  # one trace
 
 
 def test_unrolled_config_initialises_the_same_parameters(tiny):

@@ -515,17 +515,20 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
     mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
 
-    # One jitted function for every layer, made afresh for this trace: traced and
-    # lowered once per call of `_cached_forward` instead of once per layer (the
-    # sampler's decode buckets each trace a decode step), called with the layer's own
-    # cache buffers as a one-layer cache; XLA inlines the calls, so the program is the
-    # same. Fresh, so that no trace outlives the mesh (`constrain`) it was made under.
-    @jax.jit
+    # Under a trace, one jitted function for every layer, made afresh for this trace:
+    # traced and lowered once per call of `_cached_forward` instead of once per layer
+    # (the sampler's decode buckets each trace a decode step), called with the layer's
+    # own cache buffers as a one-layer cache; XLA inlines the calls, so the program is
+    # the same. Fresh, so that no trace outlives the mesh (`constrain`) it was made
+    # under; not jitted when called eagerly, where it would compile at every call.
     def apply_layer(layer_params, x_btd, one_layer, sin_btk, cos_btk, mask_b1ts, write_index):
         (x_btd, one_layer), _ = DecoderLayer(c).apply(
             {"params": layer_params}, (x_btd, one_layer), 0, sin_btk, cos_btk, mask_b1ts,
             write_index)
         return x_btd, one_layer
+
+    if isinstance(x_btd, jax.core.Tracer):
+        apply_layer = jax.jit(apply_layer)
 
     stacked = not isinstance(params["layers"], (list, tuple))
     for i in range(c.num_layers):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -22,11 +23,12 @@ from jrl.models import (
     init_params,
     param_logical_axes,
     positions_from_mask,
+    transformer,
     unembed,
     values,
 )
 from jrl.models.hf import tensor_specs
-from jrl.models.transformer import Transformer, _attention_impl
+from jrl.models.transformer import Transformer, _attention_impl, swiglu
 
 # Parameter counts published for the released checkpoints (model cards / HF num_parameters).
 PUBLISHED_PARAM_COUNTS = {
@@ -171,6 +173,44 @@ def test_unrolled_layers_lower_without_a_loop(tiny):
         c = dataclasses.replace(config, remat="dots_saveable", scan_unroll=unroll)
         hlo = _grad.lower(params, tokens, mask, c).as_text()
         assert ("stablehlo.while" in hlo) != unroll, f"scan_unroll={unroll}"
+
+
+def test_swiglu_gradient_is_the_plain_formulas():
+    """`swiglu`'s own backward (from `gate_up` alone) against autodiff of silu(g) * u."""
+    gate_up = jax.random.normal(jax.random.key(1), (3, 5, 2, 7)) * 3
+    d_out = jax.random.normal(jax.random.key(2), (3, 5, 7))
+    plain = lambda gu: jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]  # noqa: E731
+    out, vjp = jax.vjp(swiglu, gate_up)
+    expected_out, expected_vjp = jax.vjp(plain, gate_up)
+    chex.assert_trees_all_close(out, expected_out, rtol=1e-6)
+    chex.assert_trees_all_close(vjp(d_out), expected_vjp(d_out), atol=1e-6, rtol=1e-5)
+
+
+def _zero_fill_copies(hlo: str, last_dim: int) -> list[str]:
+    """Instructions of an optimized HLO module that copy a broadcast (a zero fill) into a
+    buffer of rank 4 whose last dimension is `last_dim`."""
+    defs = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.-]+) = (.*)$", hlo, re.MULTILINE))
+    return [f"{name} = {rhs[:80]}" for name, rhs in defs.items()
+            if re.match(rf"\w+\[\d+,\d+,\d+,{last_dim}\]", rhs)
+            and (m := re.search(r" copy\((%[\w.-]+)\)", rhs))
+            and "broadcast" in defs.get(m.group(1), "")]
+
+
+def test_rolled_layers_stack_one_buffer_for_gate_and_up(tiny, monkeypatch):
+    """In a rolled scan the MLP's gate and up are one matmul whose output alone is kept
+    for the backward pass: no equal-shaped stacks of MLP-wide values that XLA fills
+    once and copies into each (as with the two matmuls, which the test also checks)."""
+    config, _, tokens, mask = tiny
+    config = dataclasses.replace(config, dtype="bfloat16", intermediate_size=80)
+    params = init_params(config, jax.random.key(0))
+
+    def copies():
+        grad = jax.jit(jax.grad(lambda p: _loss(p, tokens, mask, config)))
+        return _zero_fill_copies(grad.lower(params).compile().as_text(), 80)
+
+    assert copies() == []
+    monkeypatch.setattr(transformer, "_joins_gate_up", lambda module, config: False)
+    assert copies(), "the two matmuls' stacks were expected to be filled and copied"
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5])  # a decode step, a prefill

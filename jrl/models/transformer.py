@@ -364,6 +364,7 @@ def _to_batch_rows(cache, out_bnh: jax.Array) -> jax.Array:
     return out_bnh
 
 
+# The MLP projections `Mlp` may apply as one matmul, in this order (gate first).
 GATE_UP = ("gate_proj", "up_proj")
 
 
@@ -546,8 +547,8 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
         attn[FUSED_QKV] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
         if config.qkv_bias:
             attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
-    if not any(f"{n}_lora" in mlp for n in ("gate_proj", "up_proj")):
-        parts = [mlp.pop(n)["kernel"] for n in ("gate_proj", "up_proj")]
+    if not any(f"{n}_lora" in mlp for n in GATE_UP):
+        parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
         mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
 

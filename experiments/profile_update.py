@@ -1,6 +1,8 @@
 """Where the actor update's time goes: the backbone vs the log-prob head.
 
     python experiments/profile_update.py --preset qwen2.5-0.5b --micro 128
+    python experiments/profile_update.py --micro 32 --remat none [--scan_unroll] \
+        --trace_dir /tmp/trace   # the trainer's defaults; the backbone's kernels by op
 
 Times, for one micro-batch of `--micro` sequences of `--prompt_len + --response_len`
 tokens (float32 parameters, bfloat16 compute, as the trainer runs them):
@@ -10,7 +12,10 @@ tokens (float32 parameters, bfloat16 compute, as the trainer runs them):
                     (`logprobs.token_log_probs`, chunked) and its backward;
   head fwd          the same forward only (as in the old/ref log-prob passes);
 and reports each as a share of 6·N·T-style FLOPs at 989 TFLOP/s. Median of
-`--repeats` runs after warm-up.
+`--repeats` runs after warm-up. With `--trace_dir`, one more backbone run is traced
+and its device time printed by kernel and by HLO op (`trace_summary.summarize`): the
+rolled scan's (the default) against the unrolled one's (`--scan_unroll`) shows what
+the loop costs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 
 # The sibling script's timer (this folder is on the path when a script here runs).
 from profile_decode import median_ms
+from trace_summary import maybe_trace, summarize
 
 from jrl import logprobs
 from jrl.models.config import ModelConfig
@@ -44,9 +50,18 @@ def main():
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--remat", default="dots_saveable")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--scan_unroll", action="store_true",
+                        help="the layers unrolled (model.scan_unroll) instead of a rolled scan")
+    parser.add_argument("--trace_dir", default=None,
+                        help="trace one more backbone fwd+bwd here and summarize its kernels")
+    parser.add_argument("--top", type=int, default=30, help="rows of the trace's tables")
+    parser.add_argument("--show_args", type=int, default=0,
+                        help="print an event's arguments for each of the N top kernels")
+    parser.add_argument("--hlo_out", default=None,
+                        help="write the backbone fwd+bwd's optimized HLO to this file")
     args = parser.parse_args()
     model = ModelConfig.preset(args.preset, param_dtype="float32", dtype="bfloat16",
-                               remat=args.remat)
+                               remat=args.remat, scan_unroll=args.scan_unroll)
     params = jax.jit(functools.partial(init_params, model))(jax.random.key(0))
     b, p, r = args.micro, args.prompt_len, args.response_len
     keys = jax.random.split(jax.random.key(1), 3)
@@ -80,11 +95,19 @@ def main():
             ("head fwd", _median_s(head_fwd, params, hidden, repeats=args.repeats),
              2 * head_params * b * r)]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.preset}, micro-batch "
-          f"{b} x ({p}+{r}) tokens, remat={args.remat}, chunk={args.chunk}")
+          f"{b} x ({p}+{r}) tokens, remat={args.remat}, scan_unroll={args.scan_unroll}, "
+          f"chunk={args.chunk}")
     print("| part | ms | TFLOP/s | MFU |\n|---|---|---|---|")
     for name, seconds, flops in rows:
         print(f"| {name} | {1e3 * seconds:.1f} | {flops / seconds / 1e12:.0f} | "
               f"{100 * flops / seconds / PEAK:.1f}% |")
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as f:
+            f.write(backbone.lower(params).compile().as_text())
+    if args.trace_dir:
+        with maybe_trace(args.trace_dir):
+            jax.block_until_ready(backbone(params))
+        summarize(args.trace_dir, args.top, show_args=args.show_args)
 
 
 if __name__ == "__main__":

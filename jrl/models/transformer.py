@@ -405,8 +405,23 @@ class Mlp(nn.Module):
             up_btf = constrain(_project(c, f, ("embed", "mlp"), "up_proj", x_btd), _MLP)
             return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj",
                             nn.silu(gate_btf) * up_btf)
-        hidden_btf = constrain(swiglu(constrain(gate_up, _GATE_UP)), _MLP)
+        gate_up = constrain(gate_up, _GATE_UP)
+        if c.remat == "none" and "down_proj" not in c.lora_targets:
+            kernel = nn.unbox(self.get_variable("params", "down_proj")["kernel"])
+            out_btd = _swiglu_down(gate_up, kernel.astype(c.dtype))
+            return checkpoint_name(out_btd, _PROJ_OUT) if c.lora_rank else out_btd
+        hidden_btf = constrain(swiglu(gate_up), _MLP)
         return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj", hidden_btf)
+
+
+@jax.checkpoint
+def _swiglu_down(gate_up: jax.Array, kernel_fd: jax.Array) -> jax.Array:
+    """`down(swiglu(gate_up))`, its backward pass recomputing `swiglu(gate_up)` from the
+    one array the layer keeps: a rolled scan with nothing rematerialised (the trainer's
+    default) then stacks no `[L, B, T, F]` buffer of the MLP's hidden values (1.4 GiB at
+    the docs workload's micro-batch) to fill and write."""
+    hidden_btf = constrain(swiglu(gate_up), _MLP)
+    return jnp.einsum("btf,fd->btd", hidden_btf, kernel_fd)
 
 
 @jax.custom_vjp
@@ -424,12 +439,17 @@ def _swiglu_fwd(gate_up):
 
 
 def _swiglu_bwd(gate_up, d_out):
-    gate, up = (gate_up[..., i, :].astype(jnp.float32) for i in range(2))
-    d_out = d_out.astype(jnp.float32)
+    # Each element of the gradient `[..., 2, F]` from the pair it belongs to, chosen by
+    # its index on the pair's axis: one elementwise pass (XLA fuses it into one loop),
+    # where stacking the two halves kept the sigmoid in float32 between two passes
+    # (a concatenation 2.4x slower on an H200).
+    gate, up = (gate_up[..., i:i + 1, :].astype(jnp.float32) for i in range(2))
+    d_out = d_out[..., None, :].astype(jnp.float32)
     sig = jax.nn.sigmoid(gate)
     d_gate = d_out * up * sig * (1 + gate * (1 - sig))  # d silu(g) / dg = s (1 + g (1 - s))
     d_up = d_out * gate * sig
-    return (jnp.stack([d_gate, d_up], axis=-2).astype(gate_up.dtype),)
+    which = lax.broadcasted_iota(jnp.int32, gate_up.shape, gate_up.ndim - 2)
+    return (jnp.where(which == 0, d_gate, d_up).astype(gate_up.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

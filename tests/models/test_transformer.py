@@ -199,16 +199,28 @@ def _zero_fill_copies(hlo: str, last_dim: int) -> list[str]:
 def test_rolled_layers_stack_one_buffer_for_gate_and_up(tiny, monkeypatch):
     """In a rolled scan the MLP's gate and up are one matmul whose output alone is kept
     for the backward pass: no equal-shaped stacks of MLP-wide values that XLA fills
-    once and copies into each (as with the two matmuls, which the test also checks)."""
+    once and copies into each (as with the two matmuls, which the test also checks),
+    and no stack of the hidden values (as where down_proj has an adapter)."""
     config, _, tokens, mask = tiny
     config = dataclasses.replace(config, dtype="bfloat16", intermediate_size=80)
     params = init_params(config, jax.random.key(0))
 
-    def copies():
+    def hlo():
         grad = jax.jit(jax.grad(lambda p: _loss(p, tokens, mask, config)))
-        return _zero_fill_copies(grad.lower(params).compile().as_text(), 80)
+        return grad.lower(params).compile().as_text()
+
+    def copies():
+        return _zero_fill_copies(hlo(), 80)
 
     assert copies() == []
+    # Nor a stack of the hidden values `silu(gate) * up` (`_swiglu_down` recomputes them).
+    hidden_stack = rf"\[{config.num_layers},{tokens.shape[0]},{tokens.shape[1]},80\]"
+    assert not re.search(hidden_stack, hlo())
+    with_hidden = dataclasses.replace(config, lora_rank=2, lora_targets=("down_proj",))
+    lora_params = init_params(with_hidden, jax.random.key(0))
+    grad = jax.jit(jax.grad(lambda p: _loss(p, tokens, mask, with_hidden)))
+    assert re.search(hidden_stack, grad.lower(lora_params).compile().as_text()), \
+        "an adapted down_proj was expected to keep its input's stack"
     monkeypatch.setattr(transformer, "_joins_gate_up", lambda module, config: False)
     assert copies(), "the two matmuls' stacks were expected to be filled and copied"
 

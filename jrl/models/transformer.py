@@ -34,6 +34,7 @@ float32 logits, so log-probs can be computed in chunks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -75,19 +76,35 @@ class RMSNorm(nn.Module):
     axis_name: str
     dtype: str
     param_dtype: str
+    recompute: bool = False  # the backward pass recomputes from `x` (`_rms_norm`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
         scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Cast before scaling, as the HF checkpoints were trained.
-        return normed.astype(self.dtype) * scale.astype(self.dtype)
+        norm = functools.partial(_rms_norm, eps=self.eps, dtype=self.dtype)
+        return (jax.checkpoint(norm) if self.recompute else norm)(x, scale)
 
 
-def _norm(config: ModelConfig, axis_name: str, name: str) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, axis_name, config.dtype, config.param_dtype, name=name)
+def _rms_norm(x, scale, *, eps: float, dtype: str) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # Cast before scaling, as the HF checkpoints were trained.
+    return normed.astype(dtype) * scale.astype(dtype)
+
+
+def _norm(config: ModelConfig, axis_name: str, name: str, recompute: bool = False) -> RMSNorm:
+    return RMSNorm(config.rms_norm_eps, axis_name, config.dtype, config.param_dtype,
+                   recompute, name=name)
+
+
+def _recomputes_norms(config: ModelConfig) -> bool:
+    """Whether a layer's two norms recompute their values in the backward pass from their
+    input: in a rolled scan with nothing rematerialised (the trainer's default), where
+    autodiff would otherwise stack per layer the input in float32 and the normalised
+    values before and after the scale (8 bytes an element a norm, each stack filled
+    and written), against the 2 of the input that this keeps."""
+    return config.remat == "none" and not config.scan_unroll
 
 
 def _dense(
@@ -464,12 +481,13 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index):
         x_btd, cache = carry
         c = self.config
-        attn_in = _norm(c, "embed", "attn_norm")(x_btd)
+        recompute = _recomputes_norms(c)
+        attn_in = _norm(c, "embed", "attn_norm", recompute)(x_btd)
         attn_out, cache = Attention(c, name="attn")(
             attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index
         )
         x_btd = x_btd + attn_out
-        x_btd = x_btd + Mlp(c, name="mlp")(_norm(c, "embed", "mlp_norm")(x_btd))
+        x_btd = x_btd + Mlp(c, name="mlp")(_norm(c, "embed", "mlp_norm", recompute)(x_btd))
         return (constrain(x_btd, _HIDDEN), cache), None
 
 

@@ -225,6 +225,27 @@ def test_rolled_layers_stack_one_buffer_for_gate_and_up(tiny, monkeypatch):
     assert copies(), "the two matmuls' stacks were expected to be filled and copied"
 
 
+def test_rolled_layers_keep_only_the_norms_input(tiny, monkeypatch, capsys):
+    """In a rolled scan with no remat the two norms recompute their values from their
+    input in the backward pass: the residuals stacked over layers hold no float32
+    `[L, B, T, D]` array (autodiff of the norm keeps its input in float32 otherwise,
+    as the test also checks)."""
+    config, _, tokens, mask = tiny
+    config = dataclasses.replace(config, dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
+    shape = f"[{config.num_layers},{tokens.shape[0]},{tokens.shape[1]},{config.hidden_size}]"
+
+    def stacked_residuals():
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: _loss(p, tokens, mask, config), params)
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                if line.split()[0].endswith(shape)]
+
+    assert sorted(stacked_residuals()) == ["bf16" + shape] * 4  # x, x2 and the norms' outputs
+    monkeypatch.setattr(transformer, "_recomputes_norms", lambda config: False)
+    assert "f32" + shape in stacked_residuals(), "the norms' float32 input was expected"
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5])  # a decode step, a prefill
 def test_a_forward_with_a_cache_traces_one_layer_for_all(num_tokens):
     """The layers of a forward with a cache are L calls of one jitted layer, traced

@@ -98,12 +98,13 @@ def _norm(config: ModelConfig, axis_name: str, name: str, recompute: bool = Fals
                    recompute, name=name)
 
 
-def _recomputes_norms(config: ModelConfig) -> bool:
-    """Whether a layer's two norms recompute their values in the backward pass from their
-    input: in a rolled scan with nothing rematerialised (the trainer's default), where
-    autodiff would otherwise stack per layer the input in float32 and the normalised
-    values before and after the scale (8 bytes an element a norm, each stack filled
-    and written), against the 2 of the input that this keeps."""
+def _recomputes_in_backward(config: ModelConfig) -> bool:
+    """Whether a layer's two norms (and, with gate and up joined, the MLP's hidden values,
+    `_swiglu_down`) are recomputed in the backward pass from their input: in a rolled
+    scan with nothing rematerialised (the trainer's default), where autodiff would
+    otherwise stack per layer a norm's input in float32 and its normalised values before
+    and after the scale (8 bytes an element a norm, each stack filled and written),
+    against the 2 of the input that this keeps."""
     return config.remat == "none" and not config.scan_unroll
 
 
@@ -423,7 +424,7 @@ class Mlp(nn.Module):
             return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj",
                             nn.silu(gate_btf) * up_btf)
         gate_up = constrain(gate_up, _GATE_UP)
-        if c.remat == "none" and "down_proj" not in c.lora_targets:
+        if _recomputes_in_backward(c) and "down_proj" not in c.lora_targets:
             kernel = nn.unbox(self.get_variable("params", "down_proj")["kernel"])
             out_btd = _swiglu_down(gate_up, kernel.astype(c.dtype))
             return checkpoint_name(out_btd, _PROJ_OUT) if c.lora_rank else out_btd
@@ -481,7 +482,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index):
         x_btd, cache = carry
         c = self.config
-        recompute = _recomputes_norms(c)
+        recompute = _recomputes_in_backward(c)
         attn_in = _norm(c, "embed", "attn_norm", recompute)(x_btd)
         attn_out, cache = Attention(c, name="attn")(
             attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index

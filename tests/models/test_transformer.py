@@ -242,7 +242,7 @@ def test_rolled_layers_keep_only_the_norms_input(tiny, monkeypatch, capsys):
                 if line.split()[0].endswith(shape)]
 
     assert sorted(stacked_residuals()) == ["bf16" + shape] * 4  # x, x2 and the norms' outputs
-    monkeypatch.setattr(transformer, "_recomputes_norms", lambda config: False)
+    monkeypatch.setattr(transformer, "_recomputes_in_backward", lambda config: False)
     assert "f32" + shape in stacked_residuals(), "the norms' float32 input was expected"
 
 

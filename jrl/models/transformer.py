@@ -426,16 +426,19 @@ class Mlp(nn.Module):
         gate_up = constrain(gate_up, _GATE_UP)
         if _recomputes_in_backward(c) and "down_proj" not in c.lora_targets:
             kernel = nn.unbox(self.get_variable("params", "down_proj")["kernel"])
-            out_btd = _swiglu_down(gate_up, kernel.astype(c.dtype))
+            # A fresh callable for each trace: `jax.checkpoint` caches its trace by the
+            # function, and the trace's `constrain` pins to the mesh active when it was
+            # made, which a sampling group on other devices must not inherit.
+            down = jax.checkpoint(functools.partial(_swiglu_down))
+            out_btd = down(gate_up, kernel.astype(c.dtype))
             return checkpoint_name(out_btd, _PROJ_OUT) if c.lora_rank else out_btd
         hidden_btf = constrain(swiglu(gate_up), _MLP)
         return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj", hidden_btf)
 
 
-@jax.checkpoint
 def _swiglu_down(gate_up: jax.Array, kernel_fd: jax.Array) -> jax.Array:
-    """`down(swiglu(gate_up))`, its backward pass recomputing `swiglu(gate_up)` from the
-    one array the layer keeps: a rolled scan with nothing rematerialised (the trainer's
+    """`down(swiglu(gate_up))`; under `jax.checkpoint` its backward pass recomputes
+    `swiglu(gate_up)` from the one array the layer keeps: a rolled scan with nothing rematerialised (the trainer's
     default) then stacks no `[L, B, T, F]` buffer of the MLP's hidden values (1.4 GiB at
     the docs workload's micro-batch) to fill and write."""
     hidden_btf = constrain(swiglu(gate_up), _MLP)

@@ -104,3 +104,58 @@ def test_context_splits_tokens_in_training_and_rows_in_the_rollout():
     # Without a context axis the rollout's Sharder is the training one.
     plain = _sharder()
     assert plain.for_rollout() is plain
+
+
+# Traces a model's loss gradient under a Sharder of devices 0-3, then 4-7, for each remat
+# and unrolling, and prints the device ids of the sharding constraints of each trace.
+_TWO_GROUPS_SCRIPT = """
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import Mesh
+from jrl import sharding
+from jrl.models import ModelConfig, forward, init_params, positions_from_mask, unembed
+
+def device_ids(jaxpr):
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            out.add(tuple(int(i) for i in eqn.params["sharding"].mesh.device_ids.flat))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+                if isinstance(sub, Jaxpr):
+                    out |= device_ids(sub)
+    return out
+
+tokens, mask = jnp.zeros((4, 5), jnp.int32), jnp.ones((4, 5), jnp.int32)
+result = {}
+for remat, unroll in (("none", False), ("none", True), ("full", False), ("dots_saveable", False)):
+    config = ModelConfig.preset("tiny", remat=remat, scan_unroll=unroll)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+    def loss(p):
+        hidden, _ = forward(p, tokens, positions_from_mask(mask), mask, config=config)
+        return jnp.sum(unembed(p, hidden))
+
+    seen = []
+    for devices in (jax.devices()[:4], jax.devices()[4:]):
+        mesh = Mesh(np.array(devices).reshape(4, 1, 1, 1), sharding.MESH_AXES)
+        with sharding.Sharder(mesh).active():
+            seen.append(sorted(device_ids(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)))
+    result[f"{remat}-{unroll}"] = seen
+print(json.dumps(result))
+"""
+
+
+def test_a_trace_under_one_mesh_pins_nothing_to_another():
+    """A sampling group on devices of its own traces the same layers as the training
+    group: every sharding constraint of a trace names the mesh active while it was
+    traced, none a mesh that an earlier trace (or a cached inner trace) was made under."""
+    from tests.eight_devices import run_script
+
+    result = run_script(_TWO_GROUPS_SCRIPT)
+    assert set(result) == {"none-False", "none-True", "full-False", "dots_saveable-False"}
+    for case, (first, second) in result.items():
+        assert first == [[0, 1, 2, 3]], case
+        assert second == [[4, 5, 6, 7]], case

@@ -438,9 +438,9 @@ class Mlp(nn.Module):
 
 def _swiglu_down(gate_up: jax.Array, kernel_fd: jax.Array) -> jax.Array:
     """`down(swiglu(gate_up))`; under `jax.checkpoint` its backward pass recomputes
-    `swiglu(gate_up)` from the one array the layer keeps: a rolled scan with nothing rematerialised (the trainer's
-    default) then stacks no `[L, B, T, F]` buffer of the MLP's hidden values (1.4 GiB at
-    the docs workload's micro-batch) to fill and write."""
+    `swiglu(gate_up)` from the one array the layer keeps: a rolled scan with nothing
+    rematerialised (the trainer's default) then stacks no `[L, B, T, F]` buffer of the
+    MLP's hidden values (1.4 GiB at the docs workload's micro-batch) to fill and write."""
     hidden_btf = constrain(swiglu(gate_up), _MLP)
     return jnp.einsum("btf,fd->btd", hidden_btf, kernel_fd)
 

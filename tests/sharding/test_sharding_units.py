@@ -8,6 +8,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from jrl import sharding
 from jrl.sharding import MeshSettings, Sharder
+from tests.eight_devices import run_script
 
 
 @pytest.mark.parametrize(("sizes", "devices", "expected"), [
@@ -109,7 +110,7 @@ def test_context_splits_tokens_in_training_and_rows_in_the_rollout():
 # Traces a model's loss gradient under a Sharder of devices 0-3, then 4-7, for each remat
 # and unrolling, and prints the device ids of the sharding constraints of each trace.
 _TWO_GROUPS_SCRIPT = """
-import dataclasses, json
+import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import Mesh
@@ -152,8 +153,6 @@ def test_a_trace_under_one_mesh_pins_nothing_to_another():
     """A sampling group on devices of its own traces the same layers as the training
     group: every sharding constraint of a trace names the mesh active while it was
     traced, none a mesh that an earlier trace (or a cached inner trace) was made under."""
-    from tests.eight_devices import run_script
-
     result = run_script(_TWO_GROUPS_SCRIPT)
     assert set(result) == {"none-False", "none-True", "full-False", "dots_saveable-False"}
     for case, (first, second) in result.items():

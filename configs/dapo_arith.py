@@ -10,7 +10,7 @@ Dynamic sampling and overlong shaping are off here; turn them on with
 Takes grpo_arith's variants: `--config=configs/dapo_arith.py:n=16,seed=1`.
 """
 
-from jrl.config_defaults import sibling_config
+from jrl.config.defaults import sibling_config
 
 grpo_arith = sibling_config(__file__, "grpo_arith")
 

@@ -23,7 +23,7 @@ dapo_arith, rloo_arith and reinforce_pp_arith take the same ones:
 
 import math
 
-from jrl.config_defaults import base_config, parse_arg
+from jrl.config.defaults import base_config, parse_arg
 
 # The variants `get_config(arg)` accepts, with their values when not given.
 ARG_DEFAULTS = dict(n=8, lr=1e-4, steps=100, seed=0)

@@ -8,7 +8,7 @@ Takes grpo_arith's variants except `lr`, whose default here is 1e-3 (adapters st
 at zero and need a larger step than full fine-tuning).
 """
 
-from jrl.config_defaults import parse_arg, sibling_config
+from jrl.config.defaults import parse_arg, sibling_config
 
 grpo_arith = sibling_config(__file__, "grpo_arith")
 

@@ -21,7 +21,7 @@ Other locations: `--config.model.path=/path/to/Qwen2.5-0.5B-Instruct
 
 import os
 
-from jrl.config_defaults import base_config, parse_arg
+from jrl.config.defaults import base_config, parse_arg
 
 MODEL_PATH = "~/models/Qwen2.5-0.5B-Instruct"
 DATA_DIR = "~/data/gsm8k"

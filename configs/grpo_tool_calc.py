@@ -20,7 +20,7 @@ with tools") explains the keys.
 Variants: `--config=configs/grpo_tool_calc.py:seed=1,steps=30` (n, lr, steps, seed).
 """
 
-from jrl.config_defaults import base_config, parse_arg
+from jrl.config.defaults import base_config, parse_arg
 from jrl.data.tokenizers import CharTokenizer
 
 ARG_DEFAULTS = dict(n=8, lr=2e-4, steps=20, seed=0)

@@ -14,7 +14,7 @@ Variants go after a colon, e.g. `--config=configs/ppo_arith.py:critic_lr=3e-4`
 
 import math
 
-from jrl.config_defaults import parse_arg, sibling_config
+from jrl.config.defaults import parse_arg, sibling_config
 
 grpo_arith = sibling_config(__file__, "grpo_arith")
 

@@ -11,7 +11,7 @@ the reward nor as a loss). Data, model and validation as in `grpo_gsm8k.py`:
     python -m jrl.train --config=configs/ppo_gsm8k.py --workdir=runs/ppo_gsm8k
 """
 
-from jrl.config_defaults import sibling_config
+from jrl.config.defaults import sibling_config
 
 grpo_gsm8k = sibling_config(__file__, "grpo_gsm8k")
 

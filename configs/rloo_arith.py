@@ -5,7 +5,7 @@
 Takes grpo_arith's variants: `--config=configs/rloo_arith.py:n=16,seed=1`.
 """
 
-from jrl.config_defaults import sibling_config
+from jrl.config.defaults import sibling_config
 
 grpo_arith = sibling_config(__file__, "grpo_arith")
 

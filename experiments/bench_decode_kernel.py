@@ -1,4 +1,4 @@
-"""The decode-step kernel alone (`jrl.models.decode_attention.append_and_attend`):
+"""The decode-step kernel alone (`jrl.kernels.decode_attention.append_and_attend`):
 its tile settings against the previous implementation and the XLA path, on one GPU.
 
     python experiments/bench_decode_kernel.py --out decode_kernel.json
@@ -36,7 +36,7 @@ import numpy as np
 import results_json  # this folder is on the path when a script here runs
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl.models import decode_attention as da
+from jrl.kernels import decode_attention as da
 
 LAYERS = 24
 

@@ -56,7 +56,7 @@ for name in grpo_triton grpo_mosaic grpo_mosaic_fused; do
 done
 if [[ "${TESTS:-0}" == 1 ]]; then
   JAX_PLATFORMS=cuda,cpu step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
-    tests/models/test_decode_attention.py tests/models/test_head_kernel.py
+    tests/kernels/test_decode_attention.py tests/kernels/test_logprob_head.py
   tail -3 "$OUT/gpu_tests.log"
 fi
 # The device machine returns at most 8 files from $OUT: everything in one archive.

@@ -23,7 +23,7 @@
 #                   over slots into 1, 2, 4 or 8 parts (experiments/bench_decode_kernel.py)
 #   head_backward   the log-prob head's backward (experiments/check_head_backward.py; its
 #                   --configs from HB_CONFIGS when set, HB_TIMEOUT seconds) and
-#                   tests/models/test_head_kernel.py compiled on the GPU
+#                   tests/kernels/test_logprob_head.py compiled on the GPU
 #   port            the decode attention's Mosaic GPU variants against the Triton kernel:
 #                   experiments/check_mosaic_decode.py at the 0.5B shapes, then the sampler
 #                   (bench_rollout.py, batch 64 / 256 / 512, P128 / R256) on Triton and on
@@ -107,7 +107,7 @@ for name in "$@"; do
         experiments/check_head_backward.py ${HB_CONFIGS:+--configs $HB_CONFIGS} \
         --out "$OUT/head_backward.json" 2>&1 | grep -v "^[WI]0000" | tee "$OUT/head_backward.log"
       JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$ROOT timeout 200 python3 -m pytest -q \
-        -p no:cacheprovider tests/models/test_head_kernel.py 2>&1 | tail -n 30 \
+        -p no:cacheprovider tests/kernels/test_logprob_head.py 2>&1 | tail -n 30 \
         | tee "$OUT/head_tests.log" ;;
     check) PYTHONPATH=/tmp/site:$ROOT python3 experiments/check_packed_attention.py 2>&1 \
              | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;

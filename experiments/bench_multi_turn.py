@@ -2,7 +2,7 @@
 
 Both decode B rows of a random-weight model (`--preset`, bf16) from P-token prompts
 with a budget of R response tokens. The single-turn sampler generates all R tokens
-(stops ignored). The multi-turn one (`jrl.multi_turn.generate`) ends a turn at any of
+(stops ignored). The multi-turn one (`jrl.rollout.multi_turn.generate`) ends a turn at any of
 V/`--turn-len` stop ids (turns of about `--turn-len` tokens on a near-uniform random
 model), answers every turn with a tool block of `--block-tokens` tokens and goes on
 until the budget is spent, so both fill about B x R response slots; the multi-turn
@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
 
-from jrl import multi_turn, rollout
 from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer
 from jrl.models import ModelConfig, init_params
+from jrl.rollout import multi_turn, sampler
 
 
 class _AnyIdTokenizer(CharTokenizer):
@@ -77,15 +77,15 @@ def main():
     tools_lib.parse_tool_calls = lambda turn, fmt: ([tools_lib.ToolCall("echo", {})], [])
     stops = tuple(range(config.vocab_size - config.vocab_size // args.turn_len,
                         config.vocab_size))
-    sampling = rollout.SamplingConfig(n=1, max_new_tokens=args.budget, pad_token_id=0)
+    sampling = sampler.SamplingConfig(n=1, max_new_tokens=args.budget, pad_token_id=0)
     mts = {f: multi_turn.MultiTurnConfig(max_assistant_turns=10**6, max_user_turns=10**6,
                                          max_tool_response_tokens=args.block_tokens + 8,
                                          turn_stop_ids=stops, segment_end_fraction=f)
            for f in args.end_fractions}
-    single = rollout.SamplingConfig(n=1, max_new_tokens=args.budget, ignore_stop=True)
+    single = sampler.SamplingConfig(n=1, max_new_tokens=args.budget, ignore_stop=True)
 
     def run_single(key):
-        out = rollout.generate(params, ids_d, mask_d, key, single, config=config)
+        out = sampler.generate(params, ids_d, mask_d, key, single, config=config)
         jax.block_until_ready(out.responses)
         return {"tokens": args.batch * args.budget, "model_tokens": args.batch * args.budget}
 

@@ -24,7 +24,7 @@ import results_json  # this folder is on the path when a script here runs
 from check_packed_attention import bench as timed  # this folder is on the path
 from check_packed_attention import layout
 
-from jrl.models import packed_attention
+from jrl.kernels import packed_attention
 
 N, K, H = 14, 2, 64
 

@@ -1,4 +1,4 @@
-"""One full RL step of the real trainer (`jrl.trainer.RLTrainer.train_step`), timed by phase.
+"""One full RL step of the real trainer (`jrl.rl.trainer.RLTrainer.train_step`), timed by phase.
 
 A GRPO step (reference + KL loss, no critic) and a PPO step (critic, GAE) on a
 preset's shape with random weights: float32 master parameters, bfloat16 compute.
@@ -51,12 +51,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl import metrics, rollout, settings, sharding  # noqa: E402
-from jrl.config_defaults import base_config  # noqa: E402
+from jrl import metrics, sharding  # noqa: E402
+from jrl.app.experiment import build_model  # noqa: E402
+from jrl.config import settings  # noqa: E402
+from jrl.config.defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
-from jrl.experiment import build_model  # noqa: E402
 from jrl.models import ModelConfig  # noqa: E402
-from jrl.trainer import RLTrainer  # noqa: E402
+from jrl.rl.trainer import RLTrainer  # noqa: E402
+from jrl.rollout import sampler  # noqa: E402
 
 # The trainer's phases: the rollout, `step.forward` (old and reference log-probs,
 # values), waiting for the rewards, `step.learn` (advantages, critic and actor updates).
@@ -146,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode_buckets", type=int, default=None,
                    help="rollout.decode_buckets (1: the decode loop never compacts; default: "
                         "the trainer's, 4 or 8 from 4,096 response tokens)")
-    p.add_argument("--rollout_gemm", default="cublas", choices=rollout.GEMMS,
+    p.add_argument("--rollout_gemm", default="cublas", choices=sampler.GEMMS,
                    help="rollout.gemm: how the sampler's matmuls compile on a GPU")
     p.add_argument("--share_prompts", default="on", choices=("on", "off"),
                    help="actor.share_prompts (off: every row runs its own prompt)")
@@ -161,19 +163,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
     p.add_argument("--head_backward", default="mosaic", choices=("xla", "mosaic"),
-                   help="jrl.models.head_kernel.BACKWARD: where the log-prob kernel's "
+                   help="jrl.kernels.logprob_head.BACKWARD: where the log-prob kernel's "
                         "backward forms d loss / d logits (mosaic: grad_logits on chip)")
     p.add_argument("--mosaic_tiles", default=None,
-                   help="jrl.models.decode_attention.MOSAIC_TILES (with --decode_attention "
+                   help="jrl.kernels.decode_attention.MOSAIC_TILES (with --decode_attention "
                         "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
     p.add_argument("--decode_split", default=None, metavar="PER_SM,MIN_SLOTS",
                    help="the Triton decode kernel's split over slots: "
                         "decode_attention.PROGRAMS_PER_MULTIPROCESSOR and MIN_SPLIT_SLOTS")
     p.add_argument("--head_blocks", default=None,
-                   help="jrl.models.head_kernel.MOSAIC_FORWARD tiles: "
+                   help="jrl.kernels.logprob_head.MOSAIC_FORWARD tiles: "
                    "t,v,k,stages,overlap,group,consumers")
     p.add_argument("--head_backward_blocks", default=None,
-                   help="jrl.models.head_kernel.MOSAIC_BACKWARD tiles (grad_logits), as "
+                   help="jrl.kernels.logprob_head.MOSAIC_BACKWARD tiles (grad_logits), as "
                         "--head_blocks")
     p.add_argument("--lora_rank", type=int, default=0,
                    help="model.lora_rank (0: full fine-tuning); the base is then frozen in "
@@ -374,7 +376,7 @@ def stop_at_target_lengths(targets: np.ndarray) -> None:
     token there: a random model cannot be made to, and the lengths of a reasoning batch
     are what the passes after the rollout are measured on. The decode loop sees the
     rows end (its batch compaction follows them) exactly as with real stops."""
-    original = rollout._emit
+    original = sampler._emit
 
     def emit(state, logits_nv, sampling):
         new = original(state, logits_nv, sampling)
@@ -382,7 +384,7 @@ def stop_at_target_lengths(targets: np.ndarray) -> None:
         return new.replace(done=new.done | reached,
                            lengths=jax.numpy.where(reached, new.step, new.lengths))
 
-    rollout._emit = emit
+    sampler._emit = emit
 
 
 def attention_flops(args, targets: np.ndarray | None) -> float | None:
@@ -582,27 +584,27 @@ def print_table(args, results) -> None:
 
 def set_head_kernel(args) -> None:
     """`--head_blocks`, `--head_backward_blocks`: the log-prob kernels' tiles, and
-    `--head_backward`: where the backward forms d loss / d logits (`jrl.models.head_kernel`)."""
-    from jrl.models import head_kernel
-    blocks = lambda spec: head_kernel.MosaicBlocks(*map(int, spec.split(",")))
+    `--head_backward`: where the backward forms d loss / d logits (`jrl.kernels.logprob_head`)."""
+    from jrl.kernels import logprob_head
+    blocks = lambda spec: logprob_head.MosaicBlocks(*map(int, spec.split(",")))
     if args.head_blocks:
-        head_kernel.MOSAIC_FORWARD = blocks(args.head_blocks)
+        logprob_head.MOSAIC_FORWARD = blocks(args.head_blocks)
     if args.head_backward_blocks:
-        head_kernel.MOSAIC_BACKWARD = blocks(args.head_backward_blocks)
-    head_kernel.BACKWARD = args.head_backward
+        logprob_head.MOSAIC_BACKWARD = blocks(args.head_backward_blocks)
+    logprob_head.BACKWARD = args.head_backward
 
 
 def set_mosaic_tiles(spec: str | None) -> None:
     """`--mosaic_tiles`: the Mosaic GPU decode kernel's settings (`decode_attention`)."""
     if spec:
-        from jrl.models import decode_attention
+        from jrl.kernels import decode_attention
         decode_attention.MOSAIC_TILES = decode_attention.MosaicTiles.from_spec(spec)
 
 
 def set_decode_split(spec: str | None) -> None:
     """`--decode_split`: when the Triton decode kernel splits a long cache's slots."""
     if spec:
-        from jrl.models import decode_attention
+        from jrl.kernels import decode_attention
         per_sm, min_slots = map(int, spec.split(","))
         decode_attention.PROGRAMS_PER_MULTIPROCESSOR = per_sm
         decode_attention.MIN_SPLIT_SLOTS = min_slots

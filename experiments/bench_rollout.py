@@ -1,4 +1,4 @@
-"""Rollout throughput: `jrl.rollout.generate` against its HBM roofline and HF `generate`.
+"""Rollout throughput: `jrl.rollout.sampler.generate` against its HBM roofline and HF `generate`.
 
 Random weights of a preset's shape (no downloads), left-padded random prompts,
 `ignore_stop=True` so every row generates exactly `--new-tokens` tokens. For each
@@ -40,9 +40,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl import rollout, step  # noqa: E402
+from jrl.kernels import decode_attention as decode_lib  # noqa: E402
 from jrl.models import ModelConfig, init_params  # noqa: E402
-from jrl.models import decode_attention as decode_lib  # noqa: E402
+from jrl.rl import step  # noqa: E402
+from jrl.rollout import sampler  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,7 +76,7 @@ def parse_args() -> argparse.Namespace:
                         help="with --lora-rank: model lora_rollout values to run (one row "
                              "each); merged includes forming W + A B in the timed program")
     parser.add_argument("--gemm", nargs="+", default=["cublas"],
-                        choices=(*rollout.GEMMS, "mosaic"),
+                        choices=(*sampler.GEMMS, "mosaic"),
                         help="how the sampler's matmuls compile on a GPU (SamplingConfig.gemm); "
                              "'mosaic': cuBLAS, but the decode steps' projections on "
                              "experiments/skinny_matmul_mgpu.py's kernel (blocks from "
@@ -124,11 +125,11 @@ def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
     """(compile s, steady s) of one jitted `generate`."""
     def generate(params, ids, mask, key):
         sampler_config, params = step.sampling_params(params, config)
-        return rollout.generate(params, ids, mask, key, sampling=sampling, config=sampler_config)
+        return sampler.generate(params, ids, mask, key, sampling=sampling, config=sampler_config)
 
     key = jax.random.key(0)
     start = time.perf_counter()
-    compiled = jax.jit(generate, compiler_options=rollout.compiler_options(sampling)).lower(
+    compiled = jax.jit(generate, compiler_options=sampler.compiler_options(sampling)).lower(
         params, ids, mask, key).compile()
     compile_s = time.perf_counter() - start
     ids, mask = jax.device_put(ids), jax.device_put(mask)
@@ -215,7 +216,7 @@ def main() -> None:
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(args.seed))
     eos_ids = config.eos_token_ids
     pad_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids or (0,))[0]
-    sampling = rollout.SamplingConfig(
+    sampling = sampler.SamplingConfig(
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop_token_ids=eos_ids, pad_token_id=pad_id, ignore_stop=True,
     ).validate(config.vocab_size)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.models import decode_attention as da
+from jrl.kernels import decode_attention as da
 
 SHAPES = [  # (B, N, K, H, S)
     (512, 14, 2, 64, 384),   # Qwen2.5-0.5B

@@ -5,7 +5,7 @@ float32 logits.
 At the Qwen2.5-0.5B head (D 896, V 151,936, tied, bf16 hidden states and unembedding):
 
 1. `d loss / d z` alone for `--tokens` tokens (one chunk of the update's backward):
-   XLA (the float32 logits and the elementwise pass of `jrl.logprobs._fused_bwd`) and
+   XLA (the float32 logits and the elementwise pass of `jrl.rl.logprobs._fused_bwd`) and
    the kernel at each of `--configs` (`MosaicBlocks`: t,v,k,stages,overlap[,group[,
    consumers]]), with and without the entropy's term; errors against XLA's result
    (the same bf16 rounding of the same formula, so they are of bf16's size);
@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import logprobs
-from jrl.models import head_kernel as hk
+from jrl.kernels import logprob_head as hk
+from jrl.rl import logprobs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments.check_mosaic_head import first_lines, mosaic_blocks, timed  # noqa: E402

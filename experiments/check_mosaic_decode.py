@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
 
-from jrl.models import decode_attention as da
+from jrl.kernels import decode_attention as da
 
 SHAPES = {  # name: (B, N, K, H, S)
     "0.5B b64": (64, 14, 2, 64, 384),

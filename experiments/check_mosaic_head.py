@@ -11,7 +11,7 @@ pipelined wgmma with each W layout, the int32 row load against an iota), to pin 
 a compile error of the whole kernel. A variant that fails (a compile error, say) is
 recorded with the first lines of its error and the sweep goes on; variants left when
 `--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the
-log-probs and entropy of `jrl.logprobs.token_log_probs` and their gradients (the
+log-probs and entropy of `jrl.rl.logprobs.token_log_probs` and their gradients (the
 entropy as a metric, as in the update) with `impl` "mosaic" (the fastest config as
 `MOSAIC_FORWARD`) and "xla". Writes `--out` (JSON) and prints a table. (The Triton
 kernel the Mosaic one replaced was measured beside it by this script before its
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jrl import logprobs
-from jrl.models import head_kernel as hk
+from jrl.kernels import logprob_head as hk
+from jrl.rl import logprobs
 
 # t, v, k, stages, overlap[, group[, consumers]] (MosaicBlocks). (64 + 256) x 64 bf16 =
 # 40 KB of SMEM a stage: 2 stages leave room for two programs on an SM (one's epilogue

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.models import packed_attention
+from jrl.kernels import packed_attention
 from jrl.models.cache import attention_mask
 
 

@@ -57,14 +57,17 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jrl import experiment, rollout, settings, sft, sharding  # noqa: E402
+from jrl import sft, sharding  # noqa: E402
+from jrl.app import experiment  # noqa: E402
+from jrl.config import settings  # noqa: E402
 from jrl.data.dataset import BatchIterator, encode_prompts, ground_truth  # noqa: E402
 from jrl.data.tokenizers import CHAR_ALPHABET, CHAR_SPECIAL_TOKENS, CharTokenizer  # noqa: E402
 from jrl.models import forward_logits, hf, positions_from_mask  # noqa: E402
 from jrl.models.config import ModelConfig  # noqa: E402
 from jrl.rewards import default_compute_score  # noqa: E402
 from jrl.rewards.responses import decode_responses, place_scores  # noqa: E402
-from jrl.trainer import RLTrainer  # noqa: E402
+from jrl.rl.trainer import RLTrainer  # noqa: E402
+from jrl.rollout import sampler  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results", "learning")
 WORK = os.path.join(REPO, "runs", "compare_trl")
@@ -292,10 +295,10 @@ class Evaluator:
         self.rows, self.tokenizer, self.sampling = rows, tokenizer, s.validation
         self.prompt_ids, self.prompt_mask = encode_prompts(tokenizer, rows, s.max_prompt_length,
                                                            chat)
-        rollout.check_inputs(self.prompt_ids, self.prompt_mask, s.validation, model)
+        sampler.check_inputs(self.prompt_ids, self.prompt_mask, s.validation, model)
         self._generate = jax.jit(
-            functools.partial(rollout.generate_program, sampling=s.validation, config=model),
-            compiler_options=rollout.compiler_options(s.validation))
+            functools.partial(sampler.generate_program, sampling=s.validation, config=model),
+            compiler_options=sampler.compiler_options(s.validation))
 
     def texts(self, params) -> list[str]:
         out = self._generate(params, self.prompt_ids, self.prompt_mask, jax.random.key(0))
@@ -656,11 +659,11 @@ def _profile_layout(st: Setup, torch_model, rows, prompt_len: int, repeats: int)
     """Seconds of one forward + backward, jrl vs torch, with prompts padded to prompt_len."""
     import torch
 
-    from jrl import masks
-    from jrl.logprobs import response_log_probs
+    from jrl.algos import masks
+    from jrl.rl.logprobs import response_log_probs
 
     ids, mask = encode_prompts(st.tokenizer, rows, prompt_len, False)
-    out = rollout.generate(st.params, ids, mask, jax.random.key(0), st.s.rollout, config=st.model)
+    out = sampler.generate(st.params, ids, mask, jax.random.key(0), st.s.rollout, config=st.model)
     batch = tuple(np.asarray(x) for x in (out.prompt_ids, out.prompt_mask, out.responses,
                                           out.response_mask))
     adv = np.random.default_rng(0).standard_normal((len(batch[0]), 1)).astype(np.float32)
@@ -728,15 +731,15 @@ def _gradcheck_batch(st: Setup, noise: float) -> dict[str, np.ndarray]:
     """One mini-batch as the update sees it: jrl's samples of the first training prompts
     (unpadded: they share one length), GRPO advantages over the whole step's groups, and
     old log-probs = current ones + Gaussian `noise` (so that some ratios are clipped)."""
-    from jrl import advantages
-    from jrl.logprobs import response_log_probs
+    from jrl.algos import advantages
+    from jrl.rl.logprobs import response_log_probs
 
 
     s = st.s
     rows = st.train_rows[: s.train_batch_size]
     width = max(len(st.tokenizer.encode(r["prompt"])) for r in rows)
     ids, mask = encode_prompts(st.tokenizer, rows, width, False)
-    out = rollout.generate(st.params, ids, mask, jax.random.key(1), s.rollout, config=st.model)
+    out = sampler.generate(st.params, ids, mask, jax.random.key(1), s.rollout, config=st.model)
     batch = {k: np.asarray(getattr(out, k))
              for k in ("prompt_ids", "prompt_mask", "responses", "response_mask")}
     texts = decode_responses(st.tokenizer, batch["responses"], batch["response_mask"])
@@ -763,7 +766,8 @@ def run_gradcheck(args) -> None:
     import torch
     from trl import GRPOConfig
 
-    from jrl import masks, update
+    from jrl.algos import masks
+    from jrl.rl import update
 
     st = setup(args)
     results = []

@@ -1,4 +1,4 @@
-"""Writes the warm start that `tests/trainer/test_learning.py` starts RL from.
+"""Writes the warm start that `tests/rl/test_trainer_learning.py` starts RL from.
 
 The main job's supervised warm start (`configs/grpo_arith.py`, seed 0: 800 steps,
 about 90 s on a 2-core CPU) is the slow part of that job; the CI learning test
@@ -19,7 +19,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import grpo_arith  # noqa: E402
-from jrl import experiment, sft  # noqa: E402
+from jrl import sft  # noqa: E402
+from jrl.app import experiment  # noqa: E402
 from jrl.models import hf  # noqa: E402
 
 

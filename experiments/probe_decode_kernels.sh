@@ -18,7 +18,7 @@
 #   compile    experiments/probe_mosaic_compile.py: seconds to lower and to compile 1, 2,
 #              8 and 24 decode steps (the sampler's layers) on either kernel, and how
 #              many times ptxas compiled a Mosaic GPU kernel for each
-#   tests      tests/models/test_decode_attention.py compiled on the GPU (the kernels
+#   tests      tests/kernels/test_decode_attention.py compiled on the GPU (the kernels
 #              against XLA, through the sampler)
 #   sampler    experiments/bench_rollout.py (batch 64 / 256 / 512, P128 / R256) on the
 #              Triton kernel and on Mosaic GPU at SAMPLER_TILES (default
@@ -90,7 +90,7 @@ for step in "${STEPS[@]}"; do
            /^== .* lower/ {print $0 "; ptxas runs " n}' "$OUT/compile.log" ;;
     tests)
       JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$PWD timeout -k 5 300 python3 -m pytest \
-        -q -p no:cacheprovider tests/models/test_decode_attention.py > "$OUT/tests.log" \
+        -q -p no:cacheprovider tests/kernels/test_decode_attention.py > "$OUT/tests.log" \
         2>&1 < /dev/null
       echo "-- tests: exit $?"; tail -n 15 "$OUT/tests.log" ;;
     sampler)

@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jrl.models import decode_attention as da
+from jrl.kernels import decode_attention as da
 
 
 def program(impl: str, tiles, layers: int, b: int, n: int, kv: int, h: int, s: int):

@@ -27,8 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.profile_decode import median_ms  # noqa: E402
-from jrl.logprobs import response_log_probs  # noqa: E402
 from jrl.models import hf  # noqa: E402
+from jrl.rl.logprobs import response_log_probs  # noqa: E402
 
 WARM_START = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "tests", "data", "arith_warm_start")

@@ -17,11 +17,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jrl import rollout
 from jrl.models.cache import init_cache
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward, init_params
+from jrl.rollout import sampler
 
 
 def median_ms(fn, *args, repeats: int = 15) -> float:
@@ -61,17 +61,17 @@ def main():
                                     config=config)
             return unembed(params, hidden[:, 0]), cache
 
-        # Compiled as the sampler compiles its programs (`rollout.compiler_options`).
-        step = jax.jit(step, compiler_options=rollout.compiler_options(rollout.SamplingConfig()))
+        # Compiled as the sampler compiles its programs (`sampler.compiler_options`).
+        step = jax.jit(step, compiler_options=sampler.compiler_options(sampler.SamplingConfig()))
 
         ms = median_ms(step, params, cache, repeats=args.repeats)
         rows.append((f"decode forward+unembed, {impl} attention", f"{ms:.3f} ms"))
     logits = jax.random.normal(jax.random.key(2), (b, base.vocab_size), jnp.float32)
     keys = jax.random.split(jax.random.key(3), b)
-    for name, sampling in (("sample, no filter", rollout.SamplingConfig()),
-                           ("sample, top_p=0.9", rollout.SamplingConfig(top_p=0.9)),
-                           ("greedy", rollout.SamplingConfig(do_sample=False))):
-        fn = jax.jit(functools.partial(rollout.sample_tokens, sampling=sampling))
+    for name, sampling in (("sample, no filter", sampler.SamplingConfig()),
+                           ("sample, top_p=0.9", sampler.SamplingConfig(top_p=0.9)),
+                           ("greedy", sampler.SamplingConfig(do_sample=False))):
+        fn = jax.jit(functools.partial(sampler.sample_tokens, sampling=sampling))
         rows.append((name, f"{median_ms(fn, logits, keys, repeats=args.repeats):.3f} ms"))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_bytes = 2 * base.num_layers * b * s * base.num_kv_heads * base.head_dim * 2

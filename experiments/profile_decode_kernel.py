@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
 
-from jrl.models import decode_attention as da
-from jrl.models import mosaic_backend
+from jrl.kernels import decode_attention as da
+from jrl.kernels import mosaic_backend
 
 
 def programs(trace):

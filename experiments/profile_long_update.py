@@ -38,7 +38,8 @@ import numpy as np
 import results_json  # this folder is on the path when a script here runs
 import trace_summary
 
-from jrl import metrics, types
+from jrl import metrics
+from jrl.rl import types
 
 
 def parse_args(argv=None):

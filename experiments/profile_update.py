@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from profile_decode import median_ms
 from trace_summary import maybe_trace, summarize
 
-from jrl import logprobs
 from jrl.models.config import ModelConfig
 from jrl.models.transformer import init_params
+from jrl.rl import logprobs
 
 PEAK = 989e12
 

@@ -38,8 +38,8 @@ import numpy as np
 import results_json  # this folder is on the path when a script here runs
 from jax.experimental import pallas as pl
 
-from jrl import rollout
-from jrl.models import mosaic_backend
+from jrl.kernels import mosaic_backend
+from jrl.rollout import sampler
 
 
 def matmul(x, w, *, tn: int, splits: int = 1, tk: int = 64, stages: int = 4,
@@ -196,12 +196,12 @@ def _kernel_ms(fn, *args, reps: int) -> float:
 
 def _over_layers(mm, x, weights):
     """One compiled call of `mm` with each layer's own weights, with the sampler's XLA
-    options (cuBLAS for every dot, `rollout.compiler_options`); a `Compiled`, which the
+    options (cuBLAS for every dot, `sampler.compiler_options`); a `Compiled`, which the
     profiler runs as it is."""
     mm = jax.jit(mm)  # one lowering (and one ptxas run) for every layer's call (a jitted
     # `mm`, as `_jitted_matmul`'s, keeps its own)
     fn = jax.jit(lambda x, *ws: [mm(x, w) for w in ws])
-    return fn.lower(x, *weights).compile(rollout.compiler_options(rollout.SamplingConfig()))
+    return fn.lower(x, *weights).compile(sampler.compiler_options(sampler.SamplingConfig()))
 
 
 def bench(rows, layers: int, reps: int, hbm_gbps: float):
@@ -256,9 +256,9 @@ def check_decode_interpret(new_tokens: int = 3):
     """A small bf16 model's sampled rollout (one key) with its decode projections on
     `matmul` (Pallas' GPU interpret mode) against the same rollout on XLA's dot, on the
     CPU: the same tokens, and their log-probs close."""
-    from jrl import step
     from jrl.models.config import ModelConfig
     from jrl.models.transformer import init_params
+    from jrl.rl import step
 
     config = ModelConfig.preset("tiny", vocab_size=64, hidden_size=128, intermediate_size=256,
                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -266,12 +266,12 @@ def check_decode_interpret(new_tokens: int = 3):
     params = init_params(config, jax.random.key(0))
     ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 8)), jnp.int32)
     mask = jnp.ones_like(ids)
-    sampling = rollout.SamplingConfig(max_new_tokens=new_tokens, ignore_stop=True)
+    sampling = sampler.SamplingConfig(max_new_tokens=new_tokens, ignore_stop=True)
 
     def run():  # a function of its own each time: jit's cache would reuse the first trace
         def generate(params, ids, mask):
             sampler_config, params = step.sampling_params(params, config)
-            out = rollout.generate(params, ids, mask, jax.random.key(1), sampling=sampling,
+            out = sampler.generate(params, ids, mask, jax.random.key(1), sampling=sampling,
                                    config=sampler_config)
             return out.responses, out.rollout_log_probs
         return jax.jit(generate)(params, ids, mask)

@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 import results_json  # this folder is on the path when a script here runs
 
-from jrl import rollout
 from jrl.models import PRESETS, init_params
+from jrl.rollout import sampler
 
 
 def measure(preset: str, buckets: int, impl: str, batch: int, prompt: int, response: int):
     config = dataclasses.replace(PRESETS[preset], dtype="bfloat16", decode_attention_impl=impl)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    sampling = rollout.SamplingConfig(n=8, max_new_tokens=response, stop_token_ids=(1,),
+    sampling = sampler.SamplingConfig(n=8, max_new_tokens=response, stop_token_ids=(1,),
                                       pad_token_id=0, decode_buckets=buckets)
     ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    program = jax.jit(functools.partial(rollout.generate_program, sampling=sampling,
+    program = jax.jit(functools.partial(sampler.generate_program, sampling=sampling,
                                         config=config))
     start = time.perf_counter()
     traced = program.trace(params, ids, ids, key)

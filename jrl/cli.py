@@ -5,7 +5,7 @@ A config, data, checkpoint, reward-function or run-directory error
 (`jrl.errors.JrlError`, a missing file, or a `--config.<key>=<value>` absl cannot
 parse) prints `error: <message>` and exits with status 2; `--debug` adds the
 traceback. Anything else is unexpected and keeps its traceback. Ctrl-C or SIGTERM
-stops the run at its next safe point (`jrl.interrupt`): it prints `stopped at step N;
+stops the run at its next safe point (`jrl.app.interrupt`): it prints `stopped at step N;
 run the same command to resume` and exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from jrl import interrupt, rundir
+from jrl.app import interrupt, rundir
 from jrl.errors import ConfigError, JrlError
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -99,7 +99,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], None]) -> None:
     """`app.run(main)` with readable errors for bad input, and Ctrl-C / SIGTERM handled by
-    `jrl.interrupt` (stop at the next safe point, one line, status 130 / 143)."""
+    `jrl.app.interrupt` (stop at the next safe point, one line, status 130 / 143)."""
     interrupt.install()
 
     def wrapped(argv):

@@ -111,7 +111,7 @@ class MetricsWriter:
         self._jsonl = "jsonl" in loggers
 
     def write(self, step: int, metrics: dict[str, float], run: int | None = None) -> None:
-        """Writes a step's metrics; with `run` (one run of several, `jrl.runs`) the
+        """Writes a step's metrics; with `run` (one run of several, `jrl.rl.runs`) the
         record gets a `run` field and the TensorBoard / wandb keys a `run<r>/` prefix,
         and the console is left to `show`."""
         if not self.enabled:
@@ -291,7 +291,7 @@ def curves_figure(records: Sequence[dict], val_key: str | None = None) -> Figure
 
 
 def run_series(records: Sequence[dict]) -> dict[str, dict[int, list[tuple[int, float]]]]:
-    """{curve: {run: [(step, value)]}} of records with a `run` field (`jrl.runs`): the
+    """{curve: {run: [(step, value)]}} of records with a `run` field (`jrl.rl.runs`): the
     training score and each `val-core/` key."""
     runs = sorted({r["run"] for r in records if "run" in r})
     keys = ["critic/score/mean"] + sorted(
@@ -334,7 +334,7 @@ def draw_runs(ax, key: str, per_run: dict[int, list], labels: Sequence[str] | No
 
 def runs_figure(records: Sequence[dict], labels: Sequence[str] | None = None,
                 groups: Sequence[str] | None = None) -> Figure:
-    """A matplotlib Figure of several runs (records with a `run` field, `jrl.runs`): a
+    """A matplotlib Figure of several runs (records with a `run` field, `jrl.rl.runs`): a
     panel per curve (`run_series`), drawn by `draw_runs`. `labels`: each run's name
     (a legend of the runs when there are at most 8); `groups`: see `draw_runs`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -6,13 +6,13 @@ from typing import Protocol
 
 import optax
 
-# `*.optim.lr_scheduler_type`: the decay after the warmup (`jrl.settings` checks the key
-# against this list; this module needs nothing of `jrl.settings`).
+# `*.optim.lr_scheduler_type`: the decay after the warmup (`jrl.config.settings` checks the key
+# against this list; this module needs nothing of `jrl.config.settings`).
 LR_SCHEDULERS = ("constant", "cosine")
 
 
 class Hyperparameters(Protocol):
-    """What the optimiser reads of a role's settings (`jrl.settings.OptimSettings`)."""
+    """What the optimiser reads of a role's settings (`jrl.config.settings.OptimSettings`)."""
 
     lr: float
     weight_decay: float

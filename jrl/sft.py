@@ -15,12 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jrl import experiment, interrupt, logprobs, masks, multi_turn, rundir, settings, update
 from jrl import sharding as sharding_lib
-from jrl.checkpoint import Checkpointer
+from jrl.algos import masks
+from jrl.app import experiment, interrupt, rundir
+from jrl.config import settings
 from jrl.data.dataset import Row, encode_prompts, ground_truth
 from jrl.errors import ConfigError, JrlError, RunDirError
 from jrl.models.config import ModelConfig
+from jrl.rl import logprobs, update
+from jrl.rl.checkpoint import Checkpointer
+from jrl.rollout import multi_turn
 
 
 class NonFiniteLossError(JrlError, FloatingPointError):

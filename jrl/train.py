@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jrl import interrupt
+from jrl.app import interrupt
 
 if __name__ == "__main__":  # before the slow imports: a Ctrl-C during them stops cleanly
     interrupt.install()
@@ -21,22 +21,14 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, logging  # noqa: E402
 
-from jrl import (  # noqa: E402
-    cli,
-    compilation_cache,
-    distributed,
-    experiment,
-    metrics,
-    rundir,
-    settings,
-    sft,
-    sharding,
-)
+from jrl import cli, metrics, sft, sharding
+from jrl.app import compilation_cache, distributed, experiment, rundir
+from jrl.config import settings
 from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
 from jrl.rewards import in_graph, scoring  # noqa: E402
-from jrl.trainer import RLTrainer, check_batch_sizes  # noqa: E402
+from jrl.rl.trainer import RLTrainer, check_batch_sizes  # noqa: E402
 
 # Training rows whose demonstrations a custom reward function is tried on before the
 # warm start (`_try_reward_fn`).
@@ -50,13 +42,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
     Everything that can be checked before training (the config, every data row, the
     reward function, the model files, that the workdir is writable) is checked before
     the workdir is claimed; a start that fails before it wrote any output leaves no
-    `config.json` behind (`rundir.claimed`). The workdir holds one run (`jrl.rundir`):
+    `config.json` behind (`rundir.claimed`). The workdir holds one run (`jrl.app.rundir`):
     its lock is held while this runs, its `config.json` decides whether this start
     resumes, reports a finished run, or stops because the config changed
     (`trainer.resume_mode`).
 
     Args:
-      config: the experiment config (`jrl.config_defaults.base_config` and overrides).
+      config: the experiment config (`jrl.config.defaults.base_config` and overrides).
       workdir: checkpoints, metrics and plots; a run resumes from its latest checkpoint.
       exit_after_steps: stop after this many RL steps of this call (for tests).
       sharder: the mesh to use (default: built from `config.mesh` over all devices).
@@ -64,7 +56,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
         scorer of each row's data_source).
 
     Raises:
-      jrl.interrupt.Stopped: a signal arrived (`jrl.interrupt.install`); the run stopped
+      jrl.app.interrupt.Stopped: a signal arrived (`jrl.app.interrupt.install`); the run stopped
         at a safe point, with a checkpoint of its last step.
     """
     distributed.maybe_initialize(config)
@@ -120,8 +112,8 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
 
 
 def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
-    """What the device program of `jrl.runs` does not do (yet) stops before the run."""
-    from jrl import runs as runs_lib
+    """What the device program of `jrl.rl.runs` does not do (yet) stops before the run."""
+    from jrl.rl import runs as runs_lib
 
     runs_lib.runs_devices(config, len(runs_lib.plan(config)))
     if config.mesh.get("context", 1) != 1:
@@ -199,8 +191,8 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
 
 
 def _run_multi(config, workdir, p: _Prepared, exit_after_steps) -> dict:
-    """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.runs`)."""
-    from jrl import runs as runs_lib
+    """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.rl.runs`)."""
+    from jrl.rl import runs as runs_lib
 
     t, lead = p.settings.trainer, jax.process_index() == 0
     plan = runs_lib.plan(config)
@@ -328,8 +320,8 @@ def _results(config, workdir: str, final: dict) -> dict:
 
 
 def _run_results(config, workdir: str, records: list[dict]) -> dict:
-    """Each run's validation before and after RL (`jrl.runs`), and their curves."""
-    from jrl import runs as runs_lib
+    """Each run's validation before and after RL (`jrl.rl.runs`), and their curves."""
+    from jrl.rl import runs as runs_lib
 
     t = config.trainer
     plan = runs_lib.plan(config)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jrl.models import mosaic_backend, triton_backend
+from jrl.kernels import mosaic_backend, triton_backend
 
 # Tests that run a Pallas kernel (interpret mode off a GPU) need the Triton backend.
 NEEDS_TRITON = pytest.mark.skipif(not triton_backend.available(),

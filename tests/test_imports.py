@@ -66,13 +66,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles():
     graph = _graph()
     assert "jrl.sft" in graph and "jrl.train" in graph
-    assert "jrl.experiment" in graph["jrl.train"]
+    assert "jrl.app.experiment" in graph["jrl.train"]
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 def test_optim_needs_nothing_of_settings():
-    assert "jrl.settings" not in _graph()["jrl.optim"]
+    assert "jrl.config.settings" not in _graph()["jrl.optim"]
 
 
 def test_cycle_finder_finds_a_cycle():

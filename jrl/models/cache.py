@@ -1,6 +1,6 @@
 """Functional key/value cache for decoding, and the attention masks built around it.
 
-The cache contract (what `jrl.rollout` relies on)
+The cache contract (what `jrl.rollout.sampler` relies on)
 ------------------------------------------------
 
 The cache is a pytree (`KVCache`) that `forward` takes and returns; nothing is kept
@@ -36,7 +36,7 @@ Rules:
   write silently (checked when `write_index` is a Python int).
 - A row's real tokens fill contiguous slots: its left padding, then every token up
   to the one being written (the sampler's layout). The decode-attention kernel
-  (`jrl.models.decode_attention`) relies on it: it writes the new token's key and
+  (`jrl.kernels.decode_attention`) relies on it: it writes the new token's key and
   value itself and reads the blocks of each row that hold slots `[first valid slot,
   write_index)`, with no `key_mask` (it masks the rest of those blocks by position).
 
@@ -102,7 +102,7 @@ class KVCache:
 @flax.struct.dataclass
 class RowCache(KVCache):
     """A cache of C rows for a batch of B rows that need not be the same rows: the
-    rows still running hold a cache row, the others none (`jrl.rollout_segments`).
+    rows still running hold a cache row, the others none (`jrl.rollout.segments`).
 
     A decode step's `forward` takes it in place of a `KVCache`: everything but the
     attention runs on the batch; the attention's per-row operands are gathered into

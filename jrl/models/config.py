@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jrl.errors import ConfigError
-from jrl.models import mosaic_backend, triton_backend
+from jrl.kernels import mosaic_backend, triton_backend
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,17 +92,17 @@ class ModelConfig:
       attention_impl: training attention: "auto" (on GPU cuDNN flash attention when
         dtype and head_dim allow it; on TPU Pallas splash attention for rows of a
         multiple of 128 tokens and head_dim a multiple of 128; else XLA), "xla",
-        "cudnn" or "splash" (`jrl.models.packed_attention`; off a TPU it runs in
+        "cudnn" or "splash" (`jrl.kernels.packed_attention`; off a TPU it runs in
         Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
-        `jrl.models.decode_attention` on GPU where it applies: on Pallas' Triton
+        `jrl.kernels.decode_attention` on GPU where it applies: on Pallas' Triton
         backend, or without it on its Mosaic GPU backend on Hopper; else XLA), "xla",
         "pallas" (a ConfigError where jax lacks Pallas' Triton backend) or "mosaic"
         (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and a bfloat16 or
         float16 cache; a ConfigError where jax lacks that backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
-        (the Pallas kernel of `jrl.models.head_kernel`, on Pallas' Mosaic GPU backend,
+        (the Pallas kernel of `jrl.kernels.logprob_head`, on Pallas' Mosaic GPU backend,
         on Hopper GPUs for hidden sizes up to 1,024; else XLA), "xla" (chunked float32
         logits) or "mosaic" (the kernel, forced; a ConfigError where jax lacks Mosaic
         GPU).

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.models import packed_attention
+from jrl.kernels import packed_attention
 
 AXIS = "context"
 

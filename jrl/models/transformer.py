@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jrl.models import context_attention, packed_attention, rope
-from jrl.models import decode_attention as decode_lib
+from jrl.kernels import decode_attention as decode_lib
+from jrl.kernels import packed_attention
+from jrl.models import context_attention, rope
 from jrl.models import heads as heads_lib
 from jrl.models.cache import KVCache, RowCache, attention_mask
 from jrl.models.config import ModelConfig
@@ -720,7 +721,7 @@ def forward(
       mask: without a cache, `[B, T]` token validity, a `SharedPrompt` for the
         shared-prompt layout (each row of `tokens_bt` one prompt followed by the k
         responses sampled from it), or `packed_attention.Segments` for packed rows
-        (several sequences end to end, `jrl.packing`); with a cache, `[B, S]` slot
+        (several sequences end to end, `jrl.rl.packing`); with a cache, `[B, S]` slot
         validity including the slots written by this call (1 = valid).
       cache: `KVCache` of S slots, or None.
       write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required

@@ -121,7 +121,7 @@ _WORKER_FN: Callable | None = None
 def _init_worker(fn_spec: str | None) -> None:
     global _WORKER_FN
     # Ctrl-C reaches the terminal's whole process group: the main process stops the run
-    # (`jrl.interrupt`) and then these workers; they must not die under it first.
+    # (`jrl.app.interrupt`) and then these workers; they must not die under it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_FN = resolve_fn(fn_spec)
 

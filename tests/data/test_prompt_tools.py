@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from jrl import experiment, settings
 from jrl import tools as tools_lib
+from jrl.app import experiment
+from jrl.config import settings
 from jrl.data import files
 from jrl.data.dataset import encode_prompts, prompt_text, prompt_token_ids
 from jrl.data.synthetic import TOOL_DATA_SOURCE
@@ -17,7 +18,7 @@ from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.errors import ConfigError, DataError
 from jrl.sft import encode_examples
 from tests import char_tokenizer
-from tests.trainer.tiny import tiny_config
+from tests.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALCULATOR_YAML = os.path.join(REPO, "configs", "tools", "calculator.yaml")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from jrl import rollout
 from jrl.models import (
     attention_mask,
     forward_logits,
@@ -17,6 +16,7 @@ from jrl.models import (
     load_pretrained,
     positions_from_mask,
 )
+from jrl.rollout import sampler
 
 CASE = "qwen3_untied"  # q/k norm, GQA, head_dim != hidden / heads
 NUM_NEW = 6
@@ -177,10 +177,10 @@ def test_write_past_the_cache_is_rejected(model, ragged_batch):
 
 @pytest.mark.parametrize("case", ["llama_untied", "qwen2_untied", "qwen3_untied"])
 def test_fused_projections_match_the_training_forward(hf_checkpoint, ragged_batch, case):
-    """The sampler's layout (q/k/v and gate/up fused, `rollout.per_layer`): prefill and
+    """The sampler's layout (q/k/v and gate/up fused, `sampler.per_layer`): prefill and
     decode steps through it give the training forward's logits (qkv bias, q/k norm)."""
     config, params = load_pretrained(hf_checkpoint(case)[0])
-    fused = rollout.per_layer(params, config)
+    fused = sampler.per_layer(params, config)
     attn, mlp = fused["layers"][0]["attn"], fused["layers"][0]["mlp"]
     assert "qkv_proj" in attn and "q_proj" not in attn and "gate_up_proj" in mlp
     assert attn["qkv_proj"]["kernel"].shape == (
@@ -203,6 +203,6 @@ def test_fused_projections_match_the_training_forward(hf_checkpoint, ragged_batc
         np.testing.assert_allclose(np.asarray(step_logits), expected[:, prompt_len + step],
                                    atol=1e-5, rtol=0)
     # Switched off, the layers keep their separate projections.
-    plain = rollout.per_layer(params, dataclasses.replace(config,
+    plain = sampler.per_layer(params, dataclasses.replace(config,
                                                           fuse_decode_projections=False))
     assert "q_proj" in plain["layers"][0]["attn"] and "up_proj" in plain["layers"][0]["mlp"]

@@ -11,7 +11,8 @@ _PARITY_SCRIPT = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     from jrl import sharding
-    from jrl.models import context_attention, packed_attention
+    from jrl.models import context_attention
+    from jrl.kernels import packed_attention
 
     assert jax.device_count() == 8, jax.devices()
 

@@ -27,7 +27,7 @@ def run_job(job: dict) -> list[dict]:
 
     from jrl import sharding, train
     from tests.sharding.runner import tiny_mesh_config, varied_reward
-    from tests.trainer.tiny import apply_overrides
+    from tests.tiny import apply_overrides
 
     config = apply_overrides(tiny_mesh_config(job.get("algo", "grpo"), job.get("steps", 4)),
                              {"trainer.save_freq": 2, **job.get("overrides", {})})

@@ -46,7 +46,7 @@ def _always_call(tools_lib):
 
 
 def tiny_mesh_config(algo: str, steps: int):
-    from tests.trainer.tiny import tiny_config
+    from tests.tiny import tiny_config
 
     if algo == "multi_turn":
         from jrl import tools as tools_lib
@@ -140,7 +140,7 @@ def run_job(args) -> dict[str, list[dict]]:
         config.distributed.coordinator_address = args.coordinator
         config.distributed.num_processes = args.num_processes
         config.distributed.process_id = args.process_id
-        from jrl import distributed
+        from jrl.app import distributed
 
         distributed.maybe_initialize(config)
     results = {}

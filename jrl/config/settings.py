@@ -1,0 +1,906 @@
+"""Turns an experiment `ConfigDict` into validated, static settings.
+
+Everything is checked here, before any model is built or anything compiles; each
+error names the config key and what would be valid. The jitted steps then take
+the frozen dataclasses below as static arguments, never the `ConfigDict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+
+from jrl import optim, tools
+from jrl.algos import advantages, kl_control, losses, masks
+from jrl.algos import rollout_correction as rollout_correction
+from jrl.config import defaults
+from jrl.errors import ConfigError
+from jrl.kernels import mosaic_backend, triton_backend
+from jrl.models import config as model_config
+from jrl.rewards import custom, in_graph, reward_model, scoring
+from jrl.rl import buckets
+from jrl.rollout import multi_turn, sampler
+from jrl.rollout.sampler import SamplingConfig
+
+# The lists of valid values below are the ones this module owns; every other choice key
+# is checked against the list of the module that implements it (losses.POLICY_LOSSES,
+# kl_control.KL_CONTROLLERS, model_config.DTYPES, ...), never a copy.
+NAN_POLICIES = ("skip", "raise")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def _fail(key: str, message: str):
+    raise ConfigError(f"{key}: {message}")
+
+
+def _fail_in_graph(spec: str, key: str, what: str):
+    """Stops a run that sets `reward.in_graph_fn` beside `key`, which needs host scores."""
+    _fail(in_graph.KEY, f"{spec!r} scores on the device and cannot be combined with "
+          f"{key}{what}; unset one of them")
+
+
+def _number(key: str, value, *, allow_zero: bool = False, integer: bool = False):
+    """`value` if it is a positive (or, `allow_zero`, non-negative) number."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+        value == 0 and not allow_zero
+    ):
+        kind = "non-negative" if allow_zero else "positive"
+        _fail(key, f"must be a {kind} number, got {value!r}")
+    return int(value) if integer else value
+
+
+def _flag(key: str, value, automatic: bool = False) -> bool | None:
+    """`value`, a bool (or, with `automatic`, None: the key's automatic choice)."""
+    if automatic and value is None:
+        return value
+    if not isinstance(value, bool):
+        valid = "True, False or None (automatic)" if automatic else "True or False"
+        _fail(key, f"must be {valid}, got {value!r}")
+    return value
+
+
+def _choice(key: str, value, choices) -> str:
+    if value not in choices:
+        _fail(key, f"{value!r} is not valid; choose one of {list(choices)}")
+    return value
+
+
+def _set(settings, **values) -> None:
+    """Normalised field values (e.g. ints) on a frozen dataclass, in `__post_init__`."""
+    for name, value in values.items():
+        object.__setattr__(settings, name, value)
+
+
+# Each settings dataclass checks its own fields in `__post_init__`, naming the config key
+# (`prefix` says whose keys they are: "actor" or "critic"); checks across sections are
+# `Settings`'. `from_config` only reads the keys.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    lr_scheduler_type: str
+    min_lr_ratio: float
+    grad_clip: float
+    total_steps: int
+    prefix: str = dataclasses.field(default="actor", compare=False, repr=False)
+
+    def __post_init__(self):
+        p = f"{self.prefix}.optim"
+        _number(f"{p}.lr", self.lr, allow_zero=True)
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            _fail(f"{p}.betas", f"must be two numbers in [0, 1), got {betas}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail(f"{p}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _set(self, betas=betas,
+             weight_decay=_number(f"{p}.weight_decay", self.weight_decay, allow_zero=True),
+             warmup_steps=_number(f"{p}.lr_warmup_steps", self.warmup_steps, allow_zero=True,
+                                  integer=True),
+             grad_clip=_number(f"{self.prefix}.grad_clip", self.grad_clip, allow_zero=True))
+        _choice(f"{p}.lr_scheduler_type", self.lr_scheduler_type, optim.LR_SCHEDULERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """How one model is updated from a batch of `B·n` sequences."""
+
+    ppo_epochs: int
+    mini_batch: int  # sequences per optimizer step
+    micro_batch: int  # sequences per forward/backward
+    shuffle: bool
+    nan_policy: str
+    prefix: str = dataclasses.field(default="actor", compare=False, repr=False)
+    # Token-budget micro-batches (`jrl.rl.packing`): slots per device per micro-batch
+    # (`<prefix>.ppo_max_token_len_per_gpu` with `use_dynamic_bsz`); None: micro-batches
+    # of `micro_batch` padded sequences.
+    max_token_len: int | None = None
+
+    def __post_init__(self):
+        p = self.prefix
+        _set(self, ppo_epochs=_number(f"{p}.ppo_epochs", self.ppo_epochs, integer=True),
+             mini_batch=_number(f"{p}.ppo_mini_batch_size", self.mini_batch, integer=True),
+             micro_batch=_number(f"{p}.ppo_micro_batch_size", self.micro_batch, integer=True),
+             shuffle=bool(self.shuffle))
+        if self.mini_batch % self.micro_batch:
+            self._fail_micro_batch()
+        _choice("trainer.nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.max_token_len is not None:
+            _set(self, max_token_len=_number(f"{p}.ppo_max_token_len_per_gpu",
+                                             self.max_token_len, integer=True))
+
+
+    def _fail_micro_batch(self):
+        """Names the key that is off: the mini-batch when it is smaller than one
+        micro-batch (e.g. `ppo_mini_batch_size=7` under a preset micro-batch of 128),
+        else the micro-batch that does not divide it; the other key is named as well."""
+        p, mini, micro = self.prefix, self.mini_batch, self.micro_batch
+        mini_key, micro_key = f"{p}.ppo_mini_batch_size", f"{p}.ppo_micro_batch_size"
+        if micro > mini:
+            _fail(mini_key, f"its mini-batch of {mini} sequences ({mini_key} x rollout.n) "
+                  f"is smaller than one micro-batch of {micro_key}={micro} sequences; make "
+                  f"{mini_key} x rollout.n a multiple of {micro}, or set {micro_key} to a "
+                  f"divisor of {mini}")
+        _fail(micro_key, f"{micro} sequences must divide the mini-batch of {mini} sequences "
+              f"({mini_key} x rollout.n); set {micro_key} to a divisor of {mini}, or change "
+              f"{mini_key}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSettings:
+    update: UpdateSettings
+    loss: losses.PolicyLossConfig
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    optim: OptimSettings
+    # The update is on-policy and reads its old log-probs from its own forward pass
+    # (`actor.reuse_update_log_probs` where it applies; `Settings` checks it does).
+    on_policy: bool = False
+    # `algorithm.rollout_correction.*`: the rollout/training mismatch's correction.
+    correction: rollout_correction.RolloutCorrectionConfig = (
+        rollout_correction.RolloutCorrectionConfig())
+
+    @property
+    def skips_old_pass(self) -> bool:
+        """No separate old-log-prob pass: the update's own log-probs (on-policy) or the
+        rollout's (bypass mode) are the old ones; the update reports the entropy."""
+        return self.on_policy or self.correction.bypass_mode
+
+    def __post_init__(self):
+        self.loss.validate("actor")
+        self.correction.validate()
+        if self.correction.rollout_is is not None and self.loss.loss_mode == "geo_mean":
+            _fail("algorithm.rollout_correction.rollout_is", "per-token IS weights do not "
+                  "apply to actor.policy_loss.loss_mode='geo_mean' (one ratio per sequence); "
+                  "use rollout_rs, or another loss_mode")
+        _set(self, entropy_coeff=float(self.entropy_coeff), use_kl_loss=bool(self.use_kl_loss),
+             kl_loss_coef=float(_number("actor.kl_loss_coef", self.kl_loss_coef,
+                                        allow_zero=True)))
+        _choice("actor.kl_loss_type", self.kl_loss_type, losses.KL_PENALTIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSettings:
+    update: UpdateSettings
+    cliprange_value: float
+    loss_agg_mode: str
+    optim: OptimSettings
+    # LoRA on the critic (`critic.model.*`): its own adapters on the actor's frozen base.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
+    # The update is on-policy and reads its values from its own forward pass
+    # (`critic.reuse_update_values` where it applies; `Settings` checks it does).
+    on_policy: bool = False
+
+    def __post_init__(self):
+        _set(self, cliprange_value=float(_number("critic.cliprange_value",
+                                                 self.cliprange_value)))
+        _choice("critic.loss_agg_mode", self.loss_agg_mode, masks.LOSS_AGG_MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSettings:
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl_type: str
+    kl_coef: float
+    target_kl: float
+    horizon: float
+
+    def __post_init__(self):
+        _choice("algorithm.adv_estimator", self.adv_estimator, advantages.ESTIMATORS)
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                _fail(f"algorithm.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+        _choice("algorithm.kl_ctrl.type", self.kl_ctrl_type, kl_control.KL_CONTROLLERS)
+        if self.kl_ctrl_type == "adaptive":
+            _number("algorithm.kl_ctrl.horizon", self.horizon)
+            _number("algorithm.kl_ctrl.target_kl", self.target_kl)
+        _choice("algorithm.kl_penalty", self.kl_penalty, losses.KL_PENALTIES)
+        _set(self, gamma=float(self.gamma), lam=float(self.lam),
+             norm_adv_by_std_in_grpo=bool(self.norm_adv_by_std_in_grpo),
+             use_kl_in_reward=bool(self.use_kl_in_reward),
+             kl_coef=float(_number("algorithm.kl_ctrl.kl_coef", self.kl_coef, allow_zero=True)),
+             target_kl=float(self.target_kl), horizon=float(self.horizon))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """How responses are scored (`reward.*`, `reward_model.*`)."""
+
+    custom_fn: str | None  # "path.py:name"; None: the scorer of each data_source
+    num_workers: int
+    on_error: str  # one of scoring.ON_ERROR
+    error_score: float
+    model_path: str | None  # reward model checkpoint; None: rule scoring
+    model_max_length: int
+    model_truncation: str
+    model_micro_batch_size: int | None
+    overlong_buffer_len: int  # 0: no overlong shaping
+    overlong_penalty_factor: float
+    # A reward computed on the device (`jrl.rewards.in_graph`); None: host rewards.
+    in_graph_fn: str | None = None
+
+    def __post_init__(self):
+        _choice("reward.on_error", self.on_error, scoring.ON_ERROR)
+        if self.in_graph_fn is not None:
+            self._check_in_graph()
+        if self.custom_fn is not None:
+            # The loader's own parser, so `~` and the spec rules are the same here and there.
+            try:
+                path, _ = custom.parse_spec(self.custom_fn)
+            except ValueError as err:
+                _fail("reward.custom_fn", str(err))
+            if not path.is_file():
+                _fail("reward.custom_fn", f"file {str(path)!r} does not exist")
+        if self.model_path is not None and not os.path.isdir(self.model_path):
+            _fail("reward_model.model.path", f"{self.model_path!r} is not a directory; "
+                  "reward_model.enable=True needs a local HF sequence-classification checkpoint")
+        micro = self.model_micro_batch_size
+        _set(self, num_workers=_number("reward.num_workers", self.num_workers, allow_zero=True,
+                                       integer=True),
+             error_score=float(self.error_score),
+             model_max_length=_number("reward_model.max_length", self.model_max_length,
+                                      integer=True),
+             model_micro_batch_size=None if micro is None else _number(
+                 "reward_model.micro_batch_size", micro, integer=True),
+             overlong_penalty_factor=float(_number(
+                 "reward_model.overlong_buffer.penalty_factor", self.overlong_penalty_factor,
+                 allow_zero=True)))
+        _choice("reward_model.truncation", self.model_truncation, reward_model.TRUNCATION)
+
+    def _check_in_graph(self) -> None:
+        """`reward.in_graph_fn` is well formed and no host-only reward is set beside it."""
+        in_graph.check_spec(self.in_graph_fn)
+        conflicts = {
+            "reward.custom_fn": (self.custom_fn is not None,
+                                 f"={self.custom_fn!r}, a reward function run on the host"),
+            "reward_model.enable": (self.model_path is not None,
+                                    "=True, a reward model scored on the host"),
+            "reward_model.overlong_buffer.enable": (
+                self.overlong_buffer_len > 0, "=True, overlong shaping added on the host")}
+        for key, (conflict, what) in conflicts.items():
+            if conflict:
+                _fail_in_graph(self.in_graph_fn, key, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSettings:
+    """DAPO dynamic sampling (`algorithm.filter_groups.*`); None in Settings when off."""
+
+    metric: str
+    max_num_gen_batches: int  # 0: no limit
+    gen_batch_size: int  # prompts per generation round
+
+    def __post_init__(self):
+        if not isinstance(self.metric, str) or not self.metric:
+            _fail("algorithm.filter_groups.metric", f"{self.metric!r} must name a reward "
+                  "field, e.g. 'acc' or 'score'")
+        _set(self, max_num_gen_batches=_number("algorithm.filter_groups.max_num_gen_batches",
+                                               self.max_num_gen_batches, allow_zero=True,
+                                               integer=True),
+             gen_batch_size=_number("data.gen_batch_size", self.gen_batch_size, integer=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """The loop's schedule: validation, checkpoints, the critic's warm-up."""
+
+    test_freq: int  # validate every this many steps (0: never; always after the last)
+    save_freq: int  # checkpoint every this many steps (0: never; also after the last)
+    val_before_train: bool
+    critic_warmup: int  # verl's: the actor first updates at step critic_warmup (from 1)
+    max_ckpt_to_keep: int | None
+    # Where each step's / validation's samples are written (`<dir>/<step>.jsonl`); None: not.
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    # Runs in one program (`jrl.rl.runs`): seeds per setting, the sweep, steps per call.
+    runs: int = 1
+    sweep: str | None = None
+    steps_per_call: int = 1
+    # Compile the first step's programs at once (`RLTrainer.compile_programs`); None: on
+    # a GPU or TPU, off on a CPU.
+    parallel_compile: bool | None = None
+
+    @property
+    def multi_run(self) -> bool:
+        """Whether the run is `jrl.rl.runs`' device program rather than the host loop."""
+        return self.runs > 1 or bool(self.sweep) or self.steps_per_call > 1
+
+    def __post_init__(self):
+        for name in ("runs", "steps_per_call"):
+            _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), integer=True)})
+        if self.sweep is not None and not isinstance(self.sweep, str):
+            _fail("trainer.sweep", f"must be a string key=v1,v2,... (or None), got "
+                  f"{self.sweep!r}")
+        for name in ("rollout_data_dir", "validation_data_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"trainer.{name}", f"must be a directory path (or None: off), got "
+                      f"{value!r}")
+            if value is not None and os.path.isfile(os.path.expanduser(value)):
+                _fail(f"trainer.{name}", f"{value!r} is a file; expected a directory")
+        keep = self.max_ckpt_to_keep
+        if keep is not None and keep < 1:
+            _fail("trainer.max_actor_ckpt_to_keep", f"must be >= 1 (or None: keep all), got "
+                  f"{keep}")
+        _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), allow_zero=True,
+                                    integer=True)
+                      for name in ("test_freq", "save_freq", "critic_warmup")},
+             val_before_train=bool(self.val_before_train))
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSettings:
+    """`rollout.multi_turn.*` with tools: the loop's settings and the tool config file."""
+
+    config: multi_turn.MultiTurnConfig
+    tool_config_path: str
+    add_tool_rewards: bool = False  # the tools' rewards added to the score (verl: not)
+    # The tools' schemas, in file order: every prompt renders them through the chat
+    # template's `tools` variable (`jrl.data.dataset.prompt_text`), as verl's agent loop.
+    tool_schemas: tuple[dict, ...] = ()
+
+
+def _multi_turn(config) -> MultiTurnSettings | None:
+    key = "rollout.multi_turn"
+    if "multi_turn" not in config.rollout or not _get(config, f"{key}.enable"):
+        return None
+    get = lambda name: _get(config, f"{key}.{name}")
+    path = get("tool_config_path")
+    if not path:
+        _fail(f"{key}.tool_config_path", "is needed with rollout.multi_turn.enable=True: a "
+              "YAML or JSON file listing the tools")
+    if not os.path.isfile(os.path.expanduser(path)):
+        _fail(f"{key}.tool_config_path", f"{path!r} is not a file")
+    # Each class is found, is a Tool and takes its config now, before any model is built
+    # (the tools made here are dropped, their schemas kept: the trainer makes its own).
+    try:
+        schemas = tuple(t.schema for t in tools.load_tools(os.path.expanduser(path)).values())
+    except ConfigError as err:
+        _fail(f"{key}.tool_config_path", str(err))
+    ints = {name: int(_number(f"{key}.{name}", get(name), integer=True)) for name in (
+        "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+        "max_tool_response_length", "max_tool_response_tokens")}
+    stops = get("turn_stop_ids")
+    stops = (stops,) if isinstance(stops, int) else tuple(stops)
+    if not all(isinstance(t, int) and t >= 0 for t in stops):
+        _fail(f"{key}.turn_stop_ids", f"must be token ids (integers >= 0), got {stops!r}")
+    fraction = get("segment_end_fraction")
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not (
+            0 < fraction <= 1):
+        _fail(f"{key}.segment_end_fraction", f"must be in (0, 1], got {fraction!r}")
+    mt = multi_turn.MultiTurnConfig(
+        **ints, format=_choice(f"{key}.format", get("format"), tools.FORMATS),
+        tool_response_truncate_side=_choice(f"{key}.tool_response_truncate_side",
+                                            get("tool_response_truncate_side"),
+                                            multi_turn.TRUNCATE_SIDES),
+        tool_timeout_s=float(_number(f"{key}.tool_timeout_s", get("tool_timeout_s"))),
+        turn_stop_ids=stops, segment_end_fraction=float(fraction))
+    return MultiTurnSettings(mt, os.path.expanduser(path), _flag(
+        f"{key}.add_tool_rewards", get("add_tool_rewards")), schemas)
+
+
+def prompt_tools(config) -> list[dict] | None:
+    """The tool schemas every prompt renders (`MultiTurnSettings.tool_schemas`): those of
+    `rollout.multi_turn.tool_config_path` with multi-turn rollouts on, else None. The
+    tool config is checked as `from_config` checks it (a `ConfigError` naming the key)."""
+    mt = _multi_turn(config) if "rollout" in config else None
+    return list(mt.tool_schemas) if mt is not None and mt.tool_schemas else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything static about a run, derived once from the config."""
+
+    actor: ActorSettings
+    critic: CriticSettings | None  # None: the estimator needs no critic
+    algorithm: AlgorithmSettings
+    rollout: SamplingConfig
+    validation: SamplingConfig
+    train_batch_size: int  # prompts per step
+    max_prompt_length: int
+    total_steps: int
+    logprob_chunk_size: int
+    reward: RewardSettings
+    filter_groups: FilterGroupsSettings | None
+    log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
+    trainer: TrainerSettings = TrainerSettings(0, 0, True, 0, None)
+    multi_turn: MultiTurnSettings | None = None  # None: single-turn rollouts
+    # One-step asynchronous training: devices of the sampling group (`rollout.devices`;
+    # 0: none) and how many steps its weights lag the update (`rollout.staleness`).
+    sampling_devices: int = 0
+    staleness: int = 1
+    # Response-length buckets of the log-prob, value and update passes (`jrl.rl.buckets`;
+    # `actor.response_buckets`, 1: every pass runs all response columns).
+    response_buckets: int = 1
+    # Whether the log-prob, value and update passes run each prompt once for its
+    # samples (`actor.share_prompts`; `jrl.rl.logprobs`).
+    share_prompts: bool = False
+    # Token-budget micro-batches of the old/reference log-prob and value passes
+    # (`rollout.log_prob_max_token_len_per_gpu`, `jrl.rl.packing`); None: micro-batches of
+    # `log_prob_micro_batch` padded sequences.
+    log_prob_max_token_len: int | None = None
+
+    def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
+        """The passes' bucket lengths for responses of `response_length` columns."""
+        return buckets.sizes(response_length, self.response_buckets)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence: `data.max_prompt_length + rollout.response_length`."""
+        return self.max_prompt_length + self.rollout.max_new_tokens
+
+    def token_budgets(self) -> list[tuple[str, int, int]]:
+        """`(config key, budget, sequences)` of each pass with token-budget micro-batches:
+        the log-prob and value passes over the batch, each update over a mini-batch."""
+        budgets = [("rollout.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len,
+                    self.train_batch_size * self.rollout.n)]
+        for role in ("actor", "critic"):
+            if getattr(self, role) is not None:
+                update = getattr(self, role).update
+                budgets.append((f"{role}.ppo_max_token_len_per_gpu", update.max_token_len,
+                                update.mini_batch))
+        return [b for b in budgets if b[1] is not None]
+
+    def _check_token_budgets(self) -> None:
+        """Every sequence must fit one packed row of a token-budget micro-batch."""
+        longest = self.max_sequence_length
+        for key, budget, _ in self.token_budgets():
+            if _number(key, budget, integer=True) < longest:
+                _fail(key, f"{budget} tokens cannot hold one sequence of up to {longest} "
+                      f"(data.max_prompt_length + rollout.response_length); use at least "
+                      f"{longest}")
+        if self.log_prob_max_token_len is not None:
+            _set(self, log_prob_max_token_len=int(self.log_prob_max_token_len))
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def __post_init__(self):
+        _set(self, train_batch_size=_number("data.train_batch_size", self.train_batch_size,
+                                            integer=True),
+             max_prompt_length=_number("data.max_prompt_length", self.max_prompt_length,
+                                       integer=True),
+             logprob_chunk_size=_number("actor.logprob_chunk_size", self.logprob_chunk_size,
+                                        integer=True),
+             response_buckets=_number("actor.response_buckets", self.response_buckets,
+                                      integer=True))
+        n, batch = self.rollout.n, self.train_batch_size * self.rollout.n
+        estimator = advantages.get_estimator(self.algorithm.adv_estimator)
+        if estimator.needs_groups and n < max(2, estimator.min_group_size):
+            _fail("rollout.n", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  f"compares the samples of a prompt and needs rollout.n >= 2, got {n}")
+        for role in ("actor", "critic"):
+            update = getattr(self, role) and getattr(self, role).update
+            if update is not None and batch % update.mini_batch:
+                _fail(f"{role}.ppo_mini_batch_size",
+                      f"{update.mini_batch // n} prompts x rollout.n={n} = {update.mini_batch} "
+                      f"sequences must divide the batch of {batch} sequences "
+                      "(data.train_batch_size x rollout.n)")
+        micro = self.log_prob_micro_batch
+        if micro is not None and batch % _number("rollout.log_prob_micro_batch_size", micro):
+            _fail("rollout.log_prob_micro_batch_size", f"{micro} must divide the batch of "
+                  f"{batch} sequences (data.train_batch_size x rollout.n)")
+        self._check_token_budgets()
+        if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
+            _fail("reward_model.overlong_buffer.len", f"{self.reward.overlong_buffer_len} "
+                  f"exceeds rollout.response_length={self.rollout.max_new_tokens}")
+        if self.filter_groups is not None:
+            self._check_filter_groups()
+        if self.rollout.cache_segments > 1:
+            self._check_cache_segments()
+        if self.reward.in_graph_fn is not None:
+            self._check_in_graph()
+        elif self.trainer.multi_run:
+            t = self.trainer
+            key = next(f"trainer.{k}={getattr(t, k)!r}" for k in ("runs", "sweep", "steps_per_call")
+                       if getattr(t, k) not in (1, None))
+            _fail("reward.in_graph_fn", f"is needed by {key}: runs and steps in one device "
+                  "program score their responses on the device (e.g. "
+                  "reward.in_graph_fn=exact_match, or a JAX function as path/to/file.py:name)")
+        _set(self, sampling_devices=_number("rollout.devices", self.sampling_devices,
+                                            allow_zero=True, integer=True))
+        if self.staleness not in (0, 1):
+            _fail("rollout.staleness", f"must be 0 or 1 (steps the sampling group's weights "
+                  f"lag the update), got {self.staleness!r}")
+        if self.sampling_devices and estimator.needs_baseline:
+            _fail("rollout.devices", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  "decodes a greedy baseline with the current weights, which one-step "
+                  "asynchronous training does not support; use rollout.devices=0")
+        if self.actor.correction.enabled and not self.rollout.do_sample:
+            _fail("algorithm.rollout_correction", "needs the sampler's log-probs, which a "
+                  "greedy rollout (rollout.do_sample=False) does not have")
+        if self.critic is not None and self.critic.on_policy and not critic_on_policy(self):
+            _fail("critic.reuse_update_values", "applies only to a critic whose update is "
+                  "on-policy (one mini-batch of the whole batch, one epoch) with "
+                  "algorithm.adv_estimator='gae'")
+        if self.actor.on_policy and not on_policy(self):
+            _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
+                  "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
+                  "warm-up")
+
+    def _check_cache_segments(self) -> None:
+        """Segments need the host between them: not in a program that holds the whole
+        step, nor in the multi-turn loop (which decodes each turn in one program)."""
+        segments = self.rollout.cache_segments
+        if self.multi_turn is not None:
+            _fail("rollout.cache_segments", f"={segments} cannot be combined with "
+                  "rollout.multi_turn.enable=True (each turn decodes in one program); "
+                  "set rollout.cache_segments=1")
+        if self.reward.in_graph_fn is not None:
+            _fail_in_graph(self.reward.in_graph_fn, "rollout.cache_segments",
+                           f"={segments}, whose segments return to the host; set it to 1")
+
+    def _check_in_graph(self) -> None:
+        """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
+        spec, estimator = self.reward.in_graph_fn, self.algorithm.adv_estimator
+        if self.multi_turn is not None:
+            _fail_in_graph(spec, "rollout.multi_turn.enable", "=True, tool calls run on the host")
+        if self.sampling_devices:
+            _fail_in_graph(spec, "rollout.devices", f"={self.sampling_devices}, one-step "
+                          "asynchronous training, which runs its rollouts on the host's thread")
+        if self.filter_groups is not None:
+            _fail_in_graph(spec, "algorithm.filter_groups.enable",
+                          "=True, dynamic sampling that filters groups by host scores")
+        if advantages.get_estimator(estimator).needs_baseline:
+            _fail_in_graph(spec, "algorithm.adv_estimator", f"={estimator!r}, whose greedy "
+                          "baseline rollout is scored on the host")
+
+    def _check_filter_groups(self) -> None:
+        metric = self.filter_groups.metric
+        if self.rollout.n < 2:
+            _fail("algorithm.filter_groups.enable", "drops groups whose samples all score the "
+                  f"same, which needs rollout.n >= 2, got {self.rollout.n}")
+        if advantages.get_estimator(self.algorithm.adv_estimator).needs_baseline:
+            _fail("algorithm.filter_groups.enable", "cannot be combined with an estimator "
+                  "that needs a greedy baseline rollout (remax)")
+        if metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            _fail("algorithm.filter_groups.metric", "'seq_final_reward' with "
+                  "algorithm.use_kl_in_reward=True is not supported (the groups are filtered "
+                  "before the KL penalty); use 'seq_reward'")
+        if metric not in ("score", "seq_reward", "seq_final_reward") and self.reward.model_path:
+            _fail("algorithm.filter_groups.metric", f"{metric!r}: a reward model gives only "
+                  "'score'")
+
+
+def on_policy(s: Settings) -> bool:
+    """Whether the actor's update is on-policy: one optimizer step from the state that
+    sampled (one mini-batch, one epoch), so its own log-probs are the old ones; and
+    nothing needs those before the update (no KL in the reward, no critic warm-up, no
+    rollout correction that rejects or normalises over the whole batch, not bypass mode,
+    whose old log-probs are the rollout's)."""
+    update, c = s.actor.update, s.actor.correction
+    return (update.mini_batch == s.train_batch_size * s.rollout.n and update.ppo_epochs == 1
+            and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0
+            and not (c.bypass_mode or c.rejects or c.rollout_is_batch_normalize))
+
+
+def critic_on_policy(s: Settings) -> bool:
+    """Whether the critic's update is on-policy: one optimizer step from the state that
+    valued the batch (one mini-batch, one epoch), so the values its forward pass computes
+    are the batch's, and GAE (row by row) gives each micro-batch its returns from them."""
+    update = s.critic.update
+    return (s.algorithm.adv_estimator == "gae" and update.ppo_epochs == 1
+            and update.mini_batch == s.train_batch_size * s.rollout.n)
+
+
+def _get(config, key: str):
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            _fail(key, "is missing from the config")
+        node = node[part]
+    return node
+
+
+def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
+    o = _get(config, f"{prefix}.optim")
+    return OptimSettings(
+        lr=_get(config, f"{prefix}.optim.lr"), weight_decay=o.weight_decay, betas=o.betas,
+        warmup_steps=o.lr_warmup_steps, lr_scheduler_type=o.lr_scheduler_type,
+        min_lr_ratio=o.min_lr_ratio, grad_clip=_get(config, f"{prefix}.grad_clip"),
+        total_steps=total_steps, prefix=prefix)
+
+
+def _update(config, prefix: str, n: int) -> UpdateSettings:
+    # verl's mini-batch size is in prompts: times rollout.n sequences.
+    mini = _number(f"{prefix}.ppo_mini_batch_size",
+                   _get(config, f"{prefix}.ppo_mini_batch_size"), integer=True)
+    dynamic = _flag(f"{prefix}.use_dynamic_bsz", _get(config, f"{prefix}.use_dynamic_bsz"))
+    return UpdateSettings(
+        ppo_epochs=_get(config, f"{prefix}.ppo_epochs"), mini_batch=mini * n,
+        micro_batch=_get(config, f"{prefix}.ppo_micro_batch_size"),
+        shuffle=_get(config, f"{prefix}.shuffle"), nan_policy=_get(config, "trainer.nan_policy"),
+        prefix=prefix,
+        max_token_len=_get(config, f"{prefix}.ppo_max_token_len_per_gpu") if dynamic else None)
+
+
+def _log_prob_max_token_len(config) -> int | None:
+    """`rollout.log_prob_max_token_len_per_gpu` when the log-prob and value passes pack
+    (`rollout.log_prob_use_dynamic_bsz`, by default `actor.use_dynamic_bsz`)."""
+    dynamic = _get(config, "rollout.log_prob_use_dynamic_bsz")
+    if dynamic is None:
+        dynamic = _get(config, "actor.use_dynamic_bsz")
+    if not _flag("rollout.log_prob_use_dynamic_bsz", dynamic):
+        return None
+    return _get(config, "rollout.log_prob_max_token_len_per_gpu")
+
+
+def _decode_buckets(config):
+    """`rollout.decode_buckets`, its default (None) resolved from the response length."""
+    return defaults.decode_buckets(_get(config, "rollout.decode_buckets"),
+                                          _get(config, "rollout.response_length"))
+
+
+def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
+    """`rollout.*` or `rollout.val_kwargs.*`: the keys of `sampler.VAL_KWARGS` under `key`."""
+    overrides = {name: _get(config, f"{key}.{name}") for name in sampler.VAL_KWARGS}
+    sampling = SamplingConfig(
+        n=int(overrides["n"]),
+        max_new_tokens=int(_number("rollout.response_length",
+                                   _get(config, "rollout.response_length"))),
+        temperature=float(overrides["temperature"]),
+        top_k=int(overrides["top_k"]),
+        top_p=float(overrides["top_p"]),
+        do_sample=bool(overrides["do_sample"]),
+        stop_token_ids=tuple(stop_ids),
+        pad_token_id=int(pad_id),
+        ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
+        decode_buckets=_decode_buckets(config),
+        cache_segments=_get(config, "rollout.cache_segments"),
+        gemm=_get(config, "rollout.gemm"),
+    )
+    try:
+        return sampling.validate(prefix=key)
+    except ValueError as err:  # the sampler's own ValueError; the CLI prints a ConfigError
+        raise ConfigError(str(err)) from None  # as one line
+
+
+def _reward(config) -> RewardSettings:
+    model_path = None
+    if _get(config, "reward_model.enable"):
+        model_path = _get(config, "reward_model.model.path")
+        if not model_path:
+            _fail("reward_model.model.path", f"{model_path!r} is not a directory; "
+                  "reward_model.enable=True needs a local HF sequence-classification checkpoint")
+        model_path = os.path.expanduser(model_path)
+    overlong = _get(config, "reward_model.overlong_buffer")
+    on = bool(overlong.enable)
+    return RewardSettings(
+        custom_fn=_get(config, "reward.custom_fn"),
+        in_graph_fn=_get(config, "reward.in_graph_fn"),
+        num_workers=_get(config, "reward.num_workers"), on_error=_get(config, "reward.on_error"),
+        error_score=_get(config, "reward.error_score"), model_path=model_path,
+        model_max_length=_get(config, "reward_model.max_length"),
+        model_truncation=_get(config, "reward_model.truncation"),
+        model_micro_batch_size=_get(config, "reward_model.micro_batch_size"),
+        overlong_buffer_len=(_number("reward_model.overlong_buffer.len", overlong.len,
+                                     integer=True) if on else 0),
+        overlong_penalty_factor=overlong.penalty_factor if on else 0.0)
+
+
+def _filter_groups(config, num_train_rows: int) -> FilterGroupsSettings | None:
+    if not _get(config, "algorithm.filter_groups.enable"):
+        return None
+    gen_batch = _get(config, "data.gen_batch_size")
+    if gen_batch is None:
+        gen_batch = _get(config, "data.train_batch_size")
+    fg = FilterGroupsSettings(
+        metric=_get(config, "algorithm.filter_groups.metric"), gen_batch_size=gen_batch,
+        max_num_gen_batches=_get(config, "algorithm.filter_groups.max_num_gen_batches"))
+    if fg.gen_batch_size > num_train_rows:
+        _fail("data.gen_batch_size" if _get(config, "data.gen_batch_size") is not None
+              else "data.train_batch_size",
+              f"{fg.gen_batch_size} prompts per generation round is more than the "
+              f"{num_train_rows} training rows")
+    return fg
+
+
+def _algorithm(config) -> AlgorithmSettings:
+    a = _get(config, "algorithm")
+    return AlgorithmSettings(
+        adv_estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam,
+        norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, use_kl_in_reward=a.use_kl_in_reward,
+        kl_penalty=a.kl_penalty, kl_ctrl_type=_get(config, "algorithm.kl_ctrl.type"),
+        kl_coef=a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon)
+
+
+def _rollout_correction(config) -> rollout_correction.RolloutCorrectionConfig:
+    """`algorithm.rollout_correction.*` (checked by `ActorSettings`)."""
+    key = "algorithm.rollout_correction"
+    fields = dataclasses.fields(rollout_correction.RolloutCorrectionConfig)
+    return rollout_correction.RolloutCorrectionConfig.from_preset(
+        _get(config, f"{key}.preset"), key,
+        **{f.name: _get(config, f"{key}.{f.name}") for f in fields})
+
+
+def _policy_loss(config) -> losses.PolicyLossConfig:
+    """`actor.*` policy-loss keys (checked by `ActorSettings`, with `PolicyLossConfig.validate`)."""
+    pl = _get(config, "actor.policy_loss")
+    return losses.PolicyLossConfig(
+        loss_mode=_choice("actor.policy_loss.loss_mode", pl.loss_mode, losses.POLICY_LOSSES),
+        loss_agg_mode=_choice("actor.loss_agg_mode", _get(config, "actor.loss_agg_mode"),
+                              masks.LOSS_AGG_MODES),
+        clip_ratio=float(_get(config, "actor.clip_ratio")),
+        clip_ratio_low=_get(config, "actor.clip_ratio_low"),
+        clip_ratio_high=_get(config, "actor.clip_ratio_high"),
+        clip_ratio_c=float(_get(config, "actor.clip_ratio_c")),
+        loss_scale_factor=_get(config, "actor.loss_scale_factor"),
+        clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+        kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+        tau_pos=pl.tau_pos, tau_neg=pl.tau_neg,
+    )
+
+
+def total_steps(config, num_train_rows: int) -> int:
+    """`trainer.total_training_steps` if set, else epochs x batches per epoch."""
+    steps = _get(config, "trainer.total_training_steps")
+    if steps:
+        return _number("trainer.total_training_steps", steps, integer=True)
+    epochs = _number("trainer.total_epochs", _get(config, "trainer.total_epochs"), integer=True)
+    # With dynamic sampling a step reads at least one round of gen_batch_size prompts.
+    per_step = _get(config, "data.train_batch_size")
+    if _get(config, "algorithm.filter_groups.enable") and _get(config, "data.gen_batch_size"):
+        per_step = _get(config, "data.gen_batch_size")
+    return epochs * (num_train_rows // _number("data.train_batch_size", per_step, integer=True))
+
+
+def _trainer(config) -> TrainerSettings:
+    t = _get(config, "trainer")
+    return TrainerSettings(test_freq=t.test_freq, save_freq=t.save_freq,
+                           val_before_train=t.val_before_train, critic_warmup=t.critic_warmup,
+                           max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
+                           rollout_data_dir=t.rollout_data_dir,
+                           validation_data_dir=t.validation_data_dir,
+                           parallel_compile=_flag("trainer.parallel_compile",
+                                                  t.get("parallel_compile"), automatic=True),
+                           **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
+
+
+def _lora(config, prefix: str) -> dict:
+    """`<prefix>.lora_rank`, `lora_alpha` and `target_modules`, checked, as `lora_*` fields."""
+    rank = _get(config, f"{prefix}.lora_rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        _fail(f"{prefix}.lora_rank", f"must be an integer >= 0 (0: no LoRA), got {rank!r}")
+    if not rank:
+        return {}
+    alpha = _get(config, f"{prefix}.lora_alpha")
+    if not (isinstance(alpha, (int, float)) and alpha > 0):
+        _fail(f"{prefix}.lora_alpha", f"must be > 0 (the adapters' scale is alpha / rank), "
+              f"got {alpha!r}")
+    try:
+        targets = model_config.lora_targets(_get(config, f"{prefix}.target_modules"))
+    except ValueError as err:
+        _fail(f"{prefix}.target_modules", str(err).removeprefix("lora_targets: "))
+    return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_targets": targets}
+
+
+def _critic_lora(config) -> dict:
+    """The critic's LoRA keys; adapters on the critic apply to the actor's frozen base,
+    so they need LoRA on the actor."""
+    if "model" not in config.critic or "lora_rank" not in config.critic.model:
+        return {}
+    fields = _lora(config, "critic.model")
+    if fields and not _get(config, "model.lora_rank"):
+        _fail("critic.model.lora_rank", f"is {fields['lora_rank']} but model.lora_rank is 0: "
+              "the critic's adapters apply to the actor's frozen base, so they need LoRA on "
+              "the actor (set model.lora_rank > 0, or critic.model.lora_rank=0 for a fully "
+              "trained critic)")
+    return fields
+
+
+def _check_model(config) -> None:
+    """The `model` keys the trainer reads: float32 parameters, a compute dtype, remat."""
+    if _get(config, "model.param_dtype") != "float32":
+        _fail("model.param_dtype", "must be float32 for training: bfloat16 parameters would round "
+              "most updates away; keep float32 parameters and set model.dtype='bfloat16' for "
+              "bfloat16 compute")
+    _choice("model.remat", _get(config, "model.remat"), model_config.REMAT_POLICIES)
+    if "lora_rank" in config.model:
+        _lora(config, "model")
+        _choice("model.lora_rollout", _get(config, "model.lora_rollout"),
+                model_config.LORA_ROLLOUTS)
+    if "decode_attention_impl" in config.model:
+        _choice("model.decode_attention_impl", config.model.decode_attention_impl,
+                model_config.DECODE_ATTENTION_IMPLS)
+    if config.model.get("logprob_impl") == "pallas":
+        _fail("model.logprob_impl", "'pallas' (the log-prob head's Triton kernel) was replaced "
+              "by the same kernel on Pallas' Mosaic GPU backend: use 'mosaic', 'auto' or 'xla'")
+    if "logprob_impl" in config.model:
+        _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
+    if config.model.get("decode_attention_impl") == "pallas":
+        triton_backend.require("model.decode_attention_impl")
+    for key in ("decode_attention_impl", "logprob_impl"):
+        if config.model.get(key) == "mosaic":
+            mosaic_backend.require(f"model.{key}")
+    if _get(config, "model.dtype") == "float16":
+        _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
+              "'bfloat16'")
+    _choice("model.dtype", _get(config, "model.dtype"), model_config.DTYPES)
+    model_path = _get(config, "model.path")
+    if model_path and not os.path.isdir(os.path.expanduser(model_path)):
+        _fail("model.path", f"{model_path!r} is not a directory")
+
+
+def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
+                num_train_rows: int) -> Settings:
+    """Reads the run's settings from `config`; each part checks itself (each error names
+    its key), before any model is built."""
+    for logger in _get(config, "trainer.logger"):
+        if logger not in LOGGERS:
+            _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
+    algorithm = _algorithm(config)
+    n = _number("rollout.n", _get(config, "rollout.n"), integer=True)
+    steps = total_steps(config, num_train_rows)
+    trainer = _trainer(config)
+    actor = ActorSettings(
+        update=_update(config, "actor", n), loss=_policy_loss(config),
+        entropy_coeff=_get(config, "actor.entropy_coeff"),
+        use_kl_loss=_get(config, "actor.use_kl_loss"),
+        kl_loss_coef=_get(config, "actor.kl_loss_coef"),
+        kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps),
+        correction=_rollout_correction(config))
+    critic = None
+    if advantages.get_estimator(algorithm.adv_estimator).needs_values:
+        critic = CriticSettings(
+            update=_update(config, "critic", n),
+            cliprange_value=_get(config, "critic.cliprange_value"),
+            loss_agg_mode=_get(config, "critic.loss_agg_mode"),
+            optim=_optim(config, "critic", steps), **_critic_lora(config))
+    _check_model(config)
+    s = Settings(
+        actor=actor, critic=critic, algorithm=algorithm,
+        rollout=_sampling(config, "rollout", stop_token_ids, pad_token_id),
+        validation=_sampling(config, "rollout.val_kwargs", stop_token_ids, pad_token_id),
+        train_batch_size=_get(config, "data.train_batch_size"),
+        max_prompt_length=_get(config, "data.max_prompt_length"), total_steps=steps,
+        logprob_chunk_size=_get(config, "actor.logprob_chunk_size"),
+        reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
+        log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
+        trainer=trainer, multi_turn=_multi_turn(config),
+        sampling_devices=_get(config, "rollout.devices"),
+        staleness=_get(config, "rollout.staleness"),
+        response_buckets=_get(config, "actor.response_buckets"),
+        share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")),
+        log_prob_max_token_len=_log_prob_max_token_len(config))
+    if _flag("actor.reuse_update_log_probs", _get(config, "actor.reuse_update_log_probs")) \
+            and on_policy(s):
+        s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
+    reuse_values = _flag("critic.reuse_update_values", _get(config, "critic.reuse_update_values"))
+    if s.critic is not None and reuse_values and critic_on_policy(s):
+        s = dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
+    return s

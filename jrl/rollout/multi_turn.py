@@ -1,0 +1,572 @@
+"""Multi-turn rollouts with tools: the cache and the token ids are kept across turns.
+
+A row's response is a sequence of assistant turns, written by the model, and the
+tool results between them, written by the host: `[turn 1][tool block][turn 2]...`.
+Each tool block is the chat template's text between the model's end-of-turn token
+and the next assistant opening (the tool messages and their markup), tokenised on
+its own and appended to the row. Nothing is re-tokenised and nothing is
+re-prefilled: the KV cache of the earlier turns stays on the device.
+
+The device side is two programs over a `TurnState`, jitted by `generate` with the
+sampler's compiler options (`rollout.jit_sampler`):
+
+- `start` (prefill of the prompts, then one *segment* of decoding) and
+- `resume` (append each row's block of new tokens, then one segment).
+
+A segment decodes every active row until it emits a turn-ending token (an
+end-of-turn or tool-call-closing id), runs out of response budget, or the cache has
+no free slot. Then the host reads the segment, parses tool calls of the rows whose
+turn ended, runs the tools (in parallel, each with a timeout), and builds each
+row's next block: the token that ended its turn (sampled but not yet fed) followed
+by the tool block's tokens, or only the pending token for a row cut by the slot
+limit mid-turn, or nothing for a finished row.
+
+Cache layout. The single-turn sampler's contract (`jrl.models.cache`) holds at the
+start of every segment: each row's real tokens fill contiguous slots ending at the
+shared write slot. During a segment a row that has ended its turn stops writing
+(its slots stay masked), and a block is written left-padded; so before and after
+each block the cache is *compacted*: every row's real slots are moved, in order, to
+end at `W = max(real tokens of a row)`. RoPE positions count a row's real tokens,
+so the model sees exactly the tokens of the compact sequence that training uses,
+and the decode-attention kernel keeps reading contiguous slots.
+
+The response budget `R` (`rollout.response_length`) counts every response token,
+the model's and the tools'; the cache has `P + R + T + 1` slots (T = the most tokens
+of one tool block), enough for any row after compaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jrl import tools as tools_lib
+from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache
+from jrl.models.config import ModelConfig
+from jrl.models.heads import unembed
+from jrl.models.transformer import forward
+from jrl.rollout.sampler import (
+    SamplingConfig,
+    _prefill,
+    decoding_mask,
+    jit_sampler,
+    per_layer,
+    row_keys,
+    sample_tokens,
+)
+from jrl.sharding import constrain
+
+Params = Mapping[str, Any]
+
+
+@flax.struct.dataclass
+class TurnState:
+    """What stays on the device between segments (N rows, S cache slots, R budget).
+
+    `seg_*` hold the tokens sampled in the current segment (the host reads them after
+    each call); everything else carries over.
+    """
+
+    slot: jax.Array  # int32 []: the next write slot, shared by all rows
+    last_tokens: jax.Array  # int32 [N]: sampled, not yet fed
+    positions: jax.Array  # int32 [N]: RoPE position of the next fed token (real tokens so far)
+    used: jax.Array  # int32 [N]: response tokens so far (the model's and the tools')
+    active: jax.Array  # bool [N]: decoding in this segment
+    turn_ended: jax.Array  # bool [N]: the segment ended with a turn-ending token
+    seg_tokens: jax.Array  # int32 [N, R]
+    seg_log_probs: jax.Array  # float32 [N, R]
+    seg_len: jax.Array  # int32 [N]
+    cache: KVCache
+    key_mask: jax.Array  # int32 [N, S]
+
+
+def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budget: int,
+          turn_stop_ids: tuple[int, ...]) -> TurnState:
+    """Samples the next token of every active row and records it in the segment.
+
+    A row's token `u` of the response draws with `fold_in(row_key, u)`, so a row's
+    samples do not depend on the other rows or on where segments break."""
+    keys = jax.vmap(jax.random.fold_in)(row_keys, state.used)
+    tokens, log_probs = sample_tokens(logits_nv, keys, sampling)
+    active = state.active
+    tokens = jnp.where(active, tokens, sampling.pad_token_id)
+    rows = jnp.arange(tokens.shape[0])
+    column = jnp.minimum(state.seg_len, state.seg_tokens.shape[1] - 1)
+    seg_tokens = state.seg_tokens.at[rows, column].set(
+        jnp.where(active, tokens, state.seg_tokens[rows, column]))
+    seg_log_probs = state.seg_log_probs.at[rows, column].set(
+        jnp.where(active, log_probs, state.seg_log_probs[rows, column]))
+    used = state.used + active
+    stops = jnp.asarray(turn_stop_ids or (-1,), jnp.int32)
+    ended = active & jnp.any(tokens[:, None] == stops[None, :], axis=1)
+    out_of_budget = active & (used >= budget)
+    return state.replace(
+        last_tokens=jnp.where(active, tokens, state.last_tokens),
+        used=used,
+        seg_tokens=seg_tokens,
+        seg_log_probs=seg_log_probs,
+        seg_len=state.seg_len + active,
+        active=active & ~ended & ~out_of_budget,
+        turn_ended=state.turn_ended | ended,
+    )
+
+
+def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_stop_ids,
+                    config: ModelConfig, end_fraction: float) -> TurnState:
+    """Decodes until no row is active, the cache is full, or `end_fraction` of the rows
+    that started the segment have ended their turn (their tools can run meanwhile; the
+    rows still decoding go on in the next segment)."""
+    num_slots_ = state.key_mask.shape[1]
+    started = jnp.sum(state.active | state.turn_ended)
+    enough = jnp.ceil(end_fraction * started).astype(jnp.int32)
+
+    def going(state):
+        return (jnp.any(state.active) & (state.slot < num_slots_)
+                & (jnp.sum(state.turn_ended) < jnp.maximum(enough, 1)))
+
+    def step(state):
+        feed = state.active
+        key_mask = lax.dynamic_update_slice_in_dim(
+            state.key_mask, feed[:, None].astype(state.key_mask.dtype), state.slot, axis=1)
+        # A row not decoding (its turn ended, or it waits for the next segment) has its
+        # outputs discarded.
+        attended = decoding_mask(key_mask, state.slot, feed)
+        hidden, cache = forward(params, state.last_tokens[:, None], state.positions[:, None],
+                                attended, state.cache, state.slot, config=config)
+        logits = constrain(unembed(params, hidden[:, 0]), ("batch", None))
+        state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + 1,
+                              positions=state.positions + feed)
+        return _emit(state, logits, row_keys, sampling, budget, turn_stop_ids)
+
+    return lax.while_loop(going, step, state)
+
+
+def _compact(state: TurnState) -> TurnState:
+    """Moves each row's real slots, in order, to end at `W` = the longest row; the write
+    slot becomes W."""
+    key_mask = state.key_mask.astype(bool)
+    num_slots_ = key_mask.shape[1]
+    lengths = key_mask.sum(axis=1)
+    width = jnp.max(lengths)
+    # Stable: masked slots first, then the real ones in their order.
+    order = jnp.argsort(key_mask, axis=1, stable=True)
+    dest = jnp.arange(num_slots_)[None, :]
+    source = jnp.take_along_axis(order, jnp.clip(dest + (num_slots_ - width), 0,
+                                                 num_slots_ - 1), axis=1)
+    new_mask = (dest >= width - lengths[:, None]) & (dest < width)
+    gather = lambda x: constrain(
+        jnp.take_along_axis(x, source[:, None, :, None], axis=2), CACHE_LOGICAL_AXES)
+    cache = KVCache(k=tuple(map(gather, state.cache.k)), v=tuple(map(gather, state.cache.v)))
+    return state.replace(cache=cache, key_mask=new_mask.astype(state.key_mask.dtype),
+                         slot=width.astype(jnp.int32))
+
+
+def _new_segment(state: TurnState) -> TurnState:
+    return state.replace(seg_tokens=jnp.zeros_like(state.seg_tokens),
+                         seg_log_probs=jnp.zeros_like(state.seg_log_probs),
+                         seg_len=jnp.zeros_like(state.seg_len),
+                         turn_ended=jnp.zeros_like(state.turn_ended))
+
+
+# `start` and `resume` are jitted by `rollout.jit_sampler` (with the sampler's compiler
+# options), with these static arguments.
+_START_STATIC = ("sampling", "block_len", "turn_stop_ids", "config", "end_fraction")
+_RESUME_STATIC = ("sampling", "turn_stop_ids", "config", "end_fraction")
+
+
+def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, block_len: int,
+          turn_stop_ids: tuple[int, ...], config: ModelConfig,
+          end_fraction: float = 1.0) -> TurnState:
+    """Prefill of the `[B, P]` left-padded prompts (each repeated `sampling.n` times),
+    then the first segment. `sampling.max_new_tokens` is the response budget R;
+    `block_len` the width of `resume`'s blocks (pending token + the most tool tokens)."""
+    budget = sampling.max_new_tokens
+    repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, sampling.n, axis=0), axes)
+    prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
+    params = per_layer(params, config)
+    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask,
+                                          budget + block_len, config)
+    logits, key_mask = repeat(logits_bv), repeat(key_mask)
+    cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
+    num_rows, prompt_len = logits.shape[0], prompt_ids.shape[1]
+    state = TurnState(
+        slot=jnp.asarray(prompt_len, jnp.int32),
+        last_tokens=jnp.zeros((num_rows,), jnp.int32),
+        positions=repeat(prompt_mask).sum(axis=1).astype(jnp.int32),
+        used=jnp.zeros((num_rows,), jnp.int32),
+        active=jnp.ones((num_rows,), bool),
+        turn_ended=jnp.zeros((num_rows,), bool),
+        seg_tokens=jnp.zeros((num_rows, budget), jnp.int32),
+        seg_log_probs=jnp.zeros((num_rows, budget), jnp.float32),
+        seg_len=jnp.zeros((num_rows,), jnp.int32),
+        cache=cache,
+        key_mask=key_mask,
+    )
+    keys = row_keys(rng, num_rows)
+    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
+                           end_fraction)
+
+
+def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
+           sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
+           end_fraction: float = 1.0) -> TurnState:
+    """Appends each row's block (`[N, T]` int32, LEFT-padded: `block_mask` 1 on its real
+    tokens; T = `start`'s `block_len`) and decodes the next segment for the rows with a
+    non-empty block. A block starts with the row's pending token (sampled, already
+    counted); `added [N]` is how many of its tokens are new to the response (the tool
+    block's), which count against the budget."""
+    budget = sampling.max_new_tokens
+    params = per_layer(params, config)
+    state = _compact(_new_segment(state))
+    block_mask = block_mask.astype(jnp.int32)
+    num_rows, block_len = block_ids.shape
+    lengths = block_mask.sum(axis=1)
+    key_mask = lax.dynamic_update_slice_in_dim(state.key_mask, block_mask, state.slot, axis=1)
+    positions = state.positions[:, None] + jnp.maximum(jnp.cumsum(block_mask, axis=1) - 1, 0)
+    hidden, cache = forward(params, block_ids.astype(jnp.int32), positions, key_mask,
+                            state.cache, state.slot, config=config)
+    logits = constrain(unembed(params, hidden[:, -1]), ("batch", None))
+    going = lengths > 0
+    state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + block_len,
+                          positions=state.positions + lengths, active=going,
+                          used=state.used + added.astype(jnp.int32))
+    state = _compact(state)
+    keys = row_keys(rng, num_rows)
+    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
+                           end_fraction)
+
+
+# ----------------------------------------------------------------------------- the host loop
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+# Stand-in assistant content, to find what a chat template writes after it.
+_MARK = "MARK7"
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """`rollout.multi_turn.*` (verl's names where verl has them).
+
+    Attributes:
+      max_assistant_turns: a row ends after this many model turns.
+      max_user_turns: ... or after this many tool responses.
+      max_tool_response_tokens: the most tokens of one tool block (the tool messages
+        with their template markup); a longer block ends the row. Fixes the cache size.
+      max_tool_response_length: a tool's text is cut to this many characters ...
+      tool_response_truncate_side: ... keeping its "left", "right" or "middle" (the
+        start and the end).
+      format: how the model writes tool calls: "hermes" (Qwen) or "llama3".
+      tool_timeout_s: a call that takes longer is answered with a timeout error.
+      max_parallel_calls: tool calls run at once (threads).
+      turn_stop_ids: tokens that end a turn besides the end-of-turn (EOS) ids, e.g. a
+        tool-call closing token.
+      segment_end_fraction: a decoding segment returns to the host once this share of
+        its rows have ended their turn (1.0: when all have), so their tools run while
+        fewer rows sit idle; the others resume where they stopped.
+    """
+
+    max_assistant_turns: int = 4
+    max_user_turns: int = 4
+    max_tool_response_tokens: int = 64
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    format: str = "hermes"
+    tool_timeout_s: float = 5.0
+    max_parallel_calls: int = 16
+    turn_stop_ids: tuple[int, ...] = ()
+    segment_end_fraction: float = 0.5
+
+
+@dataclasses.dataclass
+class MultiTurnOutput:
+    """A multi-turn rollout on the host (N = B·n rows, R = the budget).
+
+    `responses` hold every response token, the model's and the tools', compactly;
+    `attention_mask` is 1 on all of them, `response_mask` (verl's loss mask) only on
+    the model's. `rollout_log_probs` are the sampler's, 0 on tool tokens."""
+
+    prompt_ids: np.ndarray  # int32 [N, P]
+    prompt_mask: np.ndarray  # int32 [N, P]
+    responses: np.ndarray  # int32 [N, R]
+    response_mask: np.ndarray  # int32 [N, R]
+    attention_mask: np.ndarray  # int32 [N, R]
+    rollout_log_probs: np.ndarray  # float32 [N, R]
+    tool_rewards: np.ndarray  # float32 [N]: the sum of `reward_scores[row]`
+    # Per row, {tool name: its step rewards summed plus its `calc_reward`}, every loaded
+    # tool; the reward function gets it as verl's `extra_info["rollout_reward_scores"]`.
+    reward_scores: list[dict[str, float]]
+    tool_calls: np.ndarray  # int32 [N]: calls each row made (parsed, run or not)
+    metrics: dict[str, float]
+
+
+class TurnTemplate:
+    """The text a chat template puts between an assistant turn and the next one.
+
+    After the model's turn (ended by its end-of-turn token), a row gets: the rest of
+    the template's turn closing (e.g. the newline after Qwen's `<|im_end|>`), the tool
+    messages in the template's tool role, and the next assistant opening. Rendering it
+    against a fixed stand-in conversation makes it independent of what the model wrote.
+    """
+
+    def __init__(self, tokenizer, **template_kwargs):
+        self.tokenizer, self.kwargs = tokenizer, template_kwargs
+        self._base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARK}]
+        self._closed = tokenizer.apply_chat_template(self._base, add_generation_prompt=False,
+                                                     **template_kwargs)
+        end = self._closed.rfind(_MARK)
+        if end < 0:
+            raise ValueError("the chat template does not render an assistant message's "
+                             "content; multi-turn rollouts need one that does")
+        self.close = self._closed[end + len(_MARK):]
+
+    def block_text(self, messages: Sequence[Mapping[str, Any]], stop_text: str) -> str:
+        """What follows a turn that ended with `stop_text` (the decoded turn-ending
+        token), when `messages` (tool role) answer it."""
+        full = self.tokenizer.apply_chat_template([*self._base, *messages],
+                                                  add_generation_prompt=True, **self.kwargs)
+        if not full.startswith(self._closed):
+            raise ValueError("the chat template renders earlier turns differently once tool "
+                             "messages follow; appending turns would change the tokens")
+        rest = self.close[len(stop_text):] if stop_text and self.close.startswith(
+            stop_text) else self.close
+        return rest + full[len(self._closed):]
+
+
+def demonstration_tokens(tokenizer, messages: Sequence[Mapping[str, Any]],
+                         template: TurnTemplate | None = None) -> tuple[list[int], list[int]]:
+    """A multi-turn response as the rollout lays it out: `(ids, trained)`.
+
+    `messages` alternate assistant turns and (one or more) tool messages, starting and
+    ending with an assistant turn. Each assistant turn is its content and the first
+    token of the template's turn closing (the end-of-turn token the model samples),
+    trained; the tool messages between turns are `TurnTemplate.block_text`, context only.
+    """
+    template = template or TurnTemplate(tokenizer)
+    end_id = tokenizer.encode(template.close)[:1]
+    if not end_id:
+        raise ValueError("the chat template closes an assistant turn with nothing; a "
+                         "multi-turn demonstration needs an end-of-turn token")
+    stop_text = tokenizer.decode(end_id, skip_special_tokens=False)
+    ids, trained, tool_messages = [], [], []
+    roles = [m.get("role") for m in messages]
+    if not roles or roles[0] != "assistant" or roles[-1] != "assistant" or set(roles) - {
+            "assistant", "tool"}:
+        raise ValueError(f"a multi-turn demonstration is assistant and tool messages, "
+                         f"starting and ending with an assistant turn; got roles {roles}")
+    for message in messages:
+        if message["role"] == "tool":
+            tool_messages.append(message)
+            continue
+        if tool_messages:
+            block = tokenizer.encode(template.block_text(tool_messages, stop_text))
+            ids, trained, tool_messages = ids + block, trained + [0] * len(block), []
+        turn = tokenizer.encode(message["content"]) + end_id
+        ids, trained = ids + turn, trained + [1] * len(turn)
+    return ids, trained
+
+
+def truncate(text: str, limit: int, side: str) -> str:
+    """`text` cut to `limit` characters keeping its `side` ("middle": both ends)."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "..."
+    if side == "right":
+        return "..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "..." + text[len(text) - (limit - half):]
+
+
+def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
+             config: ModelConfig, tokenizer, tools: Mapping[str, Any], mt: MultiTurnConfig,
+             tools_kwargs: Sequence[Mapping[str, Any]] | None = None, put=None,
+             template: TurnTemplate | None = None) -> MultiTurnOutput:
+    """Samples `sampling.n` multi-turn responses to each prompt, running tools between
+    the turns (see the module docstring).
+
+    Args:
+      params: the sampler's parameters (compute dtype; `step.sampling_params`).
+      prompt_ids, prompt_mask: `[B, P]` left-padded prompts (numpy or device arrays).
+      rng: PRNG key; row r's response token u draws with `fold_in(fold_in(rng, r), u)`.
+      sampling: `max_new_tokens` is the budget R of a whole response; its stop ids end
+        turns (with `mt.turn_stop_ids`).
+      config: the sampler's architecture.
+      tokenizer: decodes turns, renders and encodes tool blocks (`jrl.data.tokenizers`).
+      tools: name -> `jrl.tools.Tool`.
+      mt: the multi-turn settings.
+      tools_kwargs: per prompt, verl's `extra_info.tools_kwargs`:
+        `{tool name: {"create_kwargs": {...}}}`.
+      put: places host arrays `[N, ...]` on the devices (default: `jnp.asarray`).
+      template: a prebuilt `TurnTemplate` of `tokenizer`.
+
+    Returns:
+      `MultiTurnOutput`.
+    """
+    put = put or (lambda xs: jax.tree.map(jnp.asarray, xs))
+    template = template or TurnTemplate(tokenizer)
+    prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    n, budget = sampling.n, sampling.max_new_tokens
+    num_rows = prompt_ids.shape[0] * n
+    block_len = mt.max_tool_response_tokens + 1
+    stop_ids = () if sampling.ignore_stop else tuple(
+        dict.fromkeys((*sampling.stop_token_ids, *mt.turn_stop_ids)))
+    program = dict(sampling=sampling, turn_stop_ids=stop_ids, config=config,
+                   end_fraction=mt.segment_end_fraction)
+    ids_d, mask_d = put((prompt_ids, prompt_mask))
+    start_program = jit_sampler(start, sampling, static_argnames=_START_STATIC)
+    resume_program = jit_sampler(resume, sampling, static_argnames=_RESUME_STATIC,
+                                 donate_argnames=("state",))
+    state = start_program(params, ids_d, mask_d, rng, block_len=block_len, **program)
+
+    row_ids = [f"row{row}" for row in range(num_rows)]
+    for row, row_id in enumerate(row_ids):
+        tools_lib.create_instances(tools, row_id, tools_kwargs[row // n] if tools_kwargs else None)
+
+    tokens = [[] for _ in range(num_rows)]
+    trained = [[] for _ in range(num_rows)]
+    log_probs = [[] for _ in range(num_rows)]
+    turn = [[] for _ in range(num_rows)]  # the current model turn's tokens
+    finished = np.zeros(num_rows, bool)
+    assistant_turns = np.zeros(num_rows, np.int32)
+    user_turns = np.zeros(num_rows, np.int32)
+    calls_per_row = np.zeros(num_rows, np.int32)
+    reward_scores = [dict.fromkeys(tools, 0.0) for _ in range(num_rows)]
+    all_results, parse_errors, cut_blocks, cache_cuts, segments = [], 0, 0, 0, 0
+    while True:
+        segments += 1
+        seg_tokens, seg_lp, seg_len, ended, active, used, last = jax.device_get(
+            (state.seg_tokens, state.seg_log_probs, state.seg_len, state.turn_ended,
+             state.active, state.used, state.last_tokens))
+        blocks, pending_calls = {}, []
+        for row in np.flatnonzero(~finished):
+            new = seg_tokens[row, :seg_len[row]].tolist()
+            tokens[row] += new
+            trained[row] += [1] * len(new)
+            log_probs[row] += seg_lp[row, :seg_len[row]].tolist()
+            turn[row] += new
+            if active[row]:  # cut by the cache's end mid-turn: feed the pending token
+                blocks[row] = ([int(last[row])], 0)
+                cache_cuts += 1
+                continue
+            if not ended[row]:  # out of budget, mid-turn
+                finished[row] = True
+                assistant_turns[row] += bool(turn[row])
+                continue
+            assistant_turns[row] += 1
+            text = tokenizer.decode(turn[row], skip_special_tokens=False)
+            calls, errors = tools_lib.parse_tool_calls(text, mt.format)
+            turn[row] = []
+            if ((not calls and not errors) or assistant_turns[row] >= mt.max_assistant_turns
+                    or user_turns[row] >= mt.max_user_turns):
+                finished[row] = True
+                continue
+            pending_calls.append((row, calls, errors))
+        flat = [(row, call) for row, calls, _ in pending_calls for call in calls]
+        results = tools_lib.execute_calls(
+            [call for _, call in flat], tools,
+            [row_ids[row] for row, _ in flat],
+            timeout_s=mt.tool_timeout_s, max_workers=mt.max_parallel_calls) if flat else []
+        by_row: dict[int, list] = {}
+        for (row, _), result in zip(flat, results, strict=True):
+            by_row.setdefault(row, []).append(result)
+            all_results.append(result)
+            if result.name in tools:  # a call to an unknown tool is an error, rewarded 0
+                reward_scores[row][result.name] += result.reward
+        for row, calls, errors in pending_calls:
+            calls_per_row[row] += len(calls)
+            parse_errors += len(errors)
+            messages = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+            messages += tools_lib.tool_messages(by_row.get(row, []))
+            messages = [{**m, "content": truncate(m["content"], mt.max_tool_response_length,
+                                                  mt.tool_response_truncate_side)}
+                        for m in messages]
+            stop_text = tokenizer.decode([int(last[row])], skip_special_tokens=False)
+            ids = tokenizer.encode(template.block_text(messages, stop_text))
+            if len(ids) + 1 > block_len or used[row] + len(ids) >= budget:
+                finished[row] = True
+                cut_blocks += 1
+                continue
+            user_turns[row] += 1
+            tokens[row] += ids
+            trained[row] += [0] * len(ids)
+            log_probs[row] += [0.0] * len(ids)
+            blocks[row] = ([int(last[row])] + ids, len(ids))
+        if not blocks:
+            break
+        block_ids = np.full((num_rows, block_len), sampling.pad_token_id, np.int32)
+        block_mask = np.zeros((num_rows, block_len), np.int32)
+        added = np.zeros(num_rows, np.int32)
+        for row, (ids, count) in blocks.items():
+            block_ids[row, block_len - len(ids):] = ids
+            block_mask[row, block_len - len(ids):] = 1
+            added[row] = count
+        state = resume_program(params, state, *put((block_ids, block_mask, added)), rng,
+                               **program)
+
+    for row, row_id in enumerate(row_ids):
+        for name, reward in tools_lib.release_instances(tools, row_id).items():
+            reward_scores[row][name] += reward
+    tool_rewards = np.asarray([sum(scores.values()) for scores in reward_scores], np.float32)
+    out = _assemble(tokens, trained, log_probs, budget, sampling.pad_token_id)
+    turns = assistant_turns + user_turns
+    calls = tools_lib.call_metrics(all_results)
+    metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
+               "num_turns/min": float(turns.min()),
+               "multi_turn/assistant_turns/mean": float(assistant_turns.mean()),
+               "multi_turn/tool_calls/mean": float(calls_per_row.mean()),
+               "multi_turn/tool_calls/total": float(calls_per_row.sum()),
+               "multi_turn/tool_errors": calls["tools/errors"] + parse_errors,
+               "multi_turn/tool_blocks_cut": float(cut_blocks),
+               "multi_turn/segments": float(segments),
+               "multi_turn/cache_cuts": float(cache_cuts),
+               "multi_turn/tool_latency_s/mean": calls["tools/latency_mean_s"],
+               "multi_turn/tool_latency_s/max": calls["tools/latency_max_s"]}
+    return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
+                           np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
+                           tool_rewards=tool_rewards, reward_scores=reward_scores,
+                           tool_calls=calls_per_row,
+                           metrics=metrics)
+
+
+def combine_metrics(batches: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several `generate` calls (validation's batches) as one set: means
+    averaged (the batches are the same size), maxima and minima kept, counts and totals
+    summed."""
+    out = {}
+    for key in dict.fromkeys(k for batch in batches for k in batch):
+        values = [batch[key] for batch in batches if key in batch]
+        if key.endswith("/mean"):
+            out[key] = float(np.mean(values))
+        elif key.endswith("/max"):
+            out[key] = float(np.max(values))
+        elif key.endswith("/min"):
+            out[key] = float(np.min(values))
+        else:
+            out[key] = float(np.sum(values))
+    return out
+
+
+def _assemble(tokens, trained, log_probs, budget: int, pad_id: int):
+    """Rows of (tokens, trained flags, log-probs) as right-padded `[N, R]` arrays:
+    (responses, response_mask, attention_mask, rollout_log_probs)."""
+    num_rows = len(tokens)
+    responses = np.full((num_rows, budget), pad_id, np.int32)
+    loss_mask = np.zeros((num_rows, budget), np.int32)
+    attention = np.zeros((num_rows, budget), np.int32)
+    lps = np.zeros((num_rows, budget), np.float32)
+    for row in range(num_rows):
+        k = len(tokens[row])
+        responses[row, :k] = tokens[row]
+        loss_mask[row, :k] = trained[row]
+        attention[row, :k] = 1
+        lps[row, :k] = log_probs[row]
+    return responses, loss_mask, attention, lps

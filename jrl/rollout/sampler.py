@@ -1,0 +1,816 @@
+"""Sampling responses from a causal LM: one jitted program, prefill + `lax.while_loop` decode.
+
+`generate` repeats each left-padded prompt `n` times (the samples of a prompt are
+adjacent rows), fills a KV cache of `P + R` slots with one forward over the
+prompts, then decodes one token per `lax.while_loop` iteration until every row has
+emitted a stop token or `R = max_new_tokens` tokens exist. Nothing loops over
+tokens in Python and nothing returns to the host until the whole batch is done.
+
+Sampling applies, in this order (as Hugging Face and vLLM do), temperature,
+top-k and top-p (nucleus, Holtzman et al. 2019, https://arxiv.org/abs/1904.09751)
+to the float32 logits, then draws from the renormalised distribution.
+`rollout_log_probs` is the log-probability of each drawn token under that
+processed distribution (greedy decoding draws from a point mass: 0).
+
+Top-k and top-p without sorting the vocabulary: with weights `w_i = exp(z_i - max z)`
+in [0, 1], both filters keep `{i : w_i >= t}` for a threshold t. For top-k, t is
+the largest float32 with `#{w_i >= t} >= k` (the k-th largest weight); for top-p,
+the largest with tail mass `sum_{w_i >= t} w_i >= top_p * sum_i w_i` (over the
+top-k survivors when both are on). Tail sums are monotone in t, and non-negative
+float32 values order like their int32 bit patterns, so t is found exactly by a
+search over the 30-bit patterns of [0, 1]: 10 passes, each evaluating 7 probes
+with one fused read of the row. That is a few reads of `[N, V]` per step instead
+of a sort (about 3x faster at V = 152k on an H200), and it keeps the same tokens
+as the sort-based rules except for exact float ties at the boundary, which are
+kept together (as Hugging Face's top-k does).
+
+Randomness: row r (of the `B·n` output rows) draws step i with
+`fold_in(fold_in(rng, r), i)`, so a row's sample depends only on the key, its
+global row index, its prompt and the parameters, not on how the batch is split
+across devices or on the other rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jrl import sharding
+from jrl.kernels import decode_attention
+from jrl.models import transformer
+from jrl.models.cache import (
+    CACHE_LOGICAL_AXES,
+    KVCache,
+    RowCache,
+    init_cache,
+    positions_from_mask,
+)
+from jrl.models.config import ModelConfig
+from jrl.models.heads import unembed
+from jrl.models.transformer import forward
+from jrl.sharding import constrain
+
+Params = Mapping[str, Any]
+
+# The sampling keys of the config: set under `rollout.*` for training, and under verl's
+# `rollout.val_kwargs.*` for validation.
+VAL_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "n")
+
+# Probes per pass of the top-k / top-p threshold search: 7 probes split the
+# interval into 8 parts (3 bits a pass, 10 passes for the 30 bits of [0, 1]). Fewer
+# probes mean more passes over the row, more probes more work per pass; 3 to 7
+# was the fastest on an H200 at V = 152k.
+_PROBES_PER_PASS = 7
+# `SamplingConfig.gemm`'s values.
+GEMMS = ("cublas", "xla")
+# Bit pattern of float32 1.0: weights exp(z - max z) lie in [0, 1].
+_FLOAT32_ONE_BITS = 0x3F800000
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How `generate` samples (verl's `actor_rollout_ref.rollout` keys). Hashable: static under jit.
+
+    Attributes:
+      n: samples per prompt; the n samples of prompt b are rows `b*n .. b*n + n - 1`.
+      max_new_tokens: R, the most tokens generated per row (verl's `response_length`).
+      temperature: logits are divided by it; must be > 0 when `do_sample`.
+      top_k: keep the k most likely tokens; 0 or -1 turns it off (verl uses -1).
+      top_p: keep the smallest set of most likely tokens whose mass reaches top_p;
+        1.0 turns it off.
+      do_sample: False decodes greedily (argmax); temperature, top_k, top_p are ignored.
+      stop_token_ids: a row stops after emitting any of these (e.g. the tokenizer's
+        EOS ids, `ModelConfig.eos_token_ids`); empty = never stop early.
+      pad_token_id: written after a row has stopped; must be a valid token id.
+      ignore_stop: generate all R tokens for every row (benchmarks).
+      decode_buckets: how many batch sizes the decode loop may run at: when every
+        batch shard's unfinished rows fit the next smaller one (evenly spaced down to
+        1/decode_buckets of the rows), they are compacted into it, so finished rows
+        stop costing decode steps. 1: the whole batch to the end. Each size compiles
+        one more copy of the decode step. No effect with `ignore_stop`.
+      cache_segments: decode the response in this many segments, each a program with a
+        cache of `P + R (k+1) / cache_segments` slots for only the rows still running,
+        so cache memory follows the tokens generated (`jrl.rollout.segments`); the
+        host reads the running rows between segments. The same rollout, bit for bit
+        on XLA:CPU, at the same decode cost. 1: one program, a cache of
+        `P + R` slots for every row. Only outside another jit.
+      gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
+        (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes
+        Triton GEMM fusions for many of them). No effect off a GPU.
+    """
+
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    ignore_stop: bool = False
+    decode_buckets: int = 1
+    cache_segments: int = 1
+    gemm: str = "cublas"
+
+    def __post_init__(self):
+        # A list (from a ConfigDict or JSON) would make the config unhashable.
+        stops = self.stop_token_ids
+        stops = (stops,) if _is_int(stops) else tuple(stops)
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    def validate(self, vocab_size: int | None = None, prefix: str = "rollout") -> SamplingConfig:
+        """Checks every field; returns self so it can be chained.
+
+        Args:
+          vocab_size: V; when given, token ids must lie in `[0, V)`.
+          prefix: key path used in error messages.
+
+        Raises:
+          ValueError: naming the bad key and what would be valid.
+        """
+        def fail(key, requirement):
+            value = getattr(self, key)
+            raise ValueError(f"{prefix}.{key} must be {requirement}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "an integer >= 1")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            fail("max_new_tokens", "an integer >= 1")
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            fail("do_sample", "True or False")
+        if self.do_sample and not (_is_real(self.temperature) and 0 < self.temperature < np.inf):
+            fail("temperature", "> 0 (and finite) when do_sample=True; "
+                 "use do_sample=False for greedy decoding")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "a positive integer, or 0 / -1 to turn top-k off")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            fail("top_p", "in (0, 1] (1.0 turns top-p off)")
+        valid_id = "a token id in [0, vocab_size)" if vocab_size else "a token id >= 0"
+        in_vocab = lambda t: _is_int(t) and 0 <= t < (vocab_size or np.iinfo(np.int32).max)
+        if not all(in_vocab(t) for t in self.stop_token_ids):
+            fail("stop_token_ids", f"a tuple of token ids, each {valid_id} ({vocab_size=})")
+        if not in_vocab(self.pad_token_id):
+            fail("pad_token_id", f"{valid_id} ({vocab_size=})")
+        if not isinstance(self.ignore_stop, (bool, np.bool_)):
+            fail("ignore_stop", "True or False")
+        if not _is_int(self.decode_buckets) or self.decode_buckets < 1:
+            fail("decode_buckets", "an integer >= 1 (1: no compaction)")
+        if not _is_int(self.cache_segments) or not 1 <= self.cache_segments <= max(
+                self.max_new_tokens, 1):
+            fail("cache_segments", "an integer from 1 (one program) to max_new_tokens "
+                 f"(rollout.response_length = {self.max_new_tokens}): each segment decodes "
+                 "at least one token")
+        if self.gemm not in GEMMS:
+            fail("gemm", f"one of {', '.join(map(repr, GEMMS))}")
+        return self
+
+    def for_validation(self, **val_kwargs) -> SamplingConfig:
+        """Validation sampling: this config with verl's `rollout.val_kwargs` applied.
+
+        Args:
+          **val_kwargs: any of `do_sample, temperature, top_p, top_k, n`; None
+            values are ignored (inherit). verl's defaults are `do_sample=False,
+            temperature=0, top_p=1.0, top_k=-1, n=1` (greedy).
+
+        Returns:
+          The validated validation `SamplingConfig`.
+        """
+        unknown = sorted(set(val_kwargs) - set(VAL_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"rollout.val_kwargs has unknown key(s) {unknown}; "
+                f"valid keys are {list(VAL_KWARGS)}"
+            )
+        overrides = {key: value for key, value in val_kwargs.items() if value is not None}
+        return dataclasses.replace(self, **overrides).validate(prefix="rollout.val_kwargs")
+
+
+@flax.struct.dataclass
+class RolloutOutput:
+    """What `generate` returns; N = B·n rows, the n samples of a prompt adjacent.
+
+    Attributes:
+      prompt_ids: int32 `[N, P]` the prompts, repeated n times, left-padded.
+      prompt_mask: int32 `[N, P]` 1 on real prompt tokens.
+      responses: int32 `[N, R]` sampled tokens, right-padded with `pad_token_id`
+        after the stop token.
+      response_mask: int32 `[N, R]` 1 up to and including the stop token.
+      rollout_log_probs: float32 `[N, R]` log-prob of each sampled token under the
+        processed distribution it was drawn from; 0 on padding and when greedy.
+      response_lengths: int32 `[N]` number of response tokens (sum of the mask).
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    responses: jax.Array
+    response_mask: jax.Array
+    rollout_log_probs: jax.Array
+    response_lengths: jax.Array
+
+    def sequences(self) -> tuple[jax.Array, jax.Array]:
+        """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""
+        ids = jnp.concatenate([self.prompt_ids, self.responses], axis=1)
+        mask = jnp.concatenate([self.prompt_mask, self.response_mask], axis=1)
+        return ids, mask
+
+
+@flax.struct.dataclass
+class _DecodeState:
+    """Carry of the decode loop (N rows, R response slots, S = P + R cache slots)."""
+
+    step: jax.Array  # int32 []: index of the next response token to sample
+    last_tokens: jax.Array  # int32 [N]: token sampled at step - 1, fed next
+    done: jax.Array  # bool [N]: the row has emitted a stop token
+    lengths: jax.Array  # int32 [N]: response length (R until the row stops)
+    responses: jax.Array  # int32 [N, R]
+    log_probs: jax.Array  # float32 [N, R]
+    cache: KVCache  # L buffers [N, K, S, H] each for keys and values
+    key_mask: jax.Array  # int32 [N, S]: cache slots holding real tokens
+    keys: jax.Array  # [N] the rows' PRNG keys (`row_keys`)
+    prompt_lengths: jax.Array  # int32 [N]
+    rows: jax.Array  # int32 [N]: each row's index among the output rows
+
+
+def generate(
+    params: Params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    sampling: SamplingConfig,
+    *,
+    config: ModelConfig,
+) -> RolloutOutput:
+    """Samples `sampling.n` responses per prompt in one compiled program
+    (`sampling.cache_segments` > 1, several programs with the host between them, is
+    `jrl.rollout.segments.generate`).
+
+    Shard `prompt_ids`/`prompt_mask` over the batch axis (and the parameters as
+    the mesh rules say); the computation and the outputs follow those shardings,
+    and the samples do not depend on them. Nothing is donated: the parameters are
+    still needed by the caller, and the only large buffer, the KV cache, is
+    created and updated in place inside the program.
+
+    Args:
+      params: causal-LM parameters (`jrl.models.init_params` / `load_pretrained`).
+      prompt_ids: int `[B, P]` LEFT-padded prompts.
+      prompt_mask: `[B, P]` 1 on real tokens; every row needs at least one.
+      rng: PRNG key (typed or raw); the same key gives the same samples.
+      sampling: `SamplingConfig` (static).
+      config: the model architecture (static).
+
+    Returns:
+      `RolloutOutput` with N = B·n rows and R = `sampling.max_new_tokens` columns.
+
+    Raises:
+      ValueError: a bad sampling key, `sampling.cache_segments` > 1 (that is
+        `jrl.rollout.segments.generate`), or prompts that are not `[B, P]`,
+        left-padded, non-empty and within the vocabulary (values are checked when
+        the inputs are concrete, before compiling).
+    """
+    check_inputs(prompt_ids, prompt_mask, sampling, config)
+    if sampling.cache_segments > 1:
+        raise ValueError(f"rollout.cache_segments={sampling.cache_segments}: decoding in "
+                         "segments runs several programs with the host between them; call "
+                         "jrl.rollout.segments.generate (outside a jit), or set it to 1")
+    operands = (params, prompt_ids, prompt_mask, rng)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
+        # Inside the caller's jit, whose compiler options apply (JAX takes them only on
+        # the outermost jit).
+        return generate_program(*operands, sampling=sampling, config=config)
+    program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
+    return program(*operands, sampling=sampling, config=config)
+
+
+def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> dict[str, Any]:
+    """XLA options for the sampler's programs on `backend` (default: JAX's): on a GPU
+    with `sampling.gemm` "cublas", no Triton GEMM fusions, so every matmul is a cuBLAS
+    call; else none.
+
+    A decode step's matmuls have one token per row. On an H200, XLA's Triton GEMM
+    fusions for them were slower than cuBLAS: the sampler alone ran 2-5% faster with
+    cuBLAS at batch 64-512 and compiled in 7 s instead of 17 (docs/performance_history.md,
+    round eight). The update's large matmuls go the other way, so only the sampler's
+    programs take this.
+    """
+    if sampling.gemm == "cublas" and (backend or jax.default_backend()) == "gpu":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
+def jit_sampler(fun, sampling: SamplingConfig, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` compiled with `compiler_options(sampling)`: one
+    jitted function per function, options and arguments (hashable), so repeated calls
+    share jit's cache. Call the result outside any jit: JAX takes compiler options
+    only on the outermost one (inside another, call `fun` itself)."""
+    options = tuple(sorted(compiler_options(sampling).items()))
+    return _jit(fun, options, tuple(sorted(jit_kwargs.items())))
+
+
+@functools.cache
+def _jit(fun, options: tuple, jit_kwargs: tuple):
+    return jax.jit(fun, compiler_options=dict(options), **dict(jit_kwargs))
+
+
+def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: ModelConfig) -> None:
+    """The checks `generate` makes before compiling (for callers that jit `generate_program`)."""
+    sampling.validate(config.vocab_size)
+    _check_prompts(prompt_ids, prompt_mask, config)
+
+
+def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
+                     ) -> RolloutOutput:
+    """The body of `generate` (arguments already checked), to be jitted by the caller
+    with its own shardings; shapes as in `generate`."""
+    row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
+                                                           rng, sampling, config)
+    num_rows, num_new = state.responses.shape
+    groups = _row_groups(num_rows)
+    sizes = decode_sizes(num_rows, groups, sampling)
+    out = (state.responses, state.log_probs, state.lengths)
+    state, out = decode_rows(params, state, out, num_new, sizes, groups,
+                             prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
+    responses, log_probs, lengths = (_write_rows(out, state, groups) if len(sizes) > 1 else
+                                     (state.responses, state.log_probs, state.lengths))
+    return rollout_output(row_prompt_ids, row_prompt_mask, responses, log_probs, lengths)
+
+
+def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config: ModelConfig,
+          num_slots: int | None = None):
+    """Prefill and the first response token: `(row_prompt_ids [N, P], row_prompt_mask
+    [N, P], state, per-layer params)`, the state's cache of `num_slots` slots (None: P + R,
+    rounded as `_prefill` does)."""
+    repeat = lambda x, axes=("batch", None): constrain(
+        jnp.repeat(x, sampling.n, axis=0), axes)
+    prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
+    row_prompt_ids, row_prompt_mask = repeat(prompt_ids), repeat(prompt_mask)
+    num_rows = row_prompt_ids.shape[0]
+    num_new = sampling.max_new_tokens
+    params = per_layer(params, config)
+    # The n samples of a prompt share its prefill: run it once per prompt, then copy
+    # the cache to the n rows.
+    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config,
+                                          num_slots)
+    logits_nv, key_mask = repeat(logits_bv), repeat(key_mask)
+    cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
+    state = _DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        last_tokens=jnp.zeros((num_rows,), jnp.int32),
+        done=jnp.zeros((num_rows,), bool),
+        lengths=jnp.full((num_rows,), num_new, jnp.int32),
+        responses=jnp.full((num_rows, num_new), sampling.pad_token_id, jnp.int32),
+        log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
+        cache=cache,
+        key_mask=key_mask,
+        keys=row_keys(rng, num_rows),
+        prompt_lengths=jnp.sum(row_prompt_mask, axis=1),
+        rows=jnp.arange(num_rows, dtype=jnp.int32),
+    )
+    return row_prompt_ids, row_prompt_mask, _emit(state, logits_nv, sampling), params
+
+
+def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ...], groups: int,
+                *, prompt_len: int, sampling: SamplingConfig, config: ModelConfig):
+    """Decodes until step `end` or until every row has stopped, at the batch sizes
+    `sizes` (the state's own first): `(state, out)`, the output buffers `out`
+    (`_write_rows`) holding the rows that left the batch at each compaction.
+
+    `params` are the per-layer parameters (`per_layer`)."""
+    for smaller in (*sizes[1:], 0):
+        state = decode_until(params, state, end, smaller, groups, prompt_len=prompt_len,
+                             sampling=sampling, config=config)
+        if smaller:
+            out = _write_rows(out, state, groups)
+            state = _compact(state, smaller, groups)
+    return state, out
+
+
+def decode_until(params, state: _DecodeState, end: int, smaller: int, groups: int, *,
+                 prompt_len: int, sampling: SamplingConfig, config: ModelConfig) -> _DecodeState:
+    """Decodes at the state's batch size until step `end` or until every group's
+    unfinished rows fit `smaller` rows (0: until none is left)."""
+    def decode(state: _DecodeState) -> _DecodeState:
+        logits_nv, state = _decode_step(params, state, prompt_len, config)
+        return _emit(state, logits_nv, sampling)
+
+    def running(state: _DecodeState) -> jax.Array:
+        unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
+        return (state.step < end) & (jnp.max(unfinished) > smaller // groups)
+
+    return lax.while_loop(running, decode, state)
+
+
+def rollout_output(row_prompt_ids, row_prompt_mask, responses, log_probs, lengths
+                   ) -> RolloutOutput:
+    """`RolloutOutput` of the rows' prompts and their `[N, R]` responses."""
+    response_mask = jnp.arange(responses.shape[1])[None, :] < lengths[:, None]
+    return RolloutOutput(
+        prompt_ids=row_prompt_ids,
+        prompt_mask=row_prompt_mask,
+        responses=responses,
+        response_mask=response_mask.astype(jnp.int32),
+        rollout_log_probs=log_probs,
+        response_lengths=lengths,
+    )
+
+
+def decode_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:
+    """The decode loop's batch sizes, largest first: `num_rows`, then down to
+    `num_rows / decode_buckets`, each a whole number of rows per batch shard (`groups`);
+    `(num_rows,)` when rows never stop early."""
+    if sampling.ignore_stop or not sampling.stop_token_ids or sampling.decode_buckets == 1:
+        return (num_rows,)
+    per_group = num_rows // groups
+    sizes = []
+    for k in range(sampling.decode_buckets, 0, -1):
+        size = -(-per_group * k // sampling.decode_buckets) * groups
+        if size not in sizes:
+            sizes.append(size)
+    return tuple(sizes)
+
+
+def _row_groups(num_rows: int) -> int:
+    """How many batch shards the rows are split into under the active mesh (1: none).
+    Compaction keeps every row on its own shard: it gathers within each group."""
+    sharder = sharding.active_sharder()
+    if sharder is None:
+        return 1
+    axes = sharder.spec(("batch",), (num_rows,))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharder.mesh.shape[a] for a in axes)
+
+
+def _grouped(x: jax.Array, groups: int, axes=None) -> jax.Array:
+    """Rows `[N, ...]` (logical `axes`, "batch" first) as `[groups, N / groups, ...]`,
+    each group on its own shard."""
+    axes = axes or ("batch",) + (None,) * (x.ndim - 1)
+    return constrain(x.reshape(groups, -1, *x.shape[1:]), (axes[0], None, *axes[1:]))
+
+
+def _ungrouped(x: jax.Array, axes=None) -> jax.Array:
+    axes = axes or ("batch",) + (None,) * (x.ndim - 2)
+    return constrain(x.reshape(-1, *x.shape[2:]), axes)
+
+
+def _write_rows(out, state: _DecodeState, groups: int):
+    """The output buffers `(responses [N, R], log_probs [N, R], lengths [N])` with the
+    state's rows written at their output rows (each group into its own shard)."""
+    per_group = out[0].shape[0] // groups
+    local = _grouped(state.rows, groups) % per_group
+
+    def put(buffer, values):
+        put_group = lambda b, i, v: b.at[i].set(v)
+        return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups), local,
+                                              _grouped(values, groups)))
+
+    return tuple(put(b, v) for b, v in zip(out, (state.responses, state.log_probs,
+                                                  state.lengths), strict=True))
+
+
+def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
+    """The state with `size` rows: in each group its unfinished rows first (in order),
+    then finished ones to fill the group's share."""
+    order = jax.vmap(lambda done: jnp.argsort(done, stable=True))(_grouped(state.done, groups))
+    order = order[:, :size // groups]
+
+    def take(x, axes=None):
+        return _ungrouped(jax.vmap(lambda x, i: x[i])(_grouped(x, groups, axes), order), axes)
+
+    rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.name not in ("step", "cache")}
+    if isinstance(state.cache, RowCache):  # its rows stay; they map to the new batch
+        cache = state.cache.with_batch(order)
+    else:
+        cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
+    return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
+
+
+def row_keys(rng, num_rows: int) -> jax.Array:
+    """`[num_rows]` keys, `fold_in(rng, r)` for row r (see the module docstring)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
+
+
+def per_layer(params, config: ModelConfig):
+    """`params` with the layers' weights as separate arrays, sliced once per program
+    rather than at every decode step, and their projections fused where
+    `config.fuse_decode_projections` and the mesh allow (`_fuses`)."""
+    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
+                   for i in range(config.num_layers))
+    if _fuses(config):
+        layers = tuple(transformer.fuse_projections(layer, config) for layer in layers)
+    return {**params, "layers": layers}
+
+
+def _fuses(config: ModelConfig) -> bool:
+    """Whether the sampler fuses projections: asked for, and no mesh axis splits the
+    heads (a fused q/k/v kernel keeps its heads whole)."""
+    sharder = sharding.active_sharder()
+    heads_split = sharder is not None and sharder.spec(
+        (None, "heads", None), (config.hidden_size, config.num_heads, config.head_dim))[1]
+    return config.fuse_decode_projections and not heads_split
+
+
+def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None):
+    """One forward over the B prompts into a fresh cache of P + R slots (or `num_slots`).
+
+    Returns:
+      (logits `[B, V]` float32 at the last prompt slot, cache, key_mask `[B, S]`), with
+      S = `cache_slots(P + R)`: rounded up to whole blocks for the decode-attention kernel.
+    """
+    batch, prompt_len = prompt_ids.shape
+    slots = num_slots or cache_slots(config, prompt_len + num_new)
+    cache = init_cache(config, batch, slots)
+    key_mask = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
+    positions = positions_from_mask(prompt_mask)
+    hidden_bpd, cache = forward(
+        params, prompt_ids, positions, key_mask, cache, 0, config=config
+    )
+    # Left padding puts every row's last prompt token in slot P-1; unembedding only
+    # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
+    return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
+
+
+def cache_slots(config: ModelConfig, needed: int) -> int:
+    """Cache slots for `needed` tokens: rounded up to whole blocks where the decode steps
+    run the decode-attention kernel."""
+    return decode_attention.cache_slots(config.decode_attention_impl, config.head_dim, needed,
+                                        config.dtype)
+
+
+def _decode_step(params, state: _DecodeState, prompt_len: int, config):
+    """Feeds the last sampled token of every row and returns the next logits `[N, V]`.
+
+    The token sampled at step i-1 goes to slot `P + i - 1` (shared by all rows) at
+    RoPE position `prompt_lengths + i - 1`. Rows that have stopped are fed their
+    pad token too and attend to the new slot alone (`decoding_mask`), so attention
+    costs follow the rows still running between the batch sizes the loop compacts to
+    (`decode_buckets`).
+    """
+    slot = prompt_len + state.step - 1
+    num_rows = state.last_tokens.shape[0]
+    key_mask = lax.dynamic_update_slice_in_dim(
+        state.key_mask, jnp.ones((num_rows, 1), state.key_mask.dtype), slot, axis=1
+    )
+    attended = decoding_mask(key_mask, slot, ~state.done)
+    positions = (state.prompt_lengths + state.step - 1)[:, None]
+    hidden_n1d, cache = forward(
+        params, state.last_tokens[:, None], positions, attended, state.cache, slot,
+        config=config,
+    )
+    logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
+    return logits_nv, state.replace(cache=cache, key_mask=key_mask)
+
+
+def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
+    """The mask `[N, S]` a decode step attends with: `key_mask` for the `running` rows,
+    the new `slot` alone for the others, whose outputs are discarded; the decode kernels
+    (Triton, and Mosaic GPU but for `MosaicTiles.row_group`) then read one block of such
+    a row's cache instead of all its filled ones (XLA's path reads every slot anyway)."""
+    only_new = (jnp.arange(key_mask.shape[1]) == slot).astype(key_mask.dtype)
+    return jnp.where(running[:, None], key_mask, only_new[None, :])
+
+
+def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:
+    """Samples response token `state.step` of every row and records it."""
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, state.step)
+    tokens, log_probs = sample_tokens(logits_nv, step_keys, sampling)
+    tokens = jnp.where(state.done, sampling.pad_token_id, tokens)
+    log_probs = jnp.where(state.done, 0.0, log_probs)
+    stopped = ~state.done & _is_stop_token(tokens, sampling)
+    write = lambda buffer, column: lax.dynamic_update_slice_in_dim(
+        buffer, column[:, None], state.step, axis=1
+    )
+    return state.replace(
+        step=state.step + 1,
+        last_tokens=tokens,
+        done=state.done | stopped,
+        lengths=jnp.where(stopped, state.step + 1, state.lengths),
+        responses=write(state.responses, tokens),
+        log_probs=write(state.log_probs, log_probs),
+    )
+
+
+def _is_stop_token(tokens_n: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """bool `[N]`: the token ends its row (never with `ignore_stop` or no stop ids)."""
+    if sampling.ignore_stop or not sampling.stop_token_ids:
+        return jnp.zeros(tokens_n.shape, bool)
+    stops = jnp.asarray(sampling.stop_token_ids, jnp.int32)
+    return jnp.any(tokens_n[:, None] == stops[None, :], axis=1)
+
+
+def sample_tokens(
+    logits_nv: jax.Array, keys_n: jax.Array, sampling: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row from the processed distribution.
+
+    Args:
+      logits_nv: float32 `[N, V]` raw next-token logits.
+      keys_n: `[N]` PRNG keys, one per row (unused when greedy).
+      sampling: temperature / top_k / top_p / do_sample.
+
+    Returns:
+      (tokens int32 `[N]`, log_probs float32 `[N]`): the log-prob of each token
+      under the distribution it was drawn from (0 when greedy).
+    """
+    logits_nv = logits_nv.astype(jnp.float32)
+    if not sampling.do_sample:
+        tokens = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
+        return tokens, jnp.zeros(tokens.shape, jnp.float32)
+    return jax.vmap(functools.partial(_sample_row, sampling=sampling))(logits_nv, keys_n)
+
+
+def _sample_row(logits_v, key, sampling: SamplingConfig):
+    """One row of `sample_tokens`: (token int32 [], log_prob float32 [])."""
+    processed_v = _process_row(logits_v, sampling)
+    top = jnp.max(processed_v)
+    token, mass = _inverse_cdf_sample(key, processed_v, top)
+    # log softmax at the token, with the normaliser the draw summed anyway.
+    return token, processed_v[token] - top - jnp.log(mass)
+
+
+# Vocabulary block of the two-level inverse-CDF search.
+_CDF_BLOCK = 128
+
+
+def _inverse_cdf_sample(key, logits_v, top):
+    """Draws `i ~ softmax(logits)` from one uniform number: `i = min{i : CDF(i) > u}`.
+
+    A Gumbel-max draw needs V random numbers per row and step, which costs more
+    than the rest of sampling on a large vocabulary. Here the CDF is searched in two
+    levels: cumulative sums of blocks of `_CDF_BLOCK` weights `exp(logit - top)` pick
+    the block (one read of the row), then the chosen block's weights are recomputed
+    and summed up to the token, so no `[V]` weights are ever stored. Tokens of zero
+    weight (masked by top-k / top-p) are never returned, also when rounding puts `u`
+    on a boundary.
+
+    Returns:
+      (token int32 [], the total weight `sum_i exp(logit_i - top)`).
+    """
+    v = logits_v.shape[0]
+    blocks_v = jnp.pad(logits_v, (0, (-v) % _CDF_BLOCK), constant_values=-jnp.inf)
+    blocks_v = blocks_v.reshape(-1, _CDF_BLOCK)
+    block_mass = jnp.sum(jnp.exp(blocks_v - top), axis=1)  # -inf -> 0
+    block_cdf = jnp.cumsum(block_mass)
+    u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
+    block = jnp.minimum(jnp.sum(block_cdf <= u), _last_positive(block_mass))
+    row = jnp.exp(blocks_v[block] - top)
+    inner_cdf = (block_cdf[block] - block_mass[block]) + jnp.cumsum(row)
+    inner = jnp.minimum(jnp.sum(inner_cdf <= u), _last_positive(row))
+    return (block * _CDF_BLOCK + inner).astype(jnp.int32), block_cdf[-1]
+
+
+def _last_positive(x):
+    """Index of the last element > 0 of a 1-D array (0 if none)."""
+    n = x.shape[0]
+    return n - 1 - jnp.argmax(x[::-1] > 0)
+
+
+def processed_logits(logits_nv: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """The logits `sample_tokens` draws from: `[..., V]`, -inf outside top-k / top-p.
+
+    Args:
+      logits_nv: float32 `[..., V]` raw logits.
+      sampling: the sampling settings; for greedy decoding the raw logits are
+        returned unchanged.
+
+    Returns:
+      float32 `[..., V]`; its `log_softmax` is the sampling distribution.
+    """
+    logits_nv = logits_nv.astype(jnp.float32)
+    if not sampling.do_sample:
+        return logits_nv
+    flat = logits_nv.reshape(-1, logits_nv.shape[-1])
+    processed = jax.vmap(functools.partial(_process_row, sampling=sampling))(flat)
+    return processed.reshape(logits_nv.shape)
+
+
+def _process_row(logits_v: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """Temperature, then top-k, then top-p on one row `[V]`; -inf marks removed tokens."""
+    scaled_v = logits_v / sampling.temperature
+    top_k = sampling.top_k if 0 < sampling.top_k < logits_v.shape[-1] else 0
+    if not top_k and sampling.top_p >= 1.0:
+        return scaled_v
+    # Weights in [0, 1] (the best token has exactly 1) order tokens like the logits.
+    weights_v = jnp.exp(scaled_v - jnp.max(scaled_v))
+    threshold = jnp.float32(0.0)
+    if top_k:
+        # The k-th largest weight: the largest t with at least k weights >= t.
+        threshold = _largest_threshold(weights_v, jnp.ones_like(weights_v), top_k)
+    if sampling.top_p < 1.0:
+        # Over the top-k survivors, the largest t whose tail mass reaches top_p.
+        kept_v = jnp.where(weights_v >= threshold, weights_v, 0.0)
+        threshold = _largest_threshold(weights_v, kept_v, sampling.top_p * jnp.sum(kept_v))
+    return jnp.where(weights_v >= threshold, scaled_v, -jnp.inf)
+
+
+def _largest_threshold(weights_v: jax.Array, values_v: jax.Array, target) -> jax.Array:
+    """Largest float32 `t` in [0, 1] with `sum(values[weights >= t]) >= target`.
+
+    The tail sum is non-increasing in `t` and non-negative float32 values order like
+    their int32 bit patterns, so the search runs over the bit patterns of [0, 1]:
+    each pass evaluates the tail sum at `_PROBES_PER_PASS` evenly spaced probes and
+    keeps the sub-interval where it crosses the target. Invariant: the tail sum at
+    `lo` reaches the target (at t = 0 it is the total) and at `hi` it does not
+    (`hi` starts just above 1.0, where it is 0). The result is exact: a single
+    float, not an approximation.
+
+    Args:
+      weights_v: float32 `[V]` in [0, 1], the order used for the threshold.
+      values_v: float32 `[V]` >= 0, what is summed (ones to count, weights for mass).
+      target: the sum to reach; must be > 0 and at most `sum(values)`.
+
+    Returns:
+      float32 scalar threshold.
+    """
+    parts = _PROBES_PER_PASS + 1
+    fractions = range(1, parts)
+
+    def tail_sums(bits):
+        thresholds = lax.bitcast_convert_type(bits, jnp.float32)
+        # One sum per probe, not one [probes, V] sum: XLA fuses sibling reductions
+        # of the same operand into one kernel that reads the row once, which on
+        # GPU is ~2x faster than reducing a broadcast.
+        return jnp.stack([
+            jnp.sum(jnp.where(weights_v >= thresholds[m], values_v, 0.0))
+            for m in range(_PROBES_PER_PASS)
+        ])
+
+    def refine(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        # lo + floor(gap * j / parts) without overflowing int32.
+        probes = jnp.stack([lo + gap // parts * j + gap % parts * j // parts for j in fractions])
+        reaches = tail_sums(probes) >= target
+        lo = jnp.max(jnp.where(reaches, probes, lo))
+        hi = jnp.min(jnp.where(reaches, hi, probes))
+        return lo, hi
+
+    bounds = (jnp.int32(0), jnp.int32(_FLOAT32_ONE_BITS + 1))
+    lo, _ = lax.fori_loop(0, _num_search_passes(), refine, bounds)
+    return lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _num_search_passes() -> int:
+    """Passes after which the bit-pattern interval of `_largest_threshold` has width 1."""
+    gap, passes = _FLOAT32_ONE_BITS + 1, 0
+    while gap > 1:
+        gap = math.ceil(gap / (_PROBES_PER_PASS + 1))
+        passes += 1
+    return passes
+
+
+def _check_prompts(prompt_ids, prompt_mask, config: ModelConfig) -> None:
+    """Shape checks always; value checks (left padding, vocab range) on concrete inputs."""
+    if prompt_ids.ndim != 2 or tuple(prompt_ids.shape) != tuple(prompt_mask.shape):
+        raise ValueError(
+            "prompt_ids and prompt_mask must both be [B, P]; got "
+            f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}"
+        )
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompts must have at least one column (P >= 1)")
+    ids, mask = _host_value(prompt_ids), _host_value(prompt_mask)
+    if ids is None or mask is None:
+        return
+    mask = mask.astype(bool)
+    _raise_for_first_row(~mask.any(axis=1), "is empty (prompt_mask is all 0)")
+    _raise_for_first_row(
+        (mask[:, :-1] & ~mask[:, 1:]).any(axis=1),
+        "is not left-padded: prompt_mask must be 0..0 1..1 (real tokens at the end)",
+    )
+    outside = mask & ((ids < 0) | (ids >= config.vocab_size))
+    _raise_for_first_row(
+        outside.any(axis=1), f"has token ids outside [0, vocab_size={config.vocab_size})"
+    )
+
+
+def _raise_for_first_row(bad_rows: np.ndarray, problem: str) -> None:
+    if bad_rows.any():
+        row = int(np.argmax(bad_rows))
+        raise ValueError(f"prompt row {row} {problem} ({int(bad_rows.sum())} bad row(s))")
+
+
+def _host_value(x) -> np.ndarray | None:
+    """x as a numpy array, or None when it is traced or not fully addressable."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+        x, (bool, np.bool_)
+    )

@@ -1,0 +1,844 @@
+"""The Pallas decode-step kernels, Triton ("pallas") and Mosaic GPU ("mosaic"), compiled on
+a GPU and in interpret mode elsewhere, against the XLA reference (the cache write and the
+attention), and the sampler run through them against the sampler on the XLA path."""
+
+import dataclasses
+import re
+import textwrap
+from unittest import mock
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.errors import ConfigError
+from jrl.kernels import decode_attention as da
+from jrl.kernels import mosaic_backend
+from jrl.models import ModelConfig, init_params
+from jrl.models.config import RopeScaling
+from jrl.rollout import sampler
+from jrl.rollout.sampler import SamplingConfig
+from tests.eight_devices import run_script
+from tests.markers import NEEDS_MOSAIC, NEEDS_TRITON
+
+# On a GPU the kernels run compiled, elsewhere in Pallas' interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
+pytestmark = NEEDS_TRITON
+# The Mosaic GPU kernel compiles for Hopper only; on other GPUs its tests are skipped.
+NEEDS_HOPPER_OFF_CPU = pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not mosaic_backend.on_hopper(),
+    reason="the Mosaic GPU kernel compiles for Hopper GPUs only")
+KERNELS = [pytest.param("pallas", id="pallas"),
+           pytest.param("mosaic", id="mosaic", marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU]),
+           pytest.param("mosaic_fused", id="mosaic_fused",
+                        marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
+
+
+# The Triton kernel split over slots (`Tiles.splits`): 3 parts, so a cache of two
+# blocks leaves one part without blocks.
+SPLIT = pytest.param("pallas_split", id="pallas_split")
+
+
+def kernel_args(kernel, tiles=None):
+    """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic" is the unfused
+    Mosaic GPU kernel, "mosaic_fused" is "mosaic" with `MosaicTiles.fused` (`tiles`'
+    block and stages), "pallas_split" is "pallas" with 3 parts."""
+    if kernel == "pallas_split":
+        return dict(impl="pallas", interpret=INTERPRET,
+                    tiles=dataclasses.replace(tiles or da.TILES, splits=3))
+    if kernel == "mosaic" and tiles is None:  # the unfused kernel (MOSAIC_TILES is fused)
+        return dict(impl=kernel, interpret=INTERPRET,
+                    tiles=dataclasses.replace(da.MOSAIC_TILES, fused=False))
+    if kernel != "mosaic_fused":
+        return dict(impl=kernel, interpret=INTERPRET, tiles=tiles)
+    tiles = da._as_mosaic(tiles)
+    return dict(impl="mosaic", interpret=INTERPRET,
+                tiles=da.MosaicTiles(tiles.block, tiles.stages, tiles.compact, fused=True))
+
+
+# The kernels and the XLA path compiled as the sampler runs them, inside `jax.jit`, with
+# the slot traced: one program per shape and setting serves every slot a test visits
+# (called eagerly, each op of the interpreted kernel is dispatched one by one, several
+# times slower). `test_kernel_matches_reference`, one slot per call, calls it eagerly, with
+# the Python int slot that `append_and_attend` checks.
+_STATIC = ("impl", "interpret", "tiles")
+_attend = jax.jit(da.append_and_attend, static_argnames=_STATIC)
+_attend_qkv = jax.jit(da.append_and_attend_qkv, static_argnames=("num_heads", *_STATIC))
+
+
+def attend(*args, impl, interpret=False, tiles=None):
+    """`append_and_attend` through `_attend` (the XLA path takes no tiles: one program
+    for all of a test's tiles)."""
+    return _attend(*args, impl=impl, interpret=interpret,
+                   tiles=None if impl == "xla" else tiles)
+
+
+def naive_attention(q_bnh, k_bksh, v_bksh, start_b, end):
+    """Per row and query head, in float64 numpy: softmax(q . k / sqrt(H)) over [start, end)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q_bnh, k_bksh, v_bksh))
+    b, n, h = q.shape
+    group = n // k.shape[1]
+    out = np.zeros((b, n, h))
+    for row in range(b):
+        for head in range(n):
+            keys = k[row, head // group, start_b[row]:end]
+            values = v[row, head // group, start_b[row]:end]
+            logits = keys @ q[row, head] / np.sqrt(h)
+            weights = np.exp(logits - logits.max())
+            out[row, head] = weights @ values / weights.sum()
+    return out
+
+
+def naive_rope(x, angles):
+    """RoPE of `x [B, M, H]` in float64 numpy: pair (i, i + H/2) rotated by `angles [B, H/2]`."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    sin, cos = np.sin(angles)[:, None], np.cos(angles)[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+@pytest.mark.parametrize("kernel", [*KERNELS, SPLIT])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots,dtype", [
+    (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
+    (4, 4, 32, 64, jnp.float32),     # one query per kv head, one block
+    (8, 2, 32, 192, jnp.bfloat16),   # three blocks, bf16 cache
+    (40, 2, 32, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
+    (28, 4, 128, 128, jnp.bfloat16),  # Qwen2.5-7B's heads
+])
+def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots, dtype):
+    if kernel not in ("pallas", "pallas_split"):  # wgmma takes 16-bit operands: a bf16 cache
+        dtype = jnp.bfloat16
+    keys = jax.random.split(jax.random.key(0), 6)
+    b = 4
+    q = jax.random.normal(keys[0], (b, num_heads, head_dim), dtype)
+    k_new = jax.random.normal(keys[1], (b, num_kv_heads, head_dim), dtype)
+    v_new = jax.random.normal(keys[2], (b, num_kv_heads, head_dim), dtype)
+    k = jax.random.normal(keys[3], (b, num_kv_heads, slots, head_dim), dtype)
+    v = jax.random.normal(keys[4], (b, num_kv_heads, slots, head_dim), dtype)
+    angles = np.asarray(jax.random.uniform(keys[5], (b, head_dim // 2), maxval=40.0))
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    # The new token in the last block, not on its edge; rows starting in the first
+    # block, on a block edge, in the slot's own block, and a row whose only token is
+    # the new one.
+    slot = slots - 37
+    start = np.array([3, 64 % slots, slot - 5, slot], np.int32)
+    want_k = np.array(k, np.float64)
+    want_v = np.array(v, np.float64)
+    want_k[:, :, slot], want_v[:, :, slot] = naive_rope(k_new, angles), v_new
+    want = naive_attention(naive_rope(q, angles), want_k, want_v, start, slot + 1)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    others = np.arange(slots) != slot
+    for impl in ("xla", kernel):
+        out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
+                                                 jnp.asarray(start), slot, **kernel_args(impl))
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert k_out.dtype == k.dtype and v_out.dtype == v.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol,
+                                   err_msg=impl)
+        # One slot of each row and head is written, with the new (rotated) token.
+        np.testing.assert_array_equal(np.asarray(k_out)[:, :, others], np.asarray(k)[:, :, others])
+        np.testing.assert_array_equal(np.asarray(v_out)[:, :, others], np.asarray(v)[:, :, others])
+        np.testing.assert_allclose(np.asarray(k_out, np.float64), want_k, rtol=tol, atol=tol)
+        np.testing.assert_array_equal(np.asarray(v_out, np.float64), want_v, err_msg=impl)
+    # What lies outside [start, slot] does not matter.
+    junk_k = k.at[:, :, slot + 1:].set(1e3).at[0, :, :3].set(1e3)
+    junk_v = v.at[:, :, slot:].set(-1e3).at[3, :, :slot].set(1e3)
+    out, _, _ = da.append_and_attend(q, k_new, v_new, sin, cos, junk_k, junk_v,
+                                     jnp.asarray(start), slot, **kernel_args(kernel))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tiles", [da.Tiles(128, 4, 2), da.Tiles(64, 2, 3)])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.float32, jnp.float32),
+                                                 (jnp.bfloat16, jnp.float32),
+                                                 (jnp.float32, jnp.bfloat16),
+                                                 (jnp.bfloat16, jnp.bfloat16)])
+def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dtype):
+    """Slots at the first and last of the cache and on either side of a block edge,
+    16 queries per key/value head, and a cache dtype other than the queries': the
+    kernel matches the XLA path, and both write the new token in the cache's dtype
+    (the Mosaic GPU kernel takes 16-bit caches only)."""
+    if kernel != "pallas" and cache_dtype == jnp.float32:
+        pytest.skip("the Mosaic GPU kernel's wgmma operands are 16-bit")
+    keys = jax.random.split(jax.random.key(1), 6)
+    b, n, kv, h, slots = 3, 32, 2, 32, 128
+    q = jax.random.normal(keys[0], (b, n, h), q_dtype)
+    k_new, v_new = (jax.random.normal(key, (b, kv, h), q_dtype) for key in keys[1:3])
+    k, v = (jax.random.normal(key, (b, kv, slots, h), cache_dtype) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    for slot in (0, 63, 64, 65, 127):
+        start = jnp.asarray([0, slot // 2, slot], jnp.int32)
+        outs = {impl: attend(q, k_new, v_new, sin, cos, k, v, start, slot,
+                             **kernel_args(impl, tiles))
+                for impl in ("xla", kernel)}
+        tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
+        for got, want in zip(outs[kernel], outs["xla"], strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got, np.float64),
+                                       np.asarray(want, np.float64), rtol=tol, atol=tol,
+                                       err_msg=f"slot {slot}")
+        np.testing.assert_array_equal(np.asarray(outs[kernel][2]),
+                                      np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_kernel_split_over_slots_matches_one_program(splits):
+    """A long cache's filled blocks split over parts (rows whose blocks are fewer than the
+    parts, a row starting mid-block, the new token in a block of its own) give the
+    attention of one program per (row, key/value head) and write the cache alike."""
+    keys = jax.random.split(jax.random.key(2), 6)
+    b, n, kv, h, slots = 4, 14, 2, 64, 1024
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (b, kv, h), jnp.bfloat16) for key in keys[1:3])
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    for slot in (640, 1000):
+        start = jnp.asarray([0, 301, slot - 70, slot], jnp.int32)
+        run = lambda splits, start=start, slot=slot: da.append_and_attend(
+            q, k_new, v_new, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET,
+            tiles=da.Tiles(block=128, splits=splits))
+        (want, want_k, want_v), (got, got_k, got_v) = run(1), run(splits)
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   rtol=1e-2, atol=1e-2, err_msg=f"slot {slot}")
+        np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+def test_slot_splits_fill_the_multiprocessors_with_long_caches_only():
+    # Two programs a multiprocessor on 132: 264. 4 rows x 2 key/value heads: ceil(264 / 8)
+    # = 33 parts, each over at least 1,024 of 65,600 slots (64 would fit).
+    assert da.slot_splits(8, 65_600, multiprocessors=132) == 33
+    # ... but a 16,384-slot cache holds only 16 parts of 1,024 slots.
+    assert da.slot_splits(8, 16_384, multiprocessors=132) == 16
+    # 128 rows (256 pairs): ceil(264 / 256) = 2; 96 rows: ceil(264 / 192) = 2; 32 rows:
+    # ceil(264 / 64) = 5, under the 8 parts of 1,024 that 8,704 slots hold.
+    assert da.slot_splits(256, 8_704, multiprocessors=132) == 2
+    assert da.slot_splits(192, 8_704, multiprocessors=132) == 2
+    assert da.slot_splits(64, 8_704, multiprocessors=132) == 5
+    # Pairs that fill the multiprocessors twice, or caches under two parts' slots: one
+    # program (the docs workload's 384-slot cache never splits).
+    assert da.slot_splits(264, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(1024, 65_600, multiprocessors=132) == 1
+    assert da.slot_splits(8, 2_047, multiprocessors=132) == 1
+    assert da.slot_splits(128, 384, multiprocessors=132) == 1
+    assert da.slot_splits(8, 3_072, multiprocessors=132) == 3
+    assert da.slot_splits(100, 65_600, multiprocessors=78) == 2  # ceil(156 / 100)
+
+
+def test_forced_kernel_on_gpu_names_the_head_dims_it_takes(monkeypatch):
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    assert da.choose_impl("pallas", 64) == "pallas" and da.choose_impl("auto", 64) == "pallas"
+    assert da.choose_impl("auto", 16) == "xla" and da.choose_impl("auto", 48) == "xla"
+    for head_dim in (16, 48):
+        with pytest.raises(ValueError, match=rf"decode_attention_impl='pallas'.*got {head_dim}"):
+            da.choose_impl("pallas", head_dim)
+
+
+def test_impl_choice_and_cache_slots():
+    assert da.choose_impl("auto", 64) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert da.choose_impl("xla", 64) == "xla"
+    if jax.default_backend() != "gpu":  # interpret mode takes any head_dim
+        assert da.choose_impl("pallas", 48) == "pallas"
+    assert da.cache_slots("xla", 64, 200) == 200
+    assert da.cache_slots("pallas", 64, 200) == 256 and da.cache_slots("pallas", 64, 256) == 256
+    assert da.choose_impl("auto", 16) == "xla"  # halves of 8 are below Triton's dot size
+    new, start = jnp.zeros((1, 1, 32)), jnp.zeros((1,), jnp.int32)
+    angle = jnp.zeros((1, 16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 40, 32)), jnp.zeros((1, 1, 40, 32)), start, 3,
+                             impl="pallas")
+    with pytest.raises(ValueError, match="'xla', 'pallas' or 'mosaic'"):
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 3,
+                             impl="cudnn")
+    with pytest.raises(ValueError, match="decode slot 64 outside the cache's 64 slots"):
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 64,
+                             impl="pallas")
+
+
+def _lower_for_cuda(fn, args):
+    """`fn` lowered for CUDA as text, with the kernel path chosen as on a GPU. Where a
+    CUDA plugin is installed but the tests keep JAX on the CPU (tests/conftest.py),
+    jaxlib 0.11 will not lower Triton calls without a device; the test is skipped
+    there and runs on CPU-only installs such as CI's."""
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        try:
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        except RuntimeError as e:
+            if "No supported GPU devices found" in str(e):
+                pytest.skip(f"a CUDA plugin without a GPU backend in use: {e}")
+            raise
+
+
+def _step_shapes(*, b, n, kv, h, s):
+    """`append_and_attend`'s arguments as shapes: bf16 queries, new keys and values and
+    caches, float32 RoPE tables, int32 row starts and slot."""
+    sds = jax.ShapeDtypeStruct
+    return (sds((b, n, h), jnp.bfloat16), sds((b, kv, h), jnp.bfloat16),
+            sds((b, kv, h), jnp.bfloat16), sds((b, h // 2), jnp.float32),
+            sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+            sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+
+
+def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
+    """On the GPU path (lowered here for CUDA without a GPU) the step is one Triton
+    call whose cache outputs alias its cache inputs: no copy of the cache per layer."""
+    fn = lambda *a: da.append_and_attend(*a, impl="pallas")
+    text = _lower_for_cuda(fn, _step_shapes(b=8, n=14, kv=2, h=64, s=128))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("spec", ["128,2", "64,2,compact", "64,2,compact,fused",
+                                  "128,2,compact,splits2", "128,2,compact,rows4"])
+def test_mosaic_kernels_lower_for_the_gpu(spec):
+    """The Mosaic GPU kernel's compiled path (not the interpreter's, which the other
+    tests run: no `layout_cast`, dots instead of wgmmas from registers and into a
+    carried accumulator) lowers for CUDA without a GPU, to one Mosaic GPU call a step;
+    the fused tiles write the cache in the kernel (no `dynamic_update_slice`)."""
+    tiles = da.MosaicTiles.from_spec(spec)
+    fn = lambda *a: da.append_and_attend(*a, impl="mosaic", tiles=tiles)
+    with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
+        text = _lower_for_cuda(fn, _step_shapes(b=8, n=14, kv=2, h=64, s=256))
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert ("dynamic_update_slice" in text) != tiles.fused
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (4, 4)])
+def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
+                                                          num_kv_heads):
+    """`append_and_attend_qkv` on a fused projection's bf16 output before its bias gives
+    what `append_and_attend` gives on q, k and v split from the output with the bias
+    added by XLA, to the bit (the kernel rounds the sum as XLA's bf16 add does); its XLA
+    path too. Slots 0, 64 (a block edge) and 100, rows starting at 0, mid-block and
+    at the new token."""
+    keys = jax.random.split(jax.random.key(2), 6)
+    b, h, slots = 3, 64, 128
+    j = num_heads + 2 * num_kv_heads
+    qkv = jax.random.normal(keys[0], (b, j, h), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (j, h), jnp.bfloat16) if with_bias else None
+    k, v = (jax.random.normal(key, (b, num_kv_heads, slots, h), jnp.bfloat16)
+            for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    biased = qkv if bias is None else qkv + bias
+    parts = jnp.split(biased, [num_heads, num_heads + num_kv_heads], axis=1)
+    for slot in (0, 64, 100):
+        start = jnp.asarray([0, slot // 2, slot], jnp.int32)
+        want = attend(*parts, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET)
+        for impl in ("pallas", "xla"):
+            got = _attend_qkv(qkv, bias, sin, cos, k, v, start, slot, num_heads=num_heads,
+                              impl=impl, interpret=INTERPRET)
+            for g, w, name in zip(got, want, ("out", "k", "v"), strict=True):
+                assert g.shape == w.shape and g.dtype == w.dtype
+                if impl == "pallas":
+                    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                                  np.asarray(w, np.float32),
+                                                  err_msg=f"{name}, slot {slot}")
+                else:  # the XLA path's attention sums in another order
+                    np.testing.assert_allclose(np.asarray(g, np.float32),
+                                               np.asarray(w, np.float32), rtol=2e-2,
+                                               atol=2e-2, err_msg=f"{name}, slot {slot}")
+    with pytest.raises(ValueError, match=rf"{num_heads - 1} query heads.* got qkv \(3, {j}, 64\)"):
+        da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
+                                 num_heads=num_heads - 1, impl="pallas", interpret=INTERPRET)
+    # A bias that is not applied shows: the kernel reads it.
+    if with_bias:
+        plain = da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, 100,
+                                         num_heads=num_heads, impl="pallas", interpret=INTERPRET)
+        assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)
+                                     - want[0].astype(jnp.float32)))) > 0.1
+
+
+def _qkv_operands(with_bias, n=14, kv=2, h=64, s=128):
+    """`n` query heads and `append_and_attend_qkv`'s operands as shapes (bf16, 8 rows,
+    `kv` key/value heads, head_dim `h`, `s` slots), for lowering without a GPU."""
+    sds = jax.ShapeDtypeStruct
+    b = 8
+    bias = sds((n + 2 * kv, h), jnp.bfloat16) if with_bias else None
+    return n, (sds((b, n + 2 * kv, h), jnp.bfloat16), bias, sds((b, h // 2), jnp.float32),
+               sds((b, h // 2), jnp.float32), sds((b, kv, s, h), jnp.bfloat16),
+               sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_operand_lowers_to_one_triton_call_on_the_projection_output(with_bias):
+    """For CUDA (lowered without a GPU): one Triton call, the cache aliased, and no
+    concatenation of q, k and v before it."""
+    n, args = _qkv_operands(with_bias)
+    fn = lambda *a: da.append_and_attend_qkv(*a, num_heads=n, impl="pallas")
+    text = _lower_for_cuda(fn, args)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
+    assert not [line for line in text.splitlines() if "concatenate" in line and "bf16" in line]
+
+
+def _random_biases(params, key):
+    """`params` with every bias leaf drawn from N(0, 0.5) (init_params starts them at 0)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [
+        0.5 * jax.random.normal(k, x.shape, x.dtype)
+        if any(getattr(p, "key", None) == "bias" for p in path) else x
+        for (path, x), k in zip(leaves, keys, strict=True)])
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("qwen2", dict(qkv_bias=True)),   # q/k/v bias
+    ("qwen3", dict(qk_norm=True)),    # q/k norm before RoPE
+    ("llama", dict(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8))),
+])
+def test_sampler_through_the_kernel_matches_the_xla_path(family, extra):
+    """Ragged left-padded prompts, sampling at temperature 1: the same tokens, and the
+    sampler's log-probs within float32 rounding, whichever attention decodes."""
+    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.3, **extra)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    if config.qkv_bias:
+        params = _random_biases(params, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 1, 9, 3])
+    ids = rng.integers(1, config.vocab_size, size=(4, 9)).astype(np.int32)
+    mask = (np.arange(9)[None] >= 9 - lengths[:, None]).astype(np.int32)
+    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        cfg = dataclasses.replace(config, decode_attention_impl=impl)
+        outs[impl] = sampler.generate(params, np.where(mask, ids, 0), mask,
+                                      jax.random.key(3), sampling, config=cfg)
+    np.testing.assert_array_equal(outs["pallas"].responses, outs["xla"].responses)
+    chex.assert_trees_all_close(outs["pallas"].rollout_log_probs,
+                                outs["xla"].rollout_log_probs, rtol=1e-5, atol=1e-5)
+    assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.1  # not a degenerate model
+
+
+@pytest.mark.parametrize("family,extra", [("qwen2", dict(qkv_bias=True)), ("llama", {})])
+def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
+    """In bf16, the sampler with the kernel reading the fused projection's output (and
+    adding the bias) gives the same tokens and log-probs, to the bit, as with q, k and
+    v split off it after XLA's bias add (the layout before `append_and_attend_qkv`)."""
+    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.3, dtype="bfloat16", decode_attention_impl="pallas",
+                         **extra)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    if config.qkv_bias:
+        params = _random_biases(params, jax.random.key(1))
+    mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
+    ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
+    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    calls = []
+
+    def three_operands(qkv, bias, *args, num_heads, **kwargs):
+        calls.append(num_heads)
+        biased = qkv if bias is None else qkv + bias.astype(qkv.dtype)
+        kv = args[2].shape[1]
+        q, k, v = jnp.split(biased, [num_heads, num_heads + kv], axis=1)
+        return da.append_and_attend(q, k, v, *args, **kwargs)
+
+    fused = sampler.generate(params, ids, mask, jax.random.key(3), sampling, config=config)
+    jax.clear_caches()  # trace the sampler again, through the patch
+    try:
+        with mock.patch.object(da, "append_and_attend_qkv", three_operands):
+            split = sampler.generate(params, ids, mask, jax.random.key(3), sampling,
+                                     config=config)
+    finally:
+        jax.clear_caches()
+    assert calls  # the sampler took the fused path
+    np.testing.assert_array_equal(fused.responses, split.responses)
+    np.testing.assert_array_equal(np.asarray(fused.rollout_log_probs),
+                                  np.asarray(split.rollout_log_probs))
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jrl import sharding
+    from jrl.kernels import decode_attention as da
+
+    assert jax.device_count() == 8, jax.devices()
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (8, 4, 32))
+    k_new = jax.random.normal(keys[1], (8, 2, 32))
+    v_new = jax.random.normal(keys[2], (8, 2, 32))
+    k = jax.random.normal(keys[3], (8, 2, 64, 32))
+    v = jax.random.normal(keys[4], (8, 2, 64, 32))
+    angles = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 7
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    start = jnp.array([0, 3, 9, 20, 1, 0, 30, 40], jnp.int32)
+    want = da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41, impl="xla")
+    out = {}
+    for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
+                        ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
+                        ("tensor_uneven", dict(data=2, fsdp=1, tensor=4)),
+                        # The rollout's layout under context parallelism: rows over
+                        # data x context, heads over tensor.
+                        ("rollout_context", dict(data=1, fsdp=1, context=4, tensor=2))):
+        sharder = sharding.Sharder(
+            sharding.make_mesh(sharding.MeshSettings(**sizes))).for_rollout()
+        def fn(q, k_new, v_new, k, v, start, sharder=sharder):
+            with sharder.active():
+                return da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41,
+                                            impl="pallas", interpret=True)
+        got = jax.jit(fn)(q, k_new, v_new, k, v, start)
+        # NaN-safe: any non-finite output makes the result NaN (Python's max would not).
+        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
+                 if np.isfinite(np.asarray(a)).all() else float("nan")
+                 for a, b in zip(got, want)]
+        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
+    # The fused operand with its bias (the sampler's Qwen2 layout), over the batch.
+    bias = jax.random.normal(jax.random.key(7), (8, 32))
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    want = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41, num_heads=4,
+                                    impl="xla")
+    for name, sizes in (("qkv_data", dict(data=8, fsdp=1, tensor=1)),
+                        ("qkv_data_fsdp", dict(data=2, fsdp=4, tensor=1))):
+        sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
+        def fn(qkv, bias, k, v, start, sharder=sharder):
+            with sharder.active():
+                return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41,
+                                                num_heads=4, impl="pallas", interpret=True)
+        got = jax.jit(fn)(qkv, bias, k, v, start)
+        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
+                 if np.isfinite(np.asarray(a)).all() else float("nan")
+                 for a, b in zip(got, want)]
+        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
+    print(json.dumps(out))
+""")
+
+
+def test_kernel_under_a_mesh_runs_per_shard_and_matches():
+    """Under a `Sharder` the kernel runs in a shard_map: over the batch, over heads when
+    query and key/value heads both divide over `tensor`, and replicated heads when not;
+    from the fused operand and its bias, over the batch."""
+    result = run_script(_SHARDED_SCRIPT)
+    assert set(result) == {"data", "data_tensor", "tensor_uneven", "rollout_context",
+                           "qkv_data", "qkv_data_fsdp"}
+    assert all(diff < 1e-5 for diff in result.values()), result  # False for NaN
+
+
+@NEEDS_MOSAIC
+def test_mosaic_tiles_from_the_benches_spec():
+    assert da.MosaicTiles.from_spec("128,2") == da.MosaicTiles(128, 2)
+    assert da.MosaicTiles.from_spec("64,3,compact,fused") == da.MosaicTiles(
+        64, 3, compact=True, fused=True)
+    assert da.MosaicTiles.from_spec("128,2,splits0") == da.MosaicTiles(128, 2, splits=0)
+    assert da.MosaicTiles.from_spec("128,2,compact,splits4").splits == 4
+    assert da.MosaicTiles.from_spec("128,2,compact,rows4") == da.MosaicTiles(
+        128, 2, compact=True, row_group=4)
+    for bad in ("128", "128,2,fast", "128,2,splits", "128,2,splits1,splits2", "128,2,rows"):
+        with pytest.raises(ValueError, match="BLOCK,STAGES"):
+            da.MosaicTiles.from_spec(bad)
+    # The fused kernel writes the new token itself: one program per (row, head).
+    with pytest.raises(ValueError, match="1 with fused=True"):
+        da.MosaicTiles(fused=True, splits=2)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        da.MosaicTiles(splits=-1)
+    for bad in (dict(row_group=0), dict(row_group=2, fused=True), dict(row_group=2, splits=0)):
+        with pytest.raises(ValueError, match="row_group"):
+            da.MosaicTiles(**bad)
+
+
+def test_mosaic_is_chosen_only_when_forced(monkeypatch):
+    """"mosaic" is a forced choice (`auto` takes it only without the Triton backend, with
+    a 16-bit cache dtype: below), rounds the cache to whole blocks like
+    "pallas", stops with a ConfigError naming the key without the Mosaic GPU backend,
+    and with a ValueError on a cache that is not 16-bit (wgmma's operands)."""
+    assert da.choose_impl("mosaic", 64) == "mosaic"
+    assert da.cache_slots("mosaic", 64, 200) == 256 and da.cache_slots("mosaic", 128, 384) == 384
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    assert da.choose_impl("auto", 64) in ("pallas", "xla")
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
+    with pytest.raises(ValueError, match="'mosaic' needs a Hopper GPU"):
+        da.choose_impl("mosaic", 64)
+    monkeypatch.undo()
+    new, start = jnp.zeros((1, 1, 64)), jnp.zeros((1,), jnp.int32)
+    angle = jnp.zeros((1, 32))
+    with pytest.raises(ValueError, match="bfloat16 or float16 cache.* got float32"):
+        da.append_and_attend(jnp.zeros((1, 2, 64)), new, new, angle, angle,
+                             jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), start, 3,
+                             impl="mosaic", interpret=INTERPRET)
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    with pytest.raises(ConfigError, match="model.decode_attention_impl='mosaic' needs"):
+        da.choose_impl("mosaic", 64)
+    with pytest.raises(ConfigError, match="decode_attention_impl='mosaic'"):
+        ModelConfig(family="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
+                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                    decode_attention_impl="mosaic")
+
+
+def test_auto_takes_the_mosaic_kernel_on_hopper_where_the_triton_backend_is_missing(
+        monkeypatch):
+    """On a GPU (here mocked) `auto` takes the Triton kernel while jax has its backend;
+    without it, the Mosaic GPU kernel on Hopper with a bfloat16/float16 cache (its
+    wgmma operands), rounding the cache to whole blocks, and the model's decode steps
+    run it; else XLA (a float32 cache, another GPU, a head_dim it cannot take, no
+    Mosaic GPU backend)."""
+    from jrl.kernels import triton_backend  # noqa: PLC0415
+    from jrl.models import transformer  # noqa: PLC0415
+
+    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: True)
+    monkeypatch.setattr(mosaic_backend, "plgpu", object())  # a backend that imports
+    config = ModelConfig(family="qwen2", vocab_size=8, hidden_size=16, intermediate_size=8,
+                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                         dtype="bfloat16")
+    if triton_backend.available():
+        assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "pallas"
+        assert transformer._decode_impl(config) == "pallas"
+    monkeypatch.setattr(triton_backend, "plgpu", None)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "mosaic"
+    assert da.choose_impl("auto", 128, None, "float16") == "mosaic"
+    assert transformer._decode_impl(config) == "mosaic"
+    assert da.cache_slots("auto", 64, 200, "bfloat16") == 256
+    assert da.cache_slots("auto", 64, 200, "float32") == 200
+    for args in ((64, 384, jnp.float32), (64, 384, None), (48, 384, jnp.bfloat16),
+                 (512, 384, jnp.bfloat16), (64, 100, jnp.bfloat16)):
+        assert da.choose_impl("auto", *args) == "xla", args
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
+    monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: True)
+    monkeypatch.setattr(mosaic_backend, "plgpu", None)
+    assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("tiles", [da.Tiles(64, 4, 3), da.Tiles(128, 4, 2),
+                                   da.MosaicTiles(64, 3, compact=True),
+                                   da.MosaicTiles(128, 2, compact=True),
+                                   da.MosaicTiles(64, 2, splits=3),
+                                   da.MosaicTiles(64, 3, compact=True, splits=8),
+                                   da.MosaicTiles(64, 2, row_group=2),
+                                   da.MosaicTiles(64, 3, compact=True, row_group=4),
+                                   da.MosaicTiles(64, 2, row_group=3),  # 4 rows: one a program
+                                   da.MosaicTiles(64, 3, fused=True),
+                                   da.MosaicTiles(128, 2, compact=True, fused=True)])
+def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
+    """A long cache (8 blocks of 64 slots): rows reading more blocks than the kernel has
+    buffers (each buffer refilled), a row starting in the slot's block, a row whose
+    only token is the new one; the slot mid-block; the query group moved as 64 rows or
+    as 8 (compact); the cache written by XLA or by the kernel (fused); each row's blocks
+    split over 3 or 8 parts (rows with fewer blocks than parts leave parts empty), or 2 or
+    4 rows a program through one pipeline (the rows' blocks from the first). Outputs
+    match the XLA path and the updated cache equals it exactly, whatever junk lies outside
+    `[start, slot]`."""
+    keys = jax.random.split(jax.random.key(4), 6)
+    b, n, kv, h, slots, slot = 4, 14, 2, 64, 512, 455
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (b, kv, h), jnp.bfloat16) for key in keys[1:3])
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    start = jnp.asarray([0, 70, 450, slot], jnp.int32)
+    want = da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, slot, impl="xla")
+    junk = lambda x, value: x.at[:, :, slot + 1:].set(value).at[1, :, :70].set(value)
+    got = da.append_and_attend(q, k_new, v_new, sin, cos, junk(k, 300.0), junk(v, -300.0),
+                               start, slot, impl="mosaic", interpret=INTERPRET, tiles=tiles)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               rtol=2e-2, atol=2e-2)
+    for got_cache, want_cache, value in zip(got[1:], want[1:], (300.0, -300.0), strict=True):
+        np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(junk(want_cache, value)))
+    # The row whose only token is the new one attends to its own value alone.
+    np.testing.assert_allclose(np.asarray(got[0][3], np.float32),
+                               np.repeat(np.asarray(v_new[3], np.float32), n // kv, axis=0),
+                               rtol=1e-2, atol=1e-2)
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch):
+    """A bf16 Qwen2 model (qkv bias, the fused operand), ragged left-padded prompts,
+    temperature 1: the same tokens with `decode_attention_impl="mosaic"` as with "xla"
+    for the same key, and log-probs within bf16 rounding, for the kernel and (with
+    `MOSAIC_TILES` fused) its fused variant, each against the one XLA path's rollout
+    (which neither reads). (The kernel takes bf16
+    caches only, and bf16 sums in another order differ by a rounding: the weights are
+    drawn smaller than the float32 test's, where such a rounding flips no sample at
+    this key; at 0.3 it flips some, the Triton kernel's too.)"""
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.05, dtype="bfloat16", qkv_bias=True)
+    params = _random_biases(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)),
+                            jax.random.key(1))
+    mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
+    ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
+    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+
+    def generate(impl):
+        return sampler.generate(params, ids, mask, jax.random.key(3), sampling,
+                                config=dataclasses.replace(config, decode_attention_impl=impl))
+
+    xla = generate("xla")
+    assert float(jnp.std(xla.rollout_log_probs)) > 0.3  # not a degenerate model
+    for fused in (False, True):
+        calls, name = [], "_mosaic_fused" if fused else "_mosaic"
+        kernel = getattr(da, name)
+        monkeypatch.setattr(da, name, lambda *a, kernel=kernel, calls=calls, **kw:
+                            calls.append(1) or kernel(*a, **kw))
+        monkeypatch.setattr(da, "MOSAIC_TILES", da.MosaicTiles(fused=fused))
+        jax.clear_caches()  # MOSAIC_TILES is read when the sampler is traced
+        mosaic = generate("mosaic")
+        assert calls, fused  # the decode steps ran the kernel
+        np.testing.assert_array_equal(mosaic.responses, xla.responses, err_msg=f"{fused=}")
+        chex.assert_trees_all_close(mosaic.rollout_log_probs, xla.rollout_log_probs,
+                                    rtol=2e-2, atol=2e-2)
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_bias):
+    """For CUDA (lowered without a GPU, the kernel's GPU code through Mosaic GPU's
+    lowering): the fused variant is one Mosaic GPU call whose cache outputs alias its
+    cache inputs, with no `dynamic_update_slice`; the unfused one writes the cache in
+    XLA."""
+    n, args = _qkv_operands(with_bias)
+    texts = {fused: _lower_for_cuda(lambda *a, fused=fused: da.append_and_attend_qkv(
+        *a, num_heads=n, impl="mosaic", tiles=da.MosaicTiles(fused=fused)), args)
+        for fused in (False, True)}
+    calls = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls(texts[True])) == len(calls(texts[False])) == 1
+    assert "output_operand_alias" in calls(texts[True])[0]
+    assert "dynamic_update_slice" not in texts[True]
+    assert texts[False].count("dynamic_update_slice") == 2
+    # The fused kernel reads the projection's output as it is (its rows as one axis, a
+    # reshape), with no op between them (bias add, RoPE, padding): it adds the bias and
+    # rotates in the kernel.
+    operand = re.search(r"call @\S+\((%\w+),", texts[True]).group(1)
+    assert f"{operand} = stablehlo.reshape %arg0 " in texts[True]
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("n,kv,h,slots", [
+    (28, 4, 128, 384),   # Qwen2.5-7B's heads, 64-slot blocks: RoPE in register halves
+    (28, 4, 128, 2048),  # 128-slot blocks: the permutation matrix
+    (16, 2, 256, 2048),  # head_dim 256 keeps 64-slot blocks (128 would not fit SMEM)
+])
+def test_mosaic_fused_lowers_at_wide_heads(n, kv, h, slots):
+    """Heads of 128 and 256 with the bias, lowered for CUDA (through Mosaic GPU's own
+    lowering, which checks shared memory): one Mosaic GPU call on the projection's
+    output, the cache aliased, in either rotation."""
+    n, args = _qkv_operands(True, n=n, kv=kv, h=h, s=slots)
+    text = _lower_for_cuda(lambda *a: da.append_and_attend_qkv(
+        *a, num_heads=n, impl="mosaic", tiles=da.MOSAIC_TILES), args)
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "output_operand_alias" in calls[0]
+    operand = re.search(r"call @\S+\((%\w+),", text).group(1)
+    assert f"{operand} = stablehlo.reshape %arg0 " in text
+
+
+def test_fused_rotation_by_head_dim():
+    """The permutation matrix where the head fits a key buffer, halves elsewhere; a
+    head_dim whose halves are not whole 64-column tiles at that block stops with the
+    head_dim and what would do."""
+    assert da._swap_matmul(32, 64) and da._swap_matmul(64, 64) and da._swap_matmul(128, 128)
+    assert not da._swap_matmul(128, 64) and not da._swap_matmul(256, 128)
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="head_dim 192 in halves at 64-slot blocks"):
+        da._mosaic_fused(z((1, 4, 192), jnp.bfloat16), None, z((1, 96)), z((1, 96)),
+                         z((1, 1, 128, 192), jnp.bfloat16), z((1, 1, 128, 192), jnp.bfloat16),
+                         z((1,), jnp.int32), jnp.int32(3), num_heads=2, interpret=True,
+                         tiles=da.MosaicTiles(64, 2, compact=True, fused=True))
+
+
+@NEEDS_MOSAIC
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("head_dim", [64, 128])  # the permutation matrix; register halves
+def test_mosaic_fused_with_bias_matches_xla(head_dim):
+    """The fused Mosaic GPU kernel on a projection's bf16 output and its bias, in both
+    rotations: the cache writes equal the XLA path's to the bit, the output within
+    bf16 rounding; a row starting at the new token, one mid-block, and a new token on
+    a block edge."""
+    n, kv, b, slots = 8, 2, 2, 192
+    keys = jax.random.split(jax.random.key(5), 5)
+    j = n + 2 * kv
+    qkv = jax.random.normal(keys[0], (b, j, head_dim), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (j, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kv, slots, head_dim), jnp.bfloat16)
+            for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, head_dim // 2), maxval=300.0)
+    for slot in (64, 100):
+        start = jnp.asarray([slot, 30], jnp.int32)
+        got, want = (_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v, start,
+                                 slot, num_heads=n, **args)
+                     for args in (dict(impl="mosaic", interpret=INTERPRET,
+                                       tiles=da.MosaicTiles(64, 2, compact=True, fused=True)),
+                                  dict(impl="xla")))
+        np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=2e-2, atol=2e-2)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@NEEDS_MOSAIC
+def test_mosaic_fused_kernel_lowers_once_for_all_layers():
+    """A decode step's layers (three caches of one shape) call one jitted kernel
+    function: lowered for CUDA, the program holds one Mosaic GPU call, in a function
+    that each layer calls (its Mosaic GPU lowering, ~0.3 s a kernel, runs once)."""
+    n, (qkv, bias, sin, cos, k, v, start, slot) = _qkv_operands(True)
+
+    def layers(qkv, bias, sin, cos, start, slot, *caches):
+        outs = []
+        for k_cache, v_cache in zip(caches[::2], caches[1::2], strict=True):
+            out, _, _ = da.append_and_attend_qkv(
+                qkv, bias, sin, cos, k_cache, v_cache, start, slot, num_heads=n,
+                impl="mosaic", tiles=da.MosaicTiles(64, 2, compact=True, fused=True))
+            outs.append(out)
+        return outs
+
+    text = _lower_for_cuda(layers, (qkv, bias, sin, cos, start, slot, k, v, k, v, k, v))
+    assert text.count("custom_call @mosaic_gpu") == 1
+    kernel_fn = re.findall(r"func\.func private @(\S+)\(", text.split(
+        "custom_call @mosaic_gpu")[0])[-1]
+    assert text.count(f"call @{kernel_fn}(") == 3, kernel_fn
+
+
+def test_fused_bias_places_each_heads_rows_where_the_kernel_adds_them():
+    """The fused kernel's bias `[K, R, H]`: key/value head k's query heads' biases at
+    rows [0, group), its key's at row `moved` and its value's at `moved + 8`, every
+    other row zero (Qwen2.5-0.5B's 14 query and 2 key/value heads)."""
+    n, kv, h, moved = 14, 2, 4, 8
+    bias = np.arange((n + 2 * kv) * h, dtype=np.float32).reshape(n + 2 * kv, h) + 1
+    got = np.asarray(da.fused_bias(jnp.asarray(bias), num_heads=n, num_kv=kv, moved=moved))
+    assert got.shape == (kv, 64, h)
+    for k in range(kv):
+        want = np.zeros((64, h), np.float32)
+        want[:7] = bias[7 * k:7 * k + 7]
+        want[8] = bias[14 + k]
+        want[16] = bias[16 + k]
+        np.testing.assert_array_equal(got[k], want)
+
+
+@pytest.mark.parametrize("swap_matmul", [False, True])
+def test_rope_table_rotates_as_rope(swap_matmul):
+    """The fused kernel's rotation tables are RoPE (float64 reference), for every row's
+    angles: `[cos, sin]`, with halves `a, b` of a head vector rotated to
+    `a cos - b sin, b cos + a sin`; for the swap matmul `[cos, cos]` and `[-sin, sin]`,
+    with `x * row0 + swap(x) * row1` (`swap` exchanging the halves)."""
+    b, m, h = 3, 5, 32
+    x = np.asarray(jax.random.normal(jax.random.key(0), (b, m, h)), np.float64)
+    angles = np.asarray(jax.random.uniform(jax.random.key(1), (b, h // 2), maxval=40.0))
+    table = np.asarray(da.rope_table(jnp.sin(angles), jnp.cos(angles), swap_matmul=swap_matmul),
+                       np.float64)
+    low, high = x[..., :h // 2], x[..., h // 2:]
+    if swap_matmul:
+        assert table.shape == (b, 2, h)
+        got = x * table[:, None, 0] + np.concatenate([high, low], axis=-1) * table[:, None, 1]
+    else:
+        assert table.shape == (b, 2, h // 2)
+        cos, sin = table[:, None, 0], table[:, None, 1]
+        got = np.concatenate([low * cos - high * sin, high * cos + low * sin], axis=-1)
+    np.testing.assert_allclose(got, naive_rope(x, angles), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,410 @@
+"""Multi-turn rollouts: the kept cache gives the log-probs of the whole row, and the
+rows' tokens and masks are the chat template applied to the whole conversation."""
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import tools as tools_lib
+from jrl.data.tokenizers import CharTokenizer, HFTokenizer
+from jrl.models import ModelConfig, init_params
+from jrl.rl import logprobs
+from jrl.rollout import multi_turn
+from jrl.rollout.sampler import SamplingConfig
+from tests import char_tokenizer
+from tests.markers import NEEDS_TRITON
+from tests.tracing import decode_masks
+
+CHAR = CharTokenizer()
+
+
+def _tiny_model(**overrides):
+    return ModelConfig.preset("tiny", vocab_size=CHAR.vocab_size, hidden_size=32,
+                              intermediate_size=64, num_layers=2, head_dim=8, **overrides)
+
+
+class _Echo(tools_lib.Tool):
+    """Answers every call with a fixed short text."""
+
+    def execute(self, instance_id, arguments):
+        return "42", 0.5, {}
+
+
+_ECHO_SCHEMA = {"type": "function", "function": {
+    "name": "echo", "description": "echo", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _prompts(texts, length):
+    ids = np.zeros((len(texts), length), np.int32)
+    mask = np.zeros((len(texts), length), np.int32)
+    for i, text in enumerate(texts):
+        tokens = CHAR.encode(text)
+        ids[i, length - len(tokens):] = tokens
+        mask[i, length - len(tokens):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("decode_attention_impl,stop_chars", [
+    ("xla", "aeiou\n"), pytest.param("pallas", "aeiou\n", marks=NEEDS_TRITON), ("xla", "a\n")])
+def test_log_probs_of_the_whole_row_equal_the_samplers_turn_by_turn(monkeypatch,
+                                                                     decode_attention_impl,
+                                                                     stop_chars):
+    """Every turn ends at a frequent token and calls a tool: rows of several turns, tool
+    blocks between them and rows cut by the cache's end mid-turn. One forward over each
+    compact row (prompt, turns and tool blocks) gives the sampler's log-probs (fp32)."""
+    config = _tiny_model(decode_attention_impl=decode_attention_impl)
+    params = init_params(config, jax.random.key(1))
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    stops = tuple(CHAR.encode(stop_chars))
+    sampling = SamplingConfig(n=2, max_new_tokens=120, stop_token_ids=(CHAR.eos_token_id,),
+                              pad_token_id=CHAR.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=6, max_user_turns=6,
+                                    max_tool_response_tokens=24, turn_stop_ids=stops)
+    ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: "], 24)
+    out = multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling,
+                              config=config, tokenizer=CHAR,
+                              tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+    m = out.metrics
+    assert m["num_turns/max"] >= 3 and m["multi_turn/segments"] >= 3
+    if stop_chars == "a\n":  # long turns: some rows are cut by the cache's end and go on
+        assert m["multi_turn/cache_cuts"] > 0
+    block = "Tool: 42\nAssistant: "
+    for row in range(4):
+        real = out.attention_mask[row] > 0
+        tokens, trained = out.responses[row, real].tolist(), out.response_mask[row, real]
+        # Each run of context-only tokens is the rendered tool message: after a turn ended
+        # by "\n" (the template's own turn end), the rest; after any other stop, a "\n" too.
+        runs = [(i, j) for i, j in _runs(trained == 0)]
+        for i, j in runs:
+            closing = "" if tokens[i - 1] == CHAR.encode("\n")[0] else "\n"
+            assert CHAR.decode(tokens[i:j]) == closing + block
+        assert np.all(out.rollout_log_probs[row][out.response_mask[row] == 0] == 0)
+    # Each call rewarded 0.5; every block answers one (a call whose block would pass the
+    # budget ends its row).
+    np.testing.assert_array_equal(out.tool_rewards, 0.5 * out.tool_calls)
+    assert np.all(out.tool_calls >= _calls_per_row(out, block))
+    assert np.all(out.tool_calls <= _calls_per_row(out, block) + 1)
+    want, _ = logprobs.response_log_probs(
+        params, jnp.asarray(out.prompt_ids), jnp.asarray(out.prompt_mask),
+        jnp.asarray(out.responses), jnp.asarray(out.attention_mask), config=config,
+        temperature=1.0, chunk_size=16)
+    trained = out.response_mask > 0
+    np.testing.assert_allclose(out.rollout_log_probs[trained], np.asarray(want)[trained],
+                               atol=1e-5, rtol=0)
+
+
+def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
+    """In a segment's decode steps the forward gets, for a row not decoding (its turn
+    ended, or it waits), a mask of the new slot alone, so the decode kernels read one
+    block of its cache; a decoding row keeps its own mask (its filled slots and the new
+    one). The rollout is the one every row's own mask gives."""
+    config = _tiny_model()
+    params = init_params(config, jax.random.key(1))
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    kept, decoding_mask = {}, multi_turn.decoding_mask
+
+    def recording_mask(key_mask, slot, running):
+        jax.debug.callback(lambda m, s, r: kept.__setitem__(int(s), (np.asarray(m),
+                                                                     np.asarray(r))),
+                           key_mask, slot, running)
+        return decoding_mask(key_mask, slot, running)
+
+    monkeypatch.setattr(multi_turn, "decoding_mask", recording_mask)
+    attended = decode_masks(monkeypatch, multi_turn)  # what each decode step's forward got
+    sampling = SamplingConfig(n=2, max_new_tokens=80, stop_token_ids=(CHAR.eos_token_id,),
+                              pad_token_id=CHAR.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=4, max_user_turns=4,
+                                    max_tool_response_tokens=24,
+                                    turn_stop_ids=tuple(CHAR.encode("aeiou\n")))
+    ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: "], 24)
+    def run():
+        return multi_turn.generate(params, ids, mask, jax.random.key(7), sampling=sampling,
+                                   config=config, tokenizer=CHAR,
+                                   tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+
+    out = run()
+    jax.effects_barrier()
+    assert attended and sorted(attended) == sorted(kept)  # one mask a decode step
+    idle = 0
+    for slot, got in attended.items():
+        key_mask, running = kept[slot]
+        only_new = np.arange(got.shape[1]) == slot
+        np.testing.assert_array_equal(got[~running], np.broadcast_to(only_new, got[~running].shape))
+        np.testing.assert_array_equal(got[running], key_mask[running])
+        assert np.all(got[running].sum(axis=1) > 1) and np.all(got[running][:, slot] == 1)
+        idle += int((~running).sum())
+    assert idle > 0  # some rows waited while others decoded
+    # Their outputs are discarded: with every row's own mask the rollout is the same.
+    traced = []
+
+    def own_mask(key_mask, slot, running):
+        traced.append(slot)
+        return key_mask
+
+    monkeypatch.setattr(multi_turn, "decoding_mask", own_mask)
+    plain = run()
+    assert traced  # the programs were traced afresh through the patch
+    for field in ("responses", "attention_mask", "rollout_log_probs"):
+        np.testing.assert_array_equal(getattr(plain, field), getattr(out, field), err_msg=field)
+
+
+def _runs(flags):
+    """(start, end) of each run of True in `flags`."""
+    edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True))
+
+
+def _calls_per_row(out, block):
+    """Tool blocks in each row, counted from its tokens."""
+    return np.asarray([CHAR.decode(out.responses[row, out.attention_mask[row] > 0]).count(block)
+                       for row in range(out.responses.shape[0])], np.float32)
+
+
+# ------------------------------------------------ the host's rows equal the whole template
+
+QWEN_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_style(tmp_path_factory):
+    """A character-level HF tokenizer with Qwen's special tokens and tool-role template."""
+    path = tmp_path_factory.mktemp("qwen_style")
+    return HFTokenizer.from_pretrained(char_tokenizer.write(path, _SPECIAL, QWEN_STYLE_TEMPLATE))
+
+
+def _by_hand(text: str, specials) -> list[str]:
+    """The tokens of `text` for a character-level vocabulary: each special token whole,
+    every other character alone (an independent tokenisation)."""
+    pattern = "|".join(re.escape(s) for s in specials)
+    pieces = []
+    for part in re.split(f"({pattern})", text) if specials else [text]:
+        pieces += [part] if part in specials else list(part)
+    return pieces
+
+
+def _scripted(monkeypatch, turns_per_row):
+    """Replaces the device programs (host functions, not jitted): row r's segment k is
+    `turns_per_row[r][k]` (token ids, the last one ending the turn); records the blocks
+    the host appends."""
+    blocks = []
+
+    def segment(k, num_rows, used, width=600):
+        seg = np.zeros((num_rows, width), np.int32)
+        lengths = np.zeros(num_rows, np.int32)
+        for r, turns in enumerate(turns_per_row):
+            if k < len(turns):
+                seg[r, :len(turns[k])], lengths[r] = turns[k], len(turns[k])
+        used = used + lengths
+        return types.SimpleNamespace(
+            k=k, seg_tokens=seg, seg_log_probs=np.full(seg.shape, -0.5, np.float32),
+            seg_len=lengths, turn_ended=lengths > 0, active=np.zeros(num_rows, bool),
+            used=used, last_tokens=np.asarray([t[min(k, len(t) - 1)][-1]
+                                               for t in turns_per_row], np.int32))
+
+    def start(params, ids, mask, rng, **kw):
+        return segment(0, len(turns_per_row), np.zeros(len(turns_per_row), np.int32))
+
+    def resume(params, state, block_ids, block_mask, added, rng, **kw):
+        blocks.append((np.asarray(block_ids), np.asarray(block_mask), np.asarray(added)))
+        return segment(state.k + 1, len(turns_per_row), state.used + added)
+
+    monkeypatch.setattr(multi_turn, "start", start)
+    monkeypatch.setattr(multi_turn, "resume", resume)
+    monkeypatch.setattr(multi_turn, "jit_sampler", lambda fun, sampling, **kwargs: fun)
+    return blocks
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
+TWO_CALLS = CALL + "\n" + CALL.replace("123*456", "7-9")
+
+
+@pytest.mark.parametrize("kind", ["hf", "char"])
+def test_rows_equal_the_template_applied_to_the_whole_conversation(monkeypatch, qwen_style,
+                                                                   kind):
+    """Hand-made conversations: a calculator call then an answer; two calls in one turn,
+    a bad call, then an answer; a direct answer. The row's ids are the whole
+    conversation's, rendered and encoded at once; the trained tokens are the assistant
+    contents with their turn-ending token."""
+    tok = qwen_style if kind == "hf" else CHAR
+    turn_end = "<|im_end|>" if kind == "hf" else "\n"  # the model's end-of-turn token
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    conversations = [
+        [CALL, "The product is 56088."],
+        [TWO_CALLS, bad, "So 56088 and -2."],
+        ["No tool needed: 4."],
+    ]
+    tools = {"calculator": tools_lib.Calculator({})}
+    encode_turn = (lambda text: tok.encode(text) + [tok.eos_token_id]) if kind == "hf" else (
+        lambda text: tok.encode(text + "\n"))
+    blocks = _scripted(monkeypatch, [[encode_turn(t) for t in conv] for conv in conversations])
+    prompt = [{"role": "user", "content": "What is 123*456?"}]
+    prompt_text = tok.apply_chat_template(prompt, add_generation_prompt=True)
+    ids = np.asarray([tok.encode(prompt_text)] * 3, np.int32)
+    sampling = SamplingConfig(n=1, max_new_tokens=600, stop_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_tool_response_tokens=200, max_assistant_turns=5)
+    out = multi_turn.generate(None, ids, np.ones_like(ids), jax.random.key(0),
+                              sampling=sampling, config=None, tokenizer=tok, tools=tools, mt=mt,
+                              put=lambda xs: xs)
+    tool_texts = {"123*456": "56088", "7-9": "-2"}
+    for row, conv in enumerate(conversations):
+        messages = list(prompt)
+        for k, turn in enumerate(conv):
+            messages.append({"role": "assistant", "content": turn})
+            if k + 1 < len(conv):  # the tools' answers, as the host renders them
+                calls, errors = tools_lib.parse_tool_calls(turn, "hermes")
+                messages += [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+                messages += [{"role": "tool", "content": tool_texts[c.arguments["expression"]]}
+                             for c in calls]
+        whole = tok.apply_chat_template(messages, add_generation_prompt=False)
+        if kind == "hf":  # the template's newline after the last <|im_end|> is not sampled
+            assert whole.endswith(turn_end + "\n")
+            whole = whole[:-1]
+        real = out.attention_mask[row] > 0
+        np.testing.assert_array_equal(
+            np.concatenate([ids[row], out.responses[row, real]]), tok.encode(whole))
+        # The trained tokens, by hand: each assistant content and its turn end.
+        pieces = _by_hand(whole, _SPECIAL if kind == "hf" else [])
+        trained = np.zeros(len(pieces), np.int32)
+        offset, position = 0, 0
+        for turn in conv:
+            text = turn + turn_end
+            at = whole.index(text, offset)
+            first = len(_by_hand(whole[:at], _SPECIAL if kind == "hf" else []))
+            count = len(_by_hand(text, _SPECIAL if kind == "hf" else []))
+            trained[first:first + count] = 1
+            offset = at + len(text)
+            position = first + count
+        assert position == len(pieces)
+        np.testing.assert_array_equal(out.response_mask[row, real], trained[ids.shape[1]:])
+        assert out.tool_calls[row] == sum(len(tools_lib.parse_tool_calls(t, "hermes")[0])
+                                          for t in conv[:-1])
+    assert out.metrics["multi_turn/tool_errors"] == 1  # the malformed call
+    assert len(blocks) == 2  # two rounds of tool answers, no re-prefill
+
+
+class _Raises(tools_lib.Tool):
+    def execute(self, instance_id, arguments):
+        raise RuntimeError("disk on fire")
+
+
+class _Hangs(tools_lib.Tool):
+    def execute(self, instance_id, arguments):
+        import time
+        time.sleep(3)
+        return "late", 0.0, {}
+
+
+def _schema(name):
+    return {"type": "function", "function": {"name": name, "description": name,
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_raising_a_hanging_and_an_unknown_tool_are_answered_as_errors(monkeypatch):
+    """One turn calls three broken tools: the row gets three error messages (in call
+    order), on time, and goes on to its next turn; the run counts three tool errors."""
+    import time
+
+    call = lambda name: f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>'
+    first = "\n".join(call(name) for name in ("raises", "hangs", "nosuch"))
+    _scripted(monkeypatch, [[CHAR.encode(first + "\n"), CHAR.encode("ok\n")]])
+    tools = {"raises": _Raises({}, _schema("raises")), "hangs": _Hangs({}, _schema("hangs"))}
+    ids = np.asarray([CHAR.encode("User: go\nAssistant: ")], np.int32)
+    sampling = SamplingConfig(n=1, max_new_tokens=600, stop_token_ids=(CHAR.eos_token_id,))
+    mt = multi_turn.MultiTurnConfig(max_tool_response_tokens=300, tool_timeout_s=0.3)
+    began = time.perf_counter()
+    out = multi_turn.generate(None, ids, np.ones_like(ids), jax.random.key(0),
+                              sampling=sampling, config=None, tokenizer=CHAR, tools=tools, mt=mt,
+                              put=lambda xs: xs)
+    assert time.perf_counter() - began < 2.0
+    text = CHAR.decode(out.responses[0, out.attention_mask[0] > 0])
+    assert text == (first + "\n"
+                    + "Tool: Error: RuntimeError: disk on fire\n"
+                    + "Tool: Error: tool 'hangs' timed out after 0.3 s\n"
+                    + "Tool: Error: unknown tool 'nosuch'; available tools: hangs, raises\n"
+                    + "Assistant: ok\n")
+    assert out.metrics["multi_turn/tool_errors"] == 3 and out.tool_calls[0] == 3
+    assert out.metrics["num_turns/max"] == 3  # two model turns, one tool answer
+
+
+@pytest.mark.parametrize("program", ["start", "resume"])
+def test_both_programs_compile_as_the_samplers(monkeypatch, program):
+    """`start` and `resume` are compiled through `rollout.jit_sampler` (the sampler's
+    compiler options): an option XLA does not know, given to one of them, stops it."""
+    def jit_sampler(fun, sampling, **kwargs):
+        options = {"xla_no_such_option": 1} if fun.__name__ == program else {}
+        return jax.jit(fun, compiler_options=options, **kwargs)
+
+    monkeypatch.setattr(multi_turn, "jit_sampler", jit_sampler)
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    config = _tiny_model()
+    sampling = SamplingConfig(n=1, max_new_tokens=64, stop_token_ids=(CHAR.eos_token_id,),
+                              pad_token_id=CHAR.pad_token_id)
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=2, max_user_turns=2,
+                                    max_tool_response_tokens=32,
+                                    turn_stop_ids=tuple(t for t in range(CHAR.vocab_size)
+                                                        if t != CHAR.eos_token_id))
+    ids, mask = _prompts(["User: hi\nAssistant: "], 24)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        multi_turn.generate(init_params(config, jax.random.key(1)), ids, mask,
+                            jax.random.key(7), sampling=sampling, config=config,
+                            tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+
+
+def test_combine_metrics_of_validation_batches():
+    batches = [{"num_turns/mean": 1.0, "num_turns/max": 3.0, "num_turns/min": 1.0,
+                "multi_turn/tool_calls/total": 4.0, "multi_turn/segments": 2.0},
+               {"num_turns/mean": 2.0, "num_turns/max": 2.0, "num_turns/min": 0.0,
+                "multi_turn/tool_calls/total": 1.0, "multi_turn/segments": 3.0}]
+    assert multi_turn.combine_metrics(batches) == {
+        "num_turns/mean": 1.5, "num_turns/max": 3.0, "num_turns/min": 0.0,
+        "multi_turn/tool_calls/total": 5.0, "multi_turn/segments": 5.0}
+    assert multi_turn.combine_metrics([{}, {}]) == {}
+
+
+class _Judge(tools_lib.Tool):
+    """Never called; rewards each row 2 at its end (`calc_reward`)."""
+
+    def execute(self, instance_id, arguments):
+        return "", 0.0, {}
+
+    def calc_reward(self, instance_id):
+        return 2.0
+
+
+def test_tool_rewards_by_tool_name(monkeypatch):
+    """Row 0 calls echo twice in one turn and an unknown tool (step rewards 0.5, 0.5 and
+    0); row 1 answers at once. Each row holds every tool's step rewards summed plus its
+    calc_reward: verl's `rollout_reward_scores`, {tool name: reward}."""
+    echo = '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>'
+    first = "\n".join([echo, echo, echo.replace("echo", "nosuch")])
+    _scripted(monkeypatch, [[CHAR.encode(first + "\n"), CHAR.encode("ok\n")],
+                            [CHAR.encode("ok\n")]])
+    tools = {"echo": _Echo({}, _ECHO_SCHEMA), "judge": _Judge({}, _schema("judge"))}
+    ids = np.asarray([CHAR.encode("User: go\nAssistant: ")] * 2, np.int32)
+    sampling = SamplingConfig(n=1, max_new_tokens=600, stop_token_ids=(CHAR.eos_token_id,))
+    mt = multi_turn.MultiTurnConfig(max_tool_response_tokens=300)
+    out = multi_turn.generate(None, ids, np.ones_like(ids), jax.random.key(0),
+                              sampling=sampling, config=None, tokenizer=CHAR, tools=tools, mt=mt,
+                              put=lambda xs: xs)
+    assert out.tool_calls.tolist() == [3, 0]
+    assert out.reward_scores == [{"echo": 1.0, "judge": 2.0}, {"echo": 0.0, "judge": 2.0}]
+    np.testing.assert_array_equal(out.tool_rewards, [3.0, 2.0])

@@ -414,8 +414,7 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     put = put or (lambda xs: jax.tree.map(jnp.asarray, xs))
     template = template or TurnTemplate(tokenizer)
     prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-    n, budget = sampling.n, sampling.max_new_tokens
-    num_rows = prompt_ids.shape[0] * n
+    n = sampling.n
     block_len = mt.max_tool_response_tokens + 1
     stop_ids = () if sampling.ignore_stop else tuple(
         dict.fromkeys((*sampling.stop_token_ids, *mt.turn_stop_ids)))
@@ -427,114 +426,165 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                                  donate_argnames=("state",))
     state = start_program(params, ids_d, mask_d, rng, block_len=block_len, **program)
 
-    row_ids = [f"row{row}" for row in range(num_rows)]
-    for row, row_id in enumerate(row_ids):
+    rows = _Conversations(prompt_ids.shape[0] * n, tools, tokenizer, template, mt)
+    for row, row_id in enumerate(rows.row_ids):
         tools_lib.create_instances(tools, row_id, tools_kwargs[row // n] if tools_kwargs else None)
-
-    tokens = [[] for _ in range(num_rows)]
-    trained = [[] for _ in range(num_rows)]
-    log_probs = [[] for _ in range(num_rows)]
-    turn = [[] for _ in range(num_rows)]  # the current model turn's tokens
-    finished = np.zeros(num_rows, bool)
-    assistant_turns = np.zeros(num_rows, np.int32)
-    user_turns = np.zeros(num_rows, np.int32)
-    calls_per_row = np.zeros(num_rows, np.int32)
-    reward_scores = [dict.fromkeys(tools, 0.0) for _ in range(num_rows)]
-    all_results, parse_errors, cut_blocks, cache_cuts, segments = [], 0, 0, 0, 0
     while True:
-        segments += 1
-        seg_tokens, seg_lp, seg_len, ended, active, used, last = jax.device_get(
+        blocks, pending_calls = rows.read_segment(state)
+        blocks.update(rows.answer_calls(pending_calls, sampling.max_new_tokens, block_len))
+        if not blocks:
+            break
+        state = resume_program(params, state, *put(_block_arrays(blocks, rows.num_rows,
+                                                                block_len, sampling)),
+                               rng, **program)
+    tool_rewards = rows.release(tools)
+    out = _assemble(rows.tokens, rows.trained, rows.log_probs, sampling.max_new_tokens,
+                    sampling.pad_token_id)
+    return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
+                           np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
+                           tool_rewards=tool_rewards, reward_scores=rows.reward_scores,
+                           tool_calls=rows.calls_per_row, metrics=rows.metrics())
+
+
+def _block_arrays(blocks: dict[int, tuple[list[int], int]], num_rows: int, block_len: int,
+                  sampling: SamplingConfig):
+    """The next `resume`'s operands from `blocks` (row -> (token ids, tool tokens among
+    them)): `[N, block_len]` left-padded ids and mask, and `[N]` tool tokens added."""
+    block_ids = np.full((num_rows, block_len), sampling.pad_token_id, np.int32)
+    block_mask = np.zeros((num_rows, block_len), np.int32)
+    added = np.zeros(num_rows, np.int32)
+    for row, (ids, count) in blocks.items():
+        block_ids[row, block_len - len(ids):] = ids
+        block_mask[row, block_len - len(ids):] = 1
+        added[row] = count
+    return block_ids, block_mask, added
+
+
+class _Conversations:
+    """The host's record of N multi-turn rows between segments: each row's response
+    tokens so far (`tokens`, with `trained` 1 for the model's and 0 for the tools', and
+    their `log_probs`), the model turn in progress, turn and call counts, tool rewards."""
+
+    def __init__(self, num_rows: int, tools: Mapping[str, Any], tokenizer,
+                 template: TurnTemplate, mt: MultiTurnConfig):
+        self.num_rows, self.tools, self.tokenizer, self.template, self.mt = (
+            num_rows, tools, tokenizer, template, mt)
+        self.row_ids = [f"row{row}" for row in range(num_rows)]
+        self.tokens = [[] for _ in range(num_rows)]
+        self.trained = [[] for _ in range(num_rows)]
+        self.log_probs = [[] for _ in range(num_rows)]
+        self.turn = [[] for _ in range(num_rows)]  # the current model turn's tokens
+        self.finished = np.zeros(num_rows, bool)
+        self.assistant_turns = np.zeros(num_rows, np.int32)
+        self.user_turns = np.zeros(num_rows, np.int32)
+        self.calls_per_row = np.zeros(num_rows, np.int32)
+        self.reward_scores = [dict.fromkeys(tools, 0.0) for _ in range(num_rows)]
+        self.results, self.parse_errors, self.cut_blocks = [], 0, 0
+        self.cache_cuts, self.segments = 0, 0
+        self._last = self._used = None
+
+    def read_segment(self, state: TurnState):
+        """Appends the segment's tokens to each unfinished row; returns the blocks of the
+        rows cut by the cache's end mid-turn (their pending token alone) and the
+        `(row, calls, parse errors)` of the rows whose turn ended with tool calls.
+        Rows out of budget, without calls or out of turns finish."""
+        self.segments += 1
+        seg_tokens, seg_lp, seg_len, ended, active, self._used, self._last = jax.device_get(
             (state.seg_tokens, state.seg_log_probs, state.seg_len, state.turn_ended,
              state.active, state.used, state.last_tokens))
         blocks, pending_calls = {}, []
-        for row in np.flatnonzero(~finished):
+        for row in np.flatnonzero(~self.finished):
             new = seg_tokens[row, :seg_len[row]].tolist()
-            tokens[row] += new
-            trained[row] += [1] * len(new)
-            log_probs[row] += seg_lp[row, :seg_len[row]].tolist()
-            turn[row] += new
+            self.tokens[row] += new
+            self.trained[row] += [1] * len(new)
+            self.log_probs[row] += seg_lp[row, :seg_len[row]].tolist()
+            self.turn[row] += new
             if active[row]:  # cut by the cache's end mid-turn: feed the pending token
-                blocks[row] = ([int(last[row])], 0)
-                cache_cuts += 1
+                blocks[row] = ([int(self._last[row])], 0)
+                self.cache_cuts += 1
                 continue
             if not ended[row]:  # out of budget, mid-turn
-                finished[row] = True
-                assistant_turns[row] += bool(turn[row])
+                self.finished[row] = True
+                self.assistant_turns[row] += bool(self.turn[row])
                 continue
-            assistant_turns[row] += 1
-            text = tokenizer.decode(turn[row], skip_special_tokens=False)
-            calls, errors = tools_lib.parse_tool_calls(text, mt.format)
-            turn[row] = []
-            if ((not calls and not errors) or assistant_turns[row] >= mt.max_assistant_turns
-                    or user_turns[row] >= mt.max_user_turns):
-                finished[row] = True
+            self.assistant_turns[row] += 1
+            text = self.tokenizer.decode(self.turn[row], skip_special_tokens=False)
+            calls, errors = tools_lib.parse_tool_calls(text, self.mt.format)
+            self.turn[row] = []
+            out_of_turns = (self.assistant_turns[row] >= self.mt.max_assistant_turns
+                            or self.user_turns[row] >= self.mt.max_user_turns)
+            if (not calls and not errors) or out_of_turns:
+                self.finished[row] = True
                 continue
             pending_calls.append((row, calls, errors))
+        return blocks, pending_calls
+
+    def answer_calls(self, pending_calls, budget: int, block_len: int):
+        """Runs the pending calls (in parallel, with timeouts) and returns each calling
+        row's next block: its pending token and the rendered tool messages. A row whose
+        block would not fit `block_len` or its response budget finishes instead."""
+        by_row = self._run_calls(pending_calls)
+        blocks = {}
+        for row, calls, errors in pending_calls:
+            self.calls_per_row[row] += len(calls)
+            self.parse_errors += len(errors)
+            messages = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+            messages += tools_lib.tool_messages(by_row.get(row, []))
+            messages = [{**m, "content": truncate(m["content"], self.mt.max_tool_response_length,
+                                                  self.mt.tool_response_truncate_side)}
+                        for m in messages]
+            stop_text = self.tokenizer.decode([int(self._last[row])], skip_special_tokens=False)
+            ids = self.tokenizer.encode(self.template.block_text(messages, stop_text))
+            if len(ids) + 1 > block_len or self._used[row] + len(ids) >= budget:
+                self.finished[row] = True
+                self.cut_blocks += 1
+                continue
+            self.user_turns[row] += 1
+            self.tokens[row] += ids
+            self.trained[row] += [0] * len(ids)
+            self.log_probs[row] += [0.0] * len(ids)
+            blocks[row] = ([int(self._last[row])] + ids, len(ids))
+        return blocks
+
+    def _run_calls(self, pending_calls) -> dict[int, list]:
+        """Every pending call executed; row -> its results, in call order. A call's tool
+        reward goes to its row (a call to an unknown tool is an error, rewarded 0)."""
         flat = [(row, call) for row, calls, _ in pending_calls for call in calls]
         results = tools_lib.execute_calls(
-            [call for _, call in flat], tools,
-            [row_ids[row] for row, _ in flat],
-            timeout_s=mt.tool_timeout_s, max_workers=mt.max_parallel_calls) if flat else []
+            [call for _, call in flat], self.tools,
+            [self.row_ids[row] for row, _ in flat],
+            timeout_s=self.mt.tool_timeout_s, max_workers=self.mt.max_parallel_calls
+        ) if flat else []
         by_row: dict[int, list] = {}
         for (row, _), result in zip(flat, results, strict=True):
             by_row.setdefault(row, []).append(result)
-            all_results.append(result)
-            if result.name in tools:  # a call to an unknown tool is an error, rewarded 0
-                reward_scores[row][result.name] += result.reward
-        for row, calls, errors in pending_calls:
-            calls_per_row[row] += len(calls)
-            parse_errors += len(errors)
-            messages = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
-            messages += tools_lib.tool_messages(by_row.get(row, []))
-            messages = [{**m, "content": truncate(m["content"], mt.max_tool_response_length,
-                                                  mt.tool_response_truncate_side)}
-                        for m in messages]
-            stop_text = tokenizer.decode([int(last[row])], skip_special_tokens=False)
-            ids = tokenizer.encode(template.block_text(messages, stop_text))
-            if len(ids) + 1 > block_len or used[row] + len(ids) >= budget:
-                finished[row] = True
-                cut_blocks += 1
-                continue
-            user_turns[row] += 1
-            tokens[row] += ids
-            trained[row] += [0] * len(ids)
-            log_probs[row] += [0.0] * len(ids)
-            blocks[row] = ([int(last[row])] + ids, len(ids))
-        if not blocks:
-            break
-        block_ids = np.full((num_rows, block_len), sampling.pad_token_id, np.int32)
-        block_mask = np.zeros((num_rows, block_len), np.int32)
-        added = np.zeros(num_rows, np.int32)
-        for row, (ids, count) in blocks.items():
-            block_ids[row, block_len - len(ids):] = ids
-            block_mask[row, block_len - len(ids):] = 1
-            added[row] = count
-        state = resume_program(params, state, *put((block_ids, block_mask, added)), rng,
-                               **program)
+            self.results.append(result)
+            if result.name in self.tools:
+                self.reward_scores[row][result.name] += result.reward
+        return by_row
 
-    for row, row_id in enumerate(row_ids):
-        for name, reward in tools_lib.release_instances(tools, row_id).items():
-            reward_scores[row][name] += reward
-    tool_rewards = np.asarray([sum(scores.values()) for scores in reward_scores], np.float32)
-    out = _assemble(tokens, trained, log_probs, budget, sampling.pad_token_id)
-    turns = assistant_turns + user_turns
-    calls = tools_lib.call_metrics(all_results)
-    metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
-               "num_turns/min": float(turns.min()),
-               "multi_turn/assistant_turns/mean": float(assistant_turns.mean()),
-               "multi_turn/tool_calls/mean": float(calls_per_row.mean()),
-               "multi_turn/tool_calls/total": float(calls_per_row.sum()),
-               "multi_turn/tool_errors": calls["tools/errors"] + parse_errors,
-               "multi_turn/tool_blocks_cut": float(cut_blocks),
-               "multi_turn/segments": float(segments),
-               "multi_turn/cache_cuts": float(cache_cuts),
-               "multi_turn/tool_latency_s/mean": calls["tools/latency_mean_s"],
-               "multi_turn/tool_latency_s/max": calls["tools/latency_max_s"]}
-    return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
-                           np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
-                           tool_rewards=tool_rewards, reward_scores=reward_scores,
-                           tool_calls=calls_per_row,
-                           metrics=metrics)
+    def release(self, tools: Mapping[str, Any]) -> np.ndarray:
+        """Releases every row's tool instances, adding their final rewards; returns each
+        row's total tool reward `[N]`."""
+        for row, row_id in enumerate(self.row_ids):
+            for name, reward in tools_lib.release_instances(tools, row_id).items():
+                self.reward_scores[row][name] += reward
+        return np.asarray([sum(scores.values()) for scores in self.reward_scores], np.float32)
+
+    def metrics(self) -> dict[str, float]:
+        turns = self.assistant_turns + self.user_turns
+        calls = tools_lib.call_metrics(self.results)
+        return {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
+                "num_turns/min": float(turns.min()),
+                "multi_turn/assistant_turns/mean": float(self.assistant_turns.mean()),
+                "multi_turn/tool_calls/mean": float(self.calls_per_row.mean()),
+                "multi_turn/tool_calls/total": float(self.calls_per_row.sum()),
+                "multi_turn/tool_errors": calls["tools/errors"] + self.parse_errors,
+                "multi_turn/tool_blocks_cut": float(self.cut_blocks),
+                "multi_turn/segments": float(self.segments),
+                "multi_turn/cache_cuts": float(self.cache_cuts),
+                "multi_turn/tool_latency_s/mean": calls["tools/latency_mean_s"],
+                "multi_turn/tool_latency_s/max": calls["tools/latency_max_s"]}
 
 
 def combine_metrics(batches: Sequence[dict[str, float]]) -> dict[str, float]:

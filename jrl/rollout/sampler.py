@@ -297,9 +297,8 @@ def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> di
 
     A decode step's matmuls have one token per row. On an H200, XLA's Triton GEMM
     fusions for them were slower than cuBLAS: the sampler alone ran 2-5% faster with
-    cuBLAS at batch 64-512 and compiled in 7 s instead of 17 (docs/performance_history.md,
-    round eight). The update's large matmuls go the other way, so only the sampler's
-    programs take this.
+    cuBLAS at batch 64-512 and compiled in 7 s instead of 17. The update's large
+    matmuls go the other way, so only the sampler's programs take this.
     """
     if sampling.gemm == "cublas" and (backend or jax.default_backend()) == "gpu":
         return {"xla_gpu_enable_triton_gemm": False}

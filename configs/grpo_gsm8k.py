@@ -9,7 +9,7 @@ on the 1319 test problems every 20 steps.
 Needs the model and the dataset on disk (nothing is downloaded):
 
     # a local copy of the Hugging Face dataset openai/gsm8k (config "main") -> verl rows
-    python experiments/preprocess_gsm8k.py --local_dir ~/downloads/gsm8k \\
+    python -m jrl.data.preprocess gsm8k --local_dir ~/downloads/gsm8k \\
         --output_dir ~/data/gsm8k
     # ~/models/Qwen2.5-0.5B-Instruct: config.json, model.safetensors, tokenizer files
 

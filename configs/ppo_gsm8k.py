@@ -5,7 +5,7 @@ PPO quickstart, resized).
 starts from the actor's weights with a fresh value head. No KL term (neither in
 the reward nor as a loss). Data, model and validation as in `grpo_gsm8k.py`:
 
-    python experiments/preprocess_gsm8k.py --local_dir ~/downloads/gsm8k \\
+    python -m jrl.data.preprocess gsm8k --local_dir ~/downloads/gsm8k \\
         --output_dir ~/data/gsm8k
 
     python -m jrl.train --config=configs/ppo_gsm8k.py --workdir=runs/ppo_gsm8k

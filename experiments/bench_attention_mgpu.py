@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
-from check_packed_attention import bench as timed  # this folder is on the path
+from bench_packed_attention import timed  # this folder is on the path
 
 
 def causal_flops(rows, t, heads, hd):

@@ -1,33 +1,32 @@
-"""The decode-step kernel alone (`jrl.kernels.decode_attention.append_and_attend`):
-its tile settings against the previous implementation and the XLA path, on one GPU.
+"""The decode-step kernel alone (`jrl.kernels.decode_attention.append_and_attend`): the
+Mosaic GPU kernel at its settings against the XLA path, in GPU time, on one Hopper GPU.
 
     python experiments/bench_decode_kernel.py --out decode_kernel.json
     python experiments/bench_decode_kernel.py --batch 4 16 64 --slots 65600 --fill 65000 \
         --splits 0 1 4 8 17 32 --no_tiles_sweep           # a few rows of a long cache
-    python experiments/bench_decode_kernel.py --no_tiles_sweep --splits 0 \
-        --skip previous xla --mosaic 64,2,compact 128,2,compact,fused   # vs Mosaic GPU
+    python experiments/bench_decode_kernel.py --no_tiles_sweep --skip xla \
+        --heads 28 4 128 --batch 128 --mosaic 64,2,compact 128,2,compact,fused
 
 Qwen2.5-0.5B's heads (14 query, 2 key/value, head_dim 64; `--heads`), a cache of 384 slots,
 rows starting at a random slot below 32 and the new token at `--fill`. One jitted
 call runs the step on 24 separate cache buffers (a decode step's layers, each
 donated and updated in place). The time per layer is the GPU time of the variant's
 program in a profiler trace of `--repeats` calls (every kernel it launched, launch
-gaps excluded), divided by 24 and the calls. "previous" is the path this kernel
-replaced in round six: RoPE and two cache writes in XLA, then JAX's split-K
-decode-attention kernel (`pallas.ops.gpu.decode_attention.gqa`) and its merge.
-`--mosaic` adds the Mosaic GPU kernel at the tiles given (`MosaicTiles.from_spec`);
-each batch also prints its kernels' time per call (which kernel the time is in).
+gaps excluded), divided by 24 and the calls. The variants: "xla", "mosaic" (the
+sampler's default settings, `MOSAIC_TILES`), a sweep over the unfused kernel's block,
+stages and query layout (unless `--no_tiles_sweep`), the default compact unfused kernel
+split over slots into `--splits` parts (0: `slot_splits`' choice) and the settings given
+to `--mosaic` (`MosaicTiles.from_spec`); each batch also prints its kernels' time per
+call (which kernel the time is in).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import io
 import itertools
-import math
 import tempfile
 
 import jax
@@ -39,17 +38,6 @@ import trace_summary  # noqa: E402  (this folder is on the path when a script he
 from jrl.kernels import decode_attention as da
 
 LAYERS = 24
-
-
-def previous(q, k_new, v_new, sin, cos, k, v, start, slot):
-    from jax.experimental.pallas.ops.gpu import decode_attention as kernels
-
-    q, k, v = da.rotate_and_write(q, k_new, v_new, sin, cos, k, v, slot)
-    b, _, s, h = k.shape
-    out = kernels.gqa(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start_idx=start,
-                      kv_seq_len=jnp.broadcast_to(slot + 1, (b,)), sm_scale=1 / math.sqrt(h),
-                      block_k=64, k_splits=s // 64)
-    return out.astype(q.dtype), k, v
 
 
 def run_variant(index, fn, batch, fill, slots, repeats, heads=(14, 2, 64)):
@@ -96,31 +84,29 @@ def main() -> None:
                         metavar=("N", "K", "H"), help="query heads, key/value heads, head_dim "
                         "(default Qwen2.5-0.5B's; 28 4 128 is Qwen2.5-7B's)")
     parser.add_argument("--splits", type=int, nargs="*", default=[],
-                        help="also the kernel (default tiles) split over slots into this many "
-                             "parts (Tiles.splits; 0: slot_splits' choice)")
+                        help="also the compact unfused kernel split over slots into this many "
+                             "parts (MosaicTiles.splits; 0: slot_splits' choice)")
     parser.add_argument("--mosaic", nargs="*", default=[],
-                        help="also the Mosaic GPU kernel at these tiles "
+                        help="also the Mosaic GPU kernel at these settings "
                              "(MosaicTiles.from_spec strings, e.g. 64,2,compact)")
     parser.add_argument("--no_tiles_sweep", action="store_true",
-                        help="skip the sweep over block / warps / stages")
+                        help="skip the sweep over block / stages / compact")
     parser.add_argument("--skip", nargs="*", default=[],
-                        help="variants to leave out, e.g. previous xla")
+                        help="variants to leave out, e.g. xla mosaic")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    variants = {"previous": previous,
-                "xla": functools.partial(da.append_and_attend, impl="xla")}
-    sweep = () if args.no_tiles_sweep else itertools.product((64, 128), (2, 4, 8), (1, 2, 3, 4))
-    for block, warps, stages in sweep:
-        tiles = da.Tiles(block, warps, stages, splits=1)
-        variants[f"kernel {block}/{warps}/{stages}"] = functools.partial(
-            da.append_and_attend, impl="pallas", tiles=tiles)
+    mosaic = lambda tiles: functools.partial(da.append_and_attend, impl="mosaic", tiles=tiles)
+    variants = {"xla": functools.partial(da.append_and_attend, impl="xla"),
+                "mosaic": mosaic(None)}
+    sweep = () if args.no_tiles_sweep else itertools.product((64, 128), (2, 3), (False, True))
+    for block, stages, compact in sweep:
+        variants[f"mosaic {block}/{stages}{' compact' if compact else ''}"] = mosaic(
+            da.MosaicTiles(block, stages, compact))
     for splits in args.splits:
-        tiles = dataclasses.replace(da.TILES, splits=splits)
-        variants[f"kernel splits {splits or 'auto'}"] = functools.partial(
-            da.append_and_attend, impl="pallas", tiles=tiles)
+        variants[f"mosaic splits {splits or 'auto'}"] = mosaic(
+            da.MosaicTiles(0, 2, compact=True, splits=splits))
     for spec in args.mosaic:
-        variants[f"mosaic {spec}"] = functools.partial(
-            da.append_and_attend, impl="mosaic", tiles=da.MosaicTiles.from_spec(spec))
+        variants[f"mosaic {spec}"] = mosaic(da.MosaicTiles.from_spec(spec))
     variants = {name: fn for name, fn in variants.items() if name not in args.skip}
     rows = []
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; heads {args.heads}, "
@@ -132,7 +118,7 @@ def main() -> None:
             try:
                 runs[name] = (f"jit_variant_{index}", run_variant(
                     index, fn, batch, args.fill, args.slots, args.repeats, args.heads))
-            except Exception as e:  # a setting Triton rejects
+            except Exception as e:  # a setting the kernel rejects at these shapes
                 rows.append(dict(batch=batch, variant=name, error=str(e)[:300]))
                 print(f"batch {batch:4d} {name:22s} error {str(e)[:120]}")
         trace_dir = tempfile.mkdtemp()

@@ -1,4 +1,4 @@
-"""The log-prob head's backward pass on a Hopper GPU: `head_kernel.grad_logits` (the
+"""The log-prob head's backward pass timed on a Hopper GPU: `logprob_head.grad_logits` (the
 logits recomputed on chip, `d loss / d z` written once in bf16) against XLA's chunked
 float32 logits.
 
@@ -12,14 +12,15 @@ At the Qwen2.5-0.5B head (D 896, V 151,936, tied, bf16 hidden states and unembed
 2. the whole backward of `token_log_probs` (`jax.grad` of a weighted sum of the
    log-probs and entropies, the forward on the Mosaic kernel in both) over
    `--rows` x `--length` tokens in chunks of `--chunk` (the trainer's
-   `actor.logprob_chunk_size`), `head_kernel.BACKWARD` "xla" against "mosaic", with
+   `actor.logprob_chunk_size`), `logprob_head.BACKWARD` "xla" against "mosaic", with
    the largest differences of their gradients.
 
 A variant that fails prints the first lines of its error and the next runs. Writes
-`--out` (JSON) and prints each row.
+`--out` (JSON) and prints each row. tests/kernels/test_gpu_checks.py asserts the errors
+on a GPU.
 
-    python experiments/check_head_backward.py --out head_backward.json
-    python experiments/check_head_backward.py --smoke   # toy sizes, interpret mode, CPU
+    python experiments/bench_head_backward.py --out head_backward.json
+    python experiments/bench_head_backward.py --smoke   # toy sizes, interpret mode, CPU
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jrl.kernels import logprob_head as hk
 from jrl.rl import logprobs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.check_mosaic_head import first_lines, mosaic_blocks, timed  # noqa: E402
+from experiments.bench_head_kernel import first_lines, mosaic_blocks, timed  # noqa: E402
 
 CONFIGS = ("128,256,64,3,1,16,2", "128,256,64,2,1,16,2", "128,128,64,4,1,16,2",
            "64,256,64,3,1", "64,128,64,4,1")

@@ -1,24 +1,21 @@
-"""The log-prob head's Mosaic GPU kernel against XLA, on a Hopper GPU.
+"""The log-prob head's Mosaic GPU kernel against XLA, timed on a Hopper GPU.
 
 At the Qwen2.5-0.5B shape (D 896, V 151,936, tied embedding, bf16 hidden states and
 unembedding) and `--tokens` tokens (16,384 and 32,768 by default), with and without the
-entropy, each variant's `(log_z, target_logit, entropy)` is compared with an XLA
-reference (float32 logits of the same bf16 operands, 1,024 tokens at a time) and timed
-(median of `--iters` calls after two warm-ups): the reference and the Mosaic GPU kernel
-over several `MosaicBlocks` (`--configs`, all at the first shape, then the three
-fastest there). First, small probes try the kernel's constructs one by one (the
-pipelined wgmma with each W layout, the int32 row load against an iota), to pin down
-a compile error of the whole kernel. A variant that fails (a compile error, say) is
-recorded with the first lines of its error and the sweep goes on; variants left when
-`--budget-s` seconds have passed are skipped. Then the outputs the trainer uses: the
-log-probs and entropy of `jrl.rl.logprobs.token_log_probs` and their gradients (the
-entropy as a metric, as in the update) with `impl` "mosaic" (the fastest config as
-`MOSAIC_FORWARD`) and "xla". Writes `--out` (JSON) and prints a table. (The Triton
-kernel the Mosaic one replaced was measured beside it by this script before its
-removal: experiments/results/mosaic/call4/head.json.)
+entropy, each variant's `(log_z, target_logit, entropy)` is timed (median of `--iters`
+calls after two warm-ups) and compared with an XLA reference (float32 logits of the same
+bf16 operands, 1,024 tokens at a time): the reference and the Mosaic GPU kernel over
+several `MosaicBlocks` (`--configs`, all at the first shape, then the three fastest
+there). A variant that fails (a compile error, say) is recorded with the first lines of
+its error and the sweep goes on; variants left when `--budget-s` seconds have passed are
+skipped. Then the outputs the trainer uses: the log-probs and entropy of
+`jrl.rl.logprobs.token_log_probs` and their gradients (the entropy as a metric, as in the
+update) with `impl` "mosaic" (the fastest config as `MOSAIC_FORWARD`) and "xla". Writes
+`--out` (JSON) and prints a table. The errors are there to show a variant computes the
+same numbers; tests/kernels/test_gpu_checks.py asserts them on a GPU.
 
-    python experiments/check_mosaic_head.py --out mosaic_head.json
-    python experiments/check_mosaic_head.py --smoke   # toy sizes, interpret mode, CPU
+    python experiments/bench_head_kernel.py --out head.json
+    python experiments/bench_head_kernel.py --smoke   # toy sizes, interpret mode, CPU
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from jrl.kernels import logprob_head as hk
 from jrl.rl import logprobs
@@ -136,69 +132,6 @@ class Sweep:
         print(json.dumps(row), flush=True)
 
 
-def probe_rows(sweep):
-    """Small kernels that each try one construct of the Mosaic kernel on its own (so that
-    a compile error of the whole kernel can be pinned down): the pipelined wgmma with W
-    `[v, k]` (transposed B operand) or `[k, v]`, each reduced to per-row sums; a row
-    vector of int32 loaded from SMEM and compared with an iota."""
-    mgpu = hk.mosaic_backend.plgpu
-    emulated = hk.mosaic_backend.interpret() is not False
-    blocks = hk.MosaicBlocks(t=64, v=128, k=64, stages=2)
-    tokens, depth = 128, 256
-    key = jax.random.split(jax.random.key(1), 3)
-    h = jax.random.normal(key[0], (tokens, depth), jnp.bfloat16)
-    w = (0.1 * jax.random.normal(key[1], (blocks.v, depth))).astype(jnp.bfloat16)
-    y = jax.random.randint(key[2], (tokens,), 0, blocks.v)
-
-    def launch(body, *operands):
-        def kernel(*refs):
-            *gmem, out_gmem, out_smem, barriers = refs
-            t0 = jax.lax.axis_index("t") * blocks.t
-            body(*gmem, t0, out_smem, barriers.at[0])
-            mgpu.commit_smem()
-            mgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(t0, blocks.t)])
-            mgpu.wait_smem_to_gmem(0)
-
-        return mgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((tokens,), jnp.float32),
-                           scratch_types=[mgpu.SMEM((blocks.t,), jnp.float32),
-                                          mgpu.Barrier(num_barriers=1)],
-                           grid=(tokens // blocks.t,), grid_names=("t",),
-                           interpret=hk.mosaic_backend.interpret())(*operands)
-
-    def row_sums(vocab_first):
-        def body(h_gmem, w_gmem, t0, out_smem, _):
-            z = hk._mosaic_logits(h_gmem, w_gmem, t0, 0, vocab_first=vocab_first,
-                                  blocks=blocks, emulated=emulated)
-            out_smem[...] = jnp.sum(z, axis=1)
-
-        def go():
-            got = launch(body, h, w if vocab_first else w.T)
-            want = jnp.sum(jnp.dot(h, w.T, preferred_element_type=jnp.float32), axis=1)
-            return dict(err=float(jnp.max(jnp.abs(got - want))))
-        return go
-
-    def target_hits():
-        def body(y_gmem, t0, out_smem, barrier):
-            y_smem_shape = mgpu.SMEM((blocks.t,), jnp.int32)
-
-            def scoped(y_smem):
-                mgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(t0, blocks.t)], y_smem, barrier)
-                mgpu.barrier_wait(barrier)
-                cols = hk._columns((blocks.t, blocks.v), 0, emulated)
-                y_rows = jax.lax.broadcast_in_dim(hk._load_rows(y_smem, emulated),
-                                                  (blocks.t, blocks.v), [0])
-                out_smem[...] = jnp.sum(jnp.where(cols == y_rows, 1.0, 0.0), axis=1)
-            pl.run_scoped(scoped, y_smem_shape)
-
-        # Each token's target is one column of the block: one hit a row.
-        return lambda: dict(err=float(jnp.max(jnp.abs(launch(body, y) - 1.0))))
-
-    for name, fn in (("probe: pipelined wgmma, W [v, k] (transposed B)", row_sums(True)),
-                     ("probe: pipelined wgmma, W [k, v]", row_sums(False)),
-                     ("probe: int32 rows from SMEM against an iota", target_hits())):
-        sweep.run(dict(tokens=tokens, with_entropy=False, variant=name), fn)
-
-
 def kernel_rows(sweep, tokens, with_entropy, inputs, want, configs):
     """The reference and the Mosaic (`configs`) variants at one shape."""
     args = sweep.args
@@ -292,7 +225,6 @@ def main():
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit("no GPU: run with --smoke for the toy sizes in interpret mode")
     sweep = Sweep(args)
-    probe_rows(sweep)
     key = jax.random.split(jax.random.key(0), 3)
     w = (0.05 * jax.random.normal(key[1], (args.vocab, args.hidden))).astype(jnp.bfloat16)
     configs = args.configs  # all at the first shape, then its three fastest

@@ -4,7 +4,6 @@
 #   OUT=/path/to/results bash experiments/bench_long.sh RUN [RUN ...]
 #
 # Runs (each one bench_rl_step.py process, its JSON and log written to $OUT):
-#   check           experiments/check_packed_attention.py (cuDNN packed vs XLA; timings)
 #   forced          token-budget micro-batches (--dynamic_bsz), every response 8192 tokens
 #   natural         the same, rows stopping at lengths uniform in [512, 8192] (seeded)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
@@ -21,13 +20,9 @@
 #   decode_kernel   the decode kernel alone at the batch sizes the decode loop compacts to
 #                   (32 / 64 / 96 / 128 rows of 8,704 slots, half and nearly full), split
 #                   over slots into 1, 2, 4 or 8 parts (experiments/bench_decode_kernel.py)
-#   head_backward   the log-prob head's backward (experiments/check_head_backward.py; its
+#   head_backward   the log-prob head's backward (experiments/bench_head_backward.py; its
 #                   --configs from HB_CONFIGS when set, HB_TIMEOUT seconds) and
 #                   tests/kernels/test_logprob_head.py compiled on the GPU
-#   port            the decode attention's Mosaic GPU variants against the Triton kernel:
-#                   experiments/check_mosaic_decode.py at the 0.5B shapes, then the sampler
-#                   (bench_rollout.py, batch 64 / 256 / 512, P128 / R256) on Triton and on
-#                   Mosaic GPU with PORT_TILES (default "128,2,compact,rows4")
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
 # "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
 # or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+hbxla"
@@ -93,24 +88,13 @@ for name in "$@"; do
           --no_tiles_sweep --out "$OUT/decode_kernel_$fill.json" 2>&1 \
           | grep -v "^[WI]0000" | tee "$OUT/decode_kernel_$fill.log"
       done ;;
-    port)
-      PYTHONPATH=/tmp/site:$ROOT timeout 330 python3 experiments/check_mosaic_decode.py \
-        --layers 8 --repeats 10 --only "0.5B b64" "0.5B b256" "0.5B b512" "0.5B b128 long" \
-        "0.5B b32 long" --out "$OUT/port_decode.json" 2>&1 | grep -v "^[WI]0000" \
-        | tee "$OUT/port_decode.log"
-      PYTHONPATH=/tmp/site:$ROOT timeout $((BUDGET_S - SECONDS)) python3 \
-        experiments/bench_rollout.py --batch-sizes 64 256 512 --no-hf \
-        --decode-attention pallas mosaic --mosaic-tiles "${PORT_TILES:-128,2,compact,rows4}" \
-        --out "$OUT/port_rollout.json" 2>&1 | grep -v "^[WI]0000" | tee "$OUT/port_rollout.log" ;;
     head_backward)
       PYTHONPATH=/tmp/site:$ROOT timeout "${HB_TIMEOUT:-200}" python3 \
-        experiments/check_head_backward.py ${HB_CONFIGS:+--configs $HB_CONFIGS} \
+        experiments/bench_head_backward.py ${HB_CONFIGS:+--configs $HB_CONFIGS} \
         --out "$OUT/head_backward.json" 2>&1 | grep -v "^[WI]0000" | tee "$OUT/head_backward.log"
       JAX_PLATFORMS=cuda,cpu PYTHONPATH=/tmp/site:$ROOT timeout 200 python3 -m pytest -q \
         -p no:cacheprovider tests/kernels/test_logprob_head.py 2>&1 | tail -n 30 \
         | tee "$OUT/head_tests.log" ;;
-    check) PYTHONPATH=/tmp/site:$ROOT python3 experiments/check_packed_attention.py 2>&1 \
-             | grep -v "^[WI]0000" | tee "$OUT/check.log" ;;
     forced) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz ;;
     natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;

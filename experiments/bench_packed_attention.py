@@ -16,17 +16,39 @@ smallest rows. TFLOP/s counts the causal half of each segment's QK^T and PV.
 from __future__ import annotations
 
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
-from check_packed_attention import bench as timed  # this folder is on the path
-from check_packed_attention import layout
 
 from jrl.kernels import packed_attention
 
 N, K, H = 14, 2, 64
+
+
+def timed(fn, *args, reps=10) -> float:
+    """Median wall-clock milliseconds of `reps` calls of `fn(*args)` after one warm-up."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def layout(rows: int, length: int, lengths: list[list[int]]) -> jax.Array:
+    """Segment ids, int `[rows, length]`: 1, 2, ... for each row's segments of
+    `lengths[row]` tokens, 0 in the slots after them."""
+    seg = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        at, sid = 0, 1
+        for n in lengths[r]:
+            seg[r, at:at + n] = sid
+            at, sid = at + n, sid + 1
+    return jnp.asarray(seg)
 
 
 def flops(rows: int, lengths: list[int], backward: bool) -> float:

@@ -24,7 +24,6 @@ runs `transformers` `generate` with the same sampling settings and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.metadata
 import itertools
@@ -75,14 +74,8 @@ def parse_args() -> argparse.Namespace:
                         choices=("merged", "unmerged"),
                         help="with --lora-rank: model lora_rollout values to run (one row "
                              "each); merged includes forming W + A B in the timed program")
-    parser.add_argument("--gemm", nargs="+", default=["cublas"],
-                        choices=(*sampler.GEMMS, "mosaic"),
-                        help="how the sampler's matmuls compile on a GPU (SamplingConfig.gemm); "
-                             "'mosaic': cuBLAS, but the decode steps' projections on "
-                             "experiments/skinny_matmul_mgpu.py's kernel (blocks from "
-                             "--mosaic_gemm, else its default_config)")
-    parser.add_argument("--mosaic_gemm", default="",
-                        help="with --gemm mosaic: KxN=TN,SPLITS,TK,STAGES;... per weight shape")
+    parser.add_argument("--gemm", nargs="+", default=["cublas"], choices=sampler.GEMMS,
+                        help="how the sampler's matmuls compile on a GPU (SamplingConfig.gemm)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -142,22 +135,6 @@ def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
             run()
         trace_summary.summarize(trace_dir)
     return compile_s, seconds
-
-
-def decode_gemm(gemm: str, spec: str):
-    """The context the sampler is traced in: for "mosaic", the decode projections on the
-    prototype kernel (`skinny_matmul_mgpu.on_decode_projections`), blocks from `spec`
-    ("KxN=TN,SPLITS,TK,STAGES;...")."""
-    if gemm != "mosaic":
-        return contextlib.nullcontext()
-    import skinny_matmul_mgpu  # this folder is on the path when a script here runs
-
-    configs = {}
-    for item in filter(None, spec.split(";")):
-        shape, blocks = item.split("=")
-        configs[tuple(int(v) for v in shape.split("x"))] = tuple(int(v) for v in
-                                                                 blocks.split(","))
-    return skinny_matmul_mgpu.on_decode_projections(configs)
 
 
 def build_hf_model(config: ModelConfig, device: str):
@@ -245,11 +222,9 @@ def main() -> None:
                                   fuse_decode_projections=fuse == "on")
         trace_dir = args.trace_dir and os.path.join(
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}")
-        with decode_gemm(gemm, args.mosaic_gemm):
-            compile_s, jrl_s = bench_jrl(
-                cfg, params, ids, mask,
-                dataclasses.replace(sampling, gemm="cublas" if gemm == "mosaic" else gemm),
-                args.repeats, trace_dir)
+        compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
+                                     dataclasses.replace(sampling, gemm=gemm), args.repeats,
+                                     trace_dir)
         step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
         tokens = batch * args.new_tokens
         row = dict(

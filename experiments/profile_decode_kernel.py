@@ -7,18 +7,16 @@ profiler (`JRL_MOSAIC_PROFILE_DIR`, `mosaic_backend.compiler_params`), on one GP
 
 The kernel (`append_and_attend_qkv`, `impl="mosaic"`) on random inputs, rows starting
 below 32 and the new token at `--fill`: three calls without the profiler warm the GPU,
-then the first call of the program built with it is traced (the kernel compiled anew;
-the figures of calls 17a-17d came from the first call of a cold program). Each
-program's first warpgroup
-records the SM clock at each region's entry and exit (thread 0 of the warpgroup, so
-a region that ends in a wait ends when that thread's wait does). Per region: the
-programs' mean and median cycles inside it (summed over its entries, e.g. every cache
-block), and when it starts, in cycles after the program's first record. The clock is
-the multiprocessor's (about 1.98 GHz on an H200 at full clock): figures are cycles.
-The profile adds a clock read and a shared-memory store at each boundary (and 16
-bytes of shared memory a region entry); Mosaic GPU's dump subtracts an estimate of
-that overhead from each event, which shifts the start times and shortens regions
-that hold others.
+then the first call of the program built with it is traced (the kernel compiled anew:
+the figures are a cold program's first call). Each program's first warpgroup records the
+SM clock at each region's entry and exit (thread 0 of the warpgroup, so a region that
+ends in a wait ends when that thread's wait does). Per region: the programs' mean and
+median cycles inside it (summed over its entries, e.g. every cache block), and when it
+starts, in cycles after the program's first record. The clock is the multiprocessor's
+(about 1.98 GHz on an H200 at full clock): figures are cycles. The profile adds a clock
+read and a shared-memory store at each boundary (and 16 bytes of shared memory a region
+entry); Mosaic GPU's dump subtracts an estimate of that overhead from each event, which
+shifts the start times and shortens regions that hold others.
 """
 
 from __future__ import annotations

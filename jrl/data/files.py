@@ -15,7 +15,7 @@ Other fields pass through untouched; `extra_info` reaches the reward function.
 
 The raw readers (`read_records`, `find_split_files`) also read a local copy of a
 Hugging Face dataset (a `save_to_disk` directory of arrow files, the hub's parquet
-shards, or JSON lines) for the preprocessing scripts in `experiments/`.
+shards, or JSON lines) for `python -m jrl.data.preprocess`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""experiments/preprocess_{gsm8k,math}.py on tiny datasets in each download layout."""
+"""`python -m jrl.data.preprocess gsm8k|math` on tiny datasets in each download layout."""
 
-import importlib.util
 import json
-from pathlib import Path
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jrl.data import preprocess
 from jrl.data.files import load_rows
 from jrl.rewards import default_compute_score
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 GSM_SUFFIX = ' Let\'s think step by step and output the final answer after "####".'
 MATH_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 
@@ -29,13 +29,6 @@ MATH_SPLITS = {
     ],
     "test": [{"problem": "Two plus two?", "solution": r"$2+2=\boxed{4}$"}],
 }
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_save_to_disk(root, splits):
@@ -70,8 +63,8 @@ LAYOUTS = {"save_to_disk": _write_save_to_disk, "parquet": _write_hub_parquet,
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gsm8k_rows_in_every_layout(tmp_path, layout):
     LAYOUTS[layout](tmp_path / "raw", GSM_SPLITS)
-    written = _script("preprocess_gsm8k").main(
-        ["--local_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out")])
+    written = preprocess.main(
+        ["gsm8k", "--local_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out")])
     assert written == {"train": 2, "test": 1}
     train = load_rows(tmp_path / "out" / "train.parquet")
     assert train[1] == {
@@ -93,8 +86,8 @@ def test_gsm8k_rows_in_every_layout(tmp_path, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_math_rows_in_every_layout(tmp_path, layout):
     LAYOUTS[layout](tmp_path / "raw", MATH_SPLITS)
-    written = _script("preprocess_math").main(
-        ["--local_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out")])
+    written = preprocess.main(
+        ["math", "--local_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out")])
     assert written == {"train": 2, "test": 1}
     train = load_rows(tmp_path / "out" / "train.parquet")
     assert train[0] == {
@@ -116,9 +109,9 @@ def test_math500_test_split_with_answer_fallback(tmp_path):
         {"problem": "p", "solution": "no box here", "answer": "12"},
         {"problem": "q", "solution": r"\boxed{3}", "answer": "3"},
     ]})
-    written = _script("preprocess_math").main([
-        "--local_dataset_path", str(tmp_path / "raw"), "--local_save_dir", str(tmp_path / "out"),
-        "--data_source", "HuggingFaceH4/MATH-500"])
+    written = preprocess.main([
+        "math", "--local_dataset_path", str(tmp_path / "raw"),
+        "--local_save_dir", str(tmp_path / "out"), "--data_source", "HuggingFaceH4/MATH-500"])
     assert written == {"test": 1 + 1}
     assert not (tmp_path / "out" / "train.parquet").exists()
     rows = load_rows(tmp_path / "out" / "test.parquet")
@@ -127,18 +120,32 @@ def test_math500_test_split_with_answer_fallback(tmp_path):
 
 
 def test_preprocess_errors_name_the_record(tmp_path):
-    gsm = _script("preprocess_gsm8k")
     _write_jsonl(tmp_path / "bad", {"train": [GSM_SPLITS["train"][0],
                                               {"question": "q", "answer": "no marker"}]})
     with pytest.raises(ValueError, match=r"train.jsonl: train record 1: answer has no '#### "):
-        gsm.main(["--local_dir", str(tmp_path / "bad"), "--output_dir", str(tmp_path / "o")])
+        preprocess.main(["gsm8k", "--local_dir", str(tmp_path / "bad"),
+                         "--output_dir", str(tmp_path / "o")])
     _write_jsonl(tmp_path / "nofield", {"test": [{"question": "q"}]})
     with pytest.raises(ValueError, match=r"test record 0: field 'answer' must be a string"):
-        gsm.main(["--local_dir", str(tmp_path / "nofield"), "--output_dir", str(tmp_path / "o")])
+        preprocess.main(["gsm8k", "--local_dir", str(tmp_path / "nofield"),
+                         "--output_dir", str(tmp_path / "o")])
     _write_jsonl(tmp_path / "nobox", {"train": [{"problem": "p", "solution": "none"}]})
     with pytest.raises(ValueError, match=r"train record 0: the solution has no \\boxed"):
-        _script("preprocess_math").main(
-            ["--local_dir", str(tmp_path / "nobox"), "--output_dir", str(tmp_path / "o")])
+        preprocess.main(
+            ["math", "--local_dir", str(tmp_path / "nobox"), "--output_dir", str(tmp_path / "o")])
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="none of the splits"):
-        gsm.main(["--local_dir", str(tmp_path / "empty"), "--output_dir", str(tmp_path / "o")])
+        preprocess.main(["gsm8k", "--local_dir", str(tmp_path / "empty"),
+                         "--output_dir", str(tmp_path / "o")])
+
+
+def test_module_runs_from_the_command_line(tmp_path):
+    _write_jsonl(tmp_path / "raw", {"test": GSM_SPLITS["test"]})
+    done = subprocess.run([sys.executable, "-m", "jrl.data.preprocess", "gsm8k", "--local_dir",
+                           str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"test: 1 rows -> {tmp_path / 'out' / 'test'}.parquet\n"
+    done = subprocess.run([sys.executable, "-m", "jrl.data.preprocess"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 2 and "{gsm8k,math}" in done.stderr

@@ -4,7 +4,7 @@ functions, and the GSM8K experiment configs.
 
 Everything is written by the tests: a character-level `tokenizer.json` (plus a
 "####" token) with a Qwen-style chat template, a random 1-layer Qwen2 of width 32,
-and a few GSM8K-style rows in the schema `experiments/preprocess_gsm8k.py` writes.
+and a few GSM8K-style rows in the schema `python -m jrl.data.preprocess gsm8k` writes.
 """
 
 import dataclasses
@@ -103,7 +103,7 @@ def raises_on_odd_index(data_source, solution_str, ground_truth, extra_info=None
 
 
 def _row(question: str, answer: str, split: str, index: int) -> dict:
-    """A row as experiments/preprocess_gsm8k.py writes it (verl's schema)."""
+    """A row as `python -m jrl.data.preprocess gsm8k` writes it (verl's schema)."""
     return {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
@@ -360,7 +360,7 @@ def test_gsm8k_configs_validate(name, fixture, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     module = importlib.import_module(f"configs.{name}")
     # The docstring says how to get the data and how to launch.
-    assert "experiments/preprocess_gsm8k.py" in module.__doc__
+    assert "python -m jrl.data.preprocess gsm8k" in module.__doc__
     assert f"python -m jrl.train --config=configs/{name}.py" in module.__doc__
     config = module.get_config()
     # `~` stays in the config (expanded where the paths are read), so the generated

@@ -1,0 +1,300 @@
+"""The kernels at the models' real sizes, compiled on a GPU, against XLA: the decode step's
+Mosaic GPU kernel at the presets' head shapes and caches (and the new token at the cache's
+edges), the log-prob head's Mosaic GPU kernel forward and backward at Qwen2.5-0.5B's head
+(D 896, V 151,936, tied, bf16), and cuDNN's packed causal attention. Skipped off a GPU:
+tests/kernels/test_decode_attention.py and test_logprob_head.py run the same kernels in
+interpret mode at toy sizes; the timings of these shapes are experiments/bench_*.py's.
+
+    JAX_PLATFORMS=cuda pytest -q tests/kernels/test_gpu_checks.py
+
+Each reference is XLA on the same bf16 values, in float32 where the kernel accumulates in
+float32, so the bounds are a few bf16 roundings of the values compared.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.kernels import decode_attention as da
+from jrl.kernels import logprob_head as hk
+from jrl.kernels import mosaic_backend, packed_attention
+from jrl.rl import logprobs
+from tests.markers import NEEDS_MOSAIC
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="the kernels compiled at real sizes: a GPU only")
+ON_HOPPER = pytest.mark.skipif(jax.default_backend() == "gpu" and not mosaic_backend.on_hopper(),
+                               reason="the Mosaic GPU kernels compile for Hopper GPUs only")
+
+
+def _max_diff(got, want) -> float:
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+
+
+# ------------------------------------------------------------------ decode attention
+
+DECODE_SHAPES = {  # name: (rows B, query heads N, key/value heads K, head_dim H, slots S)
+    "qwen2.5-0.5b b256": (256, 14, 2, 64, 384),
+    "qwen2.5-0.5b b512": (512, 14, 2, 64, 384),
+    "qwen2.5-0.5b b128 long": (128, 14, 2, 64, 8704),
+    "qwen2.5-0.5b b32 long": (32, 14, 2, 64, 8704),
+    "qwen2.5-7b b64": (64, 28, 4, 128, 384),
+    "qwen3-0.6b b64": (64, 16, 8, 128, 256),
+    "llama-3-8b b8": (8, 32, 8, 128, 1024),
+}
+# The default (fused, block by the cache's length) and the unfused compact kernel.
+DEFAULT_TILES = {"default": da.MOSAIC_TILES, "128,2,compact": da.MosaicTiles(128, 2, True)}
+# Every setting the kernel takes, at one shape: block, stages, compact, fused, split over
+# slots (0: `slot_splits`' choice), rows a program.
+TILE_SPECS = ["128,2,compact", "128,3,compact", "64,3,compact", "128,2,compact,splits0",
+              "128,2,compact,rows4", "128,3,compact,rows8", "128,2", "128,2,compact,fused",
+              "128,2,fused"]
+EDGE_SPECS = ["128,2,compact", "128,2,compact,fused", "128,2", "128,2,fused"]
+
+
+def _decode_inputs(b, n, k, h, s, slot, seed=0):
+    """bf16 queries `[B, N, H]`, new keys/values `[B, K, H]`, caches `[B, K, S, H]`, RoPE
+    angles, rows starting at random slots below 128 (and at most `slot`)."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(key, (b, k, h), jnp.bfloat16) for key in keys[1:3])
+    k_cache, v_cache = (jax.random.normal(key, (b, k, s, h), jnp.bfloat16) for key in keys[3:5])
+    angles = jax.random.uniform(keys[5], (b, h // 2), maxval=1000.0)
+    start = np.random.default_rng(seed).integers(0, min(128, slot + 1), b).astype(np.int32)
+    return (q, k_new, v_new, jnp.sin(angles), jnp.cos(angles), k_cache, v_cache,
+            jnp.asarray(start), jnp.int32(slot))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "tiles"))
+def _append_and_attend(args, impl, tiles):
+    return da.append_and_attend(*args, impl=impl, tiles=tiles)
+
+
+def decode_errors(shape, tiles, slot=None, seed=0) -> dict:
+    """The kernel at `tiles` against XLA: `err` / `xla_err`, the largest differences of
+    its / XLA's bf16 attention output from XLA's float32 one; `cache_diff`, of its
+    updated caches from XLA's; `nonfinite` outputs; `scale`, the largest float32 output."""
+    b, n, k, h, s = shape
+    args = _decode_inputs(b, n, k, h, s, s - 37 if slot is None else slot, seed)
+    got = _append_and_attend(args, "mosaic", tiles)
+    want = _append_and_attend(args, "xla", None)
+    f32 = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
+    exact = _append_and_attend(f32, "xla", None)[0]
+    return dict(err=_max_diff(got[0], exact), xla_err=_max_diff(want[0], exact),
+                cache_diff=max(_max_diff(a, c) for a, c in zip(got[1:], want[1:], strict=True)),
+                nonfinite=int(jnp.sum(~jnp.isfinite(got[0].astype(jnp.float32)))),
+                scale=float(jnp.max(jnp.abs(exact))))
+
+
+def _assert_decode_matches(errors):
+    assert errors["nonfinite"] == 0, errors
+    # The kernel's output rounds to bf16 once, as XLA's; its float32 sums run in
+    # another order.
+    assert errors["err"] <= 2 * errors["xla_err"] + 2 ** -8 * errors["scale"], errors
+    # The new key is rotated in float32 and rounded to bf16 once, as in XLA, though by
+    # other operations: at most one bf16 step of a rotated key (|k| < 8 here).
+    assert errors["cache_diff"] <= 2 ** -5, errors
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("tiles", DEFAULT_TILES.values(), ids=list(DEFAULT_TILES))
+@pytest.mark.parametrize("shape", DECODE_SHAPES.values(), ids=list(DECODE_SHAPES))
+def test_decode_kernel_matches_xla_at_the_presets_shapes(shape, tiles):
+    _assert_decode_matches(decode_errors(shape, tiles))
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("spec", TILE_SPECS)
+def test_decode_kernel_settings_match_xla(spec):
+    _assert_decode_matches(decode_errors(DECODE_SHAPES["qwen2.5-0.5b b256"],
+                                         da.MosaicTiles.from_spec(spec)))
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("slot", [0, 63, 64, 65, 127, 383])
+@pytest.mark.parametrize("spec", EDGE_SPECS)
+def test_decode_kernel_at_the_caches_edges(spec, slot):
+    """The new token in a block's first or last slot, or the cache's last."""
+    _assert_decode_matches(decode_errors((64, 14, 2, 64, 384), da.MosaicTiles.from_spec(spec),
+                                         slot=slot, seed=slot))
+
+
+# ------------------------------------------------------------------ the log-prob head
+
+HEAD_HIDDEN, HEAD_VOCAB = 896, 151936  # Qwen2.5-0.5B, tied embedding
+
+
+def _head_inputs(tokens, seed=0):
+    """bf16 hidden states `[T, D]`, unembedding `[V, D]` and int targets `[T]`."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(keys[0], (tokens, HEAD_HIDDEN), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(keys[1], (HEAD_VOCAB, HEAD_HIDDEN))).astype(jnp.bfloat16)
+    y = jax.random.randint(keys[2], (tokens,), 0, HEAD_VOCAB)
+    return h, w, y
+
+
+@functools.partial(jax.jit, static_argnames=("with_entropy", "chunk"))
+def _xla_stats(h_td, w_vd, y_t, with_entropy, chunk=1024):
+    """`(log_z, target_logit, entropy)` `[T]` each from float32 logits of the bf16 operands,
+    `chunk` tokens at a time (entropy zero unless `with_entropy`)."""
+    t, d = h_td.shape
+    chunk = min(chunk, t)
+
+    def one(xs):
+        h, y = xs
+        z = jnp.einsum("td,vd->tv", h, w_vd, preferred_element_type=jnp.float32)
+        log_z = jax.nn.logsumexp(z, axis=-1)
+        target = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
+        if not with_entropy:
+            return log_z, target, jnp.zeros_like(log_z)
+        p = jnp.exp(z - log_z[:, None])
+        return log_z, target, log_z - jnp.sum(p * z, axis=-1)
+
+    out = jax.lax.map(one, (h_td.reshape(-1, chunk, d), y_t.reshape(-1, chunk)))
+    return tuple(x.reshape(t) for x in out)
+
+
+def head_forward_errors(tokens, with_entropy, blocks=None) -> dict:
+    """The largest differences of the kernel's `log Z`, target logit, log-prob and entropy
+    from `_xla_stats`'."""
+    h, w, y = _head_inputs(tokens)
+    stats = jax.jit(lambda h, w, y: tuple(x[0] for x in hk.log_softmax_stats(
+        h[None], w, y[None], vocab=HEAD_VOCAB, vocab_first=True, with_entropy=with_entropy,
+        impl="mosaic", blocks=blocks)))
+    log_z, target, entropy = stats(h, hk.pad_vocab(w, True, blocks), y)
+    want = _xla_stats(h, w, y, with_entropy)
+    return dict(log_z=_max_diff(log_z, want[0]), target=_max_diff(target, want[1]),
+                log_prob=_max_diff(target - log_z, want[1] - want[0]),
+                entropy=_max_diff(entropy, want[2]))
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("blocks", [None, "64,256,64,4,1", "128,128,64,4,1,16,2"],
+                         ids=["default", "64 tokens", "two consumers"])
+def test_head_forward_matches_xla(blocks, with_entropy):
+    """16,384 tokens: the kernel and XLA both sum the bf16 products in float32."""
+    if blocks:  # t, v, k, stages, overlap[, group[, consumers]]
+        t, v, k, stages, overlap, *rest = map(int, blocks.split(","))
+        blocks = hk.MosaicBlocks(t, v, k, stages, bool(overlap),
+                                 **dict(zip(["group", "consumers"], rest, strict=False)))
+    errors = head_forward_errors(16384, with_entropy, blocks)
+    assert max(errors.values()) < 0.02, errors
+
+
+def _xla_grad_logits(h_td, w_vd, y_t, log_z_t, g_lp_t, g_ent_t, ent_t, entropy_grad):
+    """`d loss / d z` `[T, V]` bf16 by `jrl.rl.logprobs._fused_bwd`'s formula in XLA."""
+    log_p = jnp.einsum("td,vd->tv", h_td, w_vd,
+                       preferred_element_type=jnp.float32) - log_z_t[:, None]
+    p = jnp.exp(log_p)
+    onehot = jnp.arange(w_vd.shape[0])[None] == y_t[:, None]
+    grad = g_lp_t[:, None] * (onehot.astype(jnp.float32) - p)
+    if entropy_grad:
+        grad -= g_ent_t[:, None] * p * (log_p + ent_t[:, None])
+    return grad.astype(h_td.dtype)
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_head_grad_logits_matches_xla(entropy_grad):
+    """`grad_logits` (the logits recomputed on chip, `d loss / d z` written once in bf16)
+    for one 8,192-token chunk of the update's backward, against the same formula in XLA:
+    the two differ by bf16 roundings of the same values."""
+    tokens = 8192
+    h, w, y = _head_inputs(tokens)
+    g_lp, g_ent = (jax.random.normal(key, (tokens,)) for key in jax.random.split(
+        jax.random.key(3)))
+    weight = hk.pad_vocab(w, True, hk.MOSAIC_BACKWARD)
+    log_z, _, ent = jax.jit(lambda h, w, y: tuple(x[0] for x in hk.log_softmax_stats(
+        h[None], w, y[None], vocab=HEAD_VOCAB, vocab_first=True, with_entropy=True)))(
+            h, weight, y)
+    got = jax.jit(lambda *a: hk.grad_logits(
+        a[0][None], weight, *(x[None] for x in a[1:]), vocab=HEAD_VOCAB, vocab_first=True,
+        entropy_grad=entropy_grad)[0, :, :HEAD_VOCAB])(h, y, log_z, g_lp, g_ent, ent)
+    want = jax.jit(functools.partial(_xla_grad_logits, entropy_grad=entropy_grad))(
+        h, w, y, log_z, g_lp, g_ent, ent)
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    assert _max_diff(got, want) <= 2 ** -6 * scale
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+def test_token_log_probs_on_the_kernel_match_xla():
+    """`token_log_probs` as the update runs it (64-token chunks, the entropy a metric):
+    log-probs, entropies and the gradients of the log-probs' weighted sum, the kernel's
+    forward and backward (`impl="mosaic"`) against the XLA path."""
+    h, w, y = _head_inputs(16384)
+    hidden, targets = h.reshape(64, 256, HEAD_HIDDEN), y.reshape(64, 256)
+    params = {"embed": {"embedding": w.astype(jnp.float32)}}
+    g_lp = jax.random.normal(jax.random.key(7), targets.shape, jnp.float32)
+
+    def run(impl):
+        def loss(params, hidden):
+            lp, ent = logprobs.token_log_probs(params, hidden, targets, chunk_size=64,
+                                               with_entropy=True, entropy_grad=False, impl=impl)
+            return jnp.sum(lp * g_lp), (lp, ent)
+        (grad_w, grad_h), (lp, ent) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
+            params, hidden)
+        return lp, ent, grad_w["embed"]["embedding"], grad_h
+
+    got, want = run("mosaic"), run("xla")
+    assert _max_diff(got[0], want[0]) < 0.02 and _max_diff(got[1], want[1]) < 0.02
+    for grad, ref in zip(got[2:], want[2:], strict=True):
+        assert _max_diff(grad, ref) <= 2 ** -6 * float(jnp.max(jnp.abs(ref)))
+
+
+# ------------------------------------------------------------------ packed attention
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _segment_ids(rows, length, lengths):
+    """int `[rows, length]`: 1, 2, ... for each row's segments of `lengths[row]`, 0 after."""
+    ids = np.zeros((rows, length), np.int32)
+    for row in range(rows):
+        at = 0
+        for index, n in enumerate(lengths[row]):
+            ids[row, at:at + n] = index + 1
+            at += n
+    return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("rows,length,lengths", [
+    (1, 256, [[100, 130]]),
+    (2, 512, [[200, 1, 311], [512]]),
+    (3, 1024, [[1000], [17, 300, 600, 7], [5]]),
+])
+def test_cudnn_packed_attention_matches_xla(rows, length, lengths):
+    """cuDNN's packed layout (bf16, Qwen2.5-0.5B's heads) against the float32 XLA reference:
+    the outputs at used slots and the gradients of a weighted sum of them."""
+    seg = _segment_ids(rows, length, lengths)
+    segments = packed_attention.segments(seg, 8)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(rows, length, 14, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(rows, length, 2, 64)), jnp.bfloat16) for _ in range(2))
+    used = (seg > 0)[:, :, None, None]
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(impl, q, k, v):
+        out = packed_attention.attend(q, k, v, segments, impl).astype(jnp.float32)
+        return jnp.sum(jnp.where(used, out * cotangent, 0))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = packed_attention.attend(*f32, segments, "xla")
+    got = jax.jit(lambda *a: packed_attention.attend(*a, segments, "cudnn"))(q, k, v)
+    grads_want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*f32)
+    grads = jax.jit(jax.grad(functools.partial(loss, "cudnn"), argnums=(0, 1, 2)))(q, k, v)
+    errors = [_rel(jnp.where(used, got, 0), jnp.where(used, want, 0))]
+    errors += [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+    assert max(errors) < 2e-2, errors

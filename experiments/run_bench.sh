@@ -67,7 +67,7 @@ run() {
   echo "== $name exit $rc at ${SECONDS}s" | tee -a "$OUT/env.log"
 }
 
-# JRL_EXTRA: more bench_rl_step.py flags (e.g. the micro-batch chosen by tune_rl_step.sh).
+# JRL_EXTRA: more bench_rl_step.py flags (e.g. --micro_batch 64 --remat dots_saveable).
 # shellcheck disable=SC2206
 JRL=(python3 experiments/bench_rl_step.py --preset qwen2.5-0.5b --batch 64 --n 8
   --prompt_len 128 --response_len 256 --warmup 2 --steps 3 ${JRL_EXTRA:-})

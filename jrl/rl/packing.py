@@ -68,9 +68,8 @@ class Plan:
 
 # The most sequences one packed row holds. cuDNN's packed attention runs some of its
 # passes over rows x MAX_SEGMENTS x L slots, so a loose bound costs time (a bound of
-# 384 at P128 / R256 cost the update 3x its padded time, docs/performance_history.md,
-# "Long responses"); rows
-# of P + R slots rarely hold more.
+# 384 at P128 / R256 cost the update 3x its padded time on an H200); rows of P + R
+# slots rarely hold more.
 MAX_SEGMENTS = 8
 
 

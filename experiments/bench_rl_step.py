@@ -51,8 +51,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
-from jrl import metrics, sharding  # noqa: E402
-from jrl.app.experiment import build_model  # noqa: E402
+from jrl import metrics  # noqa: E402
+from jrl.app import experiment  # noqa: E402
 from jrl.config import settings  # noqa: E402
 from jrl.config.defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
@@ -407,19 +407,19 @@ def build_trainer(args, algo: str, workdir: str):
     """The trainer as `jrl.train` builds it: mesh from `config.mesh`, parameters created
     in their shardings by `build_model`, then `RLTrainer`."""
     config = make_config(args, algo)
+    s = settings.from_config(config)
     preset = ModelConfig.preset(args.preset)
     pad_id = preset.pad_token_id if preset.pad_token_id is not None else preset.eos_token_ids[0]
     tokenizer = BenchTokenizer(preset.vocab_size, pad_id, preset.eos_token_ids)
-    sharder = sharding.from_config(config)
-    model, params = build_model(config, tokenizer, sharder)
+    sharder = experiment.build_sharder(s)
+    model, params = experiment.build_model(s.experiment, tokenizer, sharder)
     stops = stop_ids(model, pad_id, args.natural_stops, args.stop_prob)
     rows = make_rows(2 * args.batch, args.prompt_len, model.vocab_size, {pad_id, *stops},
                      args.seed)
-    s = settings.from_config(config, stop_token_ids=stops, pad_token_id=pad_id,
-                             num_train_rows=len(rows))
+    s = s.with_data(stop_token_ids=stops, pad_token_id=pad_id, num_train_rows=len(rows))
     trainer = RLTrainer(s, model, params, tokenizer, rows, [], hash_reward, workdir,
                         args.seed, sharder=sharder,
-                        rollout_sharder=sharding.rollout_from_config(config))
+                        rollout_sharder=experiment.build_rollout_sharder(s))
     iterator = BatchIterator(rows, args.batch, seed=args.seed, shuffle=True)
     info = dict(config=json.loads(config.to_json_best_effort()), num_stop_ids=len(stops),
                 ignore_stop=s.rollout.ignore_stop, mini_batch_sequences=s.actor.update.mini_batch,

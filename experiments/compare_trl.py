@@ -58,7 +58,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jrl import sft, sharding  # noqa: E402
-from jrl.app import experiment  # noqa: E402
+from jrl.app import experiment, rundir  # noqa: E402
 from jrl.config import settings  # noqa: E402
 from jrl.data.dataset import BatchIterator, encode_prompts, ground_truth  # noqa: E402
 from jrl.data.tokenizers import CHAR_ALPHABET, CHAR_SPECIAL_TOKENS, CharTokenizer  # noqa: E402
@@ -374,9 +374,10 @@ def setup(args) -> Setup:
     if config.tokenizer.name != "char" or config.model.path:
         raise ValueError("the comparison exports the char-tokenizer warm start of the config")
     tokenizer = CharTokenizer()
-    train_rows, val_rows = experiment.build_data(config, tokenizer)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
+    s = settings.from_config(config)
+    train_rows, val_rows = experiment.build_data(s.experiment, tokenizer)
+    s = s.with_data(stop_token_ids=tokenizer.eos_token_ids, pad_token_id=tokenizer.pad_token_id,
+                    num_train_rows=len(train_rows))
     model, params = hf.load_pretrained(hf_dir(args), dtype=config.model.param_dtype,
                                        config_overrides={"dtype": config.model.dtype})
     evaluator = Evaluator(s, model, tokenizer, val_rows, config.data.apply_chat_template)
@@ -406,13 +407,14 @@ def run_warm(args) -> None:
     config.seed = args.seed
     # warm_start would restore an earlier checkpoint, perhaps of another config.
     shutil.rmtree(seed_dir(args), ignore_errors=True)
-    tokenizer = experiment.build_tokenizer(config)
-    train_rows, val_rows = experiment.build_data(config, tokenizer)
-    sharder = sharding.from_config(config)
-    model, params = experiment.build_model(config, tokenizer, sharder)
+    run_settings = settings.from_config(config)
+    tokenizer = experiment.build_tokenizer(run_settings.experiment)
+    train_rows, val_rows = experiment.build_data(run_settings.experiment, tokenizer)
+    sharder = experiment.build_sharder(run_settings)
+    model, params = experiment.build_model(run_settings.experiment, tokenizer, sharder)
     start = time.perf_counter()
-    params = sft.warm_start(config, seed_dir(args), model, params, tokenizer, train_rows,
-                              sharder)
+    params = sft.warm_start(run_settings.experiment, seed_dir(args), model, params, tokenizer,
+                            train_rows, sharder, config_keys=rundir.warm_start_settings(config))
     seconds = time.perf_counter() - start
     params = jax.tree.map(sharding.host_array, params)
     hf.save_pretrained(hf_dir(args), model, params)
@@ -438,11 +440,11 @@ def run_jrl(args) -> None:
     config = st.config
     workdir = os.path.join(seed_dir(args), run_name(args, "jrl"))
     shutil.rmtree(workdir, ignore_errors=True)
-    scorer, _ = experiment.build_reward(config, st.s)
+    scorer, _ = experiment.build_reward(st.s)
     trainer = RLTrainer(st.s, st.model, st.params, st.tokenizer, st.train_rows, st.val_rows,
                         scorer, workdir, config.seed,
                         apply_chat_template=config.data.apply_chat_template,
-                        data_seed=config.data.seed, sharder=sharding.from_config(config))
+                        data_seed=config.data.seed, sharder=experiment.build_sharder(st.s))
     iterator = BatchIterator(st.train_rows, st.s.train_batch_size, config.data.seed,
                              shuffle=True, state=trainer.data)
     clock, step_seconds, per_step = TrainClock(), [], []

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import grpo_arith  # noqa: E402
 from jrl import sft  # noqa: E402
-from jrl.app import experiment  # noqa: E402
+from jrl.app import experiment, rundir  # noqa: E402
+from jrl.config.settings import experiment_from_config  # noqa: E402
 from jrl.models import hf  # noqa: E402
 
 
@@ -29,11 +30,13 @@ def main() -> None:
     parser.add_argument("--out", default="tests/data/arith_warm_start")
     args = parser.parse_args()
     config = grpo_arith.get_config()
-    tokenizer = experiment.build_tokenizer(config)
-    train_rows, _ = experiment.build_data(config, tokenizer)
-    model, params = experiment.build_model(config, tokenizer)
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    train_rows, _ = experiment.build_data(experiment_settings, tokenizer)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     with tempfile.TemporaryDirectory() as workdir:
-        params = sft.warm_start(config, workdir, model, params, tokenizer, train_rows)
+        params = sft.warm_start(experiment_settings, workdir, model, params, tokenizer,
+                                train_rows, config_keys=rundir.warm_start_settings(config))
     hf.save_pretrained(args.out, model, params, dtype="bfloat16")
     print(f"wrote {args.out}")
 

@@ -19,6 +19,7 @@ from jrl import sharding as sharding_lib
 from jrl.algos import masks
 from jrl.app import experiment, interrupt, rundir
 from jrl.config import settings
+from jrl.config.settings import ExperimentSettings
 from jrl.data.dataset import Row, encode_prompts, ground_truth
 from jrl.errors import ConfigError, JrlError, RunDirError
 from jrl.models.config import ModelConfig
@@ -165,39 +166,43 @@ def check_stored(directory: str, stored: dict, wanted: dict) -> None:
             "--config.trainer.resume_mode=disable to replace it.")
 
 
-def warm_start(config, workdir, model, params, tokenizer, train_rows, sharder=None):
-    """Runs the supervised warm start of `config.sft`, or restores the workdir's.
+def warm_start(experiment_settings: ExperimentSettings, workdir, model, params, tokenizer,
+               train_rows, sharder=None, *, config_keys: dict):
+    """Runs the supervised warm start of the `sft` settings, or restores the workdir's.
 
-    A stored warm start is reused only when the settings it was made with (the
-    `rundir.WARM_START_KEYS` of its config: seed, tokenizer, model, sft, data) equal
-    this config's; otherwise this stops with the changed keys.
+    A stored warm start is reused only when the settings it was made with,
+    `config_keys` (the `rundir.warm_start_settings` of this config: seed, tokenizer,
+    model, sft, data), equal this config's; otherwise this stops with the changed keys.
     """
     directory = os.path.join(workdir, "sft")
     ckpt = Checkpointer(directory)
-    wanted = rundir.warm_start_settings(config)
+    sft_settings, data = experiment_settings.sft, experiment_settings.data
+    steps = sft_settings.steps
     try:
         step = ckpt.latest_step()
         if step is not None:
             meta = ckpt.read_meta(step)
             # Warm starts saved before their settings were recorded carry only `steps`.
             stored = meta.get("settings") or {"sft.steps": meta.get("steps")}
-            current = wanted if "settings" in meta else {k: wanted.get(k) for k in stored}
+            current = config_keys if "settings" in meta else {
+                k: config_keys.get(k) for k in stored}
             check_stored(directory, stored, current)
             if jax.process_index() == 0:
                 print(f"sft: reusing the warm start in {directory} ({meta.get('steps')} steps)",
                       flush=True)
             return ckpt.restore(step, params)[0]
         if jax.process_index() == 0:
-            print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}", flush=True)
-        params = train_sft(params, train_rows, tokenizer, model=model, steps=config.sft.steps,
-                           batch_size=config.sft.batch_size, lr=config.sft.lr,
-                           max_prompt_length=config.data.max_prompt_length,
-                           max_response_length=config.rollout.response_length,
-                           seed=config.seed, lr_warmup_steps=config.sft.lr_warmup_steps,
-                           apply_chat_template=config.data.apply_chat_template,
-                           log_every=max(config.sft.steps // 5, 1), sharder=sharder,
-                           tools=settings.prompt_tools(config))
-        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
+            print(f"sft: {steps} steps, batch {sft_settings.batch_size}", flush=True)
+        params = train_sft(params, train_rows, tokenizer, model=model, steps=steps,
+                           batch_size=sft_settings.batch_size, lr=sft_settings.lr,
+                           max_prompt_length=data.max_prompt_length,
+                           max_response_length=sft_settings.max_response_length,
+                           seed=experiment_settings.seed,
+                           lr_warmup_steps=sft_settings.lr_warmup_steps,
+                           apply_chat_template=data.apply_chat_template,
+                           log_every=max(steps // 5, 1), sharder=sharder,
+                           tools=experiment_settings.prompt_tools)
+        ckpt.save(steps, params, {"steps": steps, "settings": config_keys})
         return params
     finally:
         ckpt.close()
@@ -214,18 +219,19 @@ def main(argv):
     config = cli.CONFIG.value
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")
-    if config.sft.steps <= 0:
-        raise ConfigError(f"sft.steps must be > 0 to run SFT, got {config.sft.steps}")
+    experiment_settings = settings.experiment_from_config(config)
+    experiment_settings.sft.check_steps()
     workdir = cli.WORKDIR.value or "runs/sft"
     with rundir.locked(workdir):
-        tokenizer = experiment.build_tokenizer(config)
-        train_rows, _ = experiment.build_data(config, tokenizer)
-        model, params = experiment.build_model(config, tokenizer)
+        tokenizer = experiment.build_tokenizer(experiment_settings)
+        train_rows, _ = experiment.build_data(experiment_settings, tokenizer)
+        model, params = experiment.build_model(experiment_settings, tokenizer)
         checkpointer = Checkpointer(os.path.join(workdir, "sft"))
         existing = checkpointer.latest_step()
         checkpointer.close()
         # An existing warm start is checked against this config (an error if it differs).
-        warm_start(config, workdir, model, params, tokenizer, train_rows)
+        warm_start(experiment_settings, workdir, model, params, tokenizer, train_rows,
+                   config_keys=rundir.warm_start_settings(config))
     if existing is None:
         print(f"saved the warm-started parameters under {workdir}/sft")
     else:

@@ -67,11 +67,6 @@ class MeshSettings:
     tensor: int = 1
     context: int = 1  # (last, so that positional `(data, fsdp, tensor)` still reads)
 
-    @classmethod
-    def from_config(cls, mesh_config) -> MeshSettings:
-        return cls(**{axis: int(mesh_config.get(axis, getattr(cls, axis)))
-                      for axis in MESH_AXES})
-
     def resolve(self, num_devices: int) -> tuple[int, ...]:
         """The concrete sizes, in `MESH_AXES` order, for `num_devices` devices.
 
@@ -103,19 +98,16 @@ class MeshSettings:
         return ", ".join(f"mesh.{axis}={getattr(self, axis)}" for axis in MESH_AXES)
 
 
-def make_mesh(mesh: MeshSettings | object = None,
+def make_mesh(mesh: MeshSettings | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with `MESH_AXES` over `devices` (default: all devices of all processes).
 
     Args:
-      mesh: `MeshSettings`, a config section with `data`/`fsdp`/`context`/`tensor`, or None
-        (all devices on `data`).
+      mesh: the axes' sizes (`jrl.config.settings.DeviceSettings.mesh`); None: all
+        devices on `data`.
       devices: the devices; defaults to `jax.devices()`.
     """
-    if mesh is None:
-        mesh = MeshSettings()
-    elif not isinstance(mesh, MeshSettings):
-        mesh = MeshSettings.from_config(mesh)
+    mesh = MeshSettings() if mesh is None else mesh
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh.resolve(len(devices))
     try:
@@ -366,31 +358,21 @@ def split_devices(num_sampling: int) -> tuple[list[jax.Device], list[jax.Device]
     return devices[:num_sampling], devices[num_sampling:]
 
 
-def from_config(config) -> Sharder:
-    """The `Sharder` of an experiment config's `mesh` section, over the training devices
-    (all of them without a sampling group, `rollout.devices`)."""
-    _, training = split_devices(_rollout_devices(config))
-    return Sharder(make_mesh(MeshSettings.from_config(config.mesh), training),
-                   rules_from_config(config.mesh.rules))
+def training_sharder(mesh: MeshSettings, rules, sampling_devices: int = 0) -> Sharder:
+    """The `Sharder` of the training devices (all of them without a sampling group,
+    `sampling_devices` = 0): a mesh of `mesh`'s sizes with `rules` (`Sharder`'s)."""
+    _, training = split_devices(sampling_devices)
+    return Sharder(make_mesh(mesh, training), rules)
 
 
-def rollout_from_config(config) -> Sharder | None:
-    """The sampling group's `Sharder` (`rollout.devices`; its mesh: data x
-    `rollout.tensor_model_parallel_size`), or None without a sampling group."""
-    sampling, _ = split_devices(_rollout_devices(config))
+def sampling_sharder(rules, sampling_devices: int, tensor: int) -> Sharder | None:
+    """The sampling group's `Sharder` (`rollout.devices`: the first `sampling_devices`
+    devices; its mesh: data x `tensor`, `rollout.tensor_model_parallel_size`), or None
+    without a sampling group."""
+    sampling, _ = split_devices(sampling_devices)
     if not sampling:
         return None
-    tensor = config.rollout.tensor_model_parallel_size
     if not (isinstance(tensor, int) and tensor > 0 and len(sampling) % tensor == 0):
         raise ConfigError(f"rollout.tensor_model_parallel_size={tensor!r} must be a positive "
                           f"integer dividing the sampling group's {len(sampling)} devices")
-    return Sharder(make_mesh(MeshSettings(data=-1, fsdp=1, tensor=tensor), sampling),
-                   rules_from_config(config.mesh.rules))
-
-
-def _rollout_devices(config) -> int:
-    devices = config.rollout.get("devices", 0)
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 0:
-        raise ConfigError(f"rollout.devices={devices!r} must be an integer >= 0 (0: no "
-                          "sampling group)")
-    return devices
+    return Sharder(make_mesh(MeshSettings(data=-1, fsdp=1, tensor=tensor), sampling), rules)

@@ -23,7 +23,7 @@ from absl import app, logging  # noqa: E402
 
 from jrl import cli, metrics, sft, sharding
 from jrl.app import compilation_cache, distributed, experiment, rundir
-from jrl.config import settings
+from jrl.config import settings as settings_lib
 from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
@@ -59,7 +59,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
       jrl.app.interrupt.Stopped: a signal arrived (`jrl.app.interrupt.install`); the run stopped
         at a safe point, with a checkpoint of its last step.
     """
-    distributed.maybe_initialize(config)
+    distributed.maybe_initialize(settings_lib.distributed_from_config(config))
     prepared = _prepare(config, workdir, reward_fn, sharder)
     with rundir.claimed(workdir, enabled=jax.process_index() == 0):
         return _run(config, workdir, prepared, exit_after_steps, reward_fn)
@@ -67,76 +67,78 @@ def run(config: ml_collections.ConfigDict, workdir: str, exit_after_steps: int |
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    """What `_prepare` built and checked: the run's inputs."""
+    """What `_prepare` built and checked: the run's inputs.
+
+    Attributes:
+      tokenizer: the tokenizer of `tokenizer.*`.
+      train_rows, val_rows: the checked rows.
+      settings: the run's complete settings (`Settings.with_data` done).
+      sharder, rollout_sharder: the training devices' and the sampling group's meshes
+        (None: no sampling group).
+      config_dict: the config as the metrics loggers record it.
+      warm_start_keys: the config keys a warm start depends on
+        (`rundir.warm_start_settings`).
+    """
 
     tokenizer: object
     train_rows: list
     val_rows: list
-    settings: settings.Settings
+    settings: settings_lib.Settings
     sharder: sharding.Sharder
     rollout_sharder: sharding.Sharder | None
+    config_dict: dict
+    warm_start_keys: dict
 
 
 def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
-    """Builds and checks the inputs without writing anything; raises on the first problem."""
-    tokenizer = experiment.build_tokenizer(config)
-    train_rows, val_rows = experiment.build_data(config, tokenizer, reward_fn)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(train_rows))
-    if config.model.path:
-        hf.check_files(os.path.expanduser(config.model.path), "model.path")
-    if s.reward.model_path:
-        hf.check_files(os.path.expanduser(s.reward.model_path), "reward_model.model.path")
-    custom = reward_fn or s.reward.custom_fn
-    if custom and not s.reward.model_path:
+    """Builds and checks the inputs without writing anything; raises on the first problem:
+    every key of the config first (`settings_lib.from_config`), then the tokenizer, the
+    rows, the files and the reward function."""
+    settings = settings_lib.from_config(config)
+    tokenizer = experiment.build_tokenizer(settings.experiment)
+    train_rows, val_rows = experiment.build_data(settings.experiment, tokenizer, reward_fn)
+    settings = settings.with_data(stop_token_ids=tokenizer.eos_token_ids,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  num_train_rows=len(train_rows))
+    _check_files_and_reward(settings, train_rows, reward_fn)
+    if settings.reward.in_graph_fn or settings.trainer.multi_run:
+        _check_runs(settings, tokenizer)
+    if jax.process_index() == 0:
+        rundir.check_writable(workdir)
+    sharder = sharder or experiment.build_sharder(settings)
+    rollout_sharder = experiment.build_rollout_sharder(settings)
+    check_batch_sizes(settings, sharder)
+    interrupt.check(_checkpoint_step(workdir))
+    return _Prepared(tokenizer, train_rows, val_rows, settings, sharder, rollout_sharder,
+                     config.to_dict(), rundir.warm_start_settings(config))
+
+
+def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_fn) -> None:
+    """The model's and the reward model's files, and the reward function: it resolves,
+    and (under `reward.on_error='raise'`, with a warm start) scores the demonstrations."""
+    model_path = settings.experiment.model.path
+    if model_path:
+        hf.check_files(os.path.expanduser(model_path), "model.path")
+    if settings.reward.model_path:
+        hf.check_files(os.path.expanduser(settings.reward.model_path), "reward_model.model.path")
+    custom = reward_fn or settings.reward.custom_fn
+    if custom and not settings.reward.model_path:
         try:
             fn = scoring.resolve_fn(custom)
         except (ImportError, TypeError) as err:
             raise ConfigError(f"reward.custom_fn: {err}") from err
-        if s.reward.on_error == "raise" and config.sft.steps > 0:
+        if settings.reward.on_error == "raise" and settings.experiment.sft.steps > 0:
             _try_reward_fn(fn, train_rows)
-    if s.reward.in_graph_fn or s.trainer.multi_run:
-        _check_multi_run(config, s, tokenizer)
-    elif config.mesh.get("runs", 1) != 1:
-        raise ConfigError(f"mesh.runs={config.mesh.runs}: splits runs in one program "
-                          "(trainer.runs with reward.in_graph_fn) over devices; a single "
-                          "run with host rewards uses mesh.data/fsdp/context/tensor, leave "
-                          "it 1")
-    if jax.process_index() == 0:
-        rundir.check_writable(workdir)
-    sharder = sharder or sharding.from_config(config)
-    rollout_sharder = sharding.rollout_from_config(config)
-    check_batch_sizes(s, sharder)
-    interrupt.check(_checkpoint_step(workdir))
-    return _Prepared(tokenizer, train_rows, val_rows, s, sharder, rollout_sharder)
 
 
-def _check_multi_run(config, s: settings.Settings, tokenizer) -> None:
-    """What the device program of `jrl.rl.runs` does not do (yet) stops before the run."""
+def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
+    """What runs in one device program need beyond their settings' checks: devices for
+    `mesh.runs` that divide the runs (`jrl.rl.runs.plan` checks the sweep), and an
+    in-graph reward that takes this tokenizer."""
     from jrl.rl import runs as runs_lib
 
-    runs_lib.runs_devices(config, len(runs_lib.plan(config)))
-    if config.mesh.get("context", 1) != 1:
-        raise ConfigError(f"mesh.context={config.mesh.context}: runs in one program "
-                          "(trainer.runs, reward.in_graph_fn) split over mesh.runs, not "
-                          "over the sequence; use mesh.context=1, or rewards on the host")
-    if config.model.get("attention_impl") == "cudnn":
-        raise ConfigError("model.attention_impl='cudnn': runs in one program "
-                          "(trainer.runs, reward.in_graph_fn) are vmapped, and JAX's cuDNN "
-                          "attention cannot be; use 'auto' (XLA there) or 'xla'")
-    critic = config.get("critic", {}).get("model", {})
-    for key, rank in (("model.lora_rank", config.model.get("lora_rank", 0)),
-                      ("critic.model.lora_rank", critic.get("lora_rank", 0))):
-        if rank:
-            raise ConfigError(f"{key}={rank}: LoRA is not supported with "
-                              "reward.in_graph_fn (runs in one device program); use "
-                              f"{key}=0, or rewards on the host")
-    for key in ("rollout_data_dir", "validation_data_dir"):
-        if getattr(s.trainer, key):
-            raise ConfigError(f"trainer.{key}={getattr(s.trainer, key)!r}: runs in one "
-                              "program (reward.in_graph_fn) do not write samples; unset it, "
-                              "or use rewards on the host")
-    in_graph.resolve(s.reward.in_graph_fn, tokenizer)
+    runs_lib.runs_devices(settings.devices.runs, len(runs_lib.plan(settings)))
+    in_graph.resolve(settings.reward.in_graph_fn, tokenizer)
 
 
 def _try_reward_fn(fn, rows) -> None:
@@ -155,7 +157,7 @@ def _try_reward_fn(fn, rows) -> None:
 
 
 def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
-    lead = jax.process_index() == 0
+    lead, settings = jax.process_index() == 0, p.settings
     start = rundir.check_config(workdir, config, has_checkpoint=_has_checkpoint(workdir),
                                 write=lead)
     if jax.process_count() > 1:  # process 0 has written config.json (or cleared the workdir)
@@ -166,106 +168,114 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
         for note in start.notes:
             print(note, flush=True)
     if start.kind == "finished":
-        return _finished(config, workdir)
-    if p.settings.reward.in_graph_fn or p.settings.trainer.multi_run:
-        return _run_multi(config, workdir, p, exit_after_steps)
-    scorer, reward_model = experiment.build_reward(config, p.settings, reward_fn)
-    trainer = None
+        return _finished(settings, workdir)
+    if settings.reward.in_graph_fn or settings.trainer.multi_run:
+        return _run_multi(workdir, p, exit_after_steps)
+    scorer, reward_model = experiment.build_reward(settings, reward_fn)
+    experiment_settings, trainer = settings.experiment, None
     try:  # reward workers and the checkpointer are closed however the run ends
-        model, params = experiment.build_model(config, p.tokenizer, p.sharder)
+        model, params = experiment.build_model(experiment_settings, p.tokenizer, p.sharder)
         interrupt.check(_checkpoint_step(workdir))
         os.makedirs(workdir, exist_ok=True)
-        params = _warm_start(config, workdir, model, params, p)
-        trainer = RLTrainer(p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows,
-                            scorer, workdir, config.seed,
-                            apply_chat_template=config.data.apply_chat_template,
-                            data_seed=config.data.seed, sharder=p.sharder,
+        params = _warm_start(workdir, model, params, p)
+        trainer = RLTrainer(settings, model, params, p.tokenizer, p.train_rows, p.val_rows,
+                            scorer, workdir, experiment_settings.seed,
+                            apply_chat_template=experiment_settings.data.apply_chat_template,
+                            data_seed=experiment_settings.data.seed, sharder=p.sharder,
                             reward_model=reward_model, rollout_sharder=p.rollout_sharder)
-        resumed, final = _fit(config, workdir, trainer, start, exit_after_steps)
+        resumed, final = _fit(workdir, trainer, start, exit_after_steps, p)
     finally:
         if trainer is not None:
             trainer.close()
         scorer.close()
-    summary = {"resumed": resumed, "step": trainer.step, **_results(config, workdir, final)}
-    return _finish(config, workdir, trainer, model, p.settings.total_steps, summary)
+    summary = {"resumed": resumed, "step": trainer.step, **_results(settings, workdir, final)}
+    return _finish(settings, workdir, trainer, model, summary)
 
 
-def _run_multi(config, workdir, p: _Prepared, exit_after_steps) -> dict:
+def _run_multi(workdir, p: _Prepared, exit_after_steps) -> dict:
     """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.rl.runs`)."""
     from jrl.rl import runs as runs_lib
 
-    t, lead = p.settings.trainer, jax.process_index() == 0
-    plan = runs_lib.plan(config)
-    mesh = runs_lib.RunsMesh(runs_lib.runs_devices(config, len(plan)))
-    model, params = experiment.build_models(config, p.tokenizer, [r.seed for r in plan])
+    settings, lead = p.settings, jax.process_index() == 0
+    experiment_settings, steps_per_call = settings.experiment, settings.trainer.steps_per_call
+    plan = runs_lib.plan(settings)
+    mesh = runs_lib.RunsMesh(runs_lib.runs_devices(settings.devices.runs, len(plan)))
+    model, params = experiment.build_models(experiment_settings, p.tokenizer,
+                                            [r.seed for r in plan])
     os.makedirs(workdir, exist_ok=True)
-    if config.sft.steps > 0:
-        params = runs_lib.warm_start(config, workdir, model, params, p.tokenizer,
-                                     p.train_rows, plan, t.steps_per_call, mesh)
+    if experiment_settings.sft.steps > 0:
+        params = runs_lib.warm_start(experiment_settings, workdir, model, params, p.tokenizer,
+                                     p.train_rows, plan, steps_per_call, mesh,
+                                     config_keys=p.warm_start_keys)
     trainer = runs_lib.MultiRunTrainer(
-        p.settings, model, params, p.tokenizer, p.train_rows, p.val_rows, plan, workdir,
-        apply_chat_template=config.data.apply_chat_template, data_seed=config.data.seed,
-        steps_per_call=t.steps_per_call, mesh=mesh)
+        settings, model, params, p.tokenizer, p.train_rows, p.val_rows, plan, workdir,
+        apply_chat_template=experiment_settings.data.apply_chat_template,
+        data_seed=experiment_settings.data.seed, steps_per_call=steps_per_call, mesh=mesh)
     try:
         resumed = trainer.maybe_restore()
         if lead:
             print(f"{len(plan)} runs in one program on {mesh.size} device(s), "
-                  f"{t.steps_per_call} steps a call: "
+                  f"{steps_per_call} steps a call: "
                   + "; ".join(r.label for r in plan), flush=True)
-        writer = metrics.MetricsWriter(workdir, config.trainer.logger, p.settings.total_steps,
-                                       config.to_dict(), start_step=trainer.step, enabled=lead)
+        writer = metrics.MetricsWriter(workdir, settings.trainer.logger, settings.total_steps,
+                                       p.config_dict, start_step=trainer.step, enabled=lead)
         try:
-            trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+            trainer.fit(experiment_settings.data.val_batch_size, writer, exit_after_steps)
         finally:
             writer.close()
     finally:
         trainer.close()
-    if trainer.step == p.settings.total_steps and lead:
-        rundir.mark_finished(workdir, trainer.step, p.settings.total_steps)
-    return {"resumed": resumed, "step": trainer.step, **_results(config, workdir, final={})}
+    if trainer.step == settings.total_steps and lead:
+        rundir.mark_finished(workdir, trainer.step, settings.total_steps)
+    return {"resumed": resumed, "step": trainer.step, **_results(settings, workdir, final={})}
 
 
-def _warm_start(config, workdir, model, params, p: _Prepared):
-    """The parameters RL starts from: after `config.sft`'s warm start, if any."""
-    if config.sft.steps <= 0:
+def _warm_start(workdir, model, params, p: _Prepared):
+    """The parameters RL starts from: after the `sft` settings' warm start, if any."""
+    experiment_settings = p.settings.experiment
+    if experiment_settings.sft.steps <= 0:
         return params
-    params = sft.warm_start(config, workdir, model, params, p.tokenizer, p.train_rows,
-                            p.sharder)
+    params = sft.warm_start(experiment_settings, workdir, model, params, p.tokenizer,
+                            p.train_rows, p.sharder, config_keys=p.warm_start_keys)
     if model.lora_rank:  # the warm start trained everything: it becomes the base
-        params = lora.restart(params, model, jax.random.fold_in(jax.random.key(config.seed), 2))
+        key = jax.random.fold_in(jax.random.key(experiment_settings.seed), 2)
+        params = lora.restart(params, model, key)
     return params
 
 
-def _fit(config, workdir, trainer: RLTrainer, start: rundir.Start, exit_after_steps):
+def _fit(workdir, trainer: RLTrainer, start: rundir.Start, exit_after_steps, p: _Prepared):
     """Restores the latest checkpoint (if any) and trains; returns (resumed, the last
     validation metrics)."""
-    lead = jax.process_index() == 0
+    lead, settings = jax.process_index() == 0, p.settings
     if lead:
         print(trainer.memory_report(), flush=True)
         print(trainer.prompt_sharing_report(), flush=True)
         if (line := trainer.packing_report()) is not None:
             print(line, flush=True)
     resumed = trainer.maybe_restore(start.resume_from)
-    writer = metrics.MetricsWriter(workdir, config.trainer.logger, trainer.s.total_steps,
-                                   config.to_dict(), start_step=trainer.step, enabled=lead)
+    writer = metrics.MetricsWriter(workdir, settings.trainer.logger, settings.total_steps,
+                                   p.config_dict, start_step=trainer.step, enabled=lead)
     try:
-        return resumed, trainer.fit(config.data.val_batch_size, writer, exit_after_steps)
+        return resumed, trainer.fit(settings.experiment.data.val_batch_size, writer,
+                                    exit_after_steps)
     finally:
         writer.close()
 
 
-def _finish(config, workdir, trainer: RLTrainer, model, total_steps: int, summary: dict):
+def _finish(settings: settings_lib.Settings, workdir, trainer: RLTrainer, model,
+            summary: dict):
     """Marks a complete run finished and exports it (`trainer.export_hf`)."""
-    lead, step = jax.process_index() == 0, trainer.step
+    lead, step, total_steps = jax.process_index() == 0, trainer.step, settings.total_steps
     if step == total_steps and lead:
         rundir.mark_finished(workdir, step, total_steps)
-    if config.model.path and config.trainer.export_hf and step == total_steps:
+    model_path = settings.experiment.model.path
+    if model_path and settings.trainer.export_hf and step == total_steps:
         export = os.path.join(workdir, "hf_export")
         # Every process takes part in gathering the parameters; process 0 writes.
         params = jax.tree.map(sharding.host_array, trainer.actor_params())
         if model.lora_rank and lead:  # the adapters as PEFT files, then merged
             adapter = os.path.join(workdir, "peft_adapter")
-            lora.save_peft(params, model, adapter, base_model_name_or_path=config.model.path)
+            lora.save_peft(params, model, adapter, base_model_name_or_path=model_path)
             summary["peft_adapter"] = adapter
         export_model, params = lora.merge(params, model)
         if lead:
@@ -274,7 +284,7 @@ def _finish(config, workdir, trainer: RLTrainer, model, total_steps: int, summar
     return summary
 
 
-def _finished(config, workdir: str) -> dict:
+def _finished(settings: settings_lib.Settings, workdir: str) -> dict:
     """The summary of the finished run in `workdir`, which is not run again."""
     done = rundir.read_finished(workdir)
     if jax.process_index() == 0:
@@ -282,7 +292,7 @@ def _finished(config, workdir: str) -> dict:
               "same config); its results follow. For a new run pass a new --workdir, or "
               "--config.trainer.resume_mode=disable to start this one over.", flush=True)
     return {"resumed": False, "finished": True, "step": done["step"],
-            **_results(config, workdir, final={})}
+            **_results(settings, workdir, final={})}
 
 
 def _has_checkpoint(workdir: str) -> bool:
@@ -299,7 +309,7 @@ def _checkpoint_step(workdir: str) -> int:
     return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
 
 
-def _results(config, workdir: str, final: dict) -> dict:
+def _results(settings: settings_lib.Settings, workdir: str, final: dict) -> dict:
     """Validation before and after RL (from metrics.jsonl) and the curves' path."""
     out = {"final": final}
     jsonl = os.path.join(workdir, "metrics.jsonl")
@@ -307,11 +317,11 @@ def _results(config, workdir: str, final: dict) -> dict:
         return out
     records = metrics.read_jsonl(jsonl)
     if any("run" in r for r in records):
-        return {**out, **_run_results(config, workdir, records)}
+        return {**out, **_run_results(settings, workdir, records)}
     validations = [{k: v for k, v in r.items() if k.startswith("val-")} for r in records]
     validations = [v for v in validations if v]
     if validations:
-        out["initial"] = validations[0] if config.trainer.val_before_train else {}
+        out["initial"] = validations[0] if settings.trainer.val_before_train else {}
         out["final"] = final or validations[-1]
     out["curves"] = os.path.join(workdir, "curves.png")
     if jax.process_index() == 0:
@@ -319,24 +329,23 @@ def _results(config, workdir: str, final: dict) -> dict:
     return out
 
 
-def _run_results(config, workdir: str, records: list[dict]) -> dict:
+def _run_results(settings: settings_lib.Settings, workdir: str, records: list[dict]) -> dict:
     """Each run's validation before and after RL (`jrl.rl.runs`), and their curves."""
     from jrl.rl import runs as runs_lib
 
-    t = config.trainer
-    plan = runs_lib.plan(config)
+    plan = runs_lib.plan(settings)
     table = []
     for index, run in enumerate(plan):
         validations = [{k: v for k, v in r.items() if k.startswith("val-")}
                        for r in records if r.get("run") == index]
         validations = [v for v in validations if v]
+        before = validations[0] if validations and settings.trainer.val_before_train else {}
         table.append({"run": index, "seed": run.seed, "lr": run.lr, "setting": run.setting,
-                      "initial": validations[0] if validations and t.val_before_train else {},
-                      "final": validations[-1] if validations else {}})
+                      "initial": before, "final": validations[-1] if validations else {}})
     curves = os.path.join(workdir, "curves.png")
     if jax.process_index() == 0:
-        settings = [r.setting for r in plan]
-        groups = settings if len(set(settings)) > 1 else None
+        swept = [r.setting for r in plan]
+        groups = swept if len(set(swept)) > 1 else None
         metrics.runs_figure(records, [r.label for r in plan], groups).savefig(curves, dpi=120)
     return {"runs": table, "curves": curves}
 
@@ -390,7 +399,8 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     workdir = cli.WORKDIR.value or os.path.join("runs", cli.config_name())
-    compilation_cache.configure(config)  # before anything compiles
+    # Before anything compiles.
+    compilation_cache.configure(config.trainer.get("compilation_cache_dir"))
     summary = run(config, workdir)
     interrupt.check(summary["step"])  # a signal after the last step: no summary, same status
     print_summary(summary)

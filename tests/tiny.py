@@ -39,17 +39,17 @@ def trainer_parts(config):
     """What an `RLTrainer` of `config` is built from: `(settings, model, params,
     tokenizer, train rows, validation rows, sharder)`, on the mesh `config.mesh` makes;
     a bad key raises here, before any trainer exists."""
-    from jrl import sharding
     from jrl.app import experiment
-    from jrl.config import settings
+    from jrl.config import settings as settings_lib
 
-    tokenizer = experiment.build_tokenizer(config)
-    rows, val_rows = experiment.build_data(config, tokenizer)
-    s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
-    sharder = sharding.from_config(config)
-    model, params = experiment.build_model(config, tokenizer, sharder)
-    return s, model, params, tokenizer, rows, val_rows, sharder
+    settings = settings_lib.from_config(config)
+    tokenizer = experiment.build_tokenizer(settings.experiment)
+    rows, val_rows = experiment.build_data(settings.experiment, tokenizer)
+    settings = settings.with_data(stop_token_ids=tokenizer.eos_token_ids,
+                                  pad_token_id=tokenizer.pad_token_id, num_train_rows=len(rows))
+    sharder = experiment.build_sharder(settings)
+    model, params = experiment.build_model(settings.experiment, tokenizer, sharder)
+    return settings, model, params, tokenizer, rows, val_rows, sharder
 
 
 def trainer_of(config, workdir, reward_fn=None):
@@ -58,10 +58,10 @@ def trainer_of(config, workdir, reward_fn=None):
     from jrl.app import experiment
     from jrl.rl.trainer import RLTrainer
 
-    s, model, params, tokenizer, rows, val_rows, sharder = trainer_parts(config)
-    scorer = reward_fn or experiment.build_reward(config, s)[0]
-    return RLTrainer(s, model, params, tokenizer, rows, val_rows, scorer, str(workdir), 0,
-                     sharder=sharder)
+    settings, model, params, tokenizer, rows, val_rows, sharder = trainer_parts(config)
+    scorer = reward_fn or experiment.build_reward(settings)[0]
+    return RLTrainer(settings, model, params, tokenizer, rows, val_rows, scorer, str(workdir),
+                     0, sharder=sharder)
 
 
 def tiny_hf_checkpoint(path):

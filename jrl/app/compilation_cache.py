@@ -51,14 +51,13 @@ def resolve(value) -> str | None:
     return os.path.abspath(os.path.expanduser(value)) if value else None
 
 
-def configure(config) -> str | None:
-    """Turns the persistent cache on as `trainer.compilation_cache_dir` says; returns
-    the directory (None: off, jax's config untouched).
+def configure(value) -> str | None:
+    """Turns the persistent cache on as `trainer.compilation_cache_dir` (its value:
+    `value`) says; returns the directory (None: off, jax's config untouched).
 
     Raises:
       ConfigError: the path is a file, or the directory cannot be made or written.
     """
-    value = config.trainer.get("compilation_cache_dir")
     path = resolve(value)
     if path is None:
         return None

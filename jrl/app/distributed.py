@@ -1,4 +1,5 @@
-"""Multi-process start-up: `jax.distributed` from the config or the cluster environment.
+"""Multi-process start-up: `jax.distributed` from the `distributed.*` settings or the cluster
+environment.
 
 One process per host (or per GPU) runs the same program; after `initialize`,
 `jax.devices()` lists the devices of all processes and the mesh spans them. On TPU
@@ -8,11 +9,15 @@ pods and SLURM, JAX finds the coordinator, process count and index itself.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import jax
 
-from jrl.errors import ConfigError
+if TYPE_CHECKING:  # (jrl.config.settings imports this module's choices)
+    from jrl.config.settings import DistributedSettings
 
+# `distributed.initialize` (`jrl.config.settings.DistributedSettings` checks the key against
+# this list).
 INITIALIZE_CHOICES = ("auto", "yes", "no")
 _started = False
 
@@ -26,29 +31,24 @@ def cluster_detected() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
-def maybe_initialize(config) -> bool:
-    """Starts `jax.distributed` as the `distributed` config section says.
+def maybe_initialize(settings: DistributedSettings) -> bool:
+    """Starts `jax.distributed` as the `distributed` section's settings
+    (`jrl.config.settings.DistributedSettings`, its `initialize` checked) say.
 
     Must run before anything touches the devices. Returns whether it started.
-
-    Raises:
-      ValueError: naming `distributed.initialize` when its value is not a choice.
     """
-    d = config.distributed
-    if d.initialize not in INITIALIZE_CHOICES:
-        raise ConfigError(f"distributed.initialize={d.initialize!r} is not valid; choose one of "
-                          f"{list(INITIALIZE_CHOICES)}")
-    if d.initialize == "no" or (d.initialize == "auto" and not d.coordinator_address
-                                and not cluster_detected()):
+    if settings.initialize == "no" or (settings.initialize == "auto"
+                                       and not settings.coordinator_address
+                                       and not cluster_detected()):
         return False
     global _started
     if _started or jax.distributed.is_initialized():  # already part of a cluster
         return True
     local_ids = None
-    if d.local_device_ids:
-        local_ids = [int(i) for i in str(d.local_device_ids).split(",")]
-    jax.distributed.initialize(coordinator_address=d.coordinator_address,
-                               num_processes=d.num_processes, process_id=d.process_id,
-                               local_device_ids=local_ids)
+    if settings.local_device_ids:
+        local_ids = [int(i) for i in str(settings.local_device_ids).split(",")]
+    jax.distributed.initialize(coordinator_address=settings.coordinator_address,
+                               num_processes=settings.num_processes,
+                               process_id=settings.process_id, local_device_ids=local_ids)
     _started = True
     return True

@@ -1,8 +1,9 @@
-"""Building an experiment from its config: tokenizer, data (every row checked), reward
-and model.
+"""Building an experiment from its settings: tokenizer, data (every row checked), reward,
+model and meshes.
 
-`jrl.sft` (the warm start) and `jrl.train` (RL, after the warm start) build through
-here: experiment <- sft <- train, no cycles.
+The builders take the checked settings of `jrl.config.settings` (`ExperimentSettings`,
+or a run's `Settings`), never the config. `jrl.sft` (the warm start) and `jrl.train`
+(RL, after the warm start) build through here: experiment <- sft <- train, no cycles.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import rewards, sharding
-from jrl.config import settings
+from jrl.config.settings import DataSettings, ExperimentSettings, ModelSettings, Settings
 from jrl.data import files, synthetic
 from jrl.data.dataset import prompt_token_ids
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
@@ -24,51 +25,34 @@ from jrl.models.config import ModelConfig
 from jrl.models.transformer import init_params, param_logical_axes
 from jrl.rewards import scoring
 
-_MODEL_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim")
 
-
-def scan_unroll(config) -> bool:
-    """`model.scan_unroll`, its default (None) resolved: unrolled with token-budget
-    micro-batches in the update (`actor.use_dynamic_bsz` / `critic.use_dynamic_bsz`)."""
-    unroll = config.model.get("scan_unroll")
-    if unroll is not None:
-        return bool(unroll)
-    return any(config[role].get("use_dynamic_bsz", False) for role in ("actor", "critic"))
-
-
-def build_tokenizer(config):
+def build_tokenizer(experiment_settings: ExperimentSettings):
     """The tokenizer of `tokenizer.*`, checked against `model.path`'s checkpoint.
 
-    Nothing has been compiled yet: a `model.path` that does not exist, a checkpoint
-    paired with the built-in character tokenizer, or a tokenizer whose ids the model
-    cannot embed stops here, naming the keys.
+    Nothing has been compiled yet: a checkpoint paired with the built-in character
+    tokenizer, or a tokenizer whose ids the model cannot embed, stops here, naming the
+    keys (the keys themselves were checked with the settings).
     """
-    name, model_path = config.tokenizer.name, os.path.expanduser(config.model.path or "")
-    if model_path and not os.path.isdir(model_path):
-        raise ConfigError(f"model.path: {config.model.path!r} does not exist; expected a "
-                          "checkpoint directory with config.json and safetensors weights")
-    if name == "char":
+    tokenizer_settings = experiment_settings.tokenizer
+    model_path = os.path.expanduser(experiment_settings.model.path or "")
+    if tokenizer_settings.name == "char":
         tokenizer = CharTokenizer()
-    elif name == "hf":
-        path = os.path.expanduser(config.tokenizer.path or model_path)
-        if not path:
-            raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
-        tokenizer = HFTokenizer.from_pretrained(path)
     else:
-        raise ConfigError(f"tokenizer.name: {name!r} is not valid; choose 'char' or 'hf'")
+        tokenizer = HFTokenizer.from_pretrained(
+            os.path.expanduser(tokenizer_settings.path or model_path))
     if model_path:
-        _check_tokenizer_fits_model(config, tokenizer, model_path)
+        _check_tokenizer_fits_model(experiment_settings, tokenizer, model_path)
     return tokenizer
 
 
-def _check_tokenizer_fits_model(config, tokenizer, model_path: str) -> None:
+def _check_tokenizer_fits_model(experiment_settings: ExperimentSettings, tokenizer,
+                                model_path: str) -> None:
     """The checkpoint must embed every id the tokenizer makes; the character tokenizer
     goes only with a checkpoint of exactly its vocabulary (one trained with it) that
     carries no tokenizer of its own."""
     vocab = hf.read_hf_config(model_path).get("vocab_size")
-    where = f"model.path={config.model.path!r}"
-    if config.tokenizer.name == "char":
+    where = f"model.path={experiment_settings.model.path!r}"
+    if experiment_settings.tokenizer.name == "char":
         own = os.path.isfile(os.path.join(model_path, "tokenizer.json"))
         if own or vocab != tokenizer.vocab_size:
             raise ConfigError(
@@ -76,7 +60,7 @@ def _check_tokenizer_fits_model(config, tokenizer, model_path: str) -> None:
                 f"tokenizer.name='char' is the built-in {tokenizer.vocab_size}-token character "
                 "tokenizer; add --config.tokenizer.name=hf to use the checkpoint's tokenizer")
     elif not isinstance(vocab, int) or tokenizer.vocab_size > vocab:
-        source = config.tokenizer.path or config.model.path
+        source = experiment_settings.tokenizer.path or experiment_settings.model.path
         raise ConfigError(
             f"tokenizer.path / model.path: the tokenizer of {source!r} has "
             f"{tokenizer.vocab_size} tokens, more than the vocab_size={vocab} in config.json "
@@ -84,7 +68,7 @@ def _check_tokenizer_fits_model(config, tokenizer, model_path: str) -> None:
             "tokenizer")
 
 
-def build_data(config, tokenizer=None, reward_fn=None):
+def build_data(experiment_settings: ExperimentSettings, tokenizer=None, reward_fn=None):
     """(train rows, validation rows): from `data.train_files` / `val_files` when given,
     else the synthetic `data.task`.
 
@@ -96,52 +80,46 @@ def build_data(config, tokenizer=None, reward_fn=None):
     lists every bad row (`files.BadRows`): the file, the row (numbered from 1, a .jsonl
     file's line number) and the field.
     """
-    rule_reward = (reward_fn is None and not config.reward.custom_fn
-                   and not config.reward.in_graph_fn and not config.reward_model.enable)
+    data = experiment_settings.data
+    rule_reward = reward_fn is None and experiment_settings.rule_reward
     # Prompts are measured as the rollout renders them: with the tool schemas.
-    tools = settings.prompt_tools(config) if tokenizer is not None else None
-    if config.data.train_files:
+    tools = experiment_settings.prompt_tools if tokenizer is not None else None
+    if data.train_files:
         splits, errors = [], []
         for split in ("train", "val"):  # both files' bad rows in one error
             try:
-                splits.append(_file_rows(config, tokenizer, split, rule_reward, tools))
+                splits.append(_file_rows(data, tokenizer, split, rule_reward, tools))
             except DataError as err:
                 errors.append(str(err))
         if errors:
             raise DataError("\n".join(errors))
         return tuple(splits)
-    if config.data.val_files:
-        raise ConfigError("data.val_files is set without data.train_files; give both, or "
-                          "neither for the synthetic data.task")
-    if config.data.task not in synthetic.TASKS:
-        raise ConfigError(f"data.task: {config.data.task!r} is not valid; choose one of "
-                          f"{list(synthetic.TASKS)}")
-    if config.data.task == "tool_multiplication":
+    if data.task == "tool_multiplication":
         train_rows, val_rows = synthetic.tool_multiplication(
-            config.data.digits, config.data.num_val, config.data.num_train or 4096,
-            seed=config.data.seed, tool_rate=config.data.tool_rate)
+            data.digits, data.num_val, data.num_train or 4096, seed=data.seed,
+            tool_rate=data.tool_rate)
     else:
         train_rows, val_rows = synthetic.arithmetic(
-            config.data.digits, config.data.ops, config.data.num_val, config.data.num_train,
-            seed=config.data.seed, reverse=config.data.reverse_answer,
-            carry_slip_rate=config.data.carry_slip_rate)
+            data.digits, data.ops, data.num_val, data.num_train, seed=data.seed,
+            reverse=data.reverse_answer, carry_slip_rate=data.carry_slip_rate)
     if tokenizer is not None:
         bad = files.BadRows()
         for split, rows in (("train", train_rows), ("val", val_rows)):
             for number, row in enumerate(rows, start=1):
                 try:
-                    _check_prompt_length(config, tokenizer, row, f"row {number}",
+                    _check_prompt_length(data, tokenizer, row, f"row {number}",
                                          hint="raise data.max_prompt_length", tools=tools)
                 except DataError as err:
-                    bad.add(f"data.task={config.data.task!r} ({split})", str(err))
+                    bad.add(f"data.task={data.task!r} ({split})", str(err))
         bad.raise_any()
     return train_rows, val_rows
 
 
-def _check_prompt_length(config, tokenizer, row, where: str, hint: str, tools=None) -> None:
-    limit = config.data.max_prompt_length
+def _check_prompt_length(data: DataSettings, tokenizer, row, where: str, hint: str,
+                         tools=None) -> None:
+    limit = data.max_prompt_length
     try:
-        length = len(prompt_token_ids(tokenizer, row, config.data.apply_chat_template, tools))
+        length = len(prompt_token_ids(tokenizer, row, data.apply_chat_template, tools))
     except ConfigError as err:  # a character the tokenizer cannot encode
         raise DataError(f"{where}: {err}") from err
     if length > limit:
@@ -157,25 +135,26 @@ def param_shardings(sharder: sharding.Sharder, model: ModelConfig, head: str = "
     return sharder.params(param_logical_axes(model, head), shapes)
 
 
-def _file_rows(config, tokenizer, split: str, rule_reward: bool, tools=None) -> list:
+def _file_rows(data: DataSettings, tokenizer, split: str, rule_reward: bool,
+               tools=None) -> list:
     """Rows of `data.<split>_files`, checked (see `build_data`), with overlong prompts
     (as rendered with the tool schemas `tools`) dropped or reported."""
     key = f"data.{split}_files"
-    paths = config.data[f"{split}_files"]
+    paths = getattr(data, f"{split}_files")
     if not paths:
         return []
-    limit, chat = config.data.max_prompt_length, config.data.apply_chat_template
-    filter_overlong = config.data.filter_overlong_prompts
+    limit, chat = data.max_prompt_length, data.apply_chat_template
+    filter_overlong = data.filter_overlong_prompts
 
     def check(row, where):
         if rule_reward:
             rewards.check_row(row, where)
         if tokenizer is not None and not filter_overlong:
-            _check_prompt_length(config, tokenizer, row, where,
+            _check_prompt_length(data, tokenizer, row, where,
                                  hint="raise the limit or set data.filter_overlong_prompts="
                                  "True to drop such rows", tools=tools)
 
-    rows = files.load_rows(paths, prompt_key=config.data.prompt_key, check=check)
+    rows = files.load_rows(paths, prompt_key=data.prompt_key, check=check)
     if tokenizer is not None and filter_overlong:
         rows, dropped = files.filter_overlong_prompts(rows, tokenizer, limit, chat, tools)
         if jax.process_index() == 0:
@@ -186,44 +165,37 @@ def _file_rows(config, tokenizer, split: str, rule_reward: bool, tools=None) -> 
     return rows
 
 
-def build_reward(config, s: settings.Settings, reward_fn=None):
+def build_reward(settings: Settings, reward_fn=None):
     """(rule scorer, reward model or None) of the `reward` / `reward_model` sections."""
-    r = s.reward
+    reward = settings.reward
     # With a reward model the rule scorer is never called: no worker processes for it.
-    scorer = scoring.RewardScorer(reward_fn or r.custom_fn,
-                                  num_workers=0 if r.model_path else r.num_workers,
-                                  on_error=r.on_error, error_score=r.error_score)
+    scorer = scoring.RewardScorer(reward_fn or reward.custom_fn,
+                                  num_workers=0 if reward.model_path else reward.num_workers,
+                                  on_error=reward.on_error, error_score=reward.error_score)
     model = None
-    if r.model_path:
+    if reward.model_path:
         from jrl.rewards.reward_model import RewardModel
 
         model = RewardModel.from_pretrained(
-            r.model_path, r.model_max_length, dtype=config.model.dtype,
-            truncation=r.model_truncation, micro_batch_size=r.model_micro_batch_size)
+            reward.model_path, reward.model_max_length, dtype=settings.experiment.model.dtype,
+            truncation=reward.model_truncation, micro_batch_size=reward.model_micro_batch_size)
     return scorer, model
 
 
-def _lora_fields(config) -> dict:
-    """The `model.lora_*` keys as `ModelConfig` fields (none when the config lacks them)."""
-    if "lora_rank" not in config.model:
-        return {}
-    return {"lora_rank": int(config.model.lora_rank), "lora_alpha": float(config.model.lora_alpha),
-            "lora_targets": config.model.target_modules,
-            "lora_rollout": config.model.get("lora_rollout", "merged")}
+def build_sharder(settings: Settings) -> sharding.Sharder:
+    """The training devices' `Sharder` (`mesh.*`; all devices without a sampling group)."""
+    return sharding.training_sharder(settings.devices.mesh, settings.devices.rules,
+                                     settings.sampling_devices)
 
 
-def _model_dtypes(config) -> dict:
-    """The `ModelConfig` fields the config sets besides the architecture."""
-    return {"dtype": config.model.dtype, "remat": config.model.remat,
-            "decode_attention_impl": config.model.get("decode_attention_impl", "auto"),
-            "logprob_impl": config.model.get("logprob_impl", "auto"),
-            "fuse_decode_projections": bool(config.model.get("fuse_decode_projections", True)),
-            "scan_unroll": scan_unroll(config),
-            **_lora_fields(config)}
+def build_rollout_sharder(settings: Settings) -> sharding.Sharder | None:
+    """The sampling group's `Sharder` (`rollout.devices`), or None without one."""
+    return sharding.sampling_sharder(settings.devices.rules, settings.sampling_devices,
+                                     settings.devices.rollout_tensor)
 
 
-def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
-                ) -> tuple[ModelConfig, dict]:
+def build_model(experiment_settings: ExperimentSettings, tokenizer,
+                sharder: sharding.Sharder | None = None) -> tuple[ModelConfig, dict]:
     """(architecture, initial actor params) from model.path or a preset.
 
     With a `sharder`, parameters are created (or read) directly into their shardings;
@@ -231,36 +203,36 @@ def build_model(config, tokenizer, sharder: sharding.Sharder | None = None
     frozen, is created (or read) in the compute dtype, never as float32 (unless an SFT
     warm start will train all of it first); the adapters are float32.
     """
-    lora_base = bool(_lora_fields(config).get("lora_rank")) and not (
-        "sft" in config and config.sft.steps > 0)
-    base_dtype = config.model.dtype if lora_base else config.model.param_dtype
-    dtypes = _model_dtypes(config)
-    if config.model.path:
+    model_settings = experiment_settings.model
+    lora_base = bool(model_settings.lora_rank) and not experiment_settings.sft.steps > 0
+    base_dtype = model_settings.dtype if lora_base else model_settings.param_dtype
+    if model_settings.path:
         shardings = None
         if sharder is not None:
             shardings = lambda model, head: param_shardings(sharder, model, head)
         model, params = hf.load_pretrained(
-            os.path.expanduser(config.model.path), dtype=base_dtype,
-            config_overrides={**dtypes, "param_dtype": config.model.param_dtype},
+            os.path.expanduser(model_settings.path), dtype=base_dtype,
+            config_overrides={**model_settings.config_fields(),
+                              "param_dtype": model_settings.param_dtype},
             shardings=shardings)
         if model.lora_rank:  # the checkpoint has no adapters: fresh ones (B = 0)
-            key = jax.random.fold_in(jax.random.key(config.seed), 1)
+            key = jax.random.fold_in(jax.random.key(experiment_settings.seed), 1)
             params = lora.combine(params, lora.init_adapters(model, key))
         return model, params
-    model, init = _fresh_model(config, tokenizer, lora_base, base_dtype, dtypes)
+    model, init = _fresh_model(model_settings, tokenizer, lora_base, base_dtype)
     shardings = None if sharder is None else param_shardings(sharder, model)
-    return model, jax.jit(init, out_shardings=shardings)(jax.random.key(config.seed))
+    return model, jax.jit(init, out_shardings=shardings)(jax.random.key(experiment_settings.seed))
 
 
-def _fresh_model(config, tokenizer, lora_base: bool, base_dtype, dtypes: dict):
+def _fresh_model(model_settings: ModelSettings, tokenizer, lora_base: bool, base_dtype):
     """(architecture of a preset, `init(key)` of its parameters)."""
-    overrides = {k: config.model[k] for k in _MODEL_OVERRIDES if config.model[k] is not None}
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
     # never sample an id the tokenizer cannot decode.
     model = ModelConfig.preset(
-        config.model.preset, param_dtype=config.model.param_dtype, vocab_size=tokenizer.vocab_size,
-        pad_token_id=tokenizer.pad_token_id, eos_token_ids=tuple(tokenizer.eos_token_ids),
-        **dtypes, **overrides)
+        model_settings.preset, param_dtype=model_settings.param_dtype,
+        vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=tuple(tokenizer.eos_token_ids), **model_settings.config_fields(),
+        **model_settings.preset_overrides())
 
     def init(key):
         params = init_params(model, key)
@@ -272,14 +244,15 @@ def _fresh_model(config, tokenizer, lora_base: bool, base_dtype, dtypes: dict):
     return model, init
 
 
-def build_models(config, tokenizer, seeds) -> tuple[ModelConfig, dict]:
+def build_models(experiment_settings: ExperimentSettings, tokenizer,
+                 seeds) -> tuple[ModelConfig, dict]:
     """(architecture, the initial actor params of one run per seed, stacked on a leading
     runs axis): a preset initialised from each `key(seed)` as `build_model` would, or
     `model.path`'s weights repeated."""
-    if config.model.path:
-        model, params = build_model(config, tokenizer)
+    if experiment_settings.model.path:
+        model, params = build_model(experiment_settings, tokenizer)
         return model, jax.tree.map(lambda x: jnp.stack([x] * len(seeds)), params)
-    dtypes = _model_dtypes(config)
-    model, init = _fresh_model(config, tokenizer, False, config.model.param_dtype, dtypes)
+    model_settings = experiment_settings.model
+    model, init = _fresh_model(model_settings, tokenizer, False, model_settings.param_dtype)
     keys = jnp.stack([jax.random.key(seed) for seed in seeds])
     return model, jax.jit(jax.vmap(init))(keys)

@@ -1,8 +1,14 @@
 """Turns an experiment `ConfigDict` into validated, static settings.
 
-Everything is checked here, before any model is built or anything compiles; each
-error names the config key and what would be valid. The jitted steps then take
-the frozen dataclasses below as static arguments, never the `ConfigDict`.
+Everything is checked here, before anything is loaded, built or compiled; each error
+names the config key and what would be valid. Below the entry points (`jrl.train`,
+`jrl.sft`) only these frozen dataclasses travel, never the `ConfigDict`: the
+experiment's builders take `ExperimentSettings`, the trainers and the jitted steps
+`Settings`.
+
+A run's settings come in two steps: `from_config` reads and checks every key; what
+the tokenizer and the training rows decide (the rollouts' stop and pad ids, the step
+count of `trainer.total_epochs`) is added by `Settings.with_data` once they are built.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ import os
 
 import ml_collections
 
-from jrl import optim, tools
+from jrl import optim, sharding, tools
 from jrl.algos import advantages, kl_control, losses, masks
 from jrl.algos import rollout_correction as rollout_correction
+from jrl.app import distributed
 from jrl.config import defaults
+from jrl.data import synthetic
 from jrl.errors import ConfigError
 from jrl.kernels import mosaic_backend, triton_backend
 from jrl.models import config as model_config
@@ -303,6 +311,10 @@ class FilterGroupsSettings:
     metric: str
     max_num_gen_batches: int  # 0: no limit
     gen_batch_size: int  # prompts per generation round
+    # The key `gen_batch_size` comes from: data.train_batch_size where data.gen_batch_size
+    # is unset.
+    gen_batch_key: str = dataclasses.field(default="data.gen_batch_size", compare=False,
+                                           repr=False)
 
     def __post_init__(self):
         if not isinstance(self.metric, str) or not self.metric:
@@ -316,7 +328,8 @@ class FilterGroupsSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSettings:
-    """The loop's schedule: validation, checkpoints, the critic's warm-up."""
+    """The loop's schedule: its length, validation, checkpoints, the critic's warm-up,
+    what it logs and exports."""
 
     test_freq: int  # validate every this many steps (0: never; always after the last)
     save_freq: int  # checkpoint every this many steps (0: never; also after the last)
@@ -333,6 +346,12 @@ class TrainerSettings:
     # Compile the first step's programs at once (`RLTrainer.compile_programs`); None: on
     # a GPU or TPU, off on a CPU.
     parallel_compile: bool | None = None
+    # RL steps (0: `total_epochs` passes over the training rows, counted by
+    # `Settings.with_data`); `total_epochs` is checked only then.
+    total_training_steps: int = 0
+    total_epochs: int = 1
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  # each one of LOGGERS
+    export_hf: bool = True  # a `model.path` run's last step exported in HF format
 
     @property
     def multi_run(self) -> bool:
@@ -340,6 +359,16 @@ class TrainerSettings:
         return self.runs > 1 or bool(self.sweep) or self.steps_per_call > 1
 
     def __post_init__(self):
+        for logger in self.logger:
+            if logger not in LOGGERS:
+                _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
+        _set(self, logger=tuple(self.logger))
+        if self.total_training_steps:
+            _set(self, total_training_steps=_number(
+                "trainer.total_training_steps", self.total_training_steps, integer=True))
+        else:
+            _set(self, total_training_steps=0, total_epochs=_number(
+                "trainer.total_epochs", self.total_epochs, integer=True))
         for name in ("runs", "steps_per_call"):
             _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), integer=True)})
         if self.sweep is not None and not isinstance(self.sweep, str):
@@ -421,24 +450,292 @@ def prompt_tools(config) -> list[dict] | None:
     return list(mt.tool_schemas) if mt is not None and mt.tool_schemas else None
 
 
+# ----------------------------------------------------------------------------- the experiment
+# What builds the tokenizer, the rows and the model (`jrl.app.experiment`) and runs the
+# warm start (`jrl.sft`): all that `python -m jrl.sft` reads of a config, and the part of a
+# run's `Settings` that builds it. These check only what building needs; what training
+# needs of the same keys `from_config` checks besides (`_check_model`).
+
+TOKENIZERS = ("char", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSettings:
+    """`tokenizer.*`: what encodes the prompts and decodes the responses.
+
+    Attributes:
+      name: "char" (the built-in character tokenizer) or "hf" (Hugging Face tokenizer
+        files).
+      path: the Hugging Face tokenizer's directory as the config gives it (`~` allowed);
+        None: `model.path`'s.
+    """
+
+    name: str
+    path: str | None = None
+
+    def __post_init__(self):
+        if self.name not in TOKENIZERS:
+            raise ConfigError(f"tokenizer.name: {self.name!r} is not valid; choose 'char' or "
+                              "'hf'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """`model.*`: the actor's architecture, where its weights come from and how it computes
+    (the `jrl.models.ModelConfig` fields a config sets; the vocabulary and special ids are
+    the tokenizer's or the checkpoint's).
+
+    Attributes:
+      path: a local Hugging Face checkpoint directory as the config gives it (`~`
+        allowed); None or "": `preset`, freshly initialised.
+      preset: the architecture of a fresh model (`jrl.models.PRESETS`).
+      param_dtype: the parameters' dtype.
+      dtype: the compute dtype.
+      remat: the training passes' rematerialisation policy.
+      decode_attention_impl: the decode steps' cache write and attention.
+      logprob_impl: the log-prob and update passes' unembedding and log-softmax.
+      fuse_decode_projections: decode with q/k/v and gate/up joined into one matmul each.
+      scan_unroll: unroll the update passes' scan over layers (`model.scan_unroll`, its
+        default resolved: unrolled with token-budget micro-batches, `use_dynamic_bsz`).
+      lora_rank: the LoRA adapters' rank (0: none, full fine-tuning).
+      lora_alpha: the adapters' scale numerator (the scale is alpha / rank).
+      lora_targets: `model.target_modules` as the config gives it: the projections with
+        adapters.
+      lora_rollout: how rollouts apply the adapters ("merged" or "unmerged").
+      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: the
+        preset's overrides; None keeps the preset's value.
+      attention_impl: `model.attention_impl` where a config adds the key (None: it does
+        not); only checked against runs in one program.
+    """
+
+    path: str | None
+    preset: str
+    param_dtype: str
+    dtype: str
+    remat: str
+    decode_attention_impl: str = "auto"
+    logprob_impl: str = "auto"
+    fuse_decode_projections: bool = True
+    scan_unroll: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_rollout: str = "merged"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    attention_impl: str | None = None
+
+    def __post_init__(self):
+        if self.path and not os.path.isdir(os.path.expanduser(self.path)):
+            raise ConfigError(f"model.path: {self.path!r} does not exist; expected a "
+                              "checkpoint directory with config.json and safetensors weights")
+
+    def preset_overrides(self) -> dict:
+        """The preset's overrides the config sets (`hidden_size`, ...)."""
+        names = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def config_fields(self) -> dict:
+        """The `ModelConfig` fields the config sets besides the architecture and the
+        parameters' dtype."""
+        return {"dtype": self.dtype, "remat": self.remat,
+                "decode_attention_impl": self.decode_attention_impl,
+                "logprob_impl": self.logprob_impl,
+                "fuse_decode_projections": self.fuse_decode_projections,
+                "scan_unroll": self.scan_unroll, "lora_rank": self.lora_rank,
+                "lora_alpha": self.lora_alpha, "lora_targets": self.lora_targets,
+                "lora_rollout": self.lora_rollout}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """`data.*` as the rows are built: which rows, and how their prompts are encoded.
+
+    Attributes:
+      train_files: training rows in verl's schema (a .parquet/.jsonl path or a list of
+        them); None: the synthetic `task`.
+      val_files: validation rows (same formats); None: none (or the task's held-out part).
+      prompt_key: the rows' prompt column.
+      filter_overlong_prompts: drop rows whose prompt is over `max_prompt_length` tokens
+        (else such a row is an error).
+      max_prompt_length: prompt tokens (as the config gives it; `Settings` checks it).
+      apply_chat_template: encode prompts through the tokenizer's chat template.
+      seed: the seed of the per-epoch shuffle of the training prompts.
+      val_batch_size: prompts per validation generate call.
+      task: the synthetic task (`jrl.data.synthetic.TASKS`).
+      digits, ops, reverse_answer, carry_slip_rate, num_val, num_train: the synthetic
+        arithmetic's (`jrl.data.synthetic.arithmetic`).
+      tool_rate: the synthetic tool multiplication's share of demonstrations that call
+        the calculator.
+    """
+
+    train_files: str | list | None
+    val_files: str | list | None
+    prompt_key: str
+    filter_overlong_prompts: bool
+    max_prompt_length: int
+    apply_chat_template: bool
+    seed: int
+    val_batch_size: int
+    task: str
+    digits: int
+    ops: str
+    reverse_answer: bool
+    carry_slip_rate: float
+    tool_rate: float
+    num_val: int
+    num_train: int | None
+
+    def __post_init__(self):
+        if self.train_files:
+            return
+        if self.val_files:
+            raise ConfigError("data.val_files is set without data.train_files; give both, or "
+                              "neither for the synthetic data.task")
+        if self.task not in synthetic.TASKS:
+            raise ConfigError(f"data.task: {self.task!r} is not valid; choose one of "
+                              f"{list(synthetic.TASKS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSettings:
+    """`sft.*`: the supervised warm start before RL.
+
+    Attributes:
+      steps: AdamW steps (0: no warm start).
+      batch_size: examples per step.
+      lr: the learning rate, constant after the warmup.
+      lr_warmup_steps: steps over which the rate rises linearly from 0 to `lr`.
+      max_response_length: `rollout.response_length`, the demonstrations' token budget
+        (the rollout's).
+    """
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 1e-3
+    lr_warmup_steps: int = 0
+    max_response_length: int = 8
+
+    def check_steps(self) -> None:
+        """`python -m jrl.sft` trains: it needs steps."""
+        if self.steps <= 0:
+            raise ConfigError(f"sft.steps must be > 0 to run SFT, got {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSettings:
+    """What builds an experiment (`jrl.app.experiment`: tokenizer, rows, model) and its
+    warm start (`jrl.sft`).
+
+    Attributes:
+      seed: the root seed (model init; the warm start's batches).
+      tokenizer: `tokenizer.*`.
+      model: `model.*`.
+      data: `data.*`.
+      sft: `sft.*`.
+      multi_turn: `rollout.multi_turn.*` with tools, whose schemas every prompt renders
+        (`prompt_tools`); None: single-turn rollouts.
+      rule_reward: whether the built-in rule rewards score the rows (none of
+        `reward.custom_fn`, `reward.in_graph_fn` and `reward_model.enable` is set), so
+        each row's `data_source` and ground truth are checked.
+    """
+
+    seed: int
+    tokenizer: TokenizerSettings
+    model: ModelSettings
+    data: DataSettings
+    sft: SftSettings = SftSettings()
+    multi_turn: MultiTurnSettings | None = None
+    rule_reward: bool = True
+
+    def __post_init__(self):
+        if self.tokenizer.name == "hf" and not (self.tokenizer.path or self.model.path):
+            raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
+
+    @property
+    def prompt_tools(self) -> list[dict] | None:
+        """The tool schemas every prompt renders (`MultiTurnSettings.tool_schemas`); None
+        without multi-turn rollouts or tools."""
+        mt = self.multi_turn
+        return list(mt.tool_schemas) if mt is not None and mt.tool_schemas else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSettings:
+    """`mesh.*` and `rollout.tensor_model_parallel_size`: how a run lays out its devices
+    (the sampling group's size is `Settings.sampling_devices`).
+
+    Attributes:
+      mesh: the training mesh's axis sizes (`mesh.data`, `fsdp`, `context`, `tensor`; one
+        may be -1: the remaining devices).
+      rules: `(logical axis name, mesh axes)` pairs (`mesh.rules`).
+      runs: devices the runs of one program are split over (`mesh.runs`; -1: all).
+      rollout_tensor: the sampling group's tensor-parallel size.
+    """
+
+    mesh: sharding.MeshSettings
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+    runs: int = 1
+    rollout_tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """`distributed.*`: how a process joins a multi-process job (`jrl.app.distributed`).
+
+    Attributes:
+      initialize: "auto" (join where a coordinator is given or the environment describes
+        a job), "yes" or "no".
+      coordinator_address: the coordinator's host:port; None: JAX finds it (TPU pods,
+        SLURM).
+      num_processes: the job's processes; None: JAX finds them.
+      process_id: this process' index; None: JAX finds it.
+      local_device_ids: this process' devices, comma-separated ids; None: all it sees.
+    """
+
+    initialize: str = "auto"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: str | None = None
+
+    def __post_init__(self):
+        if self.initialize not in distributed.INITIALIZE_CHOICES:
+            raise ConfigError(f"distributed.initialize={self.initialize!r} is not valid; "
+                              f"choose one of {list(distributed.INITIALIZE_CHOICES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Everything static about a run, derived once from the config."""
+    """Everything static about a run, derived once from the config (`from_config`, then
+    `with_data`)."""
 
+    experiment: ExperimentSettings  # what builds the tokenizer, the rows and the model
+    devices: DeviceSettings  # the meshes
     actor: ActorSettings
     critic: CriticSettings | None  # None: the estimator needs no critic
     algorithm: AlgorithmSettings
+    # The rollouts' and validation's sampling; their stop and pad ids are the
+    # tokenizer's from `with_data` (before it: none, and 0).
     rollout: SamplingConfig
     validation: SamplingConfig
     train_batch_size: int  # prompts per step
     max_prompt_length: int
-    total_steps: int
+    # RL steps: `trainer.total_training_steps`, else `trainer.total_epochs` passes over
+    # the training rows (None until `with_data` counts them).
+    total_steps: int | None
     logprob_chunk_size: int
     reward: RewardSettings
     filter_groups: FilterGroupsSettings | None
     log_prob_micro_batch: int | None  # sequences per log-prob/value forward; None: all
     trainer: TrainerSettings = TrainerSettings(0, 0, True, 0, None)
-    multi_turn: MultiTurnSettings | None = None  # None: single-turn rollouts
+    # None: single-turn rollouts (`from_config` sets `experiment.multi_turn`, one object).
+    multi_turn: MultiTurnSettings | None = None
     # One-step asynchronous training: devices of the sampling group (`rollout.devices`;
     # 0: none) and how many steps its weights lag the update (`rollout.staleness`).
     sampling_devices: int = 0
@@ -499,22 +796,8 @@ class Settings:
                                         integer=True),
              response_buckets=_number("actor.response_buckets", self.response_buckets,
                                       integer=True))
-        n, batch = self.rollout.n, self.train_batch_size * self.rollout.n
         estimator = advantages.get_estimator(self.algorithm.adv_estimator)
-        if estimator.needs_groups and n < max(2, estimator.min_group_size):
-            _fail("rollout.n", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
-                  f"compares the samples of a prompt and needs rollout.n >= 2, got {n}")
-        for role in ("actor", "critic"):
-            update = getattr(self, role) and getattr(self, role).update
-            if update is not None and batch % update.mini_batch:
-                _fail(f"{role}.ppo_mini_batch_size",
-                      f"{update.mini_batch // n} prompts x rollout.n={n} = {update.mini_batch} "
-                      f"sequences must divide the batch of {batch} sequences "
-                      "(data.train_batch_size x rollout.n)")
-        micro = self.log_prob_micro_batch
-        if micro is not None and batch % _number("rollout.log_prob_micro_batch_size", micro):
-            _fail("rollout.log_prob_micro_batch_size", f"{micro} must divide the batch of "
-                  f"{batch} sequences (data.train_batch_size x rollout.n)")
+        self._check_batches(estimator)
         self._check_token_budgets()
         if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
             _fail("reward_model.overlong_buffer.len", f"{self.reward.overlong_buffer_len} "
@@ -532,15 +815,7 @@ class Settings:
             _fail("reward.in_graph_fn", f"is needed by {key}: runs and steps in one device "
                   "program score their responses on the device (e.g. "
                   "reward.in_graph_fn=exact_match, or a JAX function as path/to/file.py:name)")
-        _set(self, sampling_devices=_number("rollout.devices", self.sampling_devices,
-                                            allow_zero=True, integer=True))
-        if self.staleness not in (0, 1):
-            _fail("rollout.staleness", f"must be 0 or 1 (steps the sampling group's weights "
-                  f"lag the update), got {self.staleness!r}")
-        if self.sampling_devices and estimator.needs_baseline:
-            _fail("rollout.devices", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
-                  "decodes a greedy baseline with the current weights, which one-step "
-                  "asynchronous training does not support; use rollout.devices=0")
+        self._check_sampling_group(estimator)
         if self.actor.correction.enabled and not self.rollout.do_sample:
             _fail("algorithm.rollout_correction", "needs the sampler's log-probs, which a "
                   "greedy rollout (rollout.do_sample=False) does not have")
@@ -552,6 +827,63 @@ class Settings:
             _fail("actor.reuse_update_log_probs", "applies only to an on-policy update (one "
                   "mini-batch, one epoch) without algorithm.use_kl_in_reward or a critic "
                   "warm-up")
+
+    def _check_batches(self, estimator) -> None:
+        """Groups of `rollout.n` samples where the estimator compares them; mini- and
+        micro-batches that divide the batch of `data.train_batch_size x rollout.n`."""
+        n, batch = self.rollout.n, self.train_batch_size * self.rollout.n
+        if estimator.needs_groups and n < max(2, estimator.min_group_size):
+            _fail("rollout.n", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  f"compares the samples of a prompt and needs rollout.n >= 2, got {n}")
+        for role in ("actor", "critic"):
+            update = getattr(self, role) and getattr(self, role).update
+            if update is not None and batch % update.mini_batch:
+                _fail(f"{role}.ppo_mini_batch_size",
+                      f"{update.mini_batch // n} prompts x rollout.n={n} = {update.mini_batch} "
+                      f"sequences must divide the batch of {batch} sequences "
+                      "(data.train_batch_size x rollout.n)")
+        micro = self.log_prob_micro_batch
+        if micro is not None and batch % _number("rollout.log_prob_micro_batch_size", micro):
+            _fail("rollout.log_prob_micro_batch_size", f"{micro} must divide the batch of "
+                  f"{batch} sequences (data.train_batch_size x rollout.n)")
+
+    def _check_sampling_group(self, estimator) -> None:
+        """`rollout.devices` and `rollout.staleness`: one-step asynchronous training."""
+        devices = self.sampling_devices
+        _set(self, sampling_devices=_number("rollout.devices", devices, allow_zero=True,
+                                            integer=True))
+        if self.staleness not in (0, 1):
+            _fail("rollout.staleness", f"must be 0 or 1 (steps the sampling group's weights "
+                  f"lag the update), got {self.staleness!r}")
+        if self.sampling_devices and estimator.needs_baseline:
+            _fail("rollout.devices", f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} "
+                  "decodes a greedy baseline with the current weights, which one-step "
+                  "asynchronous training does not support; use rollout.devices=0")
+        if not isinstance(devices, int):  # a count of devices, not a number rounded to one
+            raise ConfigError(f"rollout.devices={devices!r} must be an integer >= 0 (0: no "
+                              "sampling group)")
+
+    def with_data(self, *, stop_token_ids, pad_token_id, num_train_rows: int) -> Settings:
+        """These settings completed with what the tokenizer and the training rows decide:
+        the rollouts' stop and pad ids, the step count of `trainer.total_epochs` (and the
+        optimizers' schedules over it), and dynamic sampling's generation round checked
+        against the rows."""
+        groups = self.filter_groups
+        if groups is not None and groups.gen_batch_size > num_train_rows:
+            _fail(groups.gen_batch_key, f"{groups.gen_batch_size} prompts per generation "
+                  f"round is more than the {num_train_rows} training rows")
+        # With dynamic sampling a step reads at least one round of gen_batch_size prompts.
+        per_step = self.train_batch_size if groups is None else groups.gen_batch_size
+        steps = self.trainer.total_training_steps or (
+            self.trainer.total_epochs * (num_train_rows // per_step))
+        ids = {"stop_token_ids": tuple(stop_token_ids), "pad_token_id": int(pad_token_id)}
+        with_steps = lambda role: role and dataclasses.replace(
+            role, optim=dataclasses.replace(role.optim, total_steps=steps))
+        return dataclasses.replace(
+            self, total_steps=steps, actor=with_steps(self.actor), critic=with_steps(self.critic),
+            rollout=_checked_sampling(dataclasses.replace(self.rollout, **ids), "rollout"),
+            validation=_checked_sampling(dataclasses.replace(self.validation, **ids),
+                                         "rollout.val_kwargs"))
 
     def _check_cache_segments(self) -> None:
         """Segments need the host between them: not in a program that holds the whole
@@ -597,25 +929,27 @@ class Settings:
                   "'score'")
 
 
-def on_policy(s: Settings) -> bool:
+def on_policy(settings: Settings) -> bool:
     """Whether the actor's update is on-policy: one optimizer step from the state that
     sampled (one mini-batch, one epoch), so its own log-probs are the old ones; and
     nothing needs those before the update (no KL in the reward, no critic warm-up, no
     rollout correction that rejects or normalises over the whole batch, not bypass mode,
     whose old log-probs are the rollout's)."""
-    update, c = s.actor.update, s.actor.correction
-    return (update.mini_batch == s.train_batch_size * s.rollout.n and update.ppo_epochs == 1
-            and not s.algorithm.use_kl_in_reward and s.trainer.critic_warmup == 0
-            and not (c.bypass_mode or c.rejects or c.rollout_is_batch_normalize))
+    update, correction = settings.actor.update, settings.actor.correction
+    return (update.mini_batch == settings.train_batch_size * settings.rollout.n
+            and update.ppo_epochs == 1 and not settings.algorithm.use_kl_in_reward
+            and settings.trainer.critic_warmup == 0
+            and not (correction.bypass_mode or correction.rejects
+                     or correction.rollout_is_batch_normalize))
 
 
-def critic_on_policy(s: Settings) -> bool:
+def critic_on_policy(settings: Settings) -> bool:
     """Whether the critic's update is on-policy: one optimizer step from the state that
     valued the batch (one mini-batch, one epoch), so the values its forward pass computes
     are the batch's, and GAE (row by row) gives each micro-batch its returns from them."""
-    update = s.critic.update
-    return (s.algorithm.adv_estimator == "gae" and update.ppo_epochs == 1
-            and update.mini_batch == s.train_batch_size * s.rollout.n)
+    update = settings.critic.update
+    return (settings.algorithm.adv_estimator == "gae" and update.ppo_epochs == 1
+            and update.mini_batch == settings.train_batch_size * settings.rollout.n)
 
 
 def _get(config, key: str):
@@ -627,7 +961,7 @@ def _get(config, key: str):
     return node
 
 
-def _optim(config, prefix: str, total_steps: int) -> OptimSettings:
+def _optim(config, prefix: str, total_steps: int | None) -> OptimSettings:
     o = _get(config, f"{prefix}.optim")
     return OptimSettings(
         lr=_get(config, f"{prefix}.optim.lr"), weight_decay=o.weight_decay, betas=o.betas,
@@ -666,10 +1000,11 @@ def _decode_buckets(config):
                                           _get(config, "rollout.response_length"))
 
 
-def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
-    """`rollout.*` or `rollout.val_kwargs.*`: the keys of `sampler.VAL_KWARGS` under `key`."""
+def _sampling(config, key: str) -> SamplingConfig:
+    """`rollout.*` or `rollout.val_kwargs.*`: the keys of `sampler.VAL_KWARGS` under `key`
+    (the stop and pad ids: `Settings.with_data`'s)."""
     overrides = {name: _get(config, f"{key}.{name}") for name in sampler.VAL_KWARGS}
-    sampling = SamplingConfig(
+    return _checked_sampling(SamplingConfig(
         n=int(overrides["n"]),
         max_new_tokens=int(_number("rollout.response_length",
                                    _get(config, "rollout.response_length"))),
@@ -677,13 +1012,15 @@ def _sampling(config, key: str, stop_ids, pad_id) -> SamplingConfig:
         top_k=int(overrides["top_k"]),
         top_p=float(overrides["top_p"]),
         do_sample=bool(overrides["do_sample"]),
-        stop_token_ids=tuple(stop_ids),
-        pad_token_id=int(pad_id),
         ignore_stop=key == "rollout" and bool(_get(config, "rollout.ignore_eos")),
         decode_buckets=_decode_buckets(config),
         cache_segments=_get(config, "rollout.cache_segments"),
         gemm=_get(config, "rollout.gemm"),
-    )
+    ), key)
+
+
+def _checked_sampling(sampling: SamplingConfig, key: str) -> SamplingConfig:
+    """`sampling`, checked by the sampler (`key`: the config section it came from)."""
     try:
         return sampling.validate(prefix=key)
     except ValueError as err:  # the sampler's own ValueError; the CLI prints a ConfigError
@@ -713,21 +1050,16 @@ def _reward(config) -> RewardSettings:
         overlong_penalty_factor=overlong.penalty_factor if on else 0.0)
 
 
-def _filter_groups(config, num_train_rows: int) -> FilterGroupsSettings | None:
+def _filter_groups(config) -> FilterGroupsSettings | None:
     if not _get(config, "algorithm.filter_groups.enable"):
         return None
-    gen_batch = _get(config, "data.gen_batch_size")
+    gen_batch, key = _get(config, "data.gen_batch_size"), "data.gen_batch_size"
     if gen_batch is None:
-        gen_batch = _get(config, "data.train_batch_size")
-    fg = FilterGroupsSettings(
+        gen_batch, key = _get(config, "data.train_batch_size"), "data.train_batch_size"
+    return FilterGroupsSettings(
         metric=_get(config, "algorithm.filter_groups.metric"), gen_batch_size=gen_batch,
-        max_num_gen_batches=_get(config, "algorithm.filter_groups.max_num_gen_batches"))
-    if fg.gen_batch_size > num_train_rows:
-        _fail("data.gen_batch_size" if _get(config, "data.gen_batch_size") is not None
-              else "data.train_batch_size",
-              f"{fg.gen_batch_size} prompts per generation round is more than the "
-              f"{num_train_rows} training rows")
-    return fg
+        max_num_gen_batches=_get(config, "algorithm.filter_groups.max_num_gen_batches"),
+        gen_batch_key=key)
 
 
 def _algorithm(config) -> AlgorithmSettings:
@@ -766,19 +1098,6 @@ def _policy_loss(config) -> losses.PolicyLossConfig:
     )
 
 
-def total_steps(config, num_train_rows: int) -> int:
-    """`trainer.total_training_steps` if set, else epochs x batches per epoch."""
-    steps = _get(config, "trainer.total_training_steps")
-    if steps:
-        return _number("trainer.total_training_steps", steps, integer=True)
-    epochs = _number("trainer.total_epochs", _get(config, "trainer.total_epochs"), integer=True)
-    # With dynamic sampling a step reads at least one round of gen_batch_size prompts.
-    per_step = _get(config, "data.train_batch_size")
-    if _get(config, "algorithm.filter_groups.enable") and _get(config, "data.gen_batch_size"):
-        per_step = _get(config, "data.gen_batch_size")
-    return epochs * (num_train_rows // _number("data.train_batch_size", per_step, integer=True))
-
-
 def _trainer(config) -> TrainerSettings:
     t = _get(config, "trainer")
     return TrainerSettings(test_freq=t.test_freq, save_freq=t.save_freq,
@@ -788,6 +1107,10 @@ def _trainer(config) -> TrainerSettings:
                            validation_data_dir=t.validation_data_dir,
                            parallel_compile=_flag("trainer.parallel_compile",
                                                   t.get("parallel_compile"), automatic=True),
+                           total_training_steps=_get(config, "trainer.total_training_steps"),
+                           total_epochs=_get(config, "trainer.total_epochs"),
+                           logger=_get(config, "trainer.logger"),
+                           export_hf=_get(config, "trainer.export_hf"),
                            **{k: t[k] for k in ("runs", "sweep", "steps_per_call") if k in t})
 
 
@@ -851,56 +1174,180 @@ def _check_model(config) -> None:
         _fail("model.dtype", "float16 compute needs loss scaling, which jrl does not do; use "
               "'bfloat16'")
     _choice("model.dtype", _get(config, "model.dtype"), model_config.DTYPES)
-    model_path = _get(config, "model.path")
-    if model_path and not os.path.isdir(os.path.expanduser(model_path)):
-        _fail("model.path", f"{model_path!r} is not a directory")
 
 
-def from_config(config: ml_collections.ConfigDict, *, stop_token_ids, pad_token_id,
-                num_train_rows: int) -> Settings:
-    """Reads the run's settings from `config`; each part checks itself (each error names
-    its key), before any model is built."""
-    for logger in _get(config, "trainer.logger"):
-        if logger not in LOGGERS:
-            _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
-    algorithm = _algorithm(config)
-    n = _number("rollout.n", _get(config, "rollout.n"), integer=True)
-    steps = total_steps(config, num_train_rows)
-    trainer = _trainer(config)
-    actor = ActorSettings(
+def _actor(config, n: int, steps: int | None) -> ActorSettings:
+    return ActorSettings(
         update=_update(config, "actor", n), loss=_policy_loss(config),
         entropy_coeff=_get(config, "actor.entropy_coeff"),
         use_kl_loss=_get(config, "actor.use_kl_loss"),
         kl_loss_coef=_get(config, "actor.kl_loss_coef"),
         kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps),
         correction=_rollout_correction(config))
-    critic = None
-    if advantages.get_estimator(algorithm.adv_estimator).needs_values:
-        critic = CriticSettings(
-            update=_update(config, "critic", n),
-            cliprange_value=_get(config, "critic.cliprange_value"),
-            loss_agg_mode=_get(config, "critic.loss_agg_mode"),
-            optim=_optim(config, "critic", steps), **_critic_lora(config))
+
+
+def _critic(config, algorithm: AlgorithmSettings, n: int,
+            steps: int | None) -> CriticSettings | None:
+    """The critic's settings; None where the estimator needs no values."""
+    if not advantages.get_estimator(algorithm.adv_estimator).needs_values:
+        return None
+    return CriticSettings(
+        update=_update(config, "critic", n),
+        cliprange_value=_get(config, "critic.cliprange_value"),
+        loss_agg_mode=_get(config, "critic.loss_agg_mode"),
+        optim=_optim(config, "critic", steps), **_critic_lora(config))
+
+
+def _reuse_update_passes(config, settings: Settings) -> Settings:
+    """`actor.reuse_update_log_probs` and `critic.reuse_update_values` turned on where the
+    update is on-policy."""
+    if _flag("actor.reuse_update_log_probs", _get(config, "actor.reuse_update_log_probs")) \
+            and on_policy(settings):
+        settings = dataclasses.replace(
+            settings, actor=dataclasses.replace(settings.actor, on_policy=True))
+    reuse_values = _flag("critic.reuse_update_values", _get(config, "critic.reuse_update_values"))
+    if settings.critic is not None and reuse_values and critic_on_policy(settings):
+        settings = dataclasses.replace(
+            settings, critic=dataclasses.replace(settings.critic, on_policy=True))
+    return settings
+
+
+def _check_multi_run(config, settings: Settings) -> None:
+    """What runs in one device program (`jrl.rl.runs`: `trainer.runs`, `sweep` or
+    `steps_per_call` over 1, or `reward.in_graph_fn`) do not do (yet); `mesh.runs` splits
+    only those. (The sweep is checked by `jrl.rl.runs.plan`, and `mesh.runs` against the
+    devices there are, when the run starts.)"""
+    devices, model = settings.devices, settings.experiment.model
+    if not (settings.reward.in_graph_fn or settings.trainer.multi_run):
+        if devices.runs != 1:
+            raise ConfigError(f"mesh.runs={devices.runs}: splits runs in one program "
+                              "(trainer.runs with reward.in_graph_fn) over devices; a single "
+                              "run with host rewards uses mesh.data/fsdp/context/tensor, leave "
+                              "it 1")
+        return
+    if devices.mesh.context != 1:
+        raise ConfigError(f"mesh.context={devices.mesh.context}: runs in one program "
+                          "(trainer.runs, reward.in_graph_fn) split over mesh.runs, not "
+                          "over the sequence; use mesh.context=1, or rewards on the host")
+    if model.attention_impl == "cudnn":
+        raise ConfigError("model.attention_impl='cudnn': runs in one program "
+                          "(trainer.runs, reward.in_graph_fn) are vmapped, and JAX's cuDNN "
+                          "attention cannot be; use 'auto' (XLA there) or 'xla'")
+    # The critic's key as the config has it: the estimator may need no critic.
+    critic = config.get("critic", {}).get("model", {})
+    for key, rank in (("model.lora_rank", model.lora_rank),
+                      ("critic.model.lora_rank", critic.get("lora_rank", 0))):
+        if rank:
+            raise ConfigError(f"{key}={rank}: LoRA is not supported with "
+                              "reward.in_graph_fn (runs in one device program); use "
+                              f"{key}=0, or rewards on the host")
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        if getattr(settings.trainer, key):
+            raise ConfigError(f"trainer.{key}={getattr(settings.trainer, key)!r}: runs in one "
+                              "program (reward.in_graph_fn) do not write samples; unset it, "
+                              "or use rewards on the host")
+
+
+def _model(config) -> ModelSettings:
+    model = _get(config, "model")
+    get = model.get
+    unroll = get("scan_unroll")
+    if unroll is None:  # unrolled with token-budget micro-batches in the update
+        unroll = any(config[role].get("use_dynamic_bsz", False) for role in ("actor", "critic"))
+    overrides = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim")
+    return ModelSettings(
+        path=model.path, preset=model.preset, param_dtype=model.param_dtype,
+        dtype=model.dtype, remat=model.remat,
+        decode_attention_impl=get("decode_attention_impl", "auto"),
+        logprob_impl=get("logprob_impl", "auto"),
+        fuse_decode_projections=bool(get("fuse_decode_projections", True)),
+        scan_unroll=bool(unroll), lora_rank=int(get("lora_rank", 0)),
+        lora_alpha=float(get("lora_alpha", 16.0)),
+        lora_targets=get("target_modules", "all-linear"),
+        lora_rollout=get("lora_rollout", "merged"),
+        attention_impl=get("attention_impl"), **{name: model[name] for name in overrides})
+
+
+def _data(config) -> DataSettings:
+    return DataSettings(**{field.name: _get(config, f"data.{field.name}")
+                           for field in dataclasses.fields(DataSettings)})
+
+
+def _sft(config) -> SftSettings:
+    if "sft" not in config:
+        return SftSettings()
+    return SftSettings(steps=_get(config, "sft.steps"), batch_size=_get(config, "sft.batch_size"),
+                       lr=_get(config, "sft.lr"),
+                       lr_warmup_steps=_get(config, "sft.lr_warmup_steps"),
+                       max_response_length=_get(config, "rollout.response_length"))
+
+
+def _devices(config) -> DeviceSettings:
+    mesh = _get(config, "mesh")
+    sizes = {axis: int(mesh.get(axis, getattr(sharding.MeshSettings, axis)))
+             for axis in sharding.MESH_AXES}
+    return DeviceSettings(mesh=sharding.MeshSettings(**sizes),
+                          rules=sharding.rules_from_config(_get(config, "mesh.rules")),
+                          runs=mesh.get("runs", 1),
+                          rollout_tensor=_get(config, "rollout.tensor_model_parallel_size"))
+
+
+def experiment_from_config(config: ml_collections.ConfigDict) -> ExperimentSettings:
+    """The sections that build the experiment (tokenizer, rows, model) and its warm start,
+    read from `config` and checked, each error naming its key: all that `python -m
+    jrl.sft` reads."""
+    rule_reward = not (_get(config, "reward.custom_fn") or _get(config, "reward.in_graph_fn")
+                       or _get(config, "reward_model.enable"))
+    return ExperimentSettings(
+        seed=_get(config, "seed"), model=_model(config),
+        tokenizer=TokenizerSettings(name=_get(config, "tokenizer.name"),
+                                    path=_get(config, "tokenizer.path")),
+        multi_turn=_multi_turn(config) if "rollout" in config else None,
+        data=_data(config), sft=_sft(config), rule_reward=rule_reward)
+
+
+def distributed_from_config(config: ml_collections.ConfigDict) -> DistributedSettings:
+    """`distributed.*`, checked: read before anything touches the devices."""
+    return DistributedSettings(**{field.name: _get(config, f"distributed.{field.name}")
+                                  for field in dataclasses.fields(DistributedSettings)})
+
+
+def from_config(config: ml_collections.ConfigDict, *, stop_token_ids=None, pad_token_id=None,
+                num_train_rows: int | None = None) -> Settings:
+    """Reads the run's settings from `config`; each part checks itself (each error names
+    its key) before anything is loaded or built, the experiment's sections first
+    (`experiment_from_config`).
+
+    What the tokenizer and the training rows decide is added by `Settings.with_data`;
+    given them here (`stop_token_ids`, `pad_token_id`, `num_train_rows`), the settings
+    come complete.
+    """
+    experiment = experiment_from_config(config)
+    trainer = _trainer(config)
+    algorithm = _algorithm(config)
+    n = _number("rollout.n", _get(config, "rollout.n"), integer=True)
+    steps = trainer.total_training_steps or None  # else counted by `with_data`
+    actor, critic = _actor(config, n, steps), _critic(config, algorithm, n, steps)
     _check_model(config)
-    s = Settings(
-        actor=actor, critic=critic, algorithm=algorithm,
-        rollout=_sampling(config, "rollout", stop_token_ids, pad_token_id),
-        validation=_sampling(config, "rollout.val_kwargs", stop_token_ids, pad_token_id),
+    settings = Settings(
+        experiment=experiment, devices=_devices(config), actor=actor, critic=critic,
+        algorithm=algorithm, rollout=_sampling(config, "rollout"),
+        validation=_sampling(config, "rollout.val_kwargs"),
         train_batch_size=_get(config, "data.train_batch_size"),
         max_prompt_length=_get(config, "data.max_prompt_length"), total_steps=steps,
         logprob_chunk_size=_get(config, "actor.logprob_chunk_size"),
-        reward=_reward(config), filter_groups=_filter_groups(config, num_train_rows),
+        reward=_reward(config), filter_groups=_filter_groups(config),
         log_prob_micro_batch=_get(config, "rollout.log_prob_micro_batch_size"),
-        trainer=trainer, multi_turn=_multi_turn(config),
+        trainer=trainer, multi_turn=experiment.multi_turn,
         sampling_devices=_get(config, "rollout.devices"),
         staleness=_get(config, "rollout.staleness"),
         response_buckets=_get(config, "actor.response_buckets"),
         share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")),
         log_prob_max_token_len=_log_prob_max_token_len(config))
-    if _flag("actor.reuse_update_log_probs", _get(config, "actor.reuse_update_log_probs")) \
-            and on_policy(s):
-        s = dataclasses.replace(s, actor=dataclasses.replace(s.actor, on_policy=True))
-    reuse_values = _flag("critic.reuse_update_values", _get(config, "critic.reuse_update_values"))
-    if s.critic is not None and reuse_values and critic_on_policy(s):
-        s = dataclasses.replace(s, critic=dataclasses.replace(s.critic, on_policy=True))
-    return s
+    settings = _reuse_update_passes(config, settings)
+    _check_multi_run(config, settings)
+    if stop_token_ids is None:
+        return settings
+    return settings.with_data(stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
+                              num_train_rows=num_train_rows)

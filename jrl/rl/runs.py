@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from jrl import metrics, sft
 from jrl.algos import kl_control
-from jrl.app import interrupt, rundir
-from jrl.config.settings import Settings
+from jrl.app import interrupt
+from jrl.config.settings import ExperimentSettings, Settings
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.errors import ConfigError
 from jrl.models.config import ModelConfig
@@ -111,10 +111,10 @@ def parse_sweep(spec: str | None) -> dict[str, list[float]]:
     return out
 
 
-def plan(config) -> list[Run]:
-    """The runs of `config`: `trainer.runs` seeds (`seed`, `seed + 1`, ...) for each
+def plan(settings: Settings) -> list[Run]:
+    """The runs of `settings`: `trainer.runs` seeds (`seed`, `seed + 1`, ...) for each
     setting of `trainer.sweep` (its keys' values crossed; settings outer, seeds inner)."""
-    t, a = config.trainer, config.algorithm
+    t, a, loss = settings.trainer, settings.algorithm, settings.actor.loss
     if t.runs < 1:
         raise ConfigError(f"trainer.runs must be >= 1, got {t.runs}")
     sweep = parse_sweep(t.sweep)
@@ -124,18 +124,18 @@ def plan(config) -> list[Run]:
                           "True or sweep another key")
     if "actor.clip_ratio" in sweep:
         for key in ("clip_ratio_low", "clip_ratio_high"):
-            if config.actor[key] is not None:
+            if getattr(loss, key) is not None:
                 raise ConfigError(f"trainer.sweep: actor.clip_ratio is overridden by "
-                                  f"actor.{key}={config.actor[key]}, so its values would not "
+                                  f"actor.{key}={getattr(loss, key)}, so its values would not "
                                   f"apply; unset actor.{key} or sweep another key")
-    single = {"actor.optim.lr": config.actor.optim.lr,
-              "algorithm.kl_ctrl.kl_coef": a.kl_ctrl.kl_coef,
-              "actor.clip_ratio": config.actor.clip_ratio,
-              "rollout.temperature": config.rollout.temperature}
+    single = {"actor.optim.lr": settings.actor.optim.lr,
+              "algorithm.kl_ctrl.kl_coef": a.kl_coef,
+              "actor.clip_ratio": loss.clip_ratio,
+              "rollout.temperature": settings.rollout.temperature}
     if any(v <= 0 for v in sweep.get("rollout.temperature", [])):
         raise ConfigError("trainer.sweep: rollout.temperature values must be > 0")
     values = [sweep.get(key, [single[key]]) for key in SWEEPABLE]
-    return [Run(config.seed + i, lr, kl, clip, temp, tuple(sweep))
+    return [Run(settings.experiment.seed + i, lr, kl, clip, temp, tuple(sweep))
             for lr, kl, clip, temp, i in itertools.product(*values, range(t.runs))]
 
 
@@ -245,12 +245,13 @@ class RunsMesh:
         return jax.device_put(tree, self.stacked)
 
 
-def runs_devices(config, runs: int) -> int:
-    """`mesh.runs` resolved (-1: every device), checked to divide the `runs` runs."""
-    count, size = jax.device_count(), int(config.mesh.get("runs", 1))
+def runs_devices(mesh_runs: int, runs: int) -> int:
+    """`mesh.runs` (its value: `mesh_runs`) resolved (-1: every device), checked to divide
+    the `runs` runs."""
+    count, size = jax.device_count(), int(mesh_runs)
     size = count if size == -1 else size
     if size < 1 or size > count or runs % size:
-        raise ConfigError(f"mesh.runs={config.mesh.get('runs', 1)}: the runs are split over "
+        raise ConfigError(f"mesh.runs={mesh_runs}: the runs are split over "
                           f"this many of the {count} devices, which must divide the {runs} "
                           f"runs (trainer.runs x the sweep's settings); use 1, -1 or a "
                           "divisor of both")
@@ -468,41 +469,44 @@ def _write(writer, step: int, per_run: list[dict]) -> None:
 # -- warm start ------------------------------------------------------------------------------
 
 
-def warm_start(config, workdir: str, model: ModelConfig, params, tokenizer, train_rows,
-               runs: list[Run], steps_per_call: int, mesh: RunsMesh | None = None):
-    """Every run's supervised warm start (`config.sft`), vmapped, `steps_per_call` steps
-    a call; or the workdir's, made with the same settings and seeds. Run r's batches are
-    those `jrl.sft.train_sft` draws with `seed = runs[r].seed`."""
+def warm_start(experiment_settings: ExperimentSettings, workdir: str, model: ModelConfig,
+               params, tokenizer, train_rows, runs: list[Run], steps_per_call: int,
+               mesh: RunsMesh | None = None, *, config_keys: dict):
+    """Every run's supervised warm start (the `sft` settings), vmapped, `steps_per_call`
+    steps a call; or the workdir's, made with the same settings (`config_keys`, as
+    `jrl.sft.warm_start`'s) and seeds. Run r's batches are those `jrl.sft.train_sft`
+    draws with `seed = runs[r].seed`."""
     directory = os.path.join(workdir, "sft")
     ckpt = Checkpointer(directory)
-    wanted = {**rundir.warm_start_settings(config), "seeds": [r.seed for r in runs]}
+    sft_settings = experiment_settings.sft
+    wanted = {**config_keys, "seeds": [r.seed for r in runs]}
     try:
         step = ckpt.latest_step()
         if step is not None:
             sft.check_stored(directory, ckpt.read_meta(step).get("settings", {}), wanted)
             print(f"sft: reusing the warm starts in {directory}", flush=True)
             return ckpt.restore(step, (mesh or RunsMesh()).put(params))[0]
-        print(f"sft: {config.sft.steps} steps, batch {config.sft.batch_size}, "
+        print(f"sft: {sft_settings.steps} steps, batch {sft_settings.batch_size}, "
               f"{len(runs)} runs at once", flush=True)
         params = train_sft_runs(params, train_rows, tokenizer, model=vmapped_model(model),
-                                config=config,
+                                experiment_settings=experiment_settings,
                                 seeds=[r.seed for r in runs], steps_per_call=steps_per_call,
                                 mesh=mesh)
-        ckpt.save(config.sft.steps, params, {"steps": config.sft.steps, "settings": wanted})
+        ckpt.save(sft_settings.steps, params, {"steps": sft_settings.steps, "settings": wanted})
         return params
     finally:
         ckpt.close()
 
 
-def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig, config, seeds: list[int],
+def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig,
+                   experiment_settings: ExperimentSettings, seeds: list[int],
                    steps_per_call: int, mesh: RunsMesh | None = None):
     """`jrl.sft.train_sft` for each seed at once: `params` stacked per run (split over
     `mesh`'s devices)."""
-    c, mesh = config.sft, mesh or RunsMesh()
+    c, data, mesh = experiment_settings.sft, experiment_settings.data, mesh or RunsMesh()
     optimizer = sft.sft_optimizer(c.lr, c.lr_warmup_steps)
-    examples = sft.encode_examples(tokenizer, rows, config.data.max_prompt_length,
-                                   config.rollout.response_length,
-                                   config.data.apply_chat_template, None)
+    examples = sft.encode_examples(tokenizer, rows, data.max_prompt_length,
+                                   c.max_response_length, data.apply_chat_template, None)
     names = ("prompt_ids", "prompt_mask", "responses", "response_mask", "attention_mask")
     rngs = [np.random.default_rng(seed) for seed in seeds]
     state = jax.jit(jax.vmap(lambda p: update.ModelState(p, optimizer.init(p))),

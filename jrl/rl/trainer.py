@@ -178,7 +178,8 @@ class RLTrainer:
       reward_model: a `jrl.rewards.reward_model.RewardModel` whose scores replace the
         rule rewards (None: rule rewards).
       rollout_sharder: the sampling group's mesh for one-step asynchronous training
-        (`sharding.rollout_from_config`; None: the training devices also sample).
+        (`jrl.app.experiment.build_rollout_sharder`; None: the training devices also
+        sample).
     """
 
     def __init__(self, settings: Settings, model: ModelConfig, actor_params, tokenizer,

@@ -31,10 +31,6 @@ def jax_options(monkeypatch):
     jax_cache.reset_cache()
 
 
-def _config(value):
-    return tiny_config(**{"trainer.compilation_cache_dir": value})
-
-
 def test_default_directory_honours_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compilation_cache.default_dir() == str(tmp_path / "home/.cache/jrl/xla")
@@ -54,13 +50,13 @@ def test_a_path_wins_over_the_environment_which_wins_over_the_default(tmp_path, 
 
 
 def test_empty_string_leaves_jax_alone(jax_options):
-    assert compilation_cache.configure(_config("")) is None
+    assert compilation_cache.configure("") is None
     assert {option: getattr(jax.config, option) for option in _OPTIONS} == jax_options
 
 
 def test_configure_sets_the_directory_and_the_thresholds(tmp_path):
     path = tmp_path / "a" / "b"
-    assert compilation_cache.configure(_config(str(path))) == str(path)
+    assert compilation_cache.configure(str(path)) == str(path)
     assert path.is_dir()
     assert jax.config.jax_compilation_cache_dir == str(path)
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
@@ -71,7 +67,7 @@ def test_configure_sets_the_directory_and_the_thresholds(tmp_path):
 def test_thresholds_the_environment_sets_are_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "7")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)
-    compilation_cache.configure(_config(str(tmp_path)))
+    compilation_cache.configure(str(tmp_path))
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
     assert jax.config.jax_compilation_cache_max_size == 4 * 1024 ** 3
 
@@ -80,14 +76,14 @@ def test_bad_values_name_the_key(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     key = "trainer.compilation_cache_dir"
     with pytest.raises(ConfigError, match=rf"^{key}: '.*/file' is a file; give a directory"):
-        compilation_cache.configure(_config(str(tmp_path / "file")))
+        compilation_cache.configure(str(tmp_path / "file"))
     with pytest.raises(ConfigError, match=rf"^{key}: cannot create the directory '.*/file/sub'"):
-        compilation_cache.configure(_config(str(tmp_path / "file" / "sub")))
+        compilation_cache.configure(str(tmp_path / "file" / "sub"))
     with pytest.raises(ConfigError, match=rf"^{key}=3: must be a directory path"):
         compilation_cache.resolve(3)  # (the config's type check stops it first)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "file"))
     with pytest.raises(ConfigError, match=rf"^{key}=None \(\$JAX_COMPILATION_CACHE_DIR\): "):
-        compilation_cache.configure(_config(None))
+        compilation_cache.configure(None)
 
 
 def test_a_tiny_run_fills_the_cache(tmp_path, monkeypatch):
@@ -95,7 +91,7 @@ def test_a_tiny_run_fills_the_cache(tmp_path, monkeypatch):
     config = tiny_config(**{"model.intermediate_size": 40,
                             "trainer.compilation_cache_dir": str(tmp_path / "cache")})
     monkeypatch.setattr(compilation_cache, "MIN_COMPILE_TIME_SECS", 0.0)
-    compilation_cache.configure(config)
+    compilation_cache.configure(config.trainer.compilation_cache_dir)
     assert os.listdir(tmp_path / "cache") == []
     run(config, str(tmp_path / "run"), exit_after_steps=1)
     assert len(os.listdir(tmp_path / "cache")) >= 3

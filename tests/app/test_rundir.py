@@ -12,6 +12,7 @@ import pytest
 
 from jrl import sft, train
 from jrl.app import experiment, rundir
+from jrl.config.settings import experiment_from_config
 from jrl.errors import RunDirError
 from jrl.metrics import read_jsonl
 from jrl.rl.checkpoint import Checkpointer
@@ -181,10 +182,12 @@ def test_lock_is_exclusive_within_one_host(tmp_path):
 
 
 def _warm_start(config, workdir):
-    tokenizer = experiment.build_tokenizer(config)
-    rows, _ = experiment.build_data(config, tokenizer)
-    model, params = experiment.build_model(config, tokenizer)
-    return sft.warm_start(config, workdir, model, params, tokenizer, rows)
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    rows, _ = experiment.build_data(experiment_settings, tokenizer)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
+    return sft.warm_start(experiment_settings, workdir, model, params, tokenizer, rows,
+                          config_keys=rundir.warm_start_settings(config))
 
 
 def test_warm_start_is_reused_only_with_its_own_settings(tmp_path, capsys):
@@ -202,8 +205,9 @@ def test_warm_start_is_reused_only_with_its_own_settings(tmp_path, capsys):
 
 def test_warm_start_saved_without_settings_is_checked_by_its_steps(tmp_path):
     config = _config(**{"sft.steps": 2, "sft.batch_size": 4})
-    tokenizer = experiment.build_tokenizer(config)
-    model, params = experiment.build_model(config, tokenizer)
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     ckpt = Checkpointer(os.path.join(tmp_path, "sft"))
     ckpt.save(25, params, {"steps": 25})
     ckpt.close()

@@ -130,11 +130,10 @@ def test_configs_that_build_on_others_load_from_any_directory(tmp_path):
     (False, True, True, False), (True, False, False, True)])
 def test_scan_unroll_default_follows_token_budget_micro_batches(unroll, actor_dynamic,
                                                                 critic_dynamic, expected):
-    from jrl.app import experiment
     from jrl.config.defaults import base_config
 
     c = base_config()
     assert c.model.scan_unroll is None  # the default: decided by the micro-batching
     c.model.scan_unroll = unroll
     c.actor.use_dynamic_bsz, c.critic.use_dynamic_bsz = actor_dynamic, critic_dynamic
-    assert experiment.scan_unroll(c) is expected
+    assert settings.experiment_from_config(c).model.scan_unroll is expected

@@ -158,7 +158,8 @@ def test_trainer_schedule_is_settings_not_a_config_dict():
     t = _settings(**{"trainer.test_freq": 5, "trainer.save_freq": 10,
                      "trainer.critic_warmup": 2, "trainer.max_actor_ckpt_to_keep": 3}).trainer
     assert t == settings.TrainerSettings(test_freq=5, save_freq=10, val_before_train=False,
-                                         critic_warmup=2, max_ckpt_to_keep=3)
+                                         critic_warmup=2, max_ckpt_to_keep=3,
+                                         total_training_steps=2, logger=("jsonl",))
     for key, value, message in (("trainer.save_freq", -1, "must be a non-negative number"),
                                 ("trainer.test_freq", -2, "must be a non-negative number"),
                                 ("trainer.critic_warmup", -1, "must be a non-negative number"),

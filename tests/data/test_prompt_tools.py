@@ -118,13 +118,15 @@ def test_settings_keep_the_schemas(tmp_path):
 def test_build_data_measures_prompts_with_the_schemas(tmp_path, tok):
     """"123*456" fits the limit alone (two characters longer than "12*34") but not with
     the schema: reported by row, or dropped with data.filter_overlong_prompts."""
-    train, val = experiment.build_data(_files_config(tmp_path, multi_turn=False), tok)
+    train, val = experiment.build_data(
+        settings.experiment_from_config(_files_config(tmp_path, multi_turn=False)), tok)
     assert len(train) == len(val) == 2
     with pytest.raises(DataError) as err:
-        experiment.build_data(_files_config(tmp_path, multi_turn=True), tok)
+        experiment.build_data(
+            settings.experiment_from_config(_files_config(tmp_path, multi_turn=True)), tok)
     assert f"row 2: the prompt '123*456' has {WITH_TOOLS_LEN + 2} tokens" in str(err.value)
-    train, val = experiment.build_data(
-        _files_config(tmp_path, multi_turn=True, **{"data.filter_overlong_prompts": True}), tok)
+    train, val = experiment.build_data(settings.experiment_from_config(
+        _files_config(tmp_path, multi_turn=True, **{"data.filter_overlong_prompts": True})), tok)
     assert [r["reward_model"]["ground_truth"] for r in train + val] == ["408", "408"]
 
 

@@ -384,7 +384,7 @@ def test_rows_an_in_graph_reward_scores_are_not_held_to_the_built_in_rewards(tmp
     files = {"data.train_files": str(tmp_path / "train.jsonl"),
              "data.val_files": str(tmp_path / "val.jsonl"), "data.max_prompt_length": 8}
     with pytest.raises(DataError, match="field 'data_source' is 'my_task', which has no reward"):
-        experiment.build_data(tiny_config(**files), CHAR)
+        experiment.build_data(settings.experiment_from_config(tiny_config(**files)), CHAR)
     config = tiny_config(**files, **{"reward.in_graph_fn": "exact_match"})
-    train_rows, _ = experiment.build_data(config, CHAR)
+    train_rows, _ = experiment.build_data(settings.experiment_from_config(config), CHAR)
     assert [r["data_source"] for r in train_rows] == ["my_task"]

@@ -32,6 +32,7 @@ import pytest
 from configs import grpo_arith, ppo_arith
 from jrl import sft, train
 from jrl.app import experiment
+from jrl.config.settings import experiment_from_config
 from jrl.errors import ConfigError
 from jrl.metrics import read_jsonl
 from jrl.models import hf
@@ -74,9 +75,10 @@ def _config(algo: str, warm: str | None = None, **overrides):
 def warm_start(tmp_path_factory) -> str:
     """A HF-format checkpoint of the shrunk model after 60 SFT steps at lr 1e-2."""
     config = _config("grpo")
-    tokenizer = experiment.build_tokenizer(config)
-    rows, _ = experiment.build_data(config, tokenizer)
-    model, params = experiment.build_model(config, tokenizer)
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    rows, _ = experiment.build_data(experiment_settings, tokenizer)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     params = sft.train_sft(params, rows, tokenizer, model=model, steps=60, batch_size=32,
                            lr=1e-2, max_prompt_length=config.data.max_prompt_length,
                            max_response_length=config.rollout.response_length)
@@ -225,17 +227,20 @@ def _run_of(stacked, run: int):
 
 def test_vmapped_warm_start_is_each_seeds():
     config = _config("grpo", **{"sft.steps": 6})  # a fresh model per seed
-    tokenizer = experiment.build_tokenizer(config)
-    rows, _ = experiment.build_data(config, tokenizer)
-    model, params = experiment.build_models(config, tokenizer, [0, 1])
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    rows, _ = experiment.build_data(experiment_settings, tokenizer)
+    model, params = experiment.build_models(experiment_settings, tokenizer, [0, 1])
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the programs donate their inputs
     # 6 steps: 6 calls of one step; a call of 4 scanned steps and one of 2.
     stacked = {k: runs_lib.train_sft_runs(copy(params), rows, tokenizer, model=model,
-                                          config=config, seeds=[0, 1], steps_per_call=k)
+                                          experiment_settings=experiment_settings,
+                                          seeds=[0, 1], steps_per_call=k)
                for k in (1, 4)}
     chex.assert_trees_all_close(stacked[4], stacked[1], rtol=RTOL, atol=ATOL)
     for seed in range(2):
-        _, initial = experiment.build_model(_config("grpo", seed=seed), tokenizer)
+        _, initial = experiment.build_model(
+            experiment_from_config(_config("grpo", seed=seed)), tokenizer)
         chex.assert_trees_all_equal(_run_of(params, seed), initial)
         single = sft.train_sft(copy(initial), rows, tokenizer, model=model, steps=6,
                                batch_size=32, lr=1e-3, seed=seed,

@@ -30,10 +30,11 @@ SCORES = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 def _setup(**overrides):
     config = tiny_config(**overrides)
-    tokenizer = experiment.build_tokenizer(config)
+    experiment_settings = settings.experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
     s = settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                              pad_token_id=tokenizer.pad_token_id, num_train_rows=64)
-    model, params = experiment.build_model(config, tokenizer)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     return config, s, model, params
 
 

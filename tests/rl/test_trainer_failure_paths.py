@@ -15,6 +15,7 @@ import pytest
 
 from jrl import sft, train
 from jrl.app import experiment, interrupt, rundir
+from jrl.config.settings import experiment_from_config
 from jrl.errors import CheckpointError, ConfigError, RewardError, RunDirError
 from jrl.metrics import read_jsonl
 from jrl.rewards import default_compute_score
@@ -196,9 +197,10 @@ def test_reward_trial_skips_rows_without_a_demonstration():
 
 def test_nan_warm_start_loss_stops_at_that_step():
     config = _config()
-    tokenizer = experiment.build_tokenizer(config)
-    rows, _ = experiment.build_data(config, tokenizer)
-    model, params = experiment.build_model(config, tokenizer)
+    experiment_settings = experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    rows, _ = experiment.build_data(experiment_settings, tokenizer)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     with pytest.raises(sft.NonFiniteLossError, match=r"^sft step 2 of 5: the loss is nan; the "
                        r"warm start stopped\. Check that the tokenizer matches the model"):
         # The first step's loss is finite; its update makes every parameter NaN.

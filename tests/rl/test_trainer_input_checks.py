@@ -12,6 +12,7 @@ import pytest
 
 from jrl import train
 from jrl.app import experiment
+from jrl.config.settings import experiment_from_config
 from jrl.errors import DataError
 from tests.tiny import tiny_config
 
@@ -39,6 +40,13 @@ def _files(tmp_path, bad_row, bad_index=2):
 def _config(paths, **kw):
     return tiny_config(**{"data.train_files": paths["train"], "data.val_files": paths["val"],
                           "data.max_prompt_length": 8, **kw})
+
+
+def _build_data(config):
+    """`experiment.build_data` of `config` with its tokenizer."""
+    experiment_settings = experiment_from_config(config)
+    return experiment.build_data(experiment_settings,
+                                 experiment.build_tokenizer(experiment_settings))
 
 
 @pytest.fixture
@@ -105,7 +113,7 @@ def test_bad_rows_past_twenty_are_counted_not_listed(tmp_path):
         f.writelines(json.dumps(_row(prompt="")) + "\n" for _ in range(25))
     config = _config(paths)
     with pytest.raises(DataError) as err:
-        experiment.build_data(config, experiment.build_tokenizer(config))
+        _build_data(config)
     message = str(err.value).splitlines()
     assert message[0].endswith("25 bad rows (numbered from 1; row N of a .jsonl file is its "
                                "line N); the first 20 are listed:")
@@ -115,12 +123,12 @@ def test_bad_rows_past_twenty_are_counted_not_listed(tmp_path):
 def test_rows_a_custom_reward_scores_are_not_held_to_the_built_in_rewards(tmp_path):
     rows = _files(tmp_path, _row(source="my_task", truth=...))
     config = _config(rows, **{"reward.custom_fn": "x.py:score"})
-    train_rows, _ = experiment.build_data(config, experiment.build_tokenizer(config))
+    train_rows, _ = _build_data(config)
     assert len(train_rows) == 5
     # A numeric ground truth is fine for the built-in scorers (they compare str(truth)).
     rows = _files(tmp_path, _row(truth=3))
     config = _config(rows)
-    assert len(experiment.build_data(config, experiment.build_tokenizer(config))[0]) == 5
+    assert len(_build_data(config)[0]) == 5
 
 
 def test_too_long_synthetic_prompt_stops_before_the_warm_start(tmp_path, no_model):

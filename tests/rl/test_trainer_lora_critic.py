@@ -157,7 +157,7 @@ def test_critic_lora_state_is_adapters_and_a_value_head_on_the_frozen_base(tmp_p
 def test_a_short_run_moves_the_critic_adapters_and_head_not_the_base(tmp_path):
     config = tiny_config(**_CRITIC)
     s, model, params, tokenizer, _, _, sharder = trainer_parts(config)
-    train_rows, _ = experiment.build_data(config, tokenizer)
+    train_rows, _ = experiment.build_data(settings.experiment_from_config(config), tokenizer)
     trainer = RLTrainer(s, model, params, tokenizer, train_rows, [], _score, str(tmp_path), 0,
                         sharder=sharder)
     try:
@@ -354,7 +354,7 @@ def test_merged_rollout_run_matches_unmerged(tmp_path):
 
 
 def _settings(config):
-    tokenizer = experiment.build_tokenizer(config)
+    tokenizer = experiment.build_tokenizer(settings.experiment_from_config(config))
     return settings.from_config(config, stop_token_ids=tokenizer.eos_token_ids,
                                 pad_token_id=tokenizer.pad_token_id, num_train_rows=64)
 
@@ -378,7 +378,9 @@ def test_lora_rollout_is_checked_without_lora_and_read_into_the_model():
         _settings(tiny_config(**{"model.lora_rollout": "bogus"}))
     config = tiny_config(**_LORA, **{"model.lora_rollout": "merged"})
     _settings(config)
-    model, _ = experiment.build_model(config, experiment.build_tokenizer(config))
+    experiment_settings = settings.experiment_from_config(config)
+    model, _ = experiment.build_model(experiment_settings,
+                                      experiment.build_tokenizer(experiment_settings))
     assert model.lora_rollout == "merged"
     with pytest.raises(ConfigError, match="lora_rollout='bogus' is not supported"):
         dataclasses.replace(model, lora_rollout="bogus")
@@ -394,22 +396,27 @@ def _dtypes(tree):
 def test_build_model_makes_the_lora_base_in_the_compute_dtype():
     bf16 = {"model.dtype": "bfloat16"}
     config = tiny_config(**_LORA, **bf16)
-    tokenizer = experiment.build_tokenizer(config)
-    model, params = experiment.build_model(config, tokenizer)
+    experiment_settings = settings.experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    model, params = experiment.build_model(experiment_settings, tokenizer)
     base, adapters = lora.split(params)
     assert model.dtype == "bfloat16" and model.param_dtype == "float32"
     assert _dtypes(base) == {jnp.dtype(jnp.bfloat16)}
     assert _dtypes(adapters) == {jnp.dtype(jnp.float32)}
     # The base is the float32 model's (same seed, no LoRA) rounded to bfloat16.
-    _, full = experiment.build_model(tiny_config(**bf16), tokenizer)
+    _, full = experiment.build_model(settings.experiment_from_config(tiny_config(**bf16)),
+                                     tokenizer)
     assert _dtypes(full) == {jnp.dtype(jnp.float32)}
     chex.assert_trees_all_equal(
         _np(base), jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), full))
     # A float32 compute dtype keeps a float32 base.
-    _, params32 = experiment.build_model(tiny_config(**_LORA), tokenizer)
+    _, params32 = experiment.build_model(
+        settings.experiment_from_config(tiny_config(**_LORA)), tokenizer)
     assert _dtypes(params32) == {jnp.dtype(jnp.float32)}
     # An SFT warm start trains the whole model first: its base stays float32.
-    _, sft = experiment.build_model(tiny_config(**_LORA, **bf16, **{"sft.steps": 2}), tokenizer)
+    _, sft = experiment.build_model(
+        settings.experiment_from_config(tiny_config(**_LORA, **bf16, **{"sft.steps": 2})),
+        tokenizer)
     assert _dtypes(sft) == {jnp.dtype(jnp.float32)}
 
 
@@ -417,7 +424,9 @@ def test_build_model_reads_a_lora_base_in_the_compute_dtype(tmp_path):
     source = tmp_path / "source"
     _, saved = tiny_hf_checkpoint(source)
     config = tiny_config(**_LORA, **{"model.dtype": "bfloat16", "model.path": str(source)})
-    model, params = experiment.build_model(config, experiment.build_tokenizer(config))
+    experiment_settings = settings.experiment_from_config(config)
+    model, params = experiment.build_model(experiment_settings,
+                                           experiment.build_tokenizer(experiment_settings))
     assert model.param_dtype == "float32" and model.dtype == "bfloat16"
     base, adapters = lora.split(params)
     assert _dtypes(base) == {jnp.dtype(jnp.bfloat16)}

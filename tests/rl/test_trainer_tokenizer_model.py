@@ -7,6 +7,7 @@ import pytest
 
 from jrl import train
 from jrl.app import experiment
+from jrl.config.settings import experiment_from_config
 from jrl.data.tokenizers import CharTokenizer
 from jrl.errors import ConfigError
 from tests.tiny import tiny_config, tiny_hf_checkpoint
@@ -45,14 +46,14 @@ def test_a_checkpoint_with_its_own_tokenizer_is_never_read_with_the_char_tokeniz
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"vocabulary and its own tokenizer, but "
                                           r"tokenizer\.name='char'.*--config\.tokenizer\.name=hf"):
-        experiment.build_tokenizer(tiny_config(**{"model.path": path}))
+        experiment.build_tokenizer(experiment_from_config(tiny_config(**{"model.path": path})))
 
 
 def test_a_checkpoint_trained_with_the_char_tokenizer_keeps_it(tmp_path):
     """jrl's own export of a char-tokenizer run: exactly that vocabulary, no tokenizer."""
     tiny_hf_checkpoint(tmp_path / "model")
     config = tiny_config(**{"model.path": str(tmp_path / "model")})
-    assert isinstance(experiment.build_tokenizer(config), CharTokenizer)
+    assert isinstance(experiment.build_tokenizer(experiment_from_config(config)), CharTokenizer)
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_names_both_sizes(tmp_path):
@@ -66,15 +67,15 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_names_both_sizes(tmp_path)
     with pytest.raises(ConfigError, match=r"^tokenizer\.path / model\.path: the tokenizer of "
                                           r".*/tok' has 102 tokens, more than the "
                                           r"vocab_size=99 in config\.json of model\.path="):
-        experiment.build_tokenizer(config)
+        experiment.build_tokenizer(experiment_from_config(config))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 128}))
-    assert experiment.build_tokenizer(config).vocab_size == 102
+    assert experiment.build_tokenizer(experiment_from_config(config)).vocab_size == 102
 
 
 def test_a_missing_model_path_is_named_as_such(tmp_path):
     missing = str(tmp_path / "no-such-model")
     config = tiny_config(**{"model.path": missing, "tokenizer.name": "hf"})
     with pytest.raises(ConfigError) as err:
-        experiment.build_tokenizer(config)
+        experiment.build_tokenizer(experiment_from_config(config))
     assert str(err.value) == (f"model.path: {missing!r} does not exist; expected a checkpoint "
                               "directory with config.json and safetensors weights")

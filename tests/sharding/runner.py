@@ -141,8 +141,9 @@ def run_job(args) -> dict[str, list[dict]]:
         config.distributed.num_processes = args.num_processes
         config.distributed.process_id = args.process_id
         from jrl.app import distributed
+        from jrl.config import settings
 
-        distributed.maybe_initialize(config)
+        distributed.maybe_initialize(settings.distributed_from_config(config))
     results = {}
     for mesh in args.meshes.split():
         axes, _, variant = mesh.partition("+")

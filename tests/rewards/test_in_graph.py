@@ -21,8 +21,8 @@ from jrl.rewards import arithmetic, in_graph
 from jrl.rewards.responses import decode_responses
 from tests.tiny import tiny_config
 
-CALCULATOR_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "configs", "tools", "calculator.yaml")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CALCULATOR_YAML = os.path.join(REPO, "configs", "tools", "calculator.yaml")
 CHAR = CharTokenizer()
 R = 6  # response columns
 

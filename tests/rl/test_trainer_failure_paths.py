@@ -188,7 +188,7 @@ def test_reward_trial_skips_rows_without_a_demonstration():
     train._try_reward_fn(fails, unanswered + multi_turn)  # nothing to try: no error
     answered = {"prompt": "1+2=", "data_source": "mine", "reward_model": {"ground_truth": 3}}
     with pytest.raises(RewardError, match=r"sample 0 \(data_source='mine'\): ValueError: "
-                       r"cannot parse '3' \(test_failure_paths.py:\d+\)"):
+                       r"cannot parse '3' \(test_trainer_failure_paths.py:\d+\)"):
         train._try_reward_fn(fails, [*unanswered, answered])
 
 

@@ -158,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.scan_unroll: the update's layers unrolled (on), rolled (off) or "
                    "the default (auto: unrolled with --dynamic_bsz)")
     p.add_argument("--decode_attention", default="auto",
-                   choices=("auto", "xla", "pallas", "mosaic"),
+                   choices=("auto", "xla", "mosaic"),
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
@@ -169,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="jrl.kernels.decode_attention.MOSAIC_TILES (with --decode_attention "
                         "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
     p.add_argument("--decode_split", default=None, metavar="PER_SM,MIN_SLOTS",
-                   help="the Triton decode kernel's split over slots: "
+                   help="the decode kernel's split over slots (MosaicTiles.splits 0): "
                         "decode_attention.PROGRAMS_PER_MULTIPROCESSOR and MIN_SPLIT_SLOTS")
     p.add_argument("--head_blocks", default=None,
                    help="jrl.kernels.logprob_head.MOSAIC_FORWARD tiles: "
@@ -602,7 +602,7 @@ def set_mosaic_tiles(spec: str | None) -> None:
 
 
 def set_decode_split(spec: str | None) -> None:
-    """`--decode_split`: when the Triton decode kernel splits a long cache's slots."""
+    """`--decode_split`: when the decode kernel splits a long cache's slots."""
     if spec:
         from jrl.kernels import decode_attention
         per_sm, min_slots = map(int, spec.split(","))

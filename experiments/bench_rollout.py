@@ -60,7 +60,7 @@ def parse_args() -> argparse.Namespace:
                         help="HBM bandwidth for the roofline (default: H100 SXM 3350, "
                              "H200 4800, from the device name)")
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
-                        choices=("auto", "xla", "pallas", "mosaic"),
+                        choices=("auto", "xla", "mosaic"),
                         help="model decode_attention_impl values to run (one row each)")
     parser.add_argument("--mosaic-tiles", default=None,
                         help="the Mosaic GPU decode kernel's settings for every 'mosaic' row "

@@ -61,12 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
     # decoding, a second copy of those kernels meanwhile) or unmerged (x W + (x A) B at
     # every decode step; no copy, for when memory is tight).
     c.model.lora_rollout = "merged"
-    # Cache write and attention of decode steps: auto (one Pallas kernel that writes the
-    # new key/value and attends over the filled cache slots, on GPU with jax's Pallas
-    # Triton backend; without that backend, on a Hopper GPU with a bfloat16/float16
-    # cache, the kernel on its Mosaic GPU backend; else XLA), xla, pallas (a ConfigError
-    # where jax lacks the Triton backend) or mosaic (the Mosaic GPU kernel, for Hopper
-    # GPUs and a bfloat16/float16 cache).
+    # Cache write and attention of decode steps: auto (one Pallas kernel on its Mosaic
+    # GPU backend that writes the new key/value and attends over the filled cache slots,
+    # on a Hopper GPU with a bfloat16/float16 cache; else XLA), xla or mosaic (the
+    # kernel, forced; a ConfigError where jax lacks Mosaic GPU).
     c.model.decode_attention_impl = "auto"
     # Unembedding + log-softmax of the log-prob and update passes (forward, and the
     # update's backward through d loss / d logits): auto (a Pallas kernel on its Mosaic

@@ -25,7 +25,7 @@ from jrl.app import distributed
 from jrl.config import defaults
 from jrl.data import synthetic
 from jrl.errors import ConfigError
-from jrl.kernels import mosaic_backend, triton_backend
+from jrl.kernels import mosaic_backend
 from jrl.models import config as model_config
 from jrl.rewards import custom, in_graph, reward_model, scoring
 from jrl.rl import buckets
@@ -1157,6 +1157,10 @@ def _check_model(config) -> None:
         _lora(config, "model")
         _choice("model.lora_rollout", _get(config, "model.lora_rollout"),
                 model_config.LORA_ROLLOUTS)
+    if config.model.get("decode_attention_impl") == "pallas":
+        _fail("model.decode_attention_impl", "'pallas' (the decode attention's Triton kernel) "
+              "was replaced by its port to Pallas' Mosaic GPU backend, 'mosaic' (Hopper GPUs): "
+              f"choose one of {list(model_config.DECODE_ATTENTION_IMPLS)}")
     if "decode_attention_impl" in config.model:
         _choice("model.decode_attention_impl", config.model.decode_attention_impl,
                 model_config.DECODE_ATTENTION_IMPLS)
@@ -1165,8 +1169,6 @@ def _check_model(config) -> None:
               "by the same kernel on Pallas' Mosaic GPU backend: use 'mosaic', 'auto' or 'xla'")
     if "logprob_impl" in config.model:
         _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
-    if config.model.get("decode_attention_impl") == "pallas":
-        triton_backend.require("model.decode_attention_impl")
     for key in ("decode_attention_impl", "logprob_impl"):
         if config.model.get(key) == "mosaic":
             mosaic_backend.require(f"model.{key}")

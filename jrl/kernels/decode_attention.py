@@ -5,45 +5,37 @@ A decode step's queries `[B, N, H]` (N = K * G query heads over K key/value head
 attend to the cache's keys and values `[B, K, S, H]` (the cache's heads-before-slots
 layout), where row b's real tokens fill the contiguous slots `start[b] <= s <= slot`:
 left padding before them, the new token at `slot` (shared by all rows), slots not
-yet written after. Three implementations of `append_and_attend`:
+yet written after. Two implementations of `append_and_attend`:
 
-- `"pallas"` (GPU): one Pallas/Triton kernel per (row, key/value head) that takes
-  the new token's query, key and value heads as one operand (as the fused qkv
-  projection leaves them), applies RoPE on its registers, stores the new key and
-  value at `slot`, scores the new token from registers, and runs an online softmax
-  over the blocks that hold `[start, slot)`, masking the padding and unwritten slots
-  inside its first and last block: no separate RoPE or cache-write kernels, no blocks
-  of padding or unwritten slots read. When the (row, head) pairs are too few to keep
-  the GPU's memory busy and the cache is long (under 132 rows of 8k slots, a few rows
-  of 32k-64k: `slot_splits`), each pair's filled blocks are split over several
-  programs whose partial softmax sums one small XLA fusion merges (`Tiles.splits`);
-  otherwise one program runs them all.
-- `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache; chosen only when forced):
-  the same step on Pallas' Mosaic GPU backend. RoPE (and the fused operand's bias)
-  and the cache write run in XLA before it, as on the XLA path: the write is a
-  `dynamic_update_slice` of one slot per row and head, which XLA does in place on
-  the cache buffer (no pass over the cache), so the kernel only reads the cache.
-  Per (row, key/value head), one warpgroup streams the cache blocks that hold
-  `[start, slot]` into shared memory with TMA copies (`Tiles.stages` buffers deep,
-  one barrier per buffer), scores them with a wgmma of the query group (padded to
-  wgmma's 64 rows) against the block's keys, and runs the online softmax on the
-  WGMMA layout before a second wgmma adds the weighted values. With
-  `MosaicTiles.splits` (not fused; 0: `slot_splits`' choice) each pair's blocks are
-  split over programs as in the Triton kernel, each storing its normalised output and
-  base-2 log-sum-exp, weighed together in XLA (`_merge_parts`). With
-  `MosaicTiles.row_group` one program runs several batch rows of a key/value head
-  through one pipeline of copies (`_mosaic_rows_kernel`), for short caches, where a
-  program of one row waits on each copy with nothing else to do.
+- `"mosaic"` (Hopper GPUs, a bfloat16 or float16 cache): Pallas kernels on its Mosaic
+  GPU backend. Per (row, key/value head), one warpgroup streams the cache blocks that
+  hold `[start, slot]` into shared memory with TMA copies (`MosaicTiles.stages`
+  buffers deep, one barrier per buffer), scores them with a wgmma of the query group
+  (padded to wgmma's 64 rows) against the block's keys, and runs the online softmax on
+  the WGMMA layout before a second wgmma adds the weighted values: no blocks of
+  padding or unwritten slots are read.
   `MosaicTiles(fused=True)` (the sampler's `MOSAIC_TILES`): the kernel reads the
   qkv projection's output itself, adds the bias and RoPE in registers, stores the new
   key and value at `slot` (the cache buffers are JAX refs, aliased in and out of the
   kernel) and attends over `[start, slot]` from the cache: no XLA op between the
   projection and the kernel, no `dynamic_update_slice` around it
-  (`_mosaic_fused_kernel`).
+  (`_mosaic_fused_kernel`). Unfused, RoPE (and the fused operand's bias) and the cache
+  write run in XLA before the kernel, as on the XLA path: the write is a
+  `dynamic_update_slice` of one slot per row and head, which XLA does in place on the
+  cache buffer (no pass over the cache), so the kernel only reads the cache. There,
+  `MosaicTiles.splits` (0: `slot_splits`' choice) splits each pair's blocks over
+  programs, for long caches of too few (row, key/value head) pairs to keep the GPU's
+  memory busy, each storing its normalised output and base-2 log-sum-exp, weighed
+  together in XLA (`_merge_parts`); and `MosaicTiles.row_group` runs several batch rows
+  of a key/value head in one program, through one pipeline of copies
+  (`_mosaic_rows_kernel`), for short caches, where a program of one row waits on each
+  copy with nothing else to do.
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
-  (on CPU in Pallas' interpret mode).
+  (on CPU in Pallas' GPU interpret mode).
+
+`choose_impl("auto", ...)` takes the kernel where it applies and the XLA path elsewhere.
 """
 
 from __future__ import annotations
@@ -62,50 +54,28 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from jrl import sharding
-from jrl.kernels import mosaic_backend, triton_backend
+from jrl.kernels import mosaic_backend
 from jrl.models import rope
 from jrl.models.cache import write_slots
 
-plgpu = triton_backend.plgpu  # None where jax has no Triton backend (`_pallas` says so)
 mgpu = mosaic_backend.plgpu  # None where jax has no Mosaic GPU backend (`_mosaic` says so)
 
-# Cache slots per kernel block (a power of two, as Triton wants); the cache holds
-# whole blocks when the kernel decodes (`cache_slots`).
+# Cache slots per kernel block at the least: the cache holds whole blocks of it when the
+# kernel decodes (`cache_slots`), and a `MosaicTiles.block` that does not divide the
+# cache's slots falls back to it.
 _BLOCK = 64
 
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """The kernels' settings: `block` cache slots per step of its loop (a multiple of
-    `_BLOCK` dividing the cache's slots; larger blocks fall back to `_BLOCK`), Triton's
-    warps and pipeline stages (the Mosaic GPU kernel: its shared-memory buffers per
-    key and value; it runs one warpgroup and ignores `warps`). `splits`: the Triton
-    kernel's programs per (row, key/value head), each over its share of the filled
-    blocks, their partial softmax sums merged after it (`_merge_splits`); 0 chooses
-    (`slot_splits`), 1 runs one program over all the blocks. `split_like`: with
-    `splits = 0`, choose as for a shard's cache of these `(rows, slots)` instead of
-    this one's (a cache of fewer rows and slots standing in for the single sampling
-    program's, `cache.RowCache`: both then sum the same parts, bit for bit)."""
-
-    block: int = 128
-    warps: int = 4
-    stages: int = 2
-    splits: int = 0
-    split_like: tuple[int, int] | None = None
-
-
-# Among the fastest of a sweep on an H200 at batch 64, 256 and 512
-# (experiments/bench_decode_kernel.py; docs/performance_history.md, round six).
-TILES = Tiles()
 # A program streams its pair's cache blocks one after another, each block's reads
 # waiting on the last one's softmax, so a long cache reads at HBM's rate only when many
 # programs run at once: with fewer (row, key/value head) pairs than
 # `PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, `slot_splits` splits each pair's
-# blocks over programs of at least `MIN_SPLIT_SLOTS` slots of a full cache. On an H200
-# (µs a layer-step, Qwen2.5-0.5B's 2 key/value heads, 8,704 slots half / nearly filled;
-# docs/performance.md, "Long responses"): 32 rows 61.3 / 110.8 in one program against
-# 26.7 / 43.4 in 4 parts; 96 rows 76.4 / 137.2 against 58.7 / 103.3 in 2; 128 rows
-# 83.3 / 149.2 against 76.1 / 135.9 in 2.
+# blocks over programs of at least `MIN_SPLIT_SLOTS` slots of a full cache
+# (`MosaicTiles.splits` 0). Measured on an H200 with the kernel's earlier version on
+# Pallas' Triton backend, which split its blocks the same way (µs a layer-step,
+# Qwen2.5-0.5B's 2 key/value heads, 8,704 slots half / nearly filled;
+# `experiments/bench_decode_kernel.py --splits`): 32 rows 61.3 / 110.8 in one program
+# against 26.7 / 43.4 in 4 parts; 96 rows 76.4 / 137.2 against 58.7 / 103.3 in 2;
+# 128 rows 83.3 / 149.2 against 76.1 / 135.9 in 2.
 _MULTIPROCESSORS = 132  # an H100's or H200's, where the device does not say
 MIN_SPLIT_SLOTS = 1024
 PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -125,9 +95,10 @@ def slot_splits(programs: int, num_slots: int, multiprocessors: int | None = Non
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-    """The Mosaic GPU kernel's settings: `block` cache slots per step (as `Tiles`'),
-    `stages` shared-memory buffers per key and value, and `compact`: the query group
-    travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
+    """The Mosaic GPU kernel's settings: `block` cache slots per step of its loop (a
+    multiple of `_BLOCK`; one that does not divide the cache's slots falls back to
+    `_BLOCK`), `stages` shared-memory buffers per key and value, and `compact`: the query
+    group travels (in and out) as its rows rounded up to 8, one tile row of shared memory,
     instead of wgmma's 64 (a TMA copy of a slice of a swizzled buffer; the rows of the
     buffer it leaves unset score garbage that is never read back). `fused`: the kernel
     reads the qkv projection's output itself (bias and RoPE in registers) and writes the
@@ -137,12 +108,15 @@ class MosaicTiles:
     (64 at a head_dim above 128, whose 128-slot buffers would not fit shared memory)
     (the faster of the two on either side, docs/performance.md). `splits` (not with
     `fused`): programs per (row, key/value head), each over its share of the filled
-    blocks, as the Triton kernel's `Tiles.splits` (0: `slot_splits`' choice; each part
-    stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them).
+    blocks (0: `slot_splits`' choice; 1: one program over all of them); each part
+    stores its normalised output and base-2 log-sum-exp, `_merge_parts` weighs them.
     `row_group` (not with `fused` or `splits`): batch rows per program, their blocks
     streamed through one pipeline (`_mosaic_rows_kernel`), so a short cache's copies of
     the next row overlap this row's math; a row group that does not divide a shard's rows
-    falls back to one row a program. `split_like`: as `Tiles.split_like`."""
+    falls back to one row a program. `split_like`: with `block` 0 or `splits` 0, choose
+    as for a shard's cache of these `(rows, slots)` instead of this one's (a cache of
+    fewer rows and slots standing in for the single sampling program's,
+    `cache.RowCache`: both then run the same blocks and parts, bit for bit)."""
 
     block: int = 128
     stages: int = 2
@@ -183,74 +157,67 @@ class MosaicTiles:
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
 # read when a program is traced: set it before the first trace. The fused kernel, its
-# block by the cache's length: on an H200 (docs/performance.md, "Kernels on Mosaic GPU",
-# call 16), GPU time a layer-step at 64 against 128-slot blocks was 39.06 against 40.70
-# µs at batch 256 of 1,024 slots, then 41.31 against 37.72 at batch 128 of 2,048, 74.45
-# against 67.00 of 4,096 and 151.96 against 133.98 of 8,704.
+# block by the cache's length: on an H200 (`experiments/bench_decode_kernel.py --mosaic
+# 64,2,compact,fused 128,2,compact,fused`), GPU time a layer-step at 64 against 128-slot
+# blocks was 39.06 against 40.70 µs at batch 256 of 1,024 slots, then 41.31 against
+# 37.72 at batch 128 of 2,048, 74.45 against 67.00 of 4,096 and 151.96 against 133.98
+# of 8,704.
 LONG_CACHE = 2048
 MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True)
 
-
-def _as_mosaic(tiles) -> MosaicTiles:
-    """`MosaicTiles` from either settings (a `Tiles`' block and stages; None:
-    `MOSAIC_TILES`)."""
-    if tiles is None:
-        return MOSAIC_TILES
-    if isinstance(tiles, MosaicTiles):
-        return tiles
-    return MosaicTiles(tiles.block, tiles.stages)
+IMPLS = ("auto", "xla", "mosaic")
 
 
 def choose_impl(impl: str, head_dim: int, num_slots: int | None = None,
                 dtype=None) -> str:
-    """`"pallas"` where the kernel applies (GPU, Pallas' Triton backend installed, a
-    power-of-two head_dim of at least 32, whose halves are the kernel's dot operands,
-    and, when given, a cache of whole blocks); where the Triton backend is missing (jax
-    0.11 deprecates it), `"mosaic"` where its kernel applies instead (a Hopper GPU,
-    Pallas' Mosaic GPU backend, such a head_dim up to 256 and a 16-bit cache `dtype`);
-    else `"xla"`. A forced `impl` is returned as is, but a forced `"pallas"` stops with
-    a ConfigError without the Triton backend, and with a ValueError on a GPU with a
-    head_dim the kernel cannot take (off a GPU the kernel runs in interpret mode, where
-    any head_dim works); a forced `"mosaic"` with a ConfigError without Pallas' Mosaic
-    GPU backend, and with a ValueError on a GPU other than Hopper."""
+    """`"mosaic"` where the kernel applies (a Hopper GPU, Pallas' Mosaic GPU backend, a
+    power-of-two head_dim from 32 to 256 (the heads its swizzled tiles and RoPE halves
+    are laid out and tested for), a 16-bit cache `dtype` (wgmma's operands) and, when
+    given, a cache of whole blocks), else `"xla"`. A forced `impl` is returned as
+    is, but a forced `"mosaic"` stops with a ConfigError without Pallas' Mosaic GPU
+    backend and with a ValueError on a GPU other than Hopper (off a GPU the kernel runs
+    in interpret mode); a value not in `IMPLS` stops with a ValueError naming them."""
+    if impl not in IMPLS:
+        raise ValueError(_not_an_impl(impl))
     on_gpu = jax.default_backend() == "gpu"
-    head_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
-    if impl == "pallas":
-        triton_backend.require("model.decode_attention_impl")
     if impl == "mosaic":
         mosaic_backend.require("model.decode_attention_impl")
         if on_gpu and not mosaic_backend.on_hopper():
             raise ValueError("model.decode_attention_impl='mosaic' needs a Hopper GPU "
-                             "(compute capability 9.0: its wgmma and TMA); use 'auto', "
-                             "'pallas' or 'xla'")
-    if impl == "pallas" and on_gpu and not head_ok:
-        raise ValueError(
-            f"model.decode_attention_impl='pallas' needs a power-of-two head_dim of at "
-            f"least 32 on GPU (the kernel's dot operands are half-heads), got {head_dim}; "
-            "use 'auto' or 'xla'")
+                             "(compute capability 9.0: its wgmma and TMA); use 'auto' or "
+                             "'xla'")
     if impl != "auto":
         return impl
-    if not (on_gpu and head_ok and (num_slots is None or num_slots % _BLOCK == 0)):
-        return "xla"
-    if triton_backend.available():
-        return "pallas"
-    mosaic_ok = (mosaic_backend.available() and mosaic_backend.on_hopper()
-                 and head_dim <= 256 and dtype is not None
-                 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
-    return "mosaic" if mosaic_ok else "xla"
+    head_ok = 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    applies = (on_gpu and head_ok and (num_slots is None or num_slots % _BLOCK == 0)
+               and mosaic_backend.available() and mosaic_backend.on_hopper()
+               and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+    return "mosaic" if applies else "xla"
+
+
+def _not_an_impl(impl) -> str:
+    """The error for a decode attention `impl` not in `IMPLS`; for "pallas" (the
+    kernel's version on Pallas' Triton backend, which Pallas deprecated), what replaced
+    it."""
+    message = (f"model.decode_attention_impl must be one of {', '.join(map(repr, IMPLS))}, "
+               f"got {impl!r}")
+    if impl == "pallas":
+        message += (" (the kernel on Pallas' Triton backend was removed; 'mosaic' is its "
+                    "port to Pallas' Mosaic GPU backend, for Hopper GPUs)")
+    return message
 
 
 def cache_slots(impl: str, head_dim: int, needed: int, dtype=None) -> int:
     """Slots to allocate for `needed` tokens: rounded up to whole kernel blocks when
-    the decode steps will run a kernel (`choose_impl`; `dtype`: the cache's)."""
-    if choose_impl(impl, head_dim, dtype=dtype) not in ("pallas", "mosaic"):
+    the decode steps will run the kernel (`choose_impl`; `dtype`: the cache's)."""
+    if choose_impl(impl, head_dim, dtype=dtype) != "mosaic":
         return needed
     return -(-needed // _BLOCK) * _BLOCK
 
 
 def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
                       slot, *, impl: str = "xla", interpret: bool = False,
-                      tiles: Tiles | MosaicTiles | None = None):
+                      tiles: MosaicTiles | None = None):
     """Rotates the new tokens' queries and keys (RoPE), writes each row's new key and
     value at `slot`, then attends over `[start, slot]`.
 
@@ -263,12 +230,11 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
       start_b: int `[B]`, each row's first real slot.
       slot: int scalar, the slot the new tokens are written to (shared by all rows),
         below S. A Python int is checked; past S the XLA path writes slot S - 1 (as
-        `dynamic_update_slice` clamps) and the kernel writes nothing.
-      impl: "xla", "pallas" or "mosaic" (see the module docstring).
-      interpret: run the Pallas kernel in interpret mode (always off a GPU, so
+        `dynamic_update_slice` clamps) and the fused kernel writes nothing.
+      impl: "xla" or "mosaic" (see the module docstring).
+      interpret: run the kernel in Pallas' GPU interpret mode (always off a GPU, so
         CPU tests run the kernel's own code).
-      tiles: the kernel's settings (`Tiles`; the Mosaic GPU kernel takes a
-        `MosaicTiles` too); None: `TILES` for "pallas", `MOSAIC_TILES` for "mosaic".
+      tiles: the kernel's settings; None: `MOSAIC_TILES`.
 
     Returns:
       (`[B, N, H]` attention output in the queries' dtype, the updated key and value
@@ -277,53 +243,50 @@ def append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bks
     _check_slot(slot, k_bksh)
     slot = jnp.asarray(slot, jnp.int32)
     start_b = start_b.astype(jnp.int32)
-    if impl == "pallas":
-        _check_blocks(k_bksh)
-
-        def kernel(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
-            # One operand, as a fused projection leaves them (`append_and_attend_qkv`).
-            qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
-                                       v_new_bkh.astype(q_bnh.dtype)], axis=1)
-            return _pallas(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
-                           interpret=interpret, tiles=tiles or TILES)
-
-        return _sharded(kernel, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
-                        start_b, slot)
     if impl not in ("xla", "mosaic"):
-        raise ValueError(
-            f"decode attention impl must be 'xla', 'pallas' or 'mosaic', got {impl!r}")
-    if impl == "mosaic" and _as_mosaic(tiles).fused:
-        _check_blocks(k_bksh)
-
-        def fused(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
-            qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
-                                       v_new_bkh.astype(q_bnh.dtype)], axis=1)
-            return _mosaic_fused(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
-                                 interpret=interpret, tiles=_as_mosaic(tiles))
-
-        return _sharded(fused, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
-                        start_b, slot)
+        raise ValueError(f"decode attention impl must be 'xla' or 'mosaic', got {impl!r}")
+    tiles = tiles or MOSAIC_TILES
+    if impl == "mosaic" and tiles.fused:
+        return _fused_on_parts(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
+                               start_b, slot, interpret=interpret, tiles=tiles)
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
     if impl == "mosaic":
         _check_blocks(k_bksh)
-        kernel = functools.partial(_mosaic, interpret=interpret, tiles=_as_mosaic(tiles))
+        kernel = functools.partial(_mosaic, interpret=interpret, tiles=tiles)
         return _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot), k_bksh, v_bksh
     out_bnh = decode_attention(q_bnh, k_bksh.astype(q_bnh.dtype), v_bksh.astype(q_bnh.dtype),
                                start_b, slot + 1)
     return out_bnh, k_bksh, v_bksh
 
 
+def _fused_on_parts(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh, start_b,
+                    slot, *, interpret, tiles: MosaicTiles):
+    """The fused kernel (`_mosaic_fused`) on separate queries, keys and values, joined on
+    each shard into the one operand a fused qkv projection leaves; `append_and_attend`'s
+    outputs."""
+    _check_blocks(k_bksh)
+
+    def fused(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
+        qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
+                                   v_new_bkh.astype(q_bnh.dtype)], axis=1)
+        return _mosaic_fused(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
+                             interpret=interpret, tiles=tiles)
+
+    return _sharded(fused, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
+                    start_b, slot)
+
+
 def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
                           num_heads: int, impl: str = "xla", interpret: bool = False,
-                          tiles: Tiles | MosaicTiles | None = None):
+                          tiles: MosaicTiles | None = None):
     """`append_and_attend` from a fused qkv projection's output, before its bias.
 
-    The kernel reads the projection's output as its one operand and adds the bias
-    itself (rounded to the operand's dtype, as the projection's own bias add rounds),
-    so a decode step runs no kernel between the projection and the attention; with q,
-    k and v as three arrays XLA joins them again in a fusion of its own (which also
-    adds the bias) before the kernel.
+    The fused kernel (`MosaicTiles.fused`) reads the projection's output as its one
+    operand and adds the bias itself (rounded to the operand's dtype, as the
+    projection's own bias add rounds), so a decode step runs no kernel between the
+    projection and the attention; with q, k and v as three arrays XLA joins them again
+    in a fusion of its own (which also adds the bias) before the kernel.
 
     Args:
       qkv_bjh: `[B, N + 2K, H]` the new tokens' query heads, then key heads, then
@@ -339,18 +302,12 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
             f"append_and_attend_qkv: {num_heads} query heads and {k_bksh.shape[1]} key/value "
             f"heads need qkv [B, {joined}, H] and a bias [{joined}, H], got qkv "
             f"{tuple(qkv_bjh.shape)} and bias {None if bias_jh is None else tuple(bias_jh.shape)}")
-    if impl == "pallas":
-        _check_slot(slot, k_bksh)
-        _check_blocks(k_bksh)
-        kernel = functools.partial(_pallas, num_heads=num_heads, interpret=interpret,
-                                   tiles=tiles or TILES)
-        return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
-                            start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
-    if impl == "mosaic" and _as_mosaic(tiles).fused:
+    tiles = tiles or MOSAIC_TILES
+    if impl == "mosaic" and tiles.fused:
         _check_slot(slot, k_bksh)
         _check_blocks(k_bksh)
         kernel = functools.partial(_mosaic_fused, num_heads=num_heads, interpret=interpret,
-                                   tiles=_as_mosaic(tiles))
+                                   tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
                             start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
     if bias_jh is not None:
@@ -456,174 +413,6 @@ def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start
 
     return sharding.per_shard(run, specs, qkv_bjh, *biases, sin_bk, cos_bk, k_bksh, v_bksh,
                               start_b, slot)
-
-
-def _append_attend_kernel(qkv_ref, *refs, heads, group, rows, scale, block, has_bias,
-                          splits=1):
-    """One (row, key/value head): its `group` queries against the new token and the
-    filled blocks of the cache. `qkv_ref` holds the row's `heads` query heads, then its
-    key and its value heads, before RoPE (and before the bias, when `has_bias`: the
-    next ref then holds it, `[heads + 2 * num_kv, H]`, added here and rounded to the
-    compute dtype as an XLA bias add is). `rows` is `group` rounded up to a Triton
-    tile (>= 16); the extra query rows are masked. `k_out_ref`/`v_out_ref` alias
-    `k_ref`/`v_ref`.
-
-    RoPE pairs the first and second halves of a head, so the queries and keys are
-    kept as their two rotated halves, and a score is the sum of the halves' dots.
-
-    With `splits > 1` the grid's third axis is the part: part p runs the p-th share of
-    the filled blocks and stores its unnormalised sums (running maximum `top_ref`, sum
-    of weights `total_ref`, weighted values `acc_ref`, float32) in place of `o_ref`;
-    part 0 also counts and writes the new token."""
-    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-    if splits == 1:
-        sin_ref, cos_ref, bounds_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref = refs
-    else:
-        (sin_ref, cos_ref, bounds_ref, k_ref, v_ref, acc_ref, top_ref, total_ref, k_out_ref,
-         v_out_ref) = refs
-    kv = pl.program_id(1)
-    num_kv = pl.num_programs(1)
-    start, slot = bounds_ref[0], bounds_ref[1]
-    half = qkv_ref.shape[-1] // 2
-    first_half, second_half = pl.ds(0, half), pl.ds(half, half)
-    dtype = qkv_ref.dtype
-    sin, cos = sin_ref[...][None, :], cos_ref[...][None, :]  # [1, H/2] float32
-
-    def load(heads_slice, part, mask=None):
-        """Heads `heads_slice` (columns `part`) of the operand, plus the bias, float32."""
-        fill = {} if mask is None else dict(mask=mask, other=0.0)
-        x = plgpu.load(qkv_ref.at[heads_slice, part], **fill)
-        if has_bias:
-            bias = plgpu.load(bias_ref.at[heads_slice, part], **fill)
-            x = (x.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
-        return x.astype(jnp.float32)
-
-    def rotated(heads_slice, mask=None):
-        """The two halves of heads `heads_slice`, rotated, in the compute dtype."""
-        x1, x2 = (load(heads_slice, part, mask) for part in (first_half, second_half))
-        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
-
-    real_row = (jnp.arange(rows) < group)[:, None]
-    q1, q2 = rotated(pl.ds(kv * group, rows), real_row)  # [rows, H/2] each
-    k1_new, k2_new = rotated(pl.ds(heads + kv, 1))  # [1, H/2] each
-    v_new = load(pl.ds(heads + num_kv + kv, 1), slice(None)).astype(dtype)  # [1, H]
-    new_row = pl.ds(slot, 1)
-    # Never past the buffer (the next head's slots): a slot beyond it is not written.
-    writes = slot < k_out_ref.shape[0]
-    if splits > 1:
-        writes &= pl.program_id(2) == 0  # one part writes the new token
-    in_cache = lambda t: dict(mask=jnp.full(t.shape, writes))
-    for ref, part, value in ((k_out_ref, first_half, k1_new), (k_out_ref, second_half, k2_new),
-                             (v_out_ref, slice(None), v_new)):
-        plgpu.store(ref.at[new_row, part], value.astype(ref.dtype), **in_cache(value))
-    # The new token from registers, rounded as the cache holds it: it starts the online
-    # softmax (weight exp(0) = 1).
-    as_cached = lambda t: t.astype(k_out_ref.dtype).astype(dtype).astype(jnp.float32)
-    top = (jnp.sum(q1.astype(jnp.float32) * as_cached(k1_new), axis=1)
-           + jnp.sum(q2.astype(jnp.float32) * as_cached(k2_new), axis=1)) * scale  # [rows]
-    total = jnp.ones_like(top)
-    acc = jnp.broadcast_to(as_cached(v_new), (rows, v_new.shape[1]))
-    first_block, end_block = start // block, pl.cdiv(slot, block)
-    if splits > 1:  # this part's share of the blocks; only part 0 counts the new token
-        part = pl.program_id(2)
-        share = pl.cdiv(end_block - first_block, splits)
-        first_block = jnp.minimum(first_block + part * share, end_block)
-        end_block = jnp.minimum(first_block + share, end_block)
-        new_token = part == 0
-        top = jnp.where(new_token, top, -jnp.inf)
-        total = jnp.where(new_token, total, 0.0)
-        acc = jnp.where(new_token, acc, 0.0)
-
-    def step(j, carry):
-        top, total, acc = carry
-        first = pl.multiple_of(j * block, block)
-        blk = pl.ds(first, block)
-        k1, k2 = (k_ref[blk, part].astype(dtype) for part in (first_half, second_half))
-        logits = (plgpu.dot(q1, k1, trans_b=True)
-                  + plgpu.dot(q2, k2, trans_b=True)) * scale  # [rows, block] float32
-        slots = first + jnp.arange(block)
-        # Slots before `start` (padding) and from `slot` on (the new token, already
-        # counted, and unwritten slots) are masked.
-        valid = ((slots >= start) & (slots < slot))[None, :]
-        logits = jnp.where(valid, logits, -jnp.inf)
-        new_top = jnp.maximum(top, jnp.max(logits, axis=1))
-        correction = jnp.exp(top - new_top)
-        weights = jnp.exp(logits - new_top[:, None])
-        v = v_ref[blk, :].astype(dtype)
-        acc = acc * correction[:, None] + plgpu.dot(weights.astype(dtype), v)
-        return new_top, total * correction + jnp.sum(weights, axis=1), acc
-
-    top, total, acc = lax.fori_loop(first_block, end_block, step, (top, total, acc))
-    heads_slice = pl.ds(kv * group, rows)
-    if splits > 1:
-        plgpu.store(acc_ref.at[heads_slice, :], acc, mask=real_row)
-        for ref, value in ((top_ref, top), (total_ref, total)):
-            plgpu.store(ref.at[heads_slice], value, mask=real_row[:, 0])
-        return
-    plgpu.store(o_ref.at[heads_slice, :], (acc / total[:, None]).astype(o_ref.dtype),
-                mask=real_row)
-
-
-def _pallas(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *, num_heads,
-            interpret, tiles):
-    """The kernel over `[B, N + 2K, H]` new query, key and value heads (`bias_jh`: their
-    bias, or None); with `tiles.splits` (or `slot_splits`) over 1, in parts merged by
-    `_merge_splits`."""
-    triton_backend.require("model.decode_attention_impl")
-    b, _, h = qkv_bjh.shape
-    n = num_heads
-    kv, s = k_bksh.shape[1], k_bksh.shape[2]
-    block = tiles.block if s % tiles.block == 0 else _BLOCK
-    rows_like, slots_like = tiles.split_like or (b, s)
-    splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
-    group = n // kv
-    rows = max(16, 1 << (group - 1).bit_length())
-    bounds_b2 = jnp.stack([start_b, jnp.broadcast_to(slot, start_b.shape)], axis=1)
-    has_bias = bias_jh is not None
-    kernel = functools.partial(_append_attend_kernel, heads=n, group=group, rows=rows,
-                               scale=1.0 / math.sqrt(h), block=block, has_bias=has_bias,
-                               splits=splits)
-    row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j, *p: (i,) + (0,) * len(shape))
-    per_head = lambda shape: pl.BlockSpec((None, None, *shape),
-                                          lambda i, j, *p: (i, j) + (0,) * len(shape))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, *p: (0,) * len(shape))
-    cache_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_bksh, v_bksh)]
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((b, n, h), qkv_bjh.dtype)]
-        out_specs = [row((n, h))]
-    else:  # each part's float32 sums, `[B, splits, N, ...]`
-        part = lambda shape: pl.BlockSpec((None, None, *shape),
-                                          lambda i, j, p: (i, p) + (0,) * len(shape))
-        out_shape = [jax.ShapeDtypeStruct((b, splits, n, *tail), jnp.float32)
-                     for tail in ((h,), (), ())]
-        out_specs = [part((n, h)), part((n,)), part((n,))]
-    biases = [bias_jh.astype(qkv_bjh.dtype)] if has_bias else []
-    first_cache = 1 + len(biases) + 3  # operand index of the key cache
-    *out, k_bksh, v_bksh = pl.pallas_call(
-        kernel,
-        out_shape=[*out_shape, *cache_shapes],
-        grid=(b, kv) if splits == 1 else (b, kv, splits),
-        in_specs=[row(qkv_bjh.shape[1:]), *(whole(x.shape) for x in biases),
-                  row((h // 2,)), row((h // 2,)), row((2,)), per_head((s, h)),
-                  per_head((s, h))],
-        out_specs=[*out_specs, per_head((s, h)), per_head((s, h))],
-        input_output_aliases={first_cache: len(out_shape), first_cache + 1: len(out_shape) + 1},
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
-        interpret=interpret or jax.default_backend() != "gpu",
-        name="append_and_attend",
-    )(qkv_bjh, *biases, sin_bk.astype(jnp.float32), cos_bk.astype(jnp.float32), bounds_b2,
-      k_bksh, v_bksh)
-    out_bnh = out[0] if splits == 1 else _merge_splits(*out).astype(qkv_bjh.dtype)
-    return out_bnh, k_bksh, v_bksh
-
-
-def _merge_splits(acc_bpnh, top_bpn, total_bpn):
-    """The attention output `[B, N, H]` (float32) from the parts' running maxima, sums of
-    weights and weighted values (a part without blocks: -inf, 0, 0)."""
-    top_bn = jnp.max(top_bpn, axis=1)
-    weight_bpn = jnp.exp(top_bpn - top_bn[:, None])
-    total_bn = jnp.sum(weight_bpn * total_bpn, axis=1)
-    return jnp.sum(weight_bpn[..., None] * acc_bpnh, axis=1) / total_bn[..., None]
 
 
 def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block, stages,
@@ -1200,11 +989,11 @@ def _swap_matmul(h, block) -> bool:
     than in register halves (where it does not fit: `H` 128 at 64-slot blocks, whose
     halves are whole 64-column tiles of the swizzled query tile; at 128-slot blocks,
     caches from `LONG_CACHE` slots, the matrix, not measured against the halves there).
-    On an H200 (docs/performance.md, call 17): at head_dim 64, batch 256 of 384 slots,
+    On an H200 (`experiments/bench_decode_kernel.py`): at head_dim 64, batch 256 of 384 slots,
     the matrix took 16.66 µs a layer-step and a halves version that stored both halves
-    through one plain tile 18.11 (17b). At head_dim 128 (Qwen2.5-7B's heads, batch 128)
-    the matrix in a tile of its own, one program a multiprocessor, took 35.40 (17b),
-    the halves 28.93 (17d, where ccfa351's kernel took 38.36)."""
+    through one plain tile 18.11. At head_dim 128 (Qwen2.5-7B's heads, batch 128) the
+    matrix, in a tile of its own that left one program a multiprocessor, took 35.40, the
+    halves 28.93."""
     return block >= -(-h // 64) * 64
 
 

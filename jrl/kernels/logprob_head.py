@@ -34,7 +34,7 @@ four statistics on its own layout and writes them out through shared memory (wit
 `MosaicBlocks.consumers=2`, two warpgroups do that for 64 tokens each while a third
 issues the copies). On an H200 it runs the Qwen2.5-0.5B head at 500-560 TFLOP/s,
 against 315-410 for the Triton kernel it replaced and 300-370 for XLA
-(experiments/results/mosaic/call4/head.json).
+(experiments/bench_head_kernel.py).
 
 `choose_impl("auto", ...)` takes the kernel on a Hopper GPU and the XLA reference
 (`jrl.rl.logprobs`) elsewhere; CPU tests run the kernel in Pallas' GPU interpret mode
@@ -59,9 +59,9 @@ Array = jax.Array
 
 
 # `auto` takes the kernel up to this hidden size: measured at D = 896 (Qwen2.5-0.5B),
-# where XLA's chunked logits take 1.5-1.7x its time; the Triton kernel before it stopped paying
-# between D = 2,048 and 3,584 (docs/performance_history.md, round five), and larger
-# hidden sizes are not measured with this one yet.
+# where XLA's chunked logits take 1.5-1.7x its time; the Triton kernel before it stopped
+# paying between D = 2,048 and 3,584, and larger hidden sizes are not measured with this
+# one yet.
 MAX_HIDDEN = 1024
 
 
@@ -95,11 +95,10 @@ class MosaicBlocks:
                              f"multiple of 8 from 8 to 256 and stages >= 2, got {self}")
 
 
-# Fastest of a sweep on an H200 (experiments/check_mosaic_head.py;
-# experiments/results/mosaic/call4/head.json): two consumer warpgroups of 64 tokens
-# each, 256 vocabulary entries, 3 stages; 8.52 ms for 16,384 tokens of the Qwen2.5-0.5B
-# head with the entropy (17.11 ms for 32,768), against the Triton kernel's 11.68
-# (28.30) and XLA's 14.73 (29.17).
+# Fastest of a sweep on an H200 (experiments/bench_head_kernel.py): two consumer
+# warpgroups of 64 tokens each, 256 vocabulary entries, 3 stages; 8.52 ms for 16,384
+# tokens of the Qwen2.5-0.5B head with the entropy (17.11 ms for 32,768), against the
+# Triton kernel's 11.68 (28.30) and XLA's 14.73 (29.17).
 MOSAIC_FORWARD = MosaicBlocks(t=128, v=256, k=64, stages=3, overlap=True, group=16,
                               consumers=2)
 
@@ -583,7 +582,7 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
 
 # The backward kernel's tiles: the forward's (`_write_grads` adds a `[64, 256]` tile per
 # consumer: 208 KiB of Hopper's 227 KiB of shared memory). Alone, at 8,192 tokens of the
-# Qwen2.5-0.5B head (experiments/check_head_backward.py; experiments/results/mosaic/call10),
+# Qwen2.5-0.5B head (experiments/bench_head_backward.py),
 # 128 entries x 4 stages was faster (4.87 ms against 5.60; XLA 7.46), but in the GRPO
 # step these tiles were (learn 1.502 against 1.519 s, XLA's backward 1.523 and 1.518;
 # calls 12 and 13, one H200).

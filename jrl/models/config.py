@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from jrl.errors import ConfigError
-from jrl.kernels import mosaic_backend, triton_backend
+from jrl.kernels import mosaic_backend
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
-DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas", "mosaic")
+DECODE_ATTENTION_IMPLS = ("auto", "xla", "mosaic")
 LOGPROB_IMPLS = ("auto", "xla", "mosaic")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,11 +96,10 @@ class ModelConfig:
         Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
-        `jrl.kernels.decode_attention` on GPU where it applies: on Pallas' Triton
-        backend, or without it on its Mosaic GPU backend on Hopper; else XLA), "xla",
-        "pallas" (a ConfigError where jax lacks Pallas' Triton backend) or "mosaic"
-        (the kernel on Pallas' Mosaic GPU backend, for Hopper GPUs and a bfloat16 or
-        float16 cache; a ConfigError where jax lacks that backend).
+        `jrl.kernels.decode_attention`, on Pallas' Mosaic GPU backend, on Hopper GPUs
+        where it applies; else XLA), "xla" or "mosaic" (the kernel, forced, for Hopper
+        GPUs and a bfloat16 or float16 cache; a ConfigError where jax lacks Pallas'
+        Mosaic GPU backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.kernels.logprob_head`, on Pallas' Mosaic GPU backend,
         on Hopper GPUs for hidden sizes up to 1,024; else XLA), "xla" (chunked float32
@@ -174,8 +173,6 @@ class ModelConfig:
         _check_choice("decode_attention_impl", self.decode_attention_impl,
                       DECODE_ATTENTION_IMPLS)
         _check_choice("logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
-        if self.decode_attention_impl == "pallas":
-            triton_backend.require("model.decode_attention_impl")
         for key in ("decode_attention_impl", "logprob_impl"):
             if getattr(self, key) == "mosaic":
                 mosaic_backend.require(f"model.{key}")

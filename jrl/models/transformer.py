@@ -323,8 +323,8 @@ class Attention(nn.Module):
                 qkv_bjh,
                 bias_jh,
                 sin_bk, cos_bk, *cache.layer(layer), mask_b1ts.start_b,
-                write_index, num_heads=c.num_heads, impl=_decode_impl(c),
-                tiles=_decode_tiles(c, cache))
+                write_index, num_heads=c.num_heads, impl="mosaic",
+                tiles=_decode_tiles(cache))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             return self._output(_to_batch_rows(cache, out_bnh)[:, None]), cache
         if fused_layout:
@@ -350,7 +350,7 @@ class Attention(nn.Module):
                 (cos_btk[:, 0], ("batch", "length", None)))))
             out_bnh, k_bksh, v_bksh = decode_lib.append_and_attend(
                 *operands, *cache.layer(layer), mask_b1ts.start_b, write_index,
-                impl=_decode_impl(c), tiles=_decode_tiles(c, cache))
+                impl="mosaic", tiles=_decode_tiles(cache))
             cache = cache.replace_layer(layer, k_bksh, v_bksh)
             out_btnh = _to_batch_rows(cache, out_bnh)[:, None]
         else:
@@ -637,35 +637,26 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     return final_norm.apply({"params": params["final_norm"]}, x_btd), cache
 
 
-def _decode_impl(config: ModelConfig) -> str:
-    """The kernel of a decode step given a `DecodeStep` (`_attention_mask` chose one):
-    the Mosaic GPU kernel when forced or where `auto` takes it (no Triton backend),
-    else the Triton kernel."""
-    impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
-                                  dtype=config.dtype)
-    return "mosaic" if impl == "mosaic" else "pallas"
-
-
-def _decode_tiles(config: ModelConfig, cache):
+def _decode_tiles(cache):
     """The decode kernel's settings: its defaults (None), except that a kernel on a
-    `RowCache` splits the slots as it would on the single sampling program's cache (the
-    batch's rows a shard, its slots), so the segments give that program's bits."""
+    `RowCache` chooses its blocks (and parts) as it would on the single sampling
+    program's cache (the batch's rows a shard, its slots), so the segments give that
+    program's bits."""
     if not isinstance(cache, RowCache):
         return None
     like = (cache.cache_rows.shape[1], max(cache.softmax_slots, cache.max_len))
-    tiles = decode_lib.TILES if _decode_impl(config) == "pallas" else decode_lib.MOSAIC_TILES
-    return dataclasses.replace(tiles, split_like=like)
+    return dataclasses.replace(decode_lib.MOSAIC_TILES, split_like=like)
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
     """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by a
-    Pallas kernel (Triton or Mosaic GPU), each row's first filled slot (`DecodeStep`;
+    Pallas kernel (on its Mosaic GPU backend), each row's first filled slot (`DecodeStep`;
     the row's slots are contiguous by the cache contract: left padding, then tokens up
     to the one being written)."""
     if cache is not None and num_queries == 1:
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len, config.dtype)
-        if impl in ("pallas", "mosaic"):
+        if impl == "mosaic":
             if isinstance(cache, RowCache):  # the kernel runs on the cache's rows
                 mask = cache.to_cache_rows(mask, ("batch", None))
             return DecodeStep(jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32))

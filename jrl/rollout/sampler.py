@@ -570,9 +570,9 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
 
 def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
     """The mask `[N, S]` a decode step attends with: `key_mask` for the `running` rows,
-    the new `slot` alone for the others, whose outputs are discarded; the decode kernels
-    (Triton, and Mosaic GPU but for `MosaicTiles.row_group`) then read one block of such
-    a row's cache instead of all its filled ones (XLA's path reads every slot anyway)."""
+    the new `slot` alone for the others, whose outputs are discarded; the decode kernel
+    (but for `MosaicTiles.row_group`) then reads one block of such a row's cache instead
+    of all its filled ones (XLA's path reads every slot anyway)."""
     only_new = (jnp.arange(key_mask.shape[1]) == slot).astype(key_mask.dtype)
     return jnp.where(running[:, None], key_mask, only_new[None, :])
 

@@ -40,11 +40,11 @@ on stopped rows, set `decode_buckets` as there.
 
 Exactness rests on XLA's fusion decisions: the two programs fuse the same
 computations alike (the first program also emits the first token's log-probs as the
-single program does when it compacts, `_first_stage`). The Triton and Mosaic decode
-kernels run per (row, head) on the same inputs and, with the caches differing by
-whole kernel blocks, the same blocks (the Triton kernel in interpret mode gives the
-single program's bits, tested); on a GPU the other ops run at the single program's
-shapes, but bit-equality there is not tested here.
+single program does when it compacts, `_first_stage`). The Mosaic GPU decode kernel
+runs per (row, head) on the same inputs and, with the caches differing by whole kernel
+blocks, the same blocks (in GPU interpret mode it gives the single program's bits,
+tested); on a GPU the other ops run at the single program's shapes, but bit-equality
+there is not tested here.
 
 The host loop cannot run inside another jit: `generate` here is called outside one
 (`sampler.generate`, the single program, refuses `cache_segments > 1` and names this
@@ -102,14 +102,15 @@ def segment_slots(config: ModelConfig, prompt_len: int, sampling: SamplingConfig
 def slot_block(config: ModelConfig, full_slots: int) -> int:
     """The slots by which a segment's cache may differ from the single program's
     `full_slots`: `SLOT_BLOCK`, or where a decode-attention kernel decodes, a multiple
-    of its tiles' block too: the kernel runs its loop in blocks of `Tiles.block` slots
-    where they divide the cache's slots, else of 64, so each segment's cache must
+    of its tiles' block too: the kernel runs its loop in blocks of `MosaicTiles.block`
+    slots where they divide the cache's slots, else of 64, so each segment's cache must
     divide alike for the kernel to sum a row's blocks as the single program's does."""
     impl = decode_attention.choose_impl(config.decode_attention_impl, config.head_dim,
                                         full_slots, config.dtype)
-    tiles = {"pallas": decode_attention.TILES, "mosaic": decode_attention.MOSAIC_TILES}
-    # (A Mosaic GPU block of 0 is 64 or 128 by the cache's length: 128 divides alike.)
-    return math.lcm(SLOT_BLOCK, tiles[impl].block or 128) if impl in tiles else SLOT_BLOCK
+    if impl != "mosaic":
+        return SLOT_BLOCK
+    # (A block of 0 is 64 or 128 by the cache's length: 128 divides alike.)
+    return math.lcm(SLOT_BLOCK, decode_attention.MOSAIC_TILES.block or 128)
 
 
 def segment_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple[int, ...]:

@@ -68,17 +68,14 @@ def test_model_dtype_is_a_model_dtype_but_float16():
         _settings(**{"model.dtype": "float8"})
 
 
-def test_a_forced_kernel_needs_the_triton_backend(monkeypatch):
-    """Checked with the settings, before the run directory is claimed: without Pallas'
-    Triton backend the forced decode kernel stops, naming its key; "auto" runs on XLA.
-    The log-prob head's Triton kernel is gone: "pallas" there says what replaced it."""
-    from jrl.kernels import triton_backend
-
-    monkeypatch.setattr(triton_backend, "plgpu", None)
-    key = "model.decode_attention_impl"
-    _settings(**{key: "auto"})
-    with pytest.raises(ConfigError, match=rf"^{key}='pallas' needs Pallas' Triton backend"):
-        _settings(**{key: "pallas"})
+def test_pallas_names_what_replaced_the_triton_kernels():
+    """Checked with the settings, before the run directory is claimed: "pallas" (the
+    kernels on Pallas' Triton backend, which Pallas deprecated) is no choice of either
+    kernel's key now; the error names the key, the Mosaic GPU port and the choices."""
+    _settings(**{"model.decode_attention_impl": "auto"})
+    with pytest.raises(ConfigError, match=r"^model\.decode_attention_impl: 'pallas' .* "
+                                          r"'mosaic' .*choose one of \['auto', 'xla', 'mosaic'\]"):
+        _settings(**{"model.decode_attention_impl": "pallas"})
     with pytest.raises(ConfigError, match=r"^model\.logprob_impl: 'pallas' .* use 'mosaic'"):
         _settings(**{"model.logprob_impl": "pallas"})
 

@@ -1,6 +1,7 @@
-"""The Pallas decode-step kernels, Triton ("pallas") and Mosaic GPU ("mosaic"), compiled on
-a GPU and in interpret mode elsewhere, against the XLA reference (the cache write and the
-attention), and the sampler run through them against the sampler on the XLA path."""
+"""The Pallas decode-step kernel on its Mosaic GPU backend ("mosaic": unfused, split over
+slots, several rows a program, and fused with the cache write), compiled on a Hopper GPU
+and in GPU interpret mode elsewhere, against the XLA reference (the cache write and the
+attention), and the sampler run through it against the sampler on the XLA path."""
 
 import dataclasses
 import re
@@ -21,41 +22,35 @@ from jrl.models.config import RopeScaling
 from jrl.rollout import sampler
 from jrl.rollout.sampler import SamplingConfig
 from tests.eight_devices import run_script
-from tests.markers import NEEDS_MOSAIC, NEEDS_TRITON
+from tests.markers import NEEDS_MOSAIC
 
-# On a GPU the kernels run compiled, elsewhere in Pallas' interpret mode.
+# On a GPU the kernels run compiled, elsewhere in Pallas' GPU interpret mode.
 INTERPRET = jax.default_backend() != "gpu"
-pytestmark = NEEDS_TRITON
-# The Mosaic GPU kernel compiles for Hopper only; on other GPUs its tests are skipped.
+pytestmark = NEEDS_MOSAIC
+# The Mosaic GPU kernel compiles for Hopper only; on other GPUs the tests that run it
+# are skipped.
 NEEDS_HOPPER_OFF_CPU = pytest.mark.skipif(
     jax.default_backend() == "gpu" and not mosaic_backend.on_hopper(),
     reason="the Mosaic GPU kernel compiles for Hopper GPUs only")
-KERNELS = [pytest.param("pallas", id="pallas"),
-           pytest.param("mosaic", id="mosaic", marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU]),
-           pytest.param("mosaic_fused", id="mosaic_fused",
-                        marks=[NEEDS_MOSAIC, NEEDS_HOPPER_OFF_CPU])]
-
-
-# The Triton kernel split over slots (`Tiles.splits`): 3 parts, so a cache of two
+KERNELS = [pytest.param("mosaic", id="mosaic", marks=NEEDS_HOPPER_OFF_CPU),
+           pytest.param("mosaic_fused", id="mosaic_fused", marks=NEEDS_HOPPER_OFF_CPU)]
+# The unfused kernel split over slots (`MosaicTiles.splits`): 3 parts, so a cache of two
 # blocks leaves one part without blocks.
-SPLIT = pytest.param("pallas_split", id="pallas_split")
+SPLIT = pytest.param("mosaic_split", id="mosaic_split", marks=NEEDS_HOPPER_OFF_CPU)
 
 
 def kernel_args(kernel, tiles=None):
-    """`append_and_attend`'s keywords for a `KERNELS` value: "mosaic" is the unfused
-    Mosaic GPU kernel, "mosaic_fused" is "mosaic" with `MosaicTiles.fused` (`tiles`'
-    block and stages), "pallas_split" is "pallas" with 3 parts."""
-    if kernel == "pallas_split":
-        return dict(impl="pallas", interpret=INTERPRET,
-                    tiles=dataclasses.replace(tiles or da.TILES, splits=3))
-    if kernel == "mosaic" and tiles is None:  # the unfused kernel (MOSAIC_TILES is fused)
-        return dict(impl=kernel, interpret=INTERPRET,
-                    tiles=dataclasses.replace(da.MOSAIC_TILES, fused=False))
-    if kernel != "mosaic_fused":
-        return dict(impl=kernel, interpret=INTERPRET, tiles=tiles)
-    tiles = da._as_mosaic(tiles)
-    return dict(impl="mosaic", interpret=INTERPRET,
-                tiles=da.MosaicTiles(tiles.block, tiles.stages, tiles.compact, fused=True))
+    """`append_and_attend`'s keywords for a `KERNELS` value or "xla": "mosaic" is the
+    unfused kernel at `tiles` (None: `MOSAIC_TILES` unfused), "mosaic_fused" the fused
+    one at `tiles`' block, stages and layout, "mosaic_split" the unfused one in 3 parts."""
+    if kernel == "xla":
+        return dict(impl="xla")
+    tiles = tiles or dataclasses.replace(da.MOSAIC_TILES, fused=False)
+    if kernel == "mosaic_fused":
+        tiles = da.MosaicTiles(tiles.block, tiles.stages, tiles.compact, fused=True)
+    elif kernel == "mosaic_split":
+        tiles = dataclasses.replace(tiles, splits=3)
+    return dict(impl="mosaic", interpret=INTERPRET, tiles=tiles)
 
 
 # The kernels and the XLA path compiled as the sampler runs them, inside `jax.jit`, with
@@ -101,16 +96,17 @@ def naive_rope(x, angles):
 
 
 @pytest.mark.parametrize("kernel", [*KERNELS, SPLIT])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots,dtype", [
-    (14, 2, 64, 128, jnp.float32),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
-    (4, 4, 32, 64, jnp.float32),     # one query per kv head, one block
-    (8, 2, 32, 192, jnp.bfloat16),   # three blocks, bf16 cache
-    (40, 2, 32, 64, jnp.float32),    # 20 queries per kv head: a 32-row tile
-    (28, 4, 128, 128, jnp.bfloat16),  # Qwen2.5-7B's heads
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,slots", [
+    (14, 2, 64, 128),   # Qwen2.5-0.5B's grouping (7 queries per kv head)
+    (4, 4, 32, 64),     # one query per kv head, one block
+    (8, 2, 32, 192),    # three blocks
+    (40, 2, 32, 64),    # 20 queries per kv head
+    (28, 4, 128, 128),  # Qwen2.5-7B's heads
 ])
-def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots, dtype):
-    if kernel not in ("pallas", "pallas_split"):  # wgmma takes 16-bit operands: a bf16 cache
-        dtype = jnp.bfloat16
+def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slots):
+    """A bf16 cache (wgmma takes 16-bit operands): the kernel and the XLA path against a
+    float64 reference, the output within bf16 rounding and the cache written alike."""
+    dtype = jnp.bfloat16
     keys = jax.random.split(jax.random.key(0), 6)
     b = 4
     q = jax.random.normal(keys[0], (b, num_heads, head_dim), dtype)
@@ -129,7 +125,7 @@ def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slo
     want_v = np.array(v, np.float64)
     want_k[:, :, slot], want_v[:, :, slot] = naive_rope(k_new, angles), v_new
     want = naive_attention(naive_rope(q, angles), want_k, want_v, start, slot + 1)
-    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    tol = 2e-2
     others = np.arange(slots) != slot
     for impl in ("xla", kernel):
         out, k_out, v_out = da.append_and_attend(q, k_new, v_new, sin, cos, k, v,
@@ -152,18 +148,14 @@ def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, slo
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("tiles", [da.Tiles(128, 4, 2), da.Tiles(64, 2, 3)])
-@pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.float32, jnp.float32),
-                                                 (jnp.bfloat16, jnp.float32),
-                                                 (jnp.float32, jnp.bfloat16),
-                                                 (jnp.bfloat16, jnp.bfloat16)])
-def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dtype):
+@pytest.mark.parametrize("tiles", [da.MosaicTiles(128, 2), da.MosaicTiles(64, 3)])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype):
     """Slots at the first and last of the cache and on either side of a block edge,
-    16 queries per key/value head, and a cache dtype other than the queries': the
-    kernel matches the XLA path, and both write the new token in the cache's dtype
-    (the Mosaic GPU kernel takes 16-bit caches only)."""
-    if kernel != "pallas" and cache_dtype == jnp.float32:
-        pytest.skip("the Mosaic GPU kernel's wgmma operands are 16-bit")
+    16 queries per key/value head, and queries in float32 or bf16 over a bf16 cache (the
+    kernel's wgmma operands are 16-bit): the kernel matches the XLA path, and both write
+    the new token in the cache's dtype."""
+    cache_dtype = jnp.bfloat16
     keys = jax.random.split(jax.random.key(1), 6)
     b, n, kv, h, slots = 3, 32, 2, 32, 128
     q = jax.random.normal(keys[0], (b, n, h), q_dtype)
@@ -176,7 +168,7 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
         outs = {impl: attend(q, k_new, v_new, sin, cos, k, v, start, slot,
                              **kernel_args(impl, tiles))
                 for impl in ("xla", kernel)}
-        tol = 2e-2 if jnp.bfloat16 in (q_dtype, cache_dtype) else 1e-5
+        tol = 2e-2
         for got, want in zip(outs[kernel], outs["xla"], strict=True):
             assert got.dtype == want.dtype
             np.testing.assert_allclose(np.asarray(got, np.float64),
@@ -186,6 +178,7 @@ def test_kernel_at_block_edges_and_mixed_dtypes(kernel, tiles, q_dtype, cache_dt
                                       np.asarray(outs["xla"][2]), err_msg=f"slot {slot}")
 
 
+@NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_kernel_split_over_slots_matches_one_program(splits):
     """A long cache's filled blocks split over parts (rows whose blocks are fewer than the
@@ -201,8 +194,8 @@ def test_kernel_split_over_slots_matches_one_program(splits):
     for slot in (640, 1000):
         start = jnp.asarray([0, 301, slot - 70, slot], jnp.int32)
         run = lambda splits, start=start, slot=slot: da.append_and_attend(
-            q, k_new, v_new, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET,
-            tiles=da.Tiles(block=128, splits=splits))
+            q, k_new, v_new, sin, cos, k, v, start, slot, impl="mosaic", interpret=INTERPRET,
+            tiles=da.MosaicTiles(128, 2, compact=True, splits=splits))
         (want, want_k, want_v), (got, got_k, got_v) = run(1), run(splits)
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
                                    rtol=1e-2, atol=1e-2, err_msg=f"slot {slot}")
@@ -231,43 +224,45 @@ def test_slot_splits_fill_the_multiprocessors_with_long_caches_only():
     assert da.slot_splits(100, 65_600, multiprocessors=78) == 2  # ceil(156 / 100)
 
 
-def test_forced_kernel_on_gpu_names_the_head_dims_it_takes(monkeypatch):
-    monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
-    assert da.choose_impl("pallas", 64) == "pallas" and da.choose_impl("auto", 64) == "pallas"
-    assert da.choose_impl("auto", 16) == "xla" and da.choose_impl("auto", 48) == "xla"
-    for head_dim in (16, 48):
-        with pytest.raises(ValueError, match=rf"decode_attention_impl='pallas'.*got {head_dim}"):
-            da.choose_impl("pallas", head_dim)
-
-
 def test_impl_choice_and_cache_slots():
-    assert da.choose_impl("auto", 64) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    """A forced impl is returned as is (off a GPU the kernel runs in interpret mode, at
+    any head_dim); the kernel needs whole 64-slot blocks and a slot inside the cache;
+    "pallas", the kernel's version on Pallas' Triton backend, is no choice now: the
+    error names the choices and the port, and the model's config the key."""
+    hopper = jax.default_backend() == "gpu" and mosaic_backend.on_hopper()
+    assert da.choose_impl("auto", 64, dtype=jnp.bfloat16) == ("mosaic" if hopper else "xla")
     assert da.choose_impl("xla", 64) == "xla"
-    if jax.default_backend() != "gpu":  # interpret mode takes any head_dim
-        assert da.choose_impl("pallas", 48) == "pallas"
+    if jax.default_backend() != "gpu":
+        assert da.choose_impl("mosaic", 48) == "mosaic"
     assert da.cache_slots("xla", 64, 200) == 200
-    assert da.cache_slots("pallas", 64, 200) == 256 and da.cache_slots("pallas", 64, 256) == 256
-    assert da.choose_impl("auto", 16) == "xla"  # halves of 8 are below Triton's dot size
-    new, start = jnp.zeros((1, 1, 32)), jnp.zeros((1,), jnp.int32)
+    assert da.cache_slots("mosaic", 64, 200) == 256 and da.cache_slots("mosaic", 64, 256) == 256
+    for impl in ("pallas", "cudnn"):
+        with pytest.raises(ValueError, match=rf"^model\.decode_attention_impl must be one of "
+                                             rf"'auto', 'xla', 'mosaic', got '{impl}'"):
+            da.choose_impl(impl, 64)
+    with pytest.raises(ValueError, match="Triton backend was removed; 'mosaic' is its port"):
+        da.choose_impl("pallas", 64)
+    with pytest.raises(ConfigError, match=r"decode_attention_impl='pallas' is not supported; "
+                                          r"choose one of \['auto', 'xla', 'mosaic'\]"):
+        ModelConfig.preset("tiny", decode_attention_impl="pallas")
+    new, start = jnp.zeros((1, 1, 32), jnp.bfloat16), jnp.zeros((1,), jnp.int32)
     angle = jnp.zeros((1, 16))
+    cache = lambda slots: jnp.zeros((1, 1, slots, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="multiple of 64"):
-        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
-                             jnp.zeros((1, 1, 40, 32)), jnp.zeros((1, 1, 40, 32)), start, 3,
-                             impl="pallas")
-    with pytest.raises(ValueError, match="'xla', 'pallas' or 'mosaic'"):
-        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
-                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 3,
-                             impl="cudnn")
+        da.append_and_attend(jnp.zeros((1, 2, 32), jnp.bfloat16), new, new, angle, angle,
+                             cache(40), cache(40), start, 3, impl="mosaic")
+    with pytest.raises(ValueError, match="'xla' or 'mosaic', got 'cudnn'"):
+        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle, cache(64),
+                             cache(64), start, 3, impl="cudnn")
     with pytest.raises(ValueError, match="decode slot 64 outside the cache's 64 slots"):
-        da.append_and_attend(jnp.zeros((1, 2, 32)), new, new, angle, angle,
-                             jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 32)), start, 64,
-                             impl="pallas")
+        da.append_and_attend(jnp.zeros((1, 2, 32), jnp.bfloat16), new, new, angle, angle,
+                             cache(64), cache(64), start, 64, impl="mosaic")
 
 
 def _lower_for_cuda(fn, args):
     """`fn` lowered for CUDA as text, with the kernel path chosen as on a GPU. Where a
     CUDA plugin is installed but the tests keep JAX on the CPU (tests/conftest.py),
-    jaxlib 0.11 will not lower Triton calls without a device; the test is skipped
+    jaxlib may not lower a GPU kernel's call without a device; the test is skipped
     there and runs on CPU-only installs such as CI's."""
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
         try:
@@ -288,16 +283,6 @@ def _step_shapes(*, b, n, kv, h, s):
             sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
 
 
-def test_kernel_lowers_to_one_triton_call_that_updates_the_cache_in_place():
-    """On the GPU path (lowered here for CUDA without a GPU) the step is one Triton
-    call whose cache outputs alias its cache inputs: no copy of the cache per layer."""
-    fn = lambda *a: da.append_and_attend(*a, impl="pallas")
-    text = _lower_for_cuda(fn, _step_shapes(b=8, n=14, kv=2, h=64, s=128))
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
-
-
-@NEEDS_MOSAIC
 @pytest.mark.parametrize("spec", ["128,2", "64,2,compact", "64,2,compact,fused",
                                   "128,2,compact,splits2", "128,2,compact,rows4"])
 def test_mosaic_kernels_lower_for_the_gpu(spec):
@@ -313,15 +298,16 @@ def test_mosaic_kernels_lower_for_the_gpu(spec):
     assert ("dynamic_update_slice" in text) != tiles.fused
 
 
+@NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (4, 4)])
 def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                                                           num_kv_heads):
     """`append_and_attend_qkv` on a fused projection's bf16 output before its bias gives
     what `append_and_attend` gives on q, k and v split from the output with the bias
-    added by XLA, to the bit (the kernel rounds the sum as XLA's bf16 add does); its XLA
-    path too. Slots 0, 64 (a block edge) and 100, rows starting at 0, mid-block and
-    at the new token."""
+    added by XLA, to the bit, through the fused kernel (it rounds the sum as XLA's bf16
+    add does); its XLA path too. Slots 0, 64 (a block edge) and 100, rows starting at
+    0, mid-block and at the new token."""
     keys = jax.random.split(jax.random.key(2), 6)
     b, h, slots = 3, 64, 128
     j = num_heads + 2 * num_kv_heads
@@ -335,13 +321,13 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
     parts = jnp.split(biased, [num_heads, num_heads + num_kv_heads], axis=1)
     for slot in (0, 64, 100):
         start = jnp.asarray([0, slot // 2, slot], jnp.int32)
-        want = attend(*parts, sin, cos, k, v, start, slot, impl="pallas", interpret=INTERPRET)
-        for impl in ("pallas", "xla"):
+        want = attend(*parts, sin, cos, k, v, start, slot, **kernel_args("mosaic_fused"))
+        for impl in ("mosaic_fused", "xla"):
             got = _attend_qkv(qkv, bias, sin, cos, k, v, start, slot, num_heads=num_heads,
-                              impl=impl, interpret=INTERPRET)
+                              **kernel_args(impl))
             for g, w, name in zip(got, want, ("out", "k", "v"), strict=True):
                 assert g.shape == w.shape and g.dtype == w.dtype
-                if impl == "pallas":
+                if impl == "mosaic_fused":
                     np.testing.assert_array_equal(np.asarray(g, np.float32),
                                                   np.asarray(w, np.float32),
                                                   err_msg=f"{name}, slot {slot}")
@@ -351,11 +337,11 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
                                                atol=2e-2, err_msg=f"{name}, slot {slot}")
     with pytest.raises(ValueError, match=rf"{num_heads - 1} query heads.* got qkv \(3, {j}, 64\)"):
         da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
-                                 num_heads=num_heads - 1, impl="pallas", interpret=INTERPRET)
+                                 num_heads=num_heads - 1, **kernel_args("mosaic_fused"))
     # A bias that is not applied shows: the kernel reads it.
     if with_bias:
-        plain = da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, 100,
-                                         num_heads=num_heads, impl="pallas", interpret=INTERPRET)
+        plain = _attend_qkv(qkv, None, sin, cos, k, v, start, 100, num_heads=num_heads,
+                            **kernel_args("mosaic_fused"))
         assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)
                                      - want[0].astype(jnp.float32)))) > 0.1
 
@@ -371,18 +357,6 @@ def _qkv_operands(with_bias, n=14, kv=2, h=64, s=128):
                sds((b, kv, s, h), jnp.bfloat16), sds((b,), jnp.int32), sds((), jnp.int32))
 
 
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_fused_operand_lowers_to_one_triton_call_on_the_projection_output(with_bias):
-    """For CUDA (lowered without a GPU): one Triton call, the cache aliased, and no
-    concatenation of q, k and v before it."""
-    n, args = _qkv_operands(with_bias)
-    fn = lambda *a: da.append_and_attend_qkv(*a, num_heads=n, impl="pallas")
-    text = _lower_for_cuda(fn, args)
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "output_operand_alias" in text and "dynamic_update_slice" not in text
-    assert not [line for line in text.splitlines() if "concatenate" in line and "bf16" in line]
-
-
 def _random_biases(params, key):
     """`params` with every bias leaf drawn from N(0, 0.5) (init_params starts them at 0)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -393,38 +367,7 @@ def _random_biases(params, key):
         for (path, x), k in zip(leaves, keys, strict=True)])
 
 
-@pytest.mark.parametrize("family,extra", [
-    ("qwen2", dict(qkv_bias=True)),   # q/k/v bias
-    ("qwen3", dict(qk_norm=True)),    # q/k norm before RoPE
-    ("llama", dict(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
-                                            high_freq_factor=4.0,
-                                            original_max_position_embeddings=8))),
-])
-def test_sampler_through_the_kernel_matches_the_xla_path(family, extra):
-    """Ragged left-padded prompts, sampling at temperature 1: the same tokens, and the
-    sampler's log-probs within float32 rounding, whichever attention decodes."""
-    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                         initializer_range=0.3, **extra)
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    if config.qkv_bias:
-        params = _random_biases(params, jax.random.key(1))
-    rng = np.random.default_rng(0)
-    lengths = np.array([5, 1, 9, 3])
-    ids = rng.integers(1, config.vocab_size, size=(4, 9)).astype(np.int32)
-    mask = (np.arange(9)[None] >= 9 - lengths[:, None]).astype(np.int32)
-    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
-    outs = {}
-    for impl in ("xla", "pallas"):
-        cfg = dataclasses.replace(config, decode_attention_impl=impl)
-        outs[impl] = sampler.generate(params, np.where(mask, ids, 0), mask,
-                                      jax.random.key(3), sampling, config=cfg)
-    np.testing.assert_array_equal(outs["pallas"].responses, outs["xla"].responses)
-    chex.assert_trees_all_close(outs["pallas"].rollout_log_probs,
-                                outs["xla"].rollout_log_probs, rtol=1e-5, atol=1e-5)
-    assert float(jnp.std(outs["xla"].rollout_log_probs)) > 0.1  # not a degenerate model
-
-
+@NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("family,extra", [("qwen2", dict(qkv_bias=True)), ("llama", {})])
 def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
     """In bf16, the sampler with the kernel reading the fused projection's output (and
@@ -432,7 +375,7 @@ def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
     v split off it after XLA's bias add (the layout before `append_and_attend_qkv`)."""
     config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                         initializer_range=0.3, dtype="bfloat16", decode_attention_impl="pallas",
+                         initializer_range=0.3, dtype="bfloat16", decode_attention_impl="mosaic",
                          **extra)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     if config.qkv_bias:
@@ -470,6 +413,22 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from jrl.kernels import decode_attention as da
 
     assert jax.device_count() == 8, jax.devices()
+    # The kernels' GPU interpret mode stops under a multi-device CPU mesh (jax 0.10:
+    # "Barrier remains allocated" as the shards' programs run), so each kernel here is
+    # the XLA path on its shard's operands, and what is tested is the shard_map around
+    # it: which rows and heads each shard gets and how the outputs come back together.
+    shapes = []
+
+    def fused(qkv, bias, sin, cos, k, v, start, slot, *, num_heads, interpret, tiles):
+        shapes.append(("fused", qkv.shape, k.shape))
+        return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
+                                        num_heads=num_heads, impl="xla")
+
+    def unfused(q, k, v, start, slot, *, interpret, tiles):
+        shapes.append(("unfused", q.shape, k.shape))
+        return da.decode_attention(q, k.astype(q.dtype), v.astype(q.dtype), start, slot + 1)
+
+    da._mosaic_fused, da._mosaic = fused, unfused
     keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (8, 4, 32))
     k_new = jax.random.normal(keys[1], (8, 2, 32))
@@ -480,6 +439,14 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     start = jnp.array([0, 3, 9, 20, 1, 0, 30, 40], jnp.int32)
     want = da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41, impl="xla")
+
+    def max_diff(got, want):
+        # NaN-safe: any non-finite output makes the result NaN (Python's max would not).
+        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
+                 if np.isfinite(np.asarray(a)).all() else float("nan")
+                 for a, b in zip(got, want)]
+        return float("nan") if any(np.isnan(diffs)) else max(diffs)
+
     out = {}
     for name, sizes in (("data", dict(data=8, fsdp=1, tensor=1)),
                         ("data_tensor", dict(data=4, fsdp=1, tensor=2)),
@@ -489,16 +456,16 @@ _SHARDED_SCRIPT = textwrap.dedent("""
                         ("rollout_context", dict(data=1, fsdp=1, context=4, tensor=2))):
         sharder = sharding.Sharder(
             sharding.make_mesh(sharding.MeshSettings(**sizes))).for_rollout()
-        def fn(q, k_new, v_new, k, v, start, sharder=sharder):
-            with sharder.active():
-                return da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41,
-                                            impl="pallas", interpret=True)
-        got = jax.jit(fn)(q, k_new, v_new, k, v, start)
-        # NaN-safe: any non-finite output makes the result NaN (Python's max would not).
-        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
-                 if np.isfinite(np.asarray(a)).all() else float("nan")
-                 for a, b in zip(got, want)]
-        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
+        for tiles in (da.MOSAIC_TILES, da.MosaicTiles(0, 2, compact=True)):
+            def fn(q, k_new, v_new, k, v, start, sharder=sharder, tiles=tiles):
+                with sharder.active():
+                    return da.append_and_attend(q, k_new, v_new, sin, cos, k, v, start, 41,
+                                                impl="mosaic", interpret=True, tiles=tiles)
+            shapes.clear()
+            got = jax.jit(fn)(q, k_new, v_new, k, v, start)
+            kind = "fused" if tiles.fused else "unfused"
+            out[f"{name} {kind}"] = [max_diff(got, want), [list(x[1]) for x in shapes],
+                                     [x[0] for x in shapes]]
     # The fused operand with its bias (the sampler's Qwen2 layout), over the batch.
     bias = jax.random.normal(jax.random.key(7), (8, 32))
     qkv = jnp.concatenate([q, k_new, v_new], axis=1)
@@ -510,27 +477,37 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         def fn(qkv, bias, k, v, start, sharder=sharder):
             with sharder.active():
                 return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41,
-                                                num_heads=4, impl="pallas", interpret=True)
+                                                num_heads=4, impl="mosaic", interpret=True)
+        shapes.clear()
         got = jax.jit(fn)(qkv, bias, k, v, start)
-        diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
-                 if np.isfinite(np.asarray(a)).all() else float("nan")
-                 for a, b in zip(got, want)]
-        out[name] = float("nan") if any(np.isnan(diffs)) else max(diffs)
+        out[name] = [max_diff(got, want), [list(x[1]) for x in shapes], [x[0] for x in shapes]]
     print(json.dumps(out))
 """)
 
 
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
-    """Under a `Sharder` the kernel runs in a shard_map: over the batch, over heads when
-    query and key/value heads both divide over `tensor`, and replicated heads when not;
-    from the fused operand and its bias, over the batch."""
+    """Under a `Sharder` the kernel (fused or not) runs in a shard_map: over the batch,
+    over heads when query and key/value heads both divide over `tensor`, and on
+    replicated heads when not; from the fused operand and its bias, over the batch. The
+    shards' outputs and caches make the XLA path's."""
     result = run_script(_SHARDED_SCRIPT)
-    assert set(result) == {"data", "data_tensor", "tensor_uneven", "rollout_context",
-                           "qkv_data", "qkv_data_fsdp"}
-    assert all(diff < 1e-5 for diff in result.values()), result  # False for NaN
+    # Each shard's rows (over the batch axes) and query heads (over `tensor` where the 4
+    # query and 2 key/value heads both divide); the fused operand holds the shard's query,
+    # key and value heads.
+    rows_heads = {"data": (1, 4), "data_tensor": (2, 2), "tensor_uneven": (4, 4),
+                  "rollout_context": (2, 2)}
+    want = {}
+    for name, (rows, heads) in rows_heads.items():
+        want[f"{name} fused"] = [[rows, 2 * heads]]
+        want[f"{name} unfused"] = [[rows, heads]]
+    want.update(qkv_data=[[1, 8]], qkv_data_fsdp=[[1, 8]])
+    assert result.keys() == want.keys()
+    for name, (diff, shapes, kinds) in result.items():
+        assert diff < 1e-5, (name, diff)  # False for NaN
+        assert [shape[:2] for shape in shapes] == want[name], (name, shapes)
+        assert kinds == ["unfused" if name.endswith("unfused") else "fused"], (name, kinds)
 
 
-@NEEDS_MOSAIC
 def test_mosaic_tiles_from_the_benches_spec():
     assert da.MosaicTiles.from_spec("128,2") == da.MosaicTiles(128, 2)
     assert da.MosaicTiles.from_spec("64,3,compact,fused") == da.MosaicTiles(
@@ -552,15 +529,14 @@ def test_mosaic_tiles_from_the_benches_spec():
             da.MosaicTiles(**bad)
 
 
-def test_mosaic_is_chosen_only_when_forced(monkeypatch):
-    """"mosaic" is a forced choice (`auto` takes it only without the Triton backend, with
-    a 16-bit cache dtype: below), rounds the cache to whole blocks like
-    "pallas", stops with a ConfigError naming the key without the Mosaic GPU backend,
-    and with a ValueError on a cache that is not 16-bit (wgmma's operands)."""
+def test_forced_mosaic_needs_its_backend_hopper_and_a_16_bit_cache(monkeypatch):
+    """A forced "mosaic" rounds the cache to whole blocks, stops with a ValueError on a
+    GPU other than Hopper, with a ConfigError naming the key without the Mosaic GPU
+    backend, and with a ValueError on a cache that is not 16-bit (wgmma's operands)."""
     assert da.choose_impl("mosaic", 64) == "mosaic"
     assert da.cache_slots("mosaic", 64, 200) == 256 and da.cache_slots("mosaic", 128, 384) == 384
     monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
-    assert da.choose_impl("auto", 64) in ("pallas", "xla")
+    assert da.choose_impl("auto", 64) == "xla"  # no cache dtype: not known to be 16-bit
     monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
     with pytest.raises(ValueError, match="'mosaic' needs a Hopper GPU"):
         da.choose_impl("mosaic", 64)
@@ -580,33 +556,31 @@ def test_mosaic_is_chosen_only_when_forced(monkeypatch):
                     decode_attention_impl="mosaic")
 
 
-def test_auto_takes_the_mosaic_kernel_on_hopper_where_the_triton_backend_is_missing(
-        monkeypatch):
-    """On a GPU (here mocked) `auto` takes the Triton kernel while jax has its backend;
-    without it, the Mosaic GPU kernel on Hopper with a bfloat16/float16 cache (its
-    wgmma operands), rounding the cache to whole blocks, and the model's decode steps
-    run it; else XLA (a float32 cache, another GPU, a head_dim it cannot take, no
-    Mosaic GPU backend)."""
-    from jrl.kernels import triton_backend  # noqa: PLC0415
+def test_auto_takes_the_mosaic_kernel_where_it_applies(monkeypatch):
+    """On a Hopper GPU (here mocked) `auto` takes the Mosaic GPU kernel for a
+    bfloat16/float16 cache (its wgmma operands) and a power-of-two head_dim from 32 to
+    256, rounding the cache to whole blocks, and the model's decode steps run it (their
+    mask is each row's first slot); else XLA (a float32 cache, a head_dim it does not
+    take, slots that are not whole blocks, another GPU, no Mosaic GPU backend)."""
     from jrl.models import transformer  # noqa: PLC0415
+    from jrl.models.cache import init_cache  # noqa: PLC0415
 
     monkeypatch.setattr(da.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: True)
     monkeypatch.setattr(mosaic_backend, "plgpu", object())  # a backend that imports
-    config = ModelConfig(family="qwen2", vocab_size=8, hidden_size=16, intermediate_size=8,
-                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
-                         dtype="bfloat16")
-    if triton_backend.available():
-        assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "pallas"
-        assert transformer._decode_impl(config) == "pallas"
-    monkeypatch.setattr(triton_backend, "plgpu", None)
     assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "mosaic"
     assert da.choose_impl("auto", 128, None, "float16") == "mosaic"
-    assert transformer._decode_impl(config) == "mosaic"
     assert da.cache_slots("auto", 64, 200, "bfloat16") == 256
     assert da.cache_slots("auto", 64, 200, "float32") == 200
-    for args in ((64, 384, jnp.float32), (64, 384, None), (48, 384, jnp.bfloat16),
-                 (512, 384, jnp.bfloat16), (64, 100, jnp.bfloat16)):
+    for dtype, kernel in (("bfloat16", True), ("float32", False)):
+        config = ModelConfig(family="qwen2", vocab_size=8, hidden_size=16, intermediate_size=8,
+                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                             dtype=dtype)
+        mask = transformer._attention_mask(config, jnp.ones((2, 384), jnp.int32), 1,
+                                           init_cache(config, 2, 384), 3)
+        assert isinstance(mask, transformer.DecodeStep) == kernel, dtype
+    for args in ((64, 384, jnp.float32), (64, 384, None), (16, 384, jnp.bfloat16),
+                 (48, 384, jnp.bfloat16), (512, 384, jnp.bfloat16), (64, 100, jnp.bfloat16)):
         assert da.choose_impl("auto", *args) == "xla", args
     monkeypatch.setattr(mosaic_backend, "on_hopper", lambda: False)
     assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
@@ -615,9 +589,8 @@ def test_auto_takes_the_mosaic_kernel_on_hopper_where_the_triton_backend_is_miss
     assert da.choose_impl("auto", 64, 384, jnp.bfloat16) == "xla"
 
 
-@NEEDS_MOSAIC
 @NEEDS_HOPPER_OFF_CPU
-@pytest.mark.parametrize("tiles", [da.Tiles(64, 4, 3), da.Tiles(128, 4, 2),
+@pytest.mark.parametrize("tiles", [da.MosaicTiles(64, 3), da.MosaicTiles(128, 2),
                                    da.MosaicTiles(64, 3, compact=True),
                                    da.MosaicTiles(128, 2, compact=True),
                                    da.MosaicTiles(64, 2, splits=3),
@@ -658,22 +631,29 @@ def test_mosaic_streams_many_blocks_through_its_buffers(tiles):
                                rtol=1e-2, atol=1e-2)
 
 
-@NEEDS_MOSAIC
 @NEEDS_HOPPER_OFF_CPU
-def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch):
-    """A bf16 Qwen2 model (qkv bias, the fused operand), ragged left-padded prompts,
-    temperature 1: the same tokens with `decode_attention_impl="mosaic"` as with "xla"
-    for the same key, and log-probs within bf16 rounding, for the kernel and (with
-    `MOSAIC_TILES` fused) its fused variant, each against the one XLA path's rollout
-    (which neither reads). (The kernel takes bf16
+@pytest.mark.parametrize("family,extra", [
+    ("qwen2", dict(qkv_bias=True)),   # q/k/v bias: the fused operand and its bias
+    ("qwen3", dict(qk_norm=True)),    # q/k norm before RoPE: q, k and v as three operands
+    ("llama", dict(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8))),
+])
+def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch, family,
+                                                                      extra):
+    """A bf16 model, ragged left-padded prompts, temperature 1: the same tokens with
+    `decode_attention_impl="mosaic"` as with "xla" for the same key, and log-probs within
+    bf16 rounding, for the kernel and (with `MOSAIC_TILES` fused) its fused variant, each
+    against the one XLA path's rollout (which neither reads). (The kernel takes bf16
     caches only, and bf16 sums in another order differ by a rounding: the weights are
-    drawn smaller than the float32 test's, where such a rounding flips no sample at
-    this key; at 0.3 it flips some, the Triton kernel's too.)"""
-    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+    drawn small enough that such a rounding flips no sample at this key; at 0.3 it
+    flips some.)"""
+    config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                         initializer_range=0.05, dtype="bfloat16", qkv_bias=True)
-    params = _random_biases(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)),
-                            jax.random.key(1))
+                         initializer_range=0.05, dtype="bfloat16", **extra)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    if config.qkv_bias:
+        params = _random_biases(params, jax.random.key(1))
     mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
     sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
@@ -698,7 +678,6 @@ def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch
                                     rtol=2e-2, atol=2e-2)
 
 
-@NEEDS_MOSAIC
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_bias):
     """For CUDA (lowered without a GPU, the kernel's GPU code through Mosaic GPU's
@@ -721,7 +700,6 @@ def test_mosaic_fused_lowers_to_one_kernel_that_updates_the_cache_in_place(with_
     assert f"{operand} = stablehlo.reshape %arg0 " in texts[True]
 
 
-@NEEDS_MOSAIC
 @pytest.mark.parametrize("n,kv,h,slots", [
     (28, 4, 128, 384),   # Qwen2.5-7B's heads, 64-slot blocks: RoPE in register halves
     (28, 4, 128, 2048),  # 128-slot blocks: the permutation matrix
@@ -740,6 +718,21 @@ def test_mosaic_fused_lowers_at_wide_heads(n, kv, h, slots):
     assert f"{operand} = stablehlo.reshape %arg0 " in text
 
 
+def test_block_by_the_caches_length_or_the_single_programs():
+    """`MosaicTiles.block` 0: 64-slot blocks below `LONG_CACHE` slots, 128 from it (64 at a
+    head_dim above 128); with `split_like`, by the slots of the cache it stands in for
+    (a segment's cache runs the single program's blocks); a block that does not divide
+    the cache's slots falls back to 64."""
+    cache = lambda slots, h=64: jnp.zeros((2, 2, slots, h), jnp.bfloat16)
+    block = lambda tiles, k: da._mosaic_layout(14, k, k, tiles).block
+    assert block(da.MOSAIC_TILES, cache(1024)) == 64
+    assert block(da.MOSAIC_TILES, cache(da.LONG_CACHE)) == 128
+    assert block(da.MOSAIC_TILES, cache(da.LONG_CACHE, h=256)) == 64
+    assert block(dataclasses.replace(da.MOSAIC_TILES, split_like=(8, 4096)), cache(1024)) == 128
+    assert block(dataclasses.replace(da.MOSAIC_TILES, split_like=(8, 1024)), cache(4096)) == 64
+    assert block(da.MosaicTiles(128, 2), cache(192)) == 64
+
+
 def test_fused_rotation_by_head_dim():
     """The permutation matrix where the head fits a key buffer, halves elsewhere; a
     head_dim whose halves are not whole 64-column tiles at that block stops with the
@@ -754,7 +747,6 @@ def test_fused_rotation_by_head_dim():
                          tiles=da.MosaicTiles(64, 2, compact=True, fused=True))
 
 
-@NEEDS_MOSAIC
 @NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("head_dim", [64, 128])  # the permutation matrix; register halves
 def test_mosaic_fused_with_bias_matches_xla(head_dim):
@@ -783,7 +775,6 @@ def test_mosaic_fused_with_bias_matches_xla(head_dim):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-@NEEDS_MOSAIC
 def test_mosaic_fused_kernel_lowers_once_for_all_layers():
     """A decode step's layers (three caches of one shape) call one jitted kernel
     function: lowered for CUDA, the program holds one Mosaic GPU call, in a function

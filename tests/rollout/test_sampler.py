@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrl.kernels import mosaic_backend
 from jrl.models import ModelConfig, forward_logits, init_params, positions_from_mask
 from jrl.rollout import sampler
 from jrl.rollout.sampler import SamplingConfig
 from tests.eight_devices import run_script
-from tests.markers import NEEDS_TRITON
+from tests.markers import NEEDS_MOSAIC
 from tests.tracing import decode_masks, retrace
 
 # A small Qwen2-style model whose random logits are spread out (large init), so that
@@ -226,13 +227,16 @@ def test_finished_rows_attend_to_the_new_slot_alone(small_params, prompts, greed
     assert any((lengths <= s - prompt_len + 1).any() for s in seen)
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=NEEDS_TRITON)])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("mosaic", marks=NEEDS_MOSAIC)])
 def test_stopped_rows_mask_changes_no_rollout(monkeypatch, impl):
     """Stopped rows attending to their new slot alone (`decoding_mask`) changes no token,
     log-prob or length against their attending to the whole cache, with and without
-    compaction, on the XLA path and the Triton kernel (interpret mode off a GPU; on one it
-    needs a power-of-two head_dim of at least 32)."""
-    config = dataclasses.replace(SMALL, head_dim=32, decode_attention_impl=impl)
+    compaction, on the XLA path and the Mosaic GPU kernel (GPU interpret mode off a GPU;
+    on one it needs a Hopper GPU, a power-of-two head_dim from 32 and a bf16 cache)."""
+    if impl == "mosaic" and jax.default_backend() == "gpu" and not mosaic_backend.on_hopper():
+        pytest.skip("the Mosaic GPU kernel compiles for Hopper GPUs only")
+    config = dataclasses.replace(SMALL, head_dim=32, decode_attention_impl=impl,
+                                 dtype="bfloat16" if impl == "mosaic" else SMALL.dtype)
     params = random_params(config, 0)
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
     traced = []

@@ -35,13 +35,13 @@ def assert_same_rollout(single, segmented):
                                       err_msg=field)
 
 
-def single_and_segmented(params, ids, mask, key, sampling, segments, config=SMALL):
-    """The single program's rollout and the rollout in `segments` segments (same key),
+def single_and_segmented(params, ids, mask, key, sampling, num_segments, config=SMALL):
+    """The single program's rollout and the rollout in `num_segments` segments (same key),
     checked to be the same bits, and the segments' `Report`."""
     single = sampler.generate(params, ids, mask, key, sampling, config=config)
     report = segments.Report()
     segmented = segments.generate(
-        params, ids, mask, key, dataclasses.replace(sampling, cache_segments=segments),
+        params, ids, mask, key, dataclasses.replace(sampling, cache_segments=num_segments),
         config=config, report=report)
     assert_same_rollout(single, segmented)
     return single, segmented, report
@@ -74,7 +74,7 @@ def test_segments_give_the_single_programs_rollout(small_params, decode_buckets,
     assert report.stages[0] == (12, 127) and report.stages[-1][1] > 127, report.stages
     # The single program's entry point sends segments to this module.
     with pytest.raises(ValueError, match=r"rollout\.cache_segments=4: .* "
-                                         r"jrl\.rollout_segments\.generate"):
+                                         r"jrl\.rollout\.segments\.generate"):
         sampler.generate(small_params, ids, mask, key, segmented_config, config=SMALL)
 
 
@@ -89,40 +89,34 @@ def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
     assert report.stages == [(12, 127), (12, 191), (12, 255)], report.stages
 
 
-@pytest.mark.parametrize("multiprocessors", [None, 48])
-def test_segments_with_the_decode_kernel_give_its_bits(multiprocessors, monkeypatch):
-    """The Triton decode-attention kernel (in interpret mode off a GPU) on the cache's
-    rows: the single program's bits too. P7 + R248: the kernel's 256 slots run in
-    128-slot blocks, so the first segment takes 128 slots (not 192, which would run in
-    64-slot blocks). With 48 multiprocessors (and parts of 64 slots), P7 + R504: the
-    kernel splits the single program's 512 slots of 12 rows x 2 key/value heads in 2
-    parts of 2 blocks; the segments' caches of fewer rows split as it does, not as
-    their own shapes would (4 parts of one block for 6 rows)."""
+def test_segments_with_the_decode_kernel_give_its_bits(monkeypatch):
+    """The Mosaic GPU decode-attention kernel (fused, in GPU interpret mode off a GPU) on
+    the cache's rows, in bf16: the single program's bits too. Its blocks are 64 or 128
+    slots by the cache's length, so the segments' caches differ by whole 128-slot blocks
+    (`slot_block`); with the kernel's blocks set to 64 slots (a shorter run: interpreted,
+    each (row, head) program of a step takes tens of ms), P7 + R120: the single
+    program's 128 slots, a first of three segments of 64."""
     from jrl.kernels import decode_attention as da
-    from jrl.kernels import triton_backend
+    from jrl.kernels import mosaic_backend
 
-    if not triton_backend.available():
-        pytest.skip("needs Pallas' Triton backend")
-    if multiprocessors:
-        monkeypatch.setattr(da, "_MULTIPROCESSORS", multiprocessors)
-        monkeypatch.setattr(da, "MIN_SPLIT_SLOTS", 64)
-        monkeypatch.setattr(da, "PROGRAMS_PER_MULTIPROCESSOR", 1)
-        assert da.slot_splits(12 * 2, 512) == 2 and da.slot_splits(6 * 2, 384) == 4
-    config = dataclasses.replace(SMALL, decode_attention_impl="pallas")
-    params = random_params(config, 0)
-    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
-    sampling = SamplingConfig(n=2, max_new_tokens=504 if multiprocessors else 248,
-                              temperature=1.2, stop_token_ids=(3,))
-    key = jax.random.key(1)
-    _, _, report = single_and_segmented(params, ids, mask, key, sampling, 3, config)
-    if multiprocessors:  # a stage whose own shape would split otherwise
-        assert any(da.slot_splits(rows * 2, slots) != 2 for rows, slots in report.stages), (
-            report.stages)
-    else:
-        assert report.stages[0] == (12, 128) and report.stages[-1][0] < 12, report.stages
+    if not mosaic_backend.available():
+        pytest.skip("needs Pallas' Mosaic GPU backend")
+    if jax.default_backend() == "gpu" and not mosaic_backend.on_hopper():
+        pytest.skip("the Mosaic GPU kernel compiles for Hopper GPUs only")
+    config = dataclasses.replace(SMALL, num_layers=1, num_kv_heads=1, head_dim=32,
+                                 dtype="bfloat16", decode_attention_impl="mosaic")
     assert segments.slot_block(config, 256) == 128
     assert segments.segment_slots(config, 8, SamplingConfig(
         max_new_tokens=504, cache_segments=4)) == (256, 384, 512, 512)
+    monkeypatch.setattr(da, "MOSAIC_TILES", da.MosaicTiles(64, 2, compact=True, fused=True))
+    jax.clear_caches()  # MOSAIC_TILES is read when a program is traced
+    assert segments.slot_block(config, 128) == 64
+    params = random_params(config, 0)
+    ids, mask = ragged_prompts([5, 2, 7], 7, config.vocab_size, seed=4)
+    sampling = SamplingConfig(n=2, max_new_tokens=120, temperature=1.2, stop_token_ids=(3,))
+    _, _, report = single_and_segmented(params, ids, mask, jax.random.key(1), sampling, 3,
+                                        config)
+    assert report.stages[0] == (6, 64) and report.stages[-1][1] == 128, report.stages
 
 
 def test_ignore_stop_runs_every_segment_at_full_batch(small_params):

@@ -775,7 +775,7 @@ def run_gradcheck(args) -> None:
     results = []
     for noise in (0.0, args.gradcheck_noise):
         batch = _gradcheck_batch(st, noise)
-        loss_fn = functools.partial(update.actor_loss, model=st.model, actor=st.s.actor,
+        loss_fn = functools.partial(update.actor_loss, model_config=st.model, actor=st.s.actor,
                                     temperature=st.s.rollout.temperature,
                                     chunk_size=st.s.logprob_chunk_size)
         normalizer = masks.loss_normalizer(batch["response_mask"])

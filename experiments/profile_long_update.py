@@ -121,17 +121,18 @@ def run_variant(args, variant: str, trace: str | None) -> dict:
     bargs = bench_args(args, variant)
     with tempfile.TemporaryDirectory(prefix="profile_long_") as workdir:
         trainer, _, _ = bench_rl_step.build_trainer(bargs, "grpo", workdir)
-        rollout, exp, tokens, targets = synthetic_batch(bargs, trainer.model.vocab_size)
+        rollout, exp, tokens, targets = synthetic_batch(bargs, trainer.model_config.vocab_size)
         key = jax.random.key(0)
 
         def forward():  # traced as the trainer traces it: under its mesh's rules
             with trainer.sharder.active():
-                return trainer._forward(trainer.state, trainer.ref_params, rollout,
-                                        trainer.frozen)
+                return trainer.programs.forward(trainer.state, trainer.ref_params, rollout,
+                                               trainer.frozen)
 
         def learn():
             with trainer.sharder.active():
-                trainer.state, m = trainer._learn(trainer.state, exp, key, trainer.frozen)
+                trainer.state, m = trainer.programs.learn(trainer.state, exp, key,
+                                                           trainer.frozen)
             return m
 
         forward_first, forward_s = timed(forward, args.repeats)

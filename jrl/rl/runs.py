@@ -3,7 +3,7 @@
 With a reward that is a JAX function of token ids (`reward.in_graph_fn`,
 `jrl.rewards.in_graph`) a whole RL step needs nothing from the host but its prompts:
 
-    rl_step(state, prompts, targets) = generate -> reward -> forward -> learn   (one program)
+    rl_step(state, prompts, targets) = generate -> forward -> rewards -> learn  (one program)
 
 `trainer.steps_per_call=K` runs K steps as one `lax.scan` (their prompts drawn on the
 host beforehand, the metrics stacked and written after the call), and `trainer.runs`
@@ -55,14 +55,14 @@ SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
              "actor.clip_ratio": "clip_ratio", "rollout.temperature": "temperature"}
 
 
-def vmapped_model(model: ModelConfig) -> ModelConfig:
-    """`model` as the vmapped programs run it: training attention on XLA where "auto"
-    would take cuDNN on a GPU (JAX's cuDNN attention batches neither a vmapped mask nor
-    vmapped segment lengths: its batching rule reshapes them per head and per row), or
-    splash on a TPU. A forced "cudnn" is refused before the run (`jrl.train`)."""
-    if model.attention_impl != "auto":
-        return model
-    return dataclasses.replace(model, attention_impl="xla")
+def vmapped_model(model_config: ModelConfig) -> ModelConfig:
+    """`model_config` as the vmapped programs run it: training attention on XLA where
+    "auto" would take cuDNN on a GPU (JAX's cuDNN attention batches neither a vmapped
+    mask nor vmapped segment lengths: its batching rule reshapes them per head and per
+    row), or splash on a TPU. A forced "cudnn" is refused before the run (`jrl.train`)."""
+    if model_config.attention_impl != "auto":
+        return model_config
+    return dataclasses.replace(model_config, attention_impl="xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,19 +148,20 @@ def place_scores(scores, response_mask):
     return jnp.where(jnp.arange(width) == last[:, None], scores[:, None], 0.0).astype(jnp.float32)
 
 
-def with_run_settings(s: Settings, hp: dict) -> Settings:
-    """`s` with the run's own values of the sweepable settings that live in it (`hp`:
-    traced scalars by `Run` field). The copies skip the settings' checks, which the
-    config's values passed and which cannot look at traced values."""
+def with_run_settings(settings: Settings, hp: dict) -> Settings:
+    """`settings` with the run's own values of the sweepable settings that live in it
+    (`hp`: traced scalars by `Run` field). The copies skip the settings' checks, which
+    the config's values passed and which cannot look at traced values."""
     if "lr" in hp:  # the schedule's peak (`optim.learning_rate_schedule`)
-        optim = _unchecked(s.actor.optim, lr=hp["lr"])
-        s = _unchecked(s, actor=_unchecked(s.actor, optim=optim))
+        optim = _unchecked(settings.actor.optim, lr=hp["lr"])
+        settings = _unchecked(settings, actor=_unchecked(settings.actor, optim=optim))
     if "clip_ratio" in hp:
-        loss = _unchecked(s.actor.loss, clip_ratio=hp["clip_ratio"])
-        s = _unchecked(s, actor=_unchecked(s.actor, loss=loss))
+        loss = _unchecked(settings.actor.loss, clip_ratio=hp["clip_ratio"])
+        settings = _unchecked(settings, actor=_unchecked(settings.actor, loss=loss))
     if "temperature" in hp:  # the sampler's, and the log-prob passes' that match it
-        s = _unchecked(s, rollout=_unchecked(s.rollout, temperature=hp["temperature"]))
-    return s
+        rollout = _unchecked(settings.rollout, temperature=hp["temperature"])
+        settings = _unchecked(settings, rollout=rollout)
+    return settings
 
 
 def _unchecked(settings, **changes):
@@ -171,27 +172,42 @@ def _unchecked(settings, **changes):
     return out
 
 
-def rl_step(state, ref, root, hp, batch, *, s: Settings, model: ModelConfig,
+def rl_step(state, ref, root, hp, batch, *, settings: Settings, model_config: ModelConfig,
             reward: in_graph.InGraphReward, actor_opt, critic_opt):
-    """One run's RL step on the device: the trainer's data path with the reward in the
-    graph. `batch`: prompt ids/mask `[B, P]`, target ids/mask `[B, T]`, source `[B]`;
-    `root`: the run's key (`key(seed)`); `hp`: its swept hyperparameters
+    """One run's RL step on the device: the trainer's step (`step.run_step`) with the
+    reward in the graph. `batch`: prompt ids/mask `[B, P]`, target ids/mask `[B, T]`,
+    source `[B]`; `root`: the run's key (`key(seed)`); `hp`: its swept hyperparameters
     (`with_run_settings`)."""
-    s = with_run_settings(s, hp)
-    key = jax.random.fold_in(root, state.step)
-    gen_key = jax.random.split(key, 3)[0]
-    rollout = step_lib.generate(state, batch["prompt_ids"], batch["prompt_mask"], gen_key,
-                                sampling=s.rollout, model=model)
-    exp = step_lib.forward(state, ref, rollout, s=s, model=model)
-    n, prompts = s.rollout.n, batch["prompt_ids"].shape[0]
+    settings = with_run_settings(settings, hp)
+    phases = step_lib.Phases(
+        generate=lambda state, batch, key: step_lib.generate(
+            state, batch["prompt_ids"], batch["prompt_mask"], key, sampling=settings.rollout,
+            model_config=model_config),
+        forward=lambda state, rollout: step_lib.forward(
+            state, ref, rollout, settings=settings, model_config=model_config),
+        rewards=functools.partial(in_graph_rewards, batch=batch, n=settings.rollout.n,
+                                  reward=reward),
+        learn=functools.partial(step_lib.learn, settings=settings, model_config=model_config,
+                                actor_opt=actor_opt, critic_opt=critic_opt,
+                                critic_warmup=settings.trainer.critic_warmup))
+    state, reward_metrics, learned = step_lib.run_step(
+        phases, state, batch, step_lib.step_keys(root, state.step))
+    return state, {**learned, **reward_metrics}
+
+
+def in_graph_rewards(state, rollout, exp, key, *, batch, n: int,
+                     reward: in_graph.InGraphReward):
+    """`rl_step`'s rewards: the `n` responses to each of the batch's prompts scored
+    against its targets, each score on its row's last response token, the group ids;
+    and the means of the reward's extra values."""
+    del state, key  # (the host's rewards phase samples ReMax's baselines with them)
+    prompts = batch["prompt_ids"].shape[0]
     scores, extras = reward.score(
         rollout.responses, rollout.attention_mask(),
         *(jnp.repeat(batch[k], n, axis=0) for k in ("targets", "target_mask", "source")))
     exp = exp.replace(token_level_scores=place_scores(scores, exp.response_mask),
                       uid=jnp.repeat(jnp.arange(prompts, dtype=jnp.int32), n))
-    state, m = step_lib.learn(state, exp, key, s=s, model=model, actor_opt=actor_opt,
-                              critic_opt=critic_opt, critic_warmup=s.trainer.critic_warmup)
-    return state, {**m, **{f"reward_extra/{k}/mean": v.mean() for k, v in extras.items()}}
+    return exp, {f"reward_extra/{k}/mean": v.mean() for k, v in extras.items()}
 
 
 def rl_steps(states, refs, roots, hps, batches, **kw):
@@ -207,17 +223,17 @@ def sft_steps(states, batches, *, model: ModelConfig, optimizer):
     return jax.lax.scan(one, states, batches)
 
 
-def validation_rollouts(states, roots, step, start, batch, *, s: Settings,
-                        model: ModelConfig, reward: in_graph.InGraphReward):
+def validation_rollouts(states, roots, step, start, batch, *, settings: Settings,
+                        model_config: ModelConfig, reward: in_graph.InGraphReward):
     """Every run's validation rollout of one batch of prompts and its in-graph scores,
     sampled with the key the trainer's validation uses."""
-    n = s.validation.n
+    n = settings.validation.n
 
     def one(state, root):
         key = jax.random.fold_in(jax.random.fold_in(root, 2**31 - 2), step)
         rollout = step_lib.generate(state, batch["prompt_ids"], batch["prompt_mask"],
-                                    jax.random.fold_in(key, start), sampling=s.validation,
-                                    model=model)
+                                    jax.random.fold_in(key, start),
+                                    sampling=settings.validation, model_config=model_config)
         mask = rollout.attention_mask()
         scores, extras = reward.score(
             rollout.responses, mask,
@@ -262,9 +278,9 @@ class Prompts:
     """The rows' prompts and targets encoded once, as arrays (`[N, ...]`), and batches of
     them by row index."""
 
-    def __init__(self, tokenizer, rows, s: Settings, chat: bool, sources: list[str]):
+    def __init__(self, tokenizer, rows, settings: Settings, chat: bool, sources: list[str]):
         self.rows = rows
-        ids, mask = encode_prompts(tokenizer, rows, s.max_prompt_length, chat, None)
+        ids, mask = encode_prompts(tokenizer, rows, settings.max_prompt_length, chat, None)
         targets, target_mask, source, _ = in_graph.encode_targets(tokenizer, rows,
                                                                   sources=sources)
         self.arrays = dict(prompt_ids=ids, prompt_mask=mask, targets=targets,
@@ -279,7 +295,7 @@ class MultiRunTrainer:
 
     Args:
       settings: validated settings (with `reward.in_graph_fn`).
-      model: the architecture.
+      model_config: the architecture.
       params: the runs' initial actor parameters, stacked (`[R, ...]` leaves).
       tokenizer: encodes prompts and targets, decodes validation answers.
       train_rows, val_rows: prompt rows in verl's schema.
@@ -289,48 +305,50 @@ class MultiRunTrainer:
       steps_per_call: RL steps per program call (`trainer.steps_per_call`).
     """
 
-    def __init__(self, settings: Settings, model: ModelConfig, params, tokenizer, train_rows,
-                 val_rows, runs: list[Run], workdir: str, apply_chat_template: bool = False,
-                 data_seed: int = 0, steps_per_call: int = 1, mesh: RunsMesh | None = None):
-        s = self.s = settings
+    def __init__(self, settings: Settings, model_config: ModelConfig, params, tokenizer,
+                 train_rows, val_rows, runs: list[Run], workdir: str,
+                 apply_chat_template: bool = False, data_seed: int = 0,
+                 steps_per_call: int = 1, mesh: RunsMesh | None = None):
+        self.settings = settings
         mesh = self.mesh = mesh or RunsMesh()
         params = mesh.put(params)
-        model = vmapped_model(model)
-        self.model, self.tokenizer, self.runs = model, tokenizer, runs
+        model_config = vmapped_model(model_config)
+        self.model_config, self.tokenizer, self.runs = model_config, tokenizer, runs
         self.steps_per_call, self.data_seed = steps_per_call, data_seed
-        self.reward = in_graph.resolve(s.reward.in_graph_fn, tokenizer)
+        self.reward = in_graph.resolve(settings.reward.in_graph_fn, tokenizer)
         sources = sorted({row["data_source"] for row in [*train_rows, *val_rows]})
-        self.train = Prompts(tokenizer, train_rows, s, apply_chat_template, sources)
-        self.val = Prompts(tokenizer, val_rows, s, apply_chat_template, sources) \
+        self.train = Prompts(tokenizer, train_rows, settings, apply_chat_template, sources)
+        self.val = Prompts(tokenizer, val_rows, settings, apply_chat_template, sources) \
             if val_rows else None
-        self.actor_opt = make_optimizer(s.actor.optim)
-        self.critic_opt = make_optimizer(s.critic.optim) if s.critic is not None else None
+        self.actor_opt = make_optimizer(settings.actor.optim)
+        self.critic_opt = make_optimizer(settings.critic.optim) \
+            if settings.critic is not None else None
         self.roots = mesh.put(jnp.stack([jax.random.key(r.seed) for r in runs]))
         # The swept values a step reads (the KL coefficient is the state's).
         fields = ["lr"] + [SWEEPABLE[k] for k in ("actor.clip_ratio", "rollout.temperature")
                            if k in runs[0].swept]
         self.hps = mesh.put({f: jnp.asarray([getattr(r, f) for r in runs], jnp.float32)
                              for f in fields})
-        init = functools.partial(step_lib.init, s=s, actor_opt=self.actor_opt,
-                                 critic_opt=self.critic_opt, model=model)
+        init = functools.partial(step_lib.init, settings=settings, actor_opt=self.actor_opt,
+                                 critic_opt=self.critic_opt, model_config=model_config)
         init_keys = jax.vmap(lambda root: jax.random.fold_in(root, 2**31 - 1))(self.roots)
-        copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, model))
+        copy = lambda p: jax.tree.map(jnp.copy, step_lib.compute_params(p, model_config))
         self.refs = jax.jit(copy, out_shardings=mesh.stacked)(params) \
-            if s.needs_reference else None
+            if settings.needs_reference else None
         # Each run's in-reward KL coefficient starts at its own value (a sweep's).
         kl = kl_control.KLControlState(mesh.put(jnp.asarray([r.kl_coef for r in runs],
                                                             jnp.float32)))
         self.state = jax.jit(jax.vmap(init), out_shardings=mesh.stacked)(
             params, init_keys).replace(kl=kl)
         self.step, self.data, self._saved_step = 0, IteratorState(), 0
-        kw = dict(s=s, model=model, reward=self.reward)
+        kw = dict(settings=settings, model_config=model_config, reward=self.reward)
         self._steps = jax.jit(functools.partial(
             rl_steps, **kw, actor_opt=self.actor_opt, critic_opt=self.critic_opt),
             out_shardings=(mesh.stacked, mesh.scanned), donate_argnums=0)
         self._validate = jax.jit(functools.partial(validation_rollouts, **kw),
                                  out_shardings=mesh.stacked)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                         max_to_keep=s.trainer.max_ckpt_to_keep)
+                                         max_to_keep=settings.trainer.max_ckpt_to_keep)
 
     @property
     def num_runs(self) -> int:
@@ -366,7 +384,8 @@ class MultiRunTrainer:
                                                                jnp.int32)))
         self._saved_step = self.step
         if jax.process_index() == 0:
-            print(f"resumed from step {self.step} (of {self.s.total_steps})", flush=True)
+            print(f"resumed from step {self.step} (of {self.settings.total_steps})",
+                  flush=True)
         return True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -376,16 +395,16 @@ class MultiRunTrainer:
         index = [iterator.next_batch() for _ in range(count)]
         batches = jax.tree.map(lambda *x: np.stack(x), *[self.train.take(i) for i in index])
         start = time.perf_counter()
-        self.state, m = self._steps(self.state, self.refs, self.roots, self.hps, batches)
-        m = jax.device_get(m)
+        self.state, stacked = self._steps(self.state, self.refs, self.roots, self.hps, batches)
+        stacked = jax.device_get(stacked)  # [K, R] each
         seconds = time.perf_counter() - start
         self.step, self.data = self.step + count, iterator.state
         out = []
         for k in range(count):
             per_run = []
             for r in range(self.num_runs):
-                record = learn_metrics({name: v[k, r] for name, v in m.items()}, self.s,
-                                        self.step - count + k)
+                record = learn_metrics({name: v[k, r] for name, v in stacked.items()},
+                                       self.settings, self.step - count + k)
                 record.update({"timing_s/step": seconds / count,
                                "perf/time_per_step": seconds / count})
                 per_run.append(record)
@@ -394,7 +413,7 @@ class MultiRunTrainer:
 
     def validate(self, batch_size: int) -> list[dict[str, float]]:
         """Every run's validation metrics (`jrl.rl.evaluate`, with in-graph scores)."""
-        rows, n = self.val.rows, self.s.validation.n
+        rows, n = self.val.rows, self.settings.validation.n
         results = {}
 
         def respond(run, batch, padded, start):
@@ -417,27 +436,28 @@ class MultiRunTrainer:
             exit_after_steps: int | None = None) -> list[dict[str, float]]:
         """Runs every run to `total_steps` (or `exit_after_steps` more); returns each run's
         last validation metrics."""
-        s, t = self.s, self.s.trainer
-        iterator = BatchIterator(list(range(len(self.train.rows))), s.train_batch_size,
+        settings, trainer_settings = self.settings, self.settings.trainer
+        total = settings.total_steps
+        iterator = BatchIterator(list(range(len(self.train.rows))), settings.train_batch_size,
                                  self.data_seed, shuffle=True, state=self.data)
         last = [{} for _ in self.runs]
-        if t.val_before_train and self.step == 0 and self.val is not None:
+        if trainer_settings.val_before_train and self.step == 0 and self.val is not None:
             last = self.validate(val_batch_size)
             _write(writer, 0, last)
-        end = s.total_steps if exit_after_steps is None else min(
-            s.total_steps, self.step + exit_after_steps)
+        end = total if exit_after_steps is None else min(total, self.step + exit_after_steps)
         while self.step < end:
             self._stop_if_asked()
             count = _steps_to_boundary(self.step, end, self.steps_per_call,
-                                       (t.test_freq, t.save_freq))
+                                       (trainer_settings.test_freq, trainer_settings.save_freq))
             for k, per_run in enumerate(self.train_steps(iterator, count)):
                 step = self.step - count + k + 1
-                if k == count - 1 and self.val is not None and _due(step, t.test_freq,
-                                                                    s.total_steps):
+                if k == count - 1 and self.val is not None and _due(
+                        step, trainer_settings.test_freq, total):
                     last = self.validate(val_batch_size)
-                    per_run = [{**m, **v} for m, v in zip(per_run, last, strict=True)]
+                    per_run = [{**run_metrics, **val} for run_metrics, val
+                               in zip(per_run, last, strict=True)]
                 _write(writer, step, per_run)
-            if _due(self.step, t.save_freq, s.total_steps):
+            if _due(self.step, trainer_settings.save_freq, total):
                 self.save()
         return last
 
@@ -460,10 +480,11 @@ def _write(writer, step: int, per_run: list[dict]) -> None:
     """Each run's metrics under its index; the console shows their mean."""
     if writer is None:
         return
-    for r, m in enumerate(per_run):
-        writer.write(step, m, run=r)
-    keys = set.intersection(*(set(m) for m in per_run))
-    writer.show(step, {k: float(np.mean([m[k] for m in per_run])) for k in keys})
+    for r, run_metrics in enumerate(per_run):
+        writer.write(step, run_metrics, run=r)
+    keys = set.intersection(*(set(run_metrics) for run_metrics in per_run))
+    writer.show(step, {k: float(np.mean([run_metrics[k] for run_metrics in per_run]))
+                       for k in keys})
 
 
 # -- warm start ------------------------------------------------------------------------------

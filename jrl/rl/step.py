@@ -5,6 +5,10 @@
     forward(state, reference, rollout) -> experience   (+ host scores)
     learn(state, experience, key) -> new state, metrics
 
+`run_step` is the one order both kinds of step run them in: generate -> forward ->
+rewards -> learn, the rewards from the host's scorer between programs
+(`jrl.rl.trainer`) or from a JAX reward inside one program (`jrl.rl.runs`).
+
 `generate` samples from the actor in the compute dtype. `forward` computes what the
 update needs from the current models: the actor's log-probs and entropy, the
 reference's log-probs, the critic's values. `learn` does the rest of verl's step on
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,36 +55,65 @@ DATA_METRICS = ("critic/score/", "critic/rewards/", "critic/advantages/", "criti
 _METRIC_NAMES = {"entropy_loss": "entropy_loss", "nan_skipped": "nan_skipped_updates"}
 
 
-def init(actor_params, key, frozen=None, *, s: Settings,
+def step_keys(root, step):
+    """The step's key, `fold_in(root, step)`, and the rollout's part of it (`learn`
+    splits the same key for the updates)."""
+    key = jax.random.fold_in(root, step)
+    return key, jax.random.split(key, 3)[0]
+
+
+class Phases(NamedTuple):
+    """The four phases of an RL step, as `run_step` composes them: inside one program
+    (`jrl.rl.runs`) or as programs with the host between them (`jrl.rl.trainer`)."""
+
+    generate: Callable  # (state, prompts, key) -> sampled: a rollout and what scores it
+    forward: Callable  # (state, sampled) -> Experience (log-probs, values)
+    rewards: Callable  # (state, sampled, Experience, key) -> (Experience, metrics)
+    learn: Callable  # (state, Experience, key) -> (new state, metrics)
+
+
+def run_step(phases: Phases, state: TrainState, prompts, keys) -> tuple[TrainState, dict, dict]:
+    """One RL step: generate -> forward -> rewards -> learn. `keys`: the step's key and
+    the rollout's (`step_keys`), which the rewards' phase also gets (ReMax's greedy
+    rollout). Returns the new state, the rewards' metrics and `learn`'s."""
+    key, rollout_key = keys
+    sampled = phases.generate(state, prompts, rollout_key)
+    exp = phases.forward(state, sampled)
+    exp, reward_metrics = phases.rewards(state, sampled, exp, rollout_key)
+    state, learned = phases.learn(state, exp, key)
+    return state, reward_metrics, learned
+
+
+def init(actor_params, key, frozen=None, *, settings: Settings,
          actor_opt: optax.GradientTransformation,
          critic_opt: optax.GradientTransformation | None = None,
-         model: ModelConfig | None = None) -> TrainState:
+         model_config: ModelConfig | None = None) -> TrainState:
     """The state before the first step: the actor with its optimizer state, a critic
     (when the estimator needs one) with its own, the initial KL coefficient, step 0.
 
     With LoRA, `actor_params` are the adapters (what trains) and `frozen` the base
     they apply to. The critic is the actor's backbone (the base with LoRA) with a value
-    head seeded by `key`; with `critic.model.lora_rank` (needs `model`) it is the
+    head seeded by `key`; with `critic.model.lora_rank` (needs `model_config`) it is the
     frozen base too, and trains adapters of its own and the value head.
     """
     actor = update.ModelState(actor_params, actor_opt.init(actor_params))
     critic = None
-    if s.critic is not None:
-        critic_params = init_critic(actor_params if frozen is None else frozen, key,
-                                    critic_model(model, s) if s.critic.lora_rank else None)
+    if settings.critic is not None:
+        lora_model = critic_model(model_config, settings) if settings.critic.lora_rank else None
+        critic_params = init_critic(actor_params if frozen is None else frozen, key, lora_model)
         critic = update.ModelState(critic_params, critic_opt.init(critic_params))
     return TrainState(step=jnp.int32(0), actor=actor, critic=critic,
-                      kl=kl_control.init_kl_controller(s.algorithm.kl_coef))
+                      kl=kl_control.init_kl_controller(settings.algorithm.kl_coef))
 
 
-def critic_model(model: ModelConfig, s: Settings) -> ModelConfig:
+def critic_model(model_config: ModelConfig, settings: Settings) -> ModelConfig:
     """The critic's architecture: the actor's, with the critic's adapters (if any)."""
-    base = lora.without(model)
-    c = s.critic
-    if c is None or not c.lora_rank:
+    base = lora.without(model_config)
+    critic = settings.critic
+    if critic is None or not critic.lora_rank:
         return base
-    return dataclasses.replace(base, lora_rank=c.lora_rank, lora_alpha=c.lora_alpha,
-                               lora_targets=c.lora_targets)
+    return dataclasses.replace(base, lora_rank=critic.lora_rank, lora_alpha=critic.lora_alpha,
+                               lora_targets=critic.lora_targets)
 
 
 def init_critic(backbone, key, lora_model: ModelConfig | None = None) -> dict:
@@ -105,29 +140,30 @@ def with_frozen(params, frozen, config: ModelConfig):
     return lora.combine(frozen, params) if config.lora_rank else params
 
 
-def compute_params(params, model: ModelConfig):
+def compute_params(params, model_config: ModelConfig):
     """`params` in the model's compute dtype (the layers cast to it anyway: the same
     numbers, half the bytes to read in bfloat16)."""
-    dtype = jnp.dtype(model.dtype)
+    dtype = jnp.dtype(model_config.dtype)
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def sampling_model(model: ModelConfig) -> ModelConfig:
+def sampling_model(model_config: ModelConfig) -> ModelConfig:
     """The architecture the sampler runs (`sampling_params`' config)."""
-    return lora.without(model) if model.lora_rank and model.lora_rollout == "merged" else model
+    merged = model_config.lora_rank and model_config.lora_rollout == "merged"
+    return lora.without(model_config) if merged else model_config
 
 
-def sampling_params(params, model: ModelConfig) -> tuple[ModelConfig, dict]:
+def sampling_params(params, model_config: ModelConfig) -> tuple[ModelConfig, dict]:
     """(config, params) the sampler runs: the compute dtype, and with LoRA the adapters
     as `model.lora_rollout` says (merged: `W + A B` formed once, for every decode step)."""
-    if sampling_model(model) is not model:
-        model, params = lora.merge(params, model)
-    return model, compute_params(params, model)
+    if sampling_model(model_config) is not model_config:
+        model_config, params = lora.merge(params, model_config)
+    return model_config, compute_params(params, model_config)
 
 
 def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
-             sampling: SamplingConfig, model: ModelConfig,
+             sampling: SamplingConfig, model_config: ModelConfig,
              param_shardings=None) -> Rollout:
     """`sampling.n` responses to each prompt (`[B, P]`, left-padded) from the actor.
 
@@ -135,16 +171,18 @@ def generate(state: TrainState, prompt_ids, prompt_mask, key, frozen=None, *,
     `fsdp` once here rather than once per token); None: as they are. `frozen`: the
     LoRA base (see `init`); its adapters apply as `model.lora_rollout` says.
     """
-    params = rollout_params(state, frozen, model=model, param_shardings=param_shardings)
-    return generate_from(params, prompt_ids, prompt_mask, key, sampling=sampling, model=model)
+    params = rollout_params(state, frozen, model_config=model_config,
+                            param_shardings=param_shardings)
+    return generate_from(params, prompt_ids, prompt_mask, key, sampling=sampling,
+                         model_config=model_config)
 
 
 def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingConfig,
-                  model: ModelConfig) -> Rollout:
+                  model_config: ModelConfig) -> Rollout:
     """`generate` from the sampler's weights (`rollout_params`: e.g. a copy on another
     group of devices, one-step asynchronous training)."""
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
-                           config=sampling_model(model))
+                           config=sampling_model(model_config))
     return rollout_of(out, sampling)
 
 
@@ -155,45 +193,46 @@ def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:
                    rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)
 
 
-def rollout_params(state: TrainState, frozen=None, *, model: ModelConfig,
+def rollout_params(state: TrainState, frozen=None, *, model_config: ModelConfig,
                    param_shardings=None):
     """The weights the sampler reads (`sampling_params`), placed by `param_shardings`
     (see `generate`)."""
-    config, params = sampling_params(actor_params(state, frozen), model)
+    config, params = sampling_params(actor_params(state, frozen), model_config)
     if param_shardings is None:
         return params
     return jax.lax.with_sharding_constraint(
-        params, lora.split(param_shardings)[0] if config is not model else param_shardings)
+        params, lora.split(param_shardings)[0] if config is not model_config else param_shardings)
 
 
-def prompt_group(s: Settings, micro_batch: int) -> int:
+def prompt_group(settings: Settings, micro_batch: int) -> int:
     """Rows per shared prompt in a pass over micro-batches of `micro_batch` rows: the
     samples of a prompt are consecutive rows (`logprobs.prompt_group`); 1 with
     `actor.share_prompts` off."""
-    return logprobs.prompt_group(s.rollout.n, micro_batch) if s.share_prompts else 1
+    return logprobs.prompt_group(settings.rollout.n, micro_batch) if settings.share_prompts else 1
 
 
-def prompt_groups(s: Settings, rows: int) -> dict[str, int]:
+def prompt_groups(settings: Settings, rows: int) -> dict[str, int]:
     """Rows that share a prompt's forward in each pass of a step over `rows` rows:
     `forward`'s log-prob and value passes, the actor's and the critic's updates."""
-    groups = {"log-prob/value passes": prompt_group(s, s.log_prob_micro_batch or rows),
-              "actor update": prompt_group(s, s.actor.update.micro_batch)}
-    if s.critic is not None:
-        groups["critic update"] = prompt_group(s, s.critic.update.micro_batch)
+    groups = {"log-prob/value passes": prompt_group(settings,
+                                                    settings.log_prob_micro_batch or rows),
+              "actor update": prompt_group(settings, settings.actor.update.micro_batch)}
+    if settings.critic is not None:
+        groups["critic update"] = prompt_group(settings, settings.critic.update.micro_batch)
     return groups
 
 
-def forward_passes(s: Settings, with_reference: bool) -> tuple[str, ...]:
+def forward_passes(settings: Settings, with_reference: bool) -> tuple[str, ...]:
     """The passes `forward` runs: "old_log_probs" (not for an on-policy update, which
     takes them from its own pass), "ref_log_probs" (`with_reference`) and "values" (a
     critic whose update does not value the batch itself)."""
-    runs = {"old_log_probs": not s.actor.skips_old_pass, "ref_log_probs": with_reference,
-            "values": s.critic is not None and not s.critic.on_policy}
+    runs = {"old_log_probs": not settings.actor.skips_old_pass, "ref_log_probs": with_reference,
+            "values": settings.critic is not None and not settings.critic.on_policy}
     return tuple(name for name, on in runs.items() if on)
 
 
-def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: Settings,
-            model: ModelConfig) -> Experience:
+def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, settings: Settings,
+            model_config: ModelConfig) -> Experience:
     """Old log-probs and entropy (the actor; not for an on-policy update, which takes
     them from its own forward pass), reference log-probs (when `ref_params`) and values
     (when the state has a critic, unless its on-policy update values the batch itself) of
@@ -203,33 +242,33 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
     frozen base, adapters off (`ref_params` is `frozen`: no second copy). These
     passes take no gradient, so their scan over layers stays rolled whatever
     `model.scan_unroll` says (unrolled, nothing is saved for a backward pass to gain)."""
-    model = dataclasses.replace(model, scan_unroll=False)
-    critic = None if state.critic is None else critic_model(model, s)
+    model_config = dataclasses.replace(model_config, scan_unroll=False)
+    critic = None if state.critic is None else critic_model(model_config, settings)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.attention_mask())
-    sizes = s.bucket_sizes(rollout.responses.shape[1])
-    group = prompt_group(s, s.log_prob_micro_batch or rollout.responses.shape[0])
+    sizes = settings.bucket_sizes(rollout.responses.shape[1])
+    group = prompt_group(settings, settings.log_prob_micro_batch or rollout.responses.shape[0])
 
-    plan = (None if s.log_prob_max_token_len is None
-            else packing.for_sequences(*seq, s.log_prob_max_token_len))
+    plan = (None if settings.log_prob_max_token_len is None
+            else packing.for_sequences(*seq, settings.log_prob_max_token_len))
 
     def passes(padded_fn, packed_fn):
         """The pass over micro-batches: of a token budget (`jrl.rl.packing`), or padded."""
         if plan is not None:
             return lambda params, *_: logprobs.packed_pass(packed_fn, params, plan, seq[3])
-        return logprobs.in_micro_batches(padded_fn, s.log_prob_micro_batch, sizes, group)
+        return logprobs.in_micro_batches(padded_fn, settings.log_prob_micro_batch, sizes, group)
 
     def log_probs(params, config, with_entropy):
-        kwargs = dict(config=config, temperature=s.rollout.temperature,
-                      chunk_size=s.logprob_chunk_size, with_entropy=with_entropy)
+        kwargs = dict(config=config, temperature=settings.rollout.temperature,
+                      chunk_size=settings.logprob_chunk_size, with_entropy=with_entropy)
         return passes(functools.partial(logprobs.response_log_probs, **kwargs),
                       functools.partial(logprobs.packed_log_probs, **kwargs))(params, *seq)
 
-    runs = forward_passes(s, ref_params is not None)
+    runs = forward_passes(settings, ref_params is not None)
     old_log_probs, entropy = None, None
     if "old_log_probs" in runs:  # else the update's pass or the rollout gives them
         old_log_probs, entropy = log_probs(
-            compute_params(actor_params(state, frozen), model), model, True)
-    base_model = lora.without(model)
+            compute_params(actor_params(state, frozen), model_config), model_config, True)
+    base_model = lora.without(model_config)
     ref_log_probs = None
     if "ref_log_probs" in runs:
         ref_log_probs = log_probs(ref_params, base_model, False)[0]
@@ -242,24 +281,24 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, s: 
                          ref_log_probs=ref_log_probs, values=values)
 
 
-def token_rewards(exp: Experience, beta, *, s: Settings):
+def token_rewards(exp: Experience, beta, *, settings: Settings):
     """(token rewards, current KL): the scores, less the KL penalty when
     `algorithm.use_kl_in_reward`."""
-    if not s.algorithm.use_kl_in_reward:
+    if not settings.algorithm.use_kl_in_reward:
         return exp.token_level_scores, jnp.float32(0.0)
     return kl_control.apply_kl_penalty(
         exp.token_level_scores, exp.old_log_probs, exp.ref_log_probs,
-        exp.response_mask.astype(jnp.float32), beta, s.algorithm.kl_penalty)
+        exp.response_mask.astype(jnp.float32), beta, settings.algorithm.kl_penalty)
 
 
-def estimate_advantages(exp: Experience, rewards, *, s: Settings):
+def estimate_advantages(exp: Experience, rewards, *, settings: Settings):
     """(advantages, returns) of the token rewards (`token_rewards`) by the advantage
     estimator."""
     return adv_lib.compute_advantages(
-        s.algorithm.adv_estimator, rewards, exp.response_mask.astype(jnp.float32),
+        settings.algorithm.adv_estimator, rewards, exp.response_mask.astype(jnp.float32),
         values=exp.values, group_ids=exp.uid, reward_baselines=exp.reward_baselines,
-        gamma=s.algorithm.gamma, lam=s.algorithm.lam,
-        norm_adv_by_std_in_grpo=s.algorithm.norm_adv_by_std_in_grpo)
+        gamma=settings.algorithm.gamma, lam=settings.algorithm.lam,
+        norm_adv_by_std_in_grpo=settings.algorithm.norm_adv_by_std_in_grpo)
 
 
 def _stats(prefix: str, values, mask=None) -> dict:
@@ -280,7 +319,7 @@ def _var(x, mask):
     return jnp.where(mask, (x - mean) ** 2, 0).sum() / count
 
 
-def data_metrics(exp: Experience, rewards, adv, returns, *, s: Settings) -> dict:
+def data_metrics(exp: Experience, rewards, adv, returns, *, settings: Settings) -> dict:
     """verl's `compute_data_metrics` as device reductions: scores, rewards, advantages,
     returns, values and lengths of the batch."""
     mask = exp.response_mask > 0
@@ -294,17 +333,21 @@ def data_metrics(exp: Experience, rewards, adv, returns, *, s: Settings) -> dict
     response_length = exp.attention_mask().sum(-1).astype(jnp.float32)
     prompt_length = exp.prompt_mask.sum(-1).astype(jnp.float32)
     return {**out, **_stats("response_length", response_length),
-            "response_length/clip_ratio": jnp.mean(response_length >= s.rollout.max_new_tokens),
+            "response_length/clip_ratio": jnp.mean(
+                response_length >= settings.rollout.max_new_tokens),
             **_stats("prompt_length", prompt_length),
-            "prompt_length/clip_ratio": jnp.mean(prompt_length >= s.max_prompt_length)}
+            "prompt_length/clip_ratio": jnp.mean(prompt_length >= settings.max_prompt_length)}
 
 
-def _named(role: str, m: dict, lr) -> dict:
-    return {**{f"{role}/{_METRIC_NAMES.get(k, k)}": v for k, v in m.items()}, f"{role}/lr": lr}
+def _named(role: str, update_metrics: dict, lr) -> dict:
+    """`update.run_updates`' metrics of `role`'s update under verl's names, with its
+    learning rate."""
+    return {**{f"{role}/{_METRIC_NAMES.get(k, k)}": v for k, v in update_metrics.items()},
+            f"{role}/lr": lr}
 
 
-def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
-          model: ModelConfig,
+def learn(state: TrainState, exp: Experience, key, frozen=None, *, settings: Settings,
+          model_config: ModelConfig,
           actor_opt: optax.GradientTransformation,
           critic_opt: optax.GradientTransformation | None, critic_warmup: int = 0
           ) -> tuple[TrainState, dict]:
@@ -319,47 +362,49 @@ def learn(state: TrainState, exp: Experience, key, frozen=None, *, s: Settings,
     rejections leave the loss mask and its IS weights go to the update.
     """
     _, actor_key, critic_key = jax.random.split(key, 3)
-    c, response_mask = s.actor.correction, exp.response_mask
-    is_weights = None
-    if c.enabled and not s.actor.skips_old_pass:
+    correction, response_mask = settings.actor.correction, exp.response_mask
+    algorithm, is_weights = settings.algorithm, None
+    if correction.enabled and not settings.actor.skips_old_pass:
         is_weights, kept = rollout_correction.correct(exp.old_log_probs, exp.rollout_log_probs,
-                                                      exp.response_mask, c)
+                                                      exp.response_mask, correction)
         # Rejected tokens leave the loss, not the context of the tokens after them.
         exp = exp.replace(response_mask=kept, response_attention_mask=exp.attention_mask())
-    rewards, current_kl = token_rewards(exp, state.kl.value, s=s)
+    rewards, current_kl = token_rewards(exp, state.kl.value, settings=settings)
     critic, critic_metrics = state.critic, {}
-    if critic is not None and s.critic.on_policy:  # values the batch as it learns
+    if critic is not None and settings.critic.on_policy:  # values the batch as it learns
         critic, critic_metrics, tokens = _critic_update(
-            state, {**_fields(exp), "token_level_rewards": rewards}, critic_key, frozen, s=s,
-            model=model, critic_opt=critic_opt)
+            state, {**_fields(exp), "token_level_rewards": rewards}, critic_key, frozen,
+            settings=settings, model_config=model_config, critic_opt=critic_opt)
         exp = exp.replace(values=tokens["values"])
-    adv, returns = estimate_advantages(exp, rewards, s=s)
+    adv, returns = estimate_advantages(exp, rewards, settings=settings)
     batch = {**_fields(exp), "advantages": adv, "returns": returns,
              "rollout_is_weights": is_weights}
-    metrics = data_metrics(exp, rewards, adv, returns, s=s)
+    metrics = data_metrics(exp, rewards, adv, returns, settings=settings)
     if exp.entropy is not None:  # else the on-policy update reports it
         metrics["actor/entropy"] = masks.agg_loss(exp.entropy, exp.response_mask,
-                                                  s.actor.loss.loss_agg_mode)
+                                                  settings.actor.loss.loss_agg_mode)
     kl = state.kl
-    if s.algorithm.use_kl_in_reward:
+    if algorithm.use_kl_in_reward:
         metrics.update({"actor/reward_kl_penalty": current_kl,
                         "actor/reward_kl_penalty_coeff": kl.value})
         kl = kl_control.update_kl_controller(
-            kl, current_kl, s.train_batch_size * s.rollout.n, s.algorithm.kl_ctrl_type,
-            s.algorithm.target_kl, s.algorithm.horizon)
-    if critic is not None and not s.critic.on_policy:
-        critic, critic_metrics, _ = _critic_update(state, batch, critic_key, frozen, s=s,
-                                                   model=model, critic_opt=critic_opt)
+            kl, current_kl, settings.train_batch_size * settings.rollout.n,
+            algorithm.kl_ctrl_type, algorithm.target_kl, algorithm.horizon)
+    if critic is not None and not settings.critic.on_policy:
+        critic, critic_metrics, _ = _critic_update(
+            state, batch, critic_key, frozen, settings=settings, model_config=model_config,
+            critic_opt=critic_opt)
     metrics.update(critic_metrics)
-    actor, m, tokens = _actor_update(state, batch, actor_key, frozen, s=s, model=model,
-                                     actor_opt=actor_opt, critic_warmup=critic_warmup)
-    metrics.update(m)
+    actor, actor_metrics, tokens = _actor_update(
+        state, batch, actor_key, frozen, settings=settings, model_config=model_config,
+        actor_opt=actor_opt, critic_warmup=critic_warmup)
+    metrics.update(actor_metrics)
     if exp.rollout_log_probs is not None:  # the trainer's log-probs against the sampler's
         trained = exp.old_log_probs if exp.old_log_probs is not None else tokens["log_probs"]
         metrics.update(rollout_correction.metrics(trained, exp.rollout_log_probs,
-                                                  response_mask, c))
-    if s.actor.use_kl_loss:
-        metrics["actor/kl_coef"] = jnp.float32(s.actor.kl_loss_coef)
+                                                  response_mask, correction))
+    if settings.actor.use_kl_loss:
+        metrics["actor/kl_coef"] = jnp.float32(settings.actor.kl_loss_coef)
     return TrainState(step=state.step + 1, actor=actor, critic=critic, kl=kl), metrics
 
 
@@ -367,45 +412,47 @@ def _fields(exp: Experience) -> dict:
     return {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
 
 
-def _critic_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
-                   model: ModelConfig, critic_opt):
+def _critic_update(state: TrainState, batch: dict, key, frozen, *, settings: Settings,
+                   model_config: ModelConfig, critic_opt):
     """The critic's update: (new critic, its metrics, the loss's per-token outputs: the
     values it computed when on-policy)."""
-    lr = learning_rate_schedule(s.critic.optim)(state.step)
-    config = critic_model(model, s)
-    group = prompt_group(s, s.critic.update.micro_batch)
+    lr = learning_rate_schedule(settings.critic.optim)(state.step)
+    config = critic_model(model_config, settings)
+    group = prompt_group(settings, settings.critic.update.micro_batch)
     critic_loss = lambda params, *a: update.critic_loss(
-        with_frozen(params, frozen, config), *a, model=config, critic=s.critic,
-        gamma=s.algorithm.gamma, lam=s.algorithm.lam, group=group)
-    names = _ON_POLICY_CRITIC_FIELDS if s.critic.on_policy else _CRITIC_FIELDS
-    critic, m, tokens = update.run_updates(
+        with_frozen(params, frozen, config), *a, model_config=config, critic=settings.critic,
+        gamma=settings.algorithm.gamma, lam=settings.algorithm.lam, group=group)
+    names = _ON_POLICY_CRITIC_FIELDS if settings.critic.on_policy else _CRITIC_FIELDS
+    critic, critic_metrics, tokens = update.run_updates(
         state.critic, {k: batch[k] for k in names if batch.get(k) is not None}, key, lr,
-        loss_fn=critic_loss, optimizer=critic_opt, update=s.critic.update,
-        bucket_sizes=s.bucket_sizes(batch["response_mask"].shape[1]), group=group)
-    return critic, _named("critic", m, lr), tokens
+        loss_fn=critic_loss, optimizer=critic_opt, update=settings.critic.update,
+        bucket_sizes=settings.bucket_sizes(batch["response_mask"].shape[1]), group=group)
+    return critic, _named("critic", critic_metrics, lr), tokens
 
 
-def _actor_update(state: TrainState, batch: dict, key, frozen, *, s: Settings,
-                  model: ModelConfig, actor_opt, critic_warmup: int):
+def _actor_update(state: TrainState, batch: dict, key, frozen, *, settings: Settings,
+                  model_config: ModelConfig, actor_opt, critic_warmup: int):
     """The actor's update, from the step where verl's does (it counts steps from 1 and
     updates the actor once `critic_warmup <= step`); before it, the actor unchanged."""
     first = max(critic_warmup - 1, 0)
-    lr = learning_rate_schedule(s.actor.optim)(jnp.maximum(state.step - first, 0))
+    lr = learning_rate_schedule(settings.actor.optim)(jnp.maximum(state.step - first, 0))
     with_base = (lambda params: params) if frozen is None else (
         lambda adapters: lora.combine(frozen, adapters))
-    group = prompt_group(s, s.actor.update.micro_batch)
+    group = prompt_group(settings, settings.actor.update.micro_batch)
     actor_loss = lambda params, *a: update.actor_loss(
-        with_base(params), *a, model=model, actor=s.actor, temperature=s.rollout.temperature,
-        chunk_size=s.logprob_chunk_size, group=group)
-    names = _ACTOR_FIELDS + (("rollout_log_probs",) if s.actor.skips_old_pass else ())
+        with_base(params), *a, model_config=model_config, actor=settings.actor,
+        temperature=settings.rollout.temperature, chunk_size=settings.logprob_chunk_size,
+        group=group)
+    names = _ACTOR_FIELDS + (("rollout_log_probs",) if settings.actor.skips_old_pass else ())
     fields = {k: batch[k] for k in names if batch.get(k) is not None}
 
     def run(actor):
-        actor, m, tokens = update.run_updates(
+        actor, actor_metrics, tokens = update.run_updates(
             actor, fields, key, lr, loss_fn=actor_loss, optimizer=actor_opt,
-            update=s.actor.update, bucket_sizes=s.bucket_sizes(fields["responses"].shape[1]),
-            group=group)
-        return actor, {**_named("actor", m, lr), "actor/updated": jnp.float32(1)}, tokens
+            update=settings.actor.update,
+            bucket_sizes=settings.bucket_sizes(fields["responses"].shape[1]), group=group)
+        actor_metrics = {**_named("actor", actor_metrics, lr), "actor/updated": jnp.float32(1)}
+        return actor, actor_metrics, tokens
 
     if first == 0:
         return run(state.actor)

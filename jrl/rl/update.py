@@ -11,6 +11,7 @@ and counted.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -148,42 +149,17 @@ def run_updates(
     """
     n = jax.tree.leaves(batch)[0].shape[0]
     num_minis = n // update.mini_batch
-    num_micros = update.mini_batch // update.micro_batch
-
     packed = update.max_token_len is not None
-    if packed:  # token-budget micro-batches; their means are averaged already
-        num_micros = 1
-
-    def mini_step(state: ModelState, xs):
-        mini, mini_rng = xs
-        if packed:
-            mini = jax.tree.map(lambda x: x[0], mini)  # [1, rows, ...]: one mini-batch
-            (grads, sums, means), tokens = _accumulate_packed(
-                loss_fn, state.params, mini, mini_rng, update.max_token_len)
-            tokens = jax.tree.map(lambda x: x[None], tokens)  # as one micro-batch of all
-        else:
-            (grads, sums, means), tokens = _accumulate_grads(
-                loss_fn, state.params, mini, mini_rng, num_micros, bucket_sizes)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & _all_finite(sums)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, jax.tree.map(lambda u: -lr * u, updates))
-        params = jax.tree.map(lambda p, u: u.astype(p.dtype), state.params, params)
-        new = ModelState(params=params, opt_state=opt_state)
-        new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
-        metrics = {**sums, **{k: v / num_micros for k, v in means.items()},
-                   "grad_norm": grad_norm, "nan_skipped": 1.0 - finite.astype(jnp.float32)}
-        return new, (metrics, tokens)
+    # Token-budget micro-batches: one pass over the mini-batch, its means averaged already.
+    num_micros = 1 if packed else update.mini_batch // update.micro_batch
+    mini_step = functools.partial(
+        _mini_step, loss_fn=loss_fn, optimizer=optimizer, lr=lr, num_micros=num_micros,
+        bucket_sizes=bucket_sizes, max_token_len=update.max_token_len)
 
     def epoch_step(state, epoch_rng):
         perm_rng, mini_rng = jax.random.split(epoch_rng)
-        perm = jnp.arange(n)
-        if update.shuffle:
-            perm = buckets.expand_groups(jax.random.permutation(perm_rng, n // group), group)
-        if len(bucket_sizes) > 1 and not packed:  # each mini-batch's rows by used length
-            lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
-            within = jax.vmap(lambda x: buckets.sort_order(x, group))(lengths)
-            perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
+        perm = _epoch_order(batch, perm_rng, num_minis, shuffle=update.shuffle, group=group,
+                            sort=len(bucket_sizes) > 1 and not packed)
         minis = _reshape_minis(batch, perm, num_minis, num_micros)
         state, (metrics, tokens) = jax.lax.scan(
             mini_step, state, (minis, jax.random.split(mini_rng, num_minis)))
@@ -193,11 +169,59 @@ def run_updates(
         epoch_step, state, jax.random.split(rng, update.ppo_epochs))
     skipped = jnp.sum(metrics.pop("nan_skipped"))
     metrics = jax.tree.map(jnp.mean, metrics)
-    # Row i of the first epoch's flattened outputs is the batch's row perms[0][i].
-    tokens = jax.tree.map(
-        lambda x: jnp.zeros((n, *x.shape[4:]), x.dtype).at[perms[0]].set(
+    return state, {**metrics, "nan_skipped": skipped}, _in_batch_order(tokens, perms[0], n)
+
+
+def _mini_step(state: ModelState, xs, *, loss_fn: Callable,
+               optimizer: optax.GradientTransformation, lr: Array, num_micros: int,
+               bucket_sizes: Sequence[int], max_token_len: int | None):
+    """One optimizer step on a mini-batch (`xs`: its micro-batches `[micros, micro, ...]`
+    and its key), skipped when its loss or gradient is not finite; returns the new
+    state, the mini-batch's metrics and the loss's per-token outputs
+    `[micros, micro, ...]`."""
+    mini, mini_rng = xs
+    if max_token_len is not None:
+        mini = jax.tree.map(lambda x: x[0], mini)  # [1, rows, ...]: one mini-batch
+        (grads, sums, means), tokens = _accumulate_packed(
+            loss_fn, state.params, mini, mini_rng, max_token_len)
+        tokens = jax.tree.map(lambda x: x[None], tokens)  # as one micro-batch of all
+    else:
+        (grads, sums, means), tokens = _accumulate_grads(
+            loss_fn, state.params, mini, mini_rng, num_micros, bucket_sizes)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & _all_finite(sums)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, jax.tree.map(lambda u: -lr * u, updates))
+    params = jax.tree.map(lambda p, u: u.astype(p.dtype), state.params, params)
+    new = ModelState(params=params, opt_state=opt_state)
+    new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
+    metrics = {**sums, **{k: v / num_micros for k, v in means.items()},
+               "grad_norm": grad_norm, "nan_skipped": 1.0 - finite.astype(jnp.float32)}
+    return new, (metrics, tokens)
+
+
+def _epoch_order(batch: Batch, rng: Array, num_minis: int, *, shuffle: bool, group: int,
+                 sort: bool) -> Array:
+    """The order `[N]` an epoch visits the batch's rows in: shuffled in runs of `group`
+    rows (`shuffle`), then, with `sort`, each mini-batch's rows by used response length
+    (`jrl.rl.buckets`)."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    perm = jnp.arange(n)
+    if shuffle:
+        perm = buckets.expand_groups(jax.random.permutation(rng, n // group), group)
+    if sort:
+        lengths = buckets.used_lengths(_attention(batch))[perm].reshape(num_minis, -1)
+        within = jax.vmap(lambda x: buckets.sort_order(x, group))(lengths)
+        perm = jnp.take_along_axis(perm.reshape(num_minis, -1), within, axis=1).reshape(n)
+    return perm
+
+
+def _in_batch_order(tokens, perm: Array, n: int):
+    """The first epoch's per-token outputs (`[epochs, minis, micros, micro, ...]`) as
+    `[N, ...]` in the batch's order: its flattened row i is the batch's row `perm[i]`."""
+    return jax.tree.map(
+        lambda x: jnp.zeros((n, *x.shape[4:]), x.dtype).at[perm].set(
             x[0].reshape(n, *x.shape[4:])), tokens)
-    return state, {**metrics, "nan_skipped": skipped}, tokens
 
 
 def _live_mask(micro: Batch):
@@ -215,7 +239,7 @@ def _attention(micro: Batch):
     return micro.get("response_attention_mask", micro["response_mask"])
 
 
-def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
+def actor_loss(params, micro: Batch, normalizer, rng, *, model_config: ModelConfig,
                actor: ActorSettings, temperature: float, chunk_size: int, group: int = 1):
     """Policy loss - entropy bonus + KL loss of one micro-batch (verl's actor objective).
 
@@ -230,41 +254,18 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     mask = _live_mask(micro)
     with_entropy = actor.entropy_coeff != 0
     skips_old_pass = actor.skips_old_pass
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size,
-                  with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
-    if "packed" in micro:
-        log_probs, entropy = (micro["packed"].responses(x, _attention(micro)) for x in
-                              logprobs.packed_log_probs(params, micro["packed"], config=model,
-                                                        **kwargs))
-    else:
-        hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
-                                          micro["responses"], _attention(micro), config=model,
-                                          group=group)
-        log_probs, entropy = logprobs.token_log_probs(params, hidden, micro["responses"],
-                                                      impl=model.logprob_impl, **kwargs)
+    log_probs, entropy = _micro_log_probs(
+        params, micro, model_config, group, temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
                                    actor.loss.loss_scale_factor)
     current = jax.lax.stop_gradient(log_probs)
-    rollout = micro.get("rollout_log_probs")
     sums, tokens = {}, {}
     if skips_old_pass:
         sums["entropy"] = agg(jax.lax.stop_gradient(entropy))  # the step's entropy metric
-        if rollout is not None:
+        if micro.get("rollout_log_probs") is not None:
             tokens["log_probs"] = current
-    c = actor.correction
-    old_log_probs = rollout if c.bypass_mode else (
-        current if actor.on_policy else micro["old_log_probs"])
-    weights, loss_mask = micro.get("rollout_is_weights"), mask
-    if skips_old_pass and c.enabled:  # the correction from this pass's log-probs
-        weights, loss_mask = rollout_correction.correct(current, rollout, mask, c)
-        if c.bypass_mode and c.loss_type == "ppo_clip":
-            weights = None  # the ratio to the rollout policy is the correction
-    if c.bypass_mode and c.loss_type == "reinforce":
-        pg_loss, means = losses.reinforce(rollout, log_probs, micro["advantages"], loss_mask,
-                                          actor.loss, normalizer, weights)
-    else:
-        pg_loss, means = losses.policy_loss(old_log_probs, log_probs, micro["advantages"],
-                                            loss_mask, actor.loss, normalizer, rng, weights)
+    pg_loss, means = _policy_loss(log_probs, current, micro, mask, normalizer, rng, actor)
     loss = pg_loss
     sums["pg_loss"] = pg_loss
     if with_entropy:
@@ -278,7 +279,41 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     return loss, (sums, means, tokens)
 
 
-def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
+def _micro_log_probs(params, micro: Batch, model_config: ModelConfig, group: int, **kwargs):
+    """The micro-batch's response log-probs and entropies `[micro, R]`: of its packed
+    sequences (token-budget micro-batches, `micro["packed"]`) or of its padded rows."""
+    if "packed" in micro:
+        return tuple(micro["packed"].responses(x, _attention(micro)) for x in
+                     logprobs.packed_log_probs(params, micro["packed"], config=model_config,
+                                               **kwargs))
+    hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
+                                      micro["responses"], _attention(micro),
+                                      config=model_config, group=group)
+    return logprobs.token_log_probs(params, hidden, micro["responses"],
+                                    impl=model_config.logprob_impl, **kwargs)
+
+
+def _policy_loss(log_probs, current, micro: Batch, mask, normalizer, rng,
+                 actor: ActorSettings):
+    """The policy-gradient loss and its metrics, against the old log-probs the settings
+    name (`current`: this pass's, detached), with rollout correction's IS weights and
+    rejections."""
+    correction, rollout = actor.correction, micro.get("rollout_log_probs")
+    old_log_probs = rollout if correction.bypass_mode else (
+        current if actor.on_policy else micro["old_log_probs"])
+    weights, loss_mask = micro.get("rollout_is_weights"), mask
+    if actor.skips_old_pass and correction.enabled:  # the correction from this pass
+        weights, loss_mask = rollout_correction.correct(current, rollout, mask, correction)
+        if correction.bypass_mode and correction.loss_type == "ppo_clip":
+            weights = None  # the ratio to the rollout policy is the correction
+    if correction.bypass_mode and correction.loss_type == "reinforce":
+        return losses.reinforce(rollout, log_probs, micro["advantages"], loss_mask,
+                                actor.loss, normalizer, weights)
+    return losses.policy_loss(old_log_probs, log_probs, micro["advantages"], loss_mask,
+                              actor.loss, normalizer, rng, weights)
+
+
+def critic_loss(params, micro: Batch, normalizer, rng, *, model_config: ModelConfig,
                 critic: CriticSettings, gamma: float, lam: float, group: int = 1):
     """Clipped value loss of one micro-batch; `group` as in `actor_loss`.
 
@@ -291,11 +326,12 @@ def critic_loss(params, micro: Batch, normalizer, rng, *, model: ModelConfig,
     mask = _live_mask(micro)
     if "packed" in micro:
         vpreds = micro["packed"].responses(
-            logprobs.packed_values(params, micro["packed"], config=model), _attention(micro))
+            logprobs.packed_values(params, micro["packed"], config=model_config),
+            _attention(micro))
     else:
         vpreds = logprobs.response_values(params, micro["prompt_ids"], micro["prompt_mask"],
-                                          micro["responses"], _attention(micro), config=model,
-                                          group=group)
+                                          micro["responses"], _attention(micro),
+                                          config=model_config, group=group)
     tokens = {}
     if critic.on_policy:
         values = jax.lax.stop_gradient(vpreds)

@@ -97,8 +97,8 @@ def _update(batch, sizes, agg, micro=2):
     actor = _actor_settings(micro, agg)  # mini-batches of 4 sequences
     params = _params()
     optimizer = make_optimizer(actor.optim)
-    loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor, temperature=1.0,
-                                chunk_size=8)
+    loss_fn = functools.partial(update.actor_loss, model_config=_MODEL, actor=actor,
+                                temperature=1.0, chunk_size=8)
     state = update.ModelState(params, optimizer.init(params))
     fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn, optimizer=optimizer,
                                    update=actor.update, bucket_sizes=sizes))

@@ -117,7 +117,7 @@ def test_update_with_shared_prompts_equals_the_plain_update():
     optimizer = make_optimizer(actor.optim)
 
     def run(group):
-        loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor,
+        loss_fn = functools.partial(update.actor_loss, model_config=_MODEL, actor=actor,
                                     temperature=1.0, chunk_size=4, group=group)
         fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn, optimizer=optimizer,
                                        update=actor.update, bucket_sizes=buckets.sizes(r, 2),

@@ -77,7 +77,7 @@ def _state(s, params, critic_params=None, step_=0, beta=0.001) -> TrainState:
 def _learn(s, model, state, exp, critic_warmup=0):
     critic_opt = None if s.critic is None else make_optimizer(s.critic.optim)
     fn = jax.jit(lambda st, e, k: step.learn(
-        st, e, k, s=s, model=model, actor_opt=make_optimizer(s.actor.optim),
+        st, e, k, settings=s, model_config=model, actor_opt=make_optimizer(s.actor.optim),
         critic_opt=critic_opt, critic_warmup=critic_warmup))
     new, metrics = fn(state, exp, jax.random.key(0))
     return new, {k: float(v) for k, v in metrics.items()}
@@ -154,7 +154,8 @@ def test_forward_equals_the_log_prob_functions():
     critic_params = init_critic_params(params, jax.random.key(1))
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
     rollout = _rollout()
-    fn = jax.jit(lambda st, r, ro: step.forward(st, r, ro, s=s, model=model))
+    fn = jax.jit(lambda st, r, ro: step.forward(st, r, ro, settings=s,
+                                                          model_config=model))
     exp = fn(_state(s, params, critic_params), ref_params, rollout)
     seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
     kw = dict(config=model, temperature=s.rollout.temperature, chunk_size=s.logprob_chunk_size)
@@ -175,7 +176,7 @@ def test_generate_samples_from_the_actor_in_the_compute_dtype():
     prompt_ids = np.array([[0, 5, 6], [7, 8, 9]], np.int32)
     key = jax.random.key(3)
     out = jax.jit(lambda st, i, m, k: step.generate(st, i, m, k, sampling=s.rollout,
-                                                    model=model))(
+                                                    model_config=model))(
         _state(s, params), prompt_ids, prompt_mask, key)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     want = sampler.generate(bf16, prompt_ids, prompt_mask, key, s.rollout, config=model)
@@ -192,7 +193,7 @@ def test_init_builds_the_first_state():
                                     "algorithm.kl_ctrl.kl_coef": 0.05})
     key = jax.random.key(7)
     state = jax.jit(lambda p, k: step.init(
-        p, k, s=s, actor_opt=make_optimizer(s.actor.optim),
+        p, k, settings=s, actor_opt=make_optimizer(s.actor.optim),
         critic_opt=make_optimizer(s.critic.optim)))(params, key)
     assert int(state.step) == 0 and float(state.kl.value) == pytest.approx(0.05)
     chex.assert_trees_all_equal(state.actor.params, params)
@@ -200,7 +201,8 @@ def test_init_builds_the_first_state():
     adam = jax.tree.leaves(state.actor.opt_state)
     assert adam and all(not np.any(np.asarray(x)) for x in adam)  # count 0, moments 0
     grpo = _setup()[1]
-    no_critic = step.init(params, key, s=grpo, actor_opt=make_optimizer(grpo.actor.optim))
+    no_critic = step.init(params, key, settings=grpo,
+                          actor_opt=make_optimizer(grpo.actor.optim))
     assert no_critic.critic is None
 
 
@@ -224,7 +226,8 @@ def test_on_policy_update_equals_the_update_from_recomputed_log_probs():
     _, s, model, params = _setup(**_ON_POLICY)
     _, s_pass, _, _ = _setup(**_ON_POLICY, **{"actor.reuse_update_log_probs": False})
     rollout = _rollout()
-    forward = lambda s_: jax.jit(lambda st, ro: step.forward(st, None, ro, s=s_, model=model))
+    forward = lambda s_: jax.jit(lambda st, ro: step.forward(
+        st, None, ro, settings=s_, model_config=model))
     exp = forward(s)(_state(s, params), rollout)
     assert exp.old_log_probs is None and exp.entropy is None
     recomputed = forward(s_pass)(_state(s_pass, params), rollout)
@@ -270,7 +273,8 @@ def test_shared_prompts_learn_what_the_plain_layout_learns(estimator):
     ref = jax.tree.map(lambda x: x * 0.9, params)
     outs = {}
     for name, st in (("shared", s), ("plain", plain)):
-        exp = jax.jit(lambda sta, r, o, st=st: step.forward(sta, r, o, s=st, model=model))(
+        exp = jax.jit(lambda sta, r, o, st=st: step.forward(
+            sta, r, o, settings=st, model_config=model))(
             _state(st, params, critic_params), ref, ro)
         scores = np.zeros(ro.responses.shape, np.float32)
         scores[np.arange(8), np.maximum(np.asarray(ro.response_mask).sum(1) - 1, 0)] = SCORES
@@ -303,7 +307,8 @@ def test_unrolled_update_learns_what_the_scanned_one_learns(estimator, remat):
     ro, ref = _rollout(), jax.tree.map(lambda x: x * 0.9, params)
     outs = {}
     for name, m in (("scan", model), ("unrolled", unrolled)):
-        exp = jax.jit(lambda sta, r, o, m=m: step.forward(sta, r, o, s=s, model=m))(
+        exp = jax.jit(lambda sta, r, o, m=m: step.forward(
+            sta, r, o, settings=s, model_config=m))(
             _state(s, params, critic_params), ref, ro)
         exp = exp.replace(token_level_scores=_experience(ro).token_level_scores,
                           uid=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 2))
@@ -366,7 +371,8 @@ def test_on_policy_critic_learns_what_the_value_pass_gives(over, layout):
     scores[np.arange(8), np.maximum(np.asarray(ro.response_mask).sum(1) - 1, 0)] = SCORES
     outs = {}
     for name, st in (("update", s), ("pass", s_pass)):
-        exp = jax.jit(lambda sta, r, o, st=st: step.forward(sta, r, o, s=st, model=model))(
+        exp = jax.jit(lambda sta, r, o, st=st: step.forward(
+            sta, r, o, settings=st, model_config=model))(
             _state(st, params, critic_params), ref, ro)
         assert (exp.values is None) == (name == "update")
         exp = exp.replace(token_level_scores=jnp.asarray(scores),

@@ -34,7 +34,8 @@ _C = "algorithm.rollout_correction"
 
 
 def _forward(s, model, params, rollout):
-    return jax.jit(lambda st, ro: step.forward(st, None, ro, s=s, model=model))(
+    return jax.jit(lambda st, ro: step.forward(
+        st, None, ro, settings=s, model_config=model))(
         _state(s, params), rollout)
 
 
@@ -152,8 +153,8 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_old():
     log_pi = np.asarray(_forward(s_pass, model, params, rollout).old_log_probs)
     mask = np.asarray(rollout.response_mask, np.float64)
     w = np.minimum(np.exp(log_pi - np.asarray(rollout.rollout_log_probs)), 2.0) * mask
-    rewards, _ = step.token_rewards(exp, 0.0, s=s_rf)
-    adv, _ = step.estimate_advantages(exp, rewards, s=s_rf)
+    rewards, _ = step.token_rewards(exp, 0.0, settings=s_rf)
+    adv, _ = step.estimate_advantages(exp, rewards, settings=s_rf)
     expected = -(np.asarray(adv) * log_pi * w * mask).sum() / mask.sum()
     assert m_rf["actor/pg_loss"] == pytest.approx(expected, rel=1e-4)
     ppo_kl = ((np.asarray(rollout.rollout_log_probs) - log_pi) * mask).sum() / mask.sum()

@@ -132,20 +132,20 @@ def test_critic_lora_state_is_adapters_and_a_value_head_on_the_frozen_base(tmp_p
         seq = _random_rollout(model.vocab_size)
         want = _values_by_hand(base, critic["value_head"], model, *seq)
         batch = types.Rollout(*(jnp.asarray(x) for x in seq))
-        exp = trainer._forward(trainer.state, trainer.ref_params, batch, trainer.frozen)
+        exp = trainer.programs.forward(trainer.state, trainer.ref_params, batch, trainer.frozen)
         np.testing.assert_allclose(np.asarray(exp.values), want, rtol=1e-5, atol=1e-5)
         # ...and do not depend on the actor's adapters (the critic is not on the actor).
         actor = _randomise_b(trainer.state.actor.params, seed=1)
         moved = dataclasses.replace(trainer.state, actor=dataclasses.replace(
             trainer.state.actor, params=actor))
-        exp = trainer._forward(moved, trainer.ref_params, batch, trainer.frozen)
+        exp = trainer.programs.forward(moved, trainer.ref_params, batch, trainer.frozen)
         np.testing.assert_allclose(np.asarray(exp.values), want, rtol=1e-5, atol=1e-5)
         # With nonzero critic adapters, the values are those of the plain model whose
         # kernels are base + (alpha / r) A B (the critic's r and alpha, merged by hand).
         critic = _randomise_b(critic, seed=2)
         state = dataclasses.replace(trainer.state, critic=dataclasses.replace(
             trainer.state.critic, params=critic))
-        exp = trainer._forward(state, trainer.ref_params, batch, trainer.frozen)
+        exp = trainer.programs.forward(state, trainer.ref_params, batch, trainer.frozen)
         merged = _merge_by_hand(_np(base), critic, rank=2, alpha=4.0, targets=_CRITIC_TARGETS)
         adapted = _values_by_hand(merged, critic["value_head"], model, *seq)
         assert np.abs(adapted - want).max() > 1e-3  # the adapters matter
@@ -322,7 +322,7 @@ def test_step_generate_merged_equals_unmerged(adapted):
     for mode in ("merged", "unmerged"):
         generate = jax.jit(functools.partial(
             step.generate, sampling=sampling,
-            model=dataclasses.replace(model, lora_rollout=mode)))
+            model_config=dataclasses.replace(model, lora_rollout=mode)))
         got[mode] = generate(state, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
                              jax.random.key(11), base)
     # The same tokens; the sampler's log-probs up to the merge's rounding.
@@ -448,7 +448,7 @@ def test_trainer_keeps_a_bfloat16_base_and_float32_adapters_for_actor_and_critic
         assert _dtypes(trainer.state.actor.params) == {jnp.dtype(jnp.float32)}
         assert _dtypes(trainer.state.critic.params) == {jnp.dtype(jnp.float32)}
         seq = _random_rollout(model.vocab_size)
-        exp = trainer._forward(trainer.state, trainer.ref_params,
+        exp = trainer.programs.forward(trainer.state, trainer.ref_params,
                                types.Rollout(*(jnp.asarray(x) for x in seq)), trainer.frozen)
         # The golden: the float32 plain model on the (bfloat16-rounded) base weights; the
         # critic computes in bfloat16, hence the tolerance.

@@ -45,8 +45,8 @@ def _trainer(tmp_path, overrides):
     trainer = tiny_trainer(tmp_path, overrides,
                            _varied_reward if "algorithm.filter_groups.enable" in overrides
                            else None)
-    fg = trainer.s.filter_groups
-    prompts = trainer.s.train_batch_size if fg is None else fg.gen_batch_size
+    fg = trainer.settings.filter_groups
+    prompts = trainer.settings.train_batch_size if fg is None else fg.gen_batch_size
     return trainer, BatchIterator(trainer.train_rows, prompts, 0)
 
 
@@ -163,7 +163,7 @@ for algo, (data, fsdp, tensor), pack in [("grpo", (2, 2, 2), False), ("ppo", (4,
     trainer = trainer_of(config, "WORKDIR")
     compiled = trainer.compile_programs(8)
     names.clear()
-    trainer.train_step(BatchIterator(trainer.train_rows, trainer.s.train_batch_size, 0))
+    trainer.train_step(BatchIterator(trainer.train_rows, trainer.settings.train_batch_size, 0))
     trainer.validate(8)
     again = [n for n in names if any(p in n for p in ("generate", "forward", "learn"))]
     out[algo] = dict(compiled=compiled, again=again)
@@ -183,7 +183,7 @@ def test_meshes_compile_none_of_the_step_programs_again(tmp_path):
 def test_the_default_is_off_on_a_cpu_only(tmp_path):
     trainer, _ = _trainer(tmp_path, {"trainer.parallel_compile": None})
     try:
-        assert trainer.s.trainer.parallel_compile is None
+        assert trainer.settings.trainer.parallel_compile is None
         assert (trainer.compile_programs() != []) == (jax.default_backend() != "cpu")
     finally:
         trainer.close()

@@ -70,9 +70,9 @@ def test_the_rollout_program_compiles_with_the_samplers_options(tmp_path, monkey
     option XLA does not know, which stops the run at its first rollout)."""
     import jax
 
-    from jrl.rl import trainer
+    from jrl.rl import programs
 
-    monkeypatch.setattr(trainer, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
+    monkeypatch.setattr(programs, "compiler_options", lambda sampling: {"xla_no_such_option": 1})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         run(tiny_config(), str(tmp_path))
 

@@ -20,7 +20,7 @@ from tests.tiny import tiny_trainer
 def test_step_runs_under_transfer_guard(tmp_path, overrides):
     trainer = tiny_trainer(tmp_path, overrides)
     try:
-        iterator = BatchIterator(trainer.train_rows, trainer.s.train_batch_size, 0)
+        iterator = BatchIterator(trainer.train_rows, trainer.settings.train_batch_size, 0)
         trainer.train_step(iterator)  # compiles (constants may move to the devices here)
         with jax.transfer_guard("disallow"):
             # The guard is on: an implicit transfer in this block is an error.

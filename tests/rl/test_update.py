@@ -51,8 +51,8 @@ def _update(micro, batch, agg="token-mean"):
     actor = _actor_settings(micro, agg)
     params = init_params(_MODEL, jax.random.key(0))
     optimizer = make_optimizer(actor.optim)
-    loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=actor, temperature=1.0,
-                                chunk_size=2)
+    loss_fn = functools.partial(update.actor_loss, model_config=_MODEL, actor=actor,
+                                temperature=1.0, chunk_size=2)
     state = update.ModelState(params, optimizer.init(params))
     fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn, optimizer=optimizer,
                                    update=actor.update))
@@ -131,7 +131,7 @@ def test_packed_micro_batches_give_padded_parameters(agg, budget):
     optimizer = make_optimizer(actor.optim)
 
     def run_with(settings_):
-        loss_fn = functools.partial(update.actor_loss, model=_MODEL, actor=settings_,
+        loss_fn = functools.partial(update.actor_loss, model_config=_MODEL, actor=settings_,
                                     temperature=1.0, chunk_size=2)
         state = update.ModelState(params, optimizer.init(params))
         fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn,
@@ -174,7 +174,7 @@ def test_packed_critic_update_equals_padded():
         for budget in (None, 12):
             c = dataclasses.replace(base, update=dataclasses.replace(base.update,
                                                                      max_token_len=budget))
-            loss_fn = functools.partial(update.critic_loss, model=_MODEL, critic=c,
+            loss_fn = functools.partial(update.critic_loss, model_config=_MODEL, critic=c,
                                         gamma=0.9, lam=0.8)
             fn = jax.jit(functools.partial(update.run_updates, loss_fn=loss_fn,
                                            optimizer=optimizer, update=c.update))

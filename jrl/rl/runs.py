@@ -114,11 +114,11 @@ def parse_sweep(spec: str | None) -> dict[str, list[float]]:
 def plan(settings: Settings) -> list[Run]:
     """The runs of `settings`: `trainer.runs` seeds (`seed`, `seed + 1`, ...) for each
     setting of `trainer.sweep` (its keys' values crossed; settings outer, seeds inner)."""
-    t, a, loss = settings.trainer, settings.algorithm, settings.actor.loss
-    if t.runs < 1:
-        raise ConfigError(f"trainer.runs must be >= 1, got {t.runs}")
-    sweep = parse_sweep(t.sweep)
-    if "algorithm.kl_ctrl.kl_coef" in sweep and not a.use_kl_in_reward:
+    trainer, algorithm, loss = settings.trainer, settings.algorithm, settings.actor.loss
+    if trainer.runs < 1:
+        raise ConfigError(f"trainer.runs must be >= 1, got {trainer.runs}")
+    sweep = parse_sweep(trainer.sweep)
+    if "algorithm.kl_ctrl.kl_coef" in sweep and not algorithm.use_kl_in_reward:
         raise ConfigError("trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the "
                           "reward, which algorithm.use_kl_in_reward=False leaves out; set it "
                           "True or sweep another key")
@@ -129,14 +129,14 @@ def plan(settings: Settings) -> list[Run]:
                                   f"actor.{key}={getattr(loss, key)}, so its values would not "
                                   f"apply; unset actor.{key} or sweep another key")
     single = {"actor.optim.lr": settings.actor.optim.lr,
-              "algorithm.kl_ctrl.kl_coef": a.kl_coef,
+              "algorithm.kl_ctrl.kl_coef": algorithm.kl_coef,
               "actor.clip_ratio": loss.clip_ratio,
               "rollout.temperature": settings.rollout.temperature}
     if any(v <= 0 for v in sweep.get("rollout.temperature", [])):
         raise ConfigError("trainer.sweep: rollout.temperature values must be > 0")
     values = [sweep.get(key, [single[key]]) for key in SWEEPABLE]
     return [Run(settings.experiment.seed + i, lr, kl, clip, temp, tuple(sweep))
-            for lr, kl, clip, temp, i in itertools.product(*values, range(t.runs))]
+            for lr, kl, clip, temp, i in itertools.product(*values, range(trainer.runs))]
 
 
 def place_scores(scores, response_mask):
@@ -524,10 +524,10 @@ def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig,
                    steps_per_call: int, mesh: RunsMesh | None = None):
     """`jrl.sft.train_sft` for each seed at once: `params` stacked per run (split over
     `mesh`'s devices)."""
-    c, data, mesh = experiment_settings.sft, experiment_settings.data, mesh or RunsMesh()
-    optimizer = sft.sft_optimizer(c.lr, c.lr_warmup_steps)
+    sft_settings, data, mesh = experiment_settings.sft, experiment_settings.data, mesh or RunsMesh()
+    optimizer = sft.sft_optimizer(sft_settings.lr, sft_settings.lr_warmup_steps)
     examples = sft.encode_examples(tokenizer, rows, data.max_prompt_length,
-                                   c.max_response_length, data.apply_chat_template, None)
+                                   sft_settings.max_response_length, data.apply_chat_template, None)
     names = ("prompt_ids", "prompt_mask", "responses", "response_mask", "attention_mask")
     rngs = [np.random.default_rng(seed) for seed in seeds]
     state = jax.jit(jax.vmap(lambda p: update.ModelState(p, optimizer.init(p))),
@@ -535,9 +535,9 @@ def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig,
     program = jax.jit(functools.partial(sft_steps, model=model, optimizer=optimizer),
                       out_shardings=(mesh.stacked, mesh.scanned), donate_argnums=0)
     done = 0
-    while done < c.steps:
-        count = min(steps_per_call, c.steps - done)
-        picks = np.stack([[rng.choice(len(rows), size=c.batch_size, replace=False)
+    while done < sft_settings.steps:
+        count = min(steps_per_call, sft_settings.steps - done)
+        picks = np.stack([[rng.choice(len(rows), size=sft_settings.batch_size, replace=False)
                            for rng in rngs] for _ in range(count)])  # [K, R, B]
         state, losses = program(state, dict(zip(names, (x[picks] for x in examples),
                                                 strict=True)))
@@ -545,12 +545,12 @@ def train_sft_runs(params, rows, tokenizer, *, model: ModelConfig,
         done += count
         if not np.isfinite(losses).all():
             raise sft.NonFiniteLossError(
-                f"sft steps {done - count + 1}-{done} of {c.steps}: a loss is not finite "
-                f"(runs {sorted(set(np.nonzero(~np.isfinite(losses))[1].tolist()))}); the "
+                f"sft steps {done - count + 1}-{done} of {sft_settings.steps}: a loss is not "
+                f"finite (runs {sorted(set(np.nonzero(~np.isfinite(losses))[1].tolist()))}); the "
                 "warm start stopped. Lower sft.lr")
-        every = max(c.steps // 5, 1)
+        every = max(sft_settings.steps // 5, 1)
         if done // every > (done - count) // every:
-            print(f"sft step {done}/{c.steps}: loss {losses[-1].mean():.4f} (mean of runs)",
-                  flush=True)
+            print(f"sft step {done}/{sft_settings.steps}: loss {losses[-1].mean():.4f} "
+                  "(mean of runs)", flush=True)
         interrupt.check(0)
     return state.params

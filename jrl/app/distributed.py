@@ -9,17 +9,26 @@ pods and SLURM, JAX finds the coordinator, process count and index itself.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
-
-if TYPE_CHECKING:  # (jrl.config.settings imports this module's choices)
-    from jrl.config.settings import DistributedSettings
 
 # `distributed.initialize` (`jrl.config.settings.DistributedSettings` checks the key against
 # this list).
 INITIALIZE_CHOICES = ("auto", "yes", "no")
 _started = False
+
+
+class DistributedSettings(Protocol):
+    """What start-up reads of the `distributed` settings
+    (`jrl.config.settings.DistributedSettings`; this module imports nothing of
+    `jrl.config`, which imports its choices)."""
+
+    initialize: str
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: str | None
 
 
 def cluster_detected() -> bool:

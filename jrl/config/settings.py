@@ -14,6 +14,7 @@ count of `trainer.total_epochs`) is added by `Settings.with_data` once they are 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import ml_collections
@@ -1217,8 +1218,8 @@ def _reuse_update_passes(config, settings: Settings) -> Settings:
 def _check_multi_run(config, settings: Settings) -> None:
     """What runs in one device program (`jrl.rl.runs`: `trainer.runs`, `sweep` or
     `steps_per_call` over 1, or `reward.in_graph_fn`) do not do (yet); `mesh.runs` splits
-    only those. (The sweep is checked by `jrl.rl.runs.plan`, and `mesh.runs` against the
-    devices there are, when the run starts.)"""
+    only those; the sweep's values (`check_sweep`). (`mesh.runs` is checked against the
+    devices there are when the run starts.)"""
     devices, model = settings.devices, settings.experiment.model
     if not (settings.reward.in_graph_fn or settings.trainer.multi_run):
         if devices.runs != 1:
@@ -1248,6 +1249,53 @@ def _check_multi_run(config, settings: Settings) -> None:
             raise ConfigError(f"trainer.{key}={getattr(settings.trainer, key)!r}: runs in one "
                               "program (reward.in_graph_fn) do not write samples; unset it, "
                               "or use rewards on the host")
+    check_sweep(settings)
+
+
+# Hyperparameters a sweep (`trainer.sweep`) may give per run: the `Run` field of each.
+SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
+             "actor.clip_ratio": "clip_ratio", "rollout.temperature": "temperature"}
+
+
+def parse_sweep(spec: str | None) -> dict[str, list[float]]:
+    """`trainer.sweep`, e.g. "actor.optim.lr=1e-4,3e-4": {key: values}."""
+    out = {}
+    for part in filter(None, (spec or "").split(";")):
+        key, _, values = part.partition("=")
+        key = key.strip()
+        if key in out:
+            raise ConfigError(f"trainer.sweep: {key!r} is given twice; give its values once "
+                              "(key=v1,v2,...)")
+        if key not in SWEEPABLE:
+            raise ConfigError(f"trainer.sweep: {key!r} cannot vary per run; sweepable keys: "
+                              f"{', '.join(SWEEPABLE)} (as key=v1,v2,...; several joined "
+                              "by ';')")
+        try:
+            out[key] = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"trainer.sweep: {part!r} must be key=v1,v2,... with numbers") \
+                from None
+        if not out[key] or any(not math.isfinite(v) or v < 0 for v in out[key]):
+            raise ConfigError(f"trainer.sweep: {part!r} needs at least one finite value >= 0")
+    return out
+
+
+def check_sweep(settings: Settings) -> None:
+    """`trainer.sweep` against the settings it varies: each key's values must apply."""
+    sweep = parse_sweep(settings.trainer.sweep)
+    if "algorithm.kl_ctrl.kl_coef" in sweep and not settings.algorithm.use_kl_in_reward:
+        raise ConfigError("trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the "
+                          "reward, which algorithm.use_kl_in_reward=False leaves out; set it "
+                          "True or sweep another key")
+    loss = settings.actor.loss
+    if "actor.clip_ratio" in sweep:
+        for key in ("clip_ratio_low", "clip_ratio_high"):
+            if getattr(loss, key) is not None:
+                raise ConfigError(f"trainer.sweep: actor.clip_ratio is overridden by "
+                                  f"actor.{key}={getattr(loss, key)}, so its values would not "
+                                  f"apply; unset actor.{key} or sweep another key")
+    if any(v <= 0 for v in sweep.get("rollout.temperature", [])):
+        raise ConfigError("trainer.sweep: rollout.temperature values must be > 0")
 
 
 def _model(config) -> ModelSettings:

@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import functools
 import itertools
-import math
 import os
 import time
 
@@ -38,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jrl import metrics, sft
 from jrl.algos import kl_control
 from jrl.app import interrupt
-from jrl.config.settings import ExperimentSettings, Settings
+from jrl.config.settings import SWEEPABLE, ExperimentSettings, Settings, parse_sweep
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.errors import ConfigError
 from jrl.models.config import ModelConfig
@@ -49,10 +48,6 @@ from jrl.rl import evaluate, update
 from jrl.rl import step as step_lib
 from jrl.rl.checkpoint import Checkpointer
 from jrl.rl.trainer import learn_metrics
-
-# Hyperparameters a sweep (`trainer.sweep`) may give per run: the `Run` field of each.
-SWEEPABLE = {"actor.optim.lr": "lr", "algorithm.kl_ctrl.kl_coef": "kl_coef",
-             "actor.clip_ratio": "clip_ratio", "rollout.temperature": "temperature"}
 
 
 def vmapped_model(model_config: ModelConfig) -> ModelConfig:
@@ -88,52 +83,15 @@ class Run:
         return f"seed={self.seed} {self.setting}".strip()
 
 
-def parse_sweep(spec: str | None) -> dict[str, list[float]]:
-    """`trainer.sweep`, e.g. "actor.optim.lr=1e-4,3e-4": {key: values}."""
-    out = {}
-    for part in filter(None, (spec or "").split(";")):
-        key, _, values = part.partition("=")
-        key = key.strip()
-        if key in out:
-            raise ConfigError(f"trainer.sweep: {key!r} is given twice; give its values once "
-                              "(key=v1,v2,...)")
-        if key not in SWEEPABLE:
-            raise ConfigError(f"trainer.sweep: {key!r} cannot vary per run; sweepable keys: "
-                              f"{', '.join(SWEEPABLE)} (as key=v1,v2,...; several joined "
-                              "by ';')")
-        try:
-            out[key] = [float(v) for v in values.split(",") if v.strip()]
-        except ValueError:
-            raise ConfigError(f"trainer.sweep: {part!r} must be key=v1,v2,... with numbers") \
-                from None
-        if not out[key] or any(not math.isfinite(v) or v < 0 for v in out[key]):
-            raise ConfigError(f"trainer.sweep: {part!r} needs at least one finite value >= 0")
-    return out
-
-
 def plan(settings: Settings) -> list[Run]:
     """The runs of `settings`: `trainer.runs` seeds (`seed`, `seed + 1`, ...) for each
     setting of `trainer.sweep` (its keys' values crossed; settings outer, seeds inner)."""
-    trainer, algorithm, loss = settings.trainer, settings.algorithm, settings.actor.loss
-    if trainer.runs < 1:
-        raise ConfigError(f"trainer.runs must be >= 1, got {trainer.runs}")
-    sweep = parse_sweep(trainer.sweep)
-    if "algorithm.kl_ctrl.kl_coef" in sweep and not algorithm.use_kl_in_reward:
-        raise ConfigError("trainer.sweep: algorithm.kl_ctrl.kl_coef is the KL penalty in the "
-                          "reward, which algorithm.use_kl_in_reward=False leaves out; set it "
-                          "True or sweep another key")
-    if "actor.clip_ratio" in sweep:
-        for key in ("clip_ratio_low", "clip_ratio_high"):
-            if getattr(loss, key) is not None:
-                raise ConfigError(f"trainer.sweep: actor.clip_ratio is overridden by "
-                                  f"actor.{key}={getattr(loss, key)}, so its values would not "
-                                  f"apply; unset actor.{key} or sweep another key")
+    trainer = settings.trainer
+    sweep = parse_sweep(trainer.sweep)  # checked with the settings (`check_sweep`)
     single = {"actor.optim.lr": settings.actor.optim.lr,
-              "algorithm.kl_ctrl.kl_coef": algorithm.kl_coef,
-              "actor.clip_ratio": loss.clip_ratio,
+              "algorithm.kl_ctrl.kl_coef": settings.algorithm.kl_coef,
+              "actor.clip_ratio": settings.actor.loss.clip_ratio,
               "rollout.temperature": settings.rollout.temperature}
-    if any(v <= 0 for v in sweep.get("rollout.temperature", [])):
-        raise ConfigError("trainer.sweep: rollout.temperature values must be > 0")
     values = [sweep.get(key, [single[key]]) for key in SWEEPABLE]
     return [Run(settings.experiment.seed + i, lr, kl, clip, temp, tuple(sweep))
             for lr, kl, clip, temp, i in itertools.product(*values, range(trainer.runs))]

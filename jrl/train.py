@@ -133,7 +133,7 @@ def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_
 
 def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
     """What runs in one device program need beyond their settings' checks: devices for
-    `mesh.runs` that divide the runs (`jrl.rl.runs.plan` checks the sweep), and an
+    `mesh.runs` that divide the runs (`jrl.rl.runs.plan`), and an
     in-graph reward that takes this tokenizer."""
     from jrl.rl import runs as runs_lib
 

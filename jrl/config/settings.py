@@ -443,14 +443,6 @@ def _multi_turn(config) -> MultiTurnSettings | None:
         f"{key}.add_tool_rewards", get("add_tool_rewards")), schemas)
 
 
-def prompt_tools(config) -> list[dict] | None:
-    """The tool schemas every prompt renders (`MultiTurnSettings.tool_schemas`): those of
-    `rollout.multi_turn.tool_config_path` with multi-turn rollouts on, else None. The
-    tool config is checked as `from_config` checks it (a `ConfigError` naming the key)."""
-    mt = _multi_turn(config) if "rollout" in config else None
-    return list(mt.tool_schemas) if mt is not None and mt.tool_schemas else None
-
-
 # ----------------------------------------------------------------------------- the experiment
 # What builds the tokenizer, the rows and the model (`jrl.app.experiment`) and runs the
 # warm start (`jrl.sft`): all that `python -m jrl.sft` reads of a config, and the part of a

@@ -111,8 +111,9 @@ def _files_config(tmp_path, multi_turn, **overrides):
 
 def test_settings_keep_the_schemas(tmp_path):
     config = _files_config(tmp_path, multi_turn=True)
-    assert settings.prompt_tools(config) == [SCHEMA]
-    assert settings.prompt_tools(_files_config(tmp_path, multi_turn=False)) is None
+    assert settings.experiment_from_config(config).prompt_tools == [SCHEMA]
+    without = _files_config(tmp_path, multi_turn=False)
+    assert settings.experiment_from_config(without).prompt_tools is None
 
 
 def test_build_data_measures_prompts_with_the_schemas(tmp_path, tok):

@@ -373,8 +373,9 @@ def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
     """In bf16, the sampler with the kernel reading the fused projection's output (and
     adding the bias) gives the same tokens and log-probs, to the bit, as with q, k and
     v split off it after XLA's bias add (the layout before `append_and_attend_qkv`)."""
+    # One layer and 6 new tokens: each interpreted kernel step takes tens of ms off a GPU.
     config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          initializer_range=0.3, dtype="bfloat16", decode_attention_impl="mosaic",
                          **extra)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
@@ -382,7 +383,7 @@ def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
         params = _random_biases(params, jax.random.key(1))
     mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
-    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    sampling = SamplingConfig(max_new_tokens=6, n=2, stop_token_ids=(), pad_token_id=0)
     calls = []
 
     def three_operands(qkv, bias, *args, num_heads, **kwargs):
@@ -648,15 +649,16 @@ def test_bf16_sampler_through_the_mosaic_kernel_matches_the_xla_path(monkeypatch
     caches only, and bf16 sums in another order differ by a rounding: the weights are
     drawn small enough that such a rounding flips no sample at this key; at 0.3 it
     flips some.)"""
+    # One layer and 6 new tokens: each interpreted kernel step takes tens of ms off a GPU.
     config = ModelConfig(family=family, vocab_size=48, hidden_size=64, intermediate_size=64,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          initializer_range=0.05, dtype="bfloat16", **extra)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     if config.qkv_bias:
         params = _random_biases(params, jax.random.key(1))
     mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
-    sampling = SamplingConfig(max_new_tokens=12, n=2, stop_token_ids=(), pad_token_id=0)
+    sampling = SamplingConfig(max_new_tokens=6, n=2, stop_token_ids=(), pad_token_id=0)
 
     def generate(impl):
         return sampler.generate(params, ids, mask, jax.random.key(3), sampling,

@@ -37,6 +37,7 @@ from jrl.errors import ConfigError
 from jrl.metrics import read_jsonl
 from jrl.models import hf
 from jrl.rl import runs as runs_lib
+from tests.eight_devices import cpu_env
 from tests.tiny import apply_overrides
 
 ACC = "val-core/synthetic/arithmetic/acc/mean@1"
@@ -403,8 +404,7 @@ print(json.dumps(out))
 def test_runs_split_over_devices_are_the_runs_on_one(tmp_path):
     """`mesh.runs=2` on two CPU devices (a fresh process: the device count is fixed at
     start-up) gives every run's steps as one device does."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = cpu_env(2, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _SPLIT_RUNS, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.eight_devices import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTOL, ATOL = 2e-3, 1e-5
 # Wall-clock metrics differ between runs by nature.
@@ -26,11 +28,8 @@ _SKIP = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/mfu",
 
 
 def _env(devices_per_process: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return cpu_env(devices_per_process,
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 MESHES = ("8,1,1", "1,8,1", "2,2,2")
@@ -45,18 +44,20 @@ def _run(tmp_path, algo: str, meshes: str, steps: int = 3, *flags) -> dict[str, 
 
 
 # GRPO with decode compaction on one device and the three meshes: the mesh test compares
-# them, and the two-process test compares its processes with (data=8) in one.
+# them, and the two-process test compares its processes with (data=8) in one. The other
+# jobs run on one device and (data=2, fsdp=2, tensor=2), which splits every axis at once
+# (a mesh costs a compilation of every program of the step).
 ALL_MESHES, GRPO_FLAGS = " ".join(("1,1,1",) + MESHES), ("--compact",)
 # The runs the tests compare, by name: the runner's arguments of each.
 JOBS = {
     "grpo": ["--algo", "grpo", "--meshes", ALL_MESHES, "--steps", "3", *GRPO_FLAGS],
-    "ppo": ["--algo", "ppo", "--meshes", ALL_MESHES, "--steps", "3"],
+    "ppo": ["--algo", "ppo", "--meshes", "1,1,1 2,2,2", "--steps", "3"],
     # PPO with the separate value pass: padded on one device and (data=2, fsdp=2,
-    # tensor=2), and with token-budget micro-batches on both.
-    "value_pass": ["--algo", "ppo", "--meshes", "1,1,1 2,2,2 1,1,1+packed 2,2,2+packed",
+    # tensor=2), and on that mesh with token-budget micro-batches in every pass.
+    "value_pass": ["--algo", "ppo", "--meshes", "1,1,1 2,2,2 2,2,2+packed",
                    "--steps", "2", "--value_pass"],
     # Last: the multi-turn config reads every turn as a tool call in its process.
-    "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 8,1,1 2,2,2", "--steps", "2"],
+    "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 2,2,2", "--steps", "2"],
 }
 
 
@@ -85,14 +86,17 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_meshes_match_one_device(mesh_runs, algo):
-    """3 steps on (data=8), (fsdp=8), (data=2, fsdp=2, tensor=2) vs one device; GRPO with
-    decode compaction, which gathers each batch shard's rows on its own devices."""
+    """3 steps vs one device: GRPO with decode compaction (which gathers each batch
+    shard's rows on its own devices) on (data=8), (fsdp=8) and (data=2, fsdp=2,
+    tensor=2); PPO, actor and critic, on (data=2, fsdp=2, tensor=2)."""
     runs = mesh_runs[algo]
     expected = runs["1,1,1"]
     # The runs must have learned something for the comparison to mean anything.
     assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in expected)
     assert len({r["critic/score/mean"] for r in expected}) > 1
-    for mesh in MESHES:
+    meshes = MESHES if algo == "grpo" else ("2,2,2",)
+    assert set(runs) == {"1,1,1", *meshes}
+    for mesh in meshes:
         assert_same_metrics(expected, runs[mesh])
 
 
@@ -107,13 +111,13 @@ def test_ppo_value_pass_meshes_match_one_device(mesh_runs):
 
 def test_packed_passes_match_padded_on_meshes(mesh_runs):
     """PPO with token-budget micro-batches in every pass (value and log-prob passes, the
-    critic's and the actor's updates in two mini-batches each) on one device and on
-    (data=2, fsdp=2, tensor=2), against the padded passes on one device: the same
-    metrics, whatever the mesh and the micro-batching."""
+    critic's and the actor's updates in two mini-batches each) on (data=2, fsdp=2,
+    tensor=2), against the padded passes on one device: the same metrics, whatever the
+    mesh and the micro-batching. (Packed against padded on one device:
+    tests/rl/test_update.py and tests/rl/test_packing.py.)"""
     runs = mesh_runs["value_pass"]
     assert len({r["critic/score/mean"] for r in runs["1,1,1"]}) > 1
-    for mesh in ("1,1,1+packed", "2,2,2+packed"):
-        assert_same_metrics(runs["1,1,1"], runs[mesh])
+    assert_same_metrics(runs["1,1,1"], runs["2,2,2+packed"])
 
 
 def _free_port() -> int:
@@ -145,13 +149,12 @@ def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list
 
 def test_multi_turn_meshes_match_one_device(mesh_runs):
     """Multi-turn rollouts with a calculator (every turn ending at a newline or a digit
-    calls it) on (data=8) and (data=2, fsdp=2, tensor=2) vs one device."""
+    calls it) on (data=2, fsdp=2, tensor=2) vs one device."""
     runs = mesh_runs["multi_turn"]
     expected = runs["1,1,1"]
     assert all(r["multi_turn/tool_calls/total"] > 0 for r in expected)
     assert max(r["multi_turn/segments"] for r in expected) >= 2
-    for mesh in ("8,1,1", "2,2,2"):
-        assert_same_metrics(expected, runs[mesh])
+    assert_same_metrics(expected, runs["2,2,2"])
 
 
 def test_two_processes_match_one_process(tmp_path, mesh_runs):

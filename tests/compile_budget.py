@@ -1,0 +1,126 @@
+"""Counts the XLA programs the test suite builds, and holds the full suite to a budget.
+
+Compiling is most of the suite's time, so the number of distinct programs is what a
+new test costs. Every program JAX hands to XLA is counted by its compilation-cache
+key, whether it was compiled or read back from the persistent cache, so the count is
+the same on a cold and a warm cache. Each pytest-xdist worker writes what it built;
+the controller adds them up, prints the figures and, for a full run (the testpaths,
+no `-k`, `-m`, `--deselect` or `--lf`), fails the session when the distinct programs
+pass `PROGRAM_BUDGET`. Programs built by subprocesses the tests start (`python -m
+jrl.train`, the notebook) are not counted.
+
+A capability that adds tests adds programs: make them share the session fixtures in
+`tests/tiny.py` first; raise the budget only where a new program is what is tested.
+"""
+
+import json
+import os
+import tempfile
+
+import pytest
+from jax import monitoring
+from jax._src import compiler as _compiler
+
+# Distinct programs of the full suite on the CPU, with room for the odd program that
+# differs by scheduling. Raise it in the change that adds programs, saying why.
+PROGRAM_BUDGET = 2600
+
+_DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
+
+_requests = 0
+_compile_seconds = 0.0
+_keys: set[str] = set()
+
+
+def _on_event(event: str, **_):
+    global _requests
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        _requests += 1
+
+
+def _on_duration(event: str, seconds: float, **_):
+    global _compile_seconds
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_seconds += seconds
+
+
+def _recording(log):
+    def record(module_name, cache_key):
+        _keys.add(cache_key)
+        return log(module_name, cache_key)
+    return record
+
+
+monitoring.register_event_listener(_on_event)
+monitoring.register_event_duration_secs_listener(_on_duration)
+# JAX logs each program's cache key on a cache hit or miss; these two functions (looked
+# up by name when called) are where the key is in hand.
+for _name in ("log_persistent_cache_hit", "log_persistent_cache_miss"):
+    setattr(_compiler, _name, _recording(getattr(_compiler, _name)))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        # The controller makes the directory; xdist's workers inherit its environment.
+        os.environ[_DIR_VARIABLE] = tempfile.mkdtemp(prefix="jrl-programs-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput"):
+        _write(config.workerinput["workerid"])
+        return
+    if not getattr(config.option, "numprocesses", None):
+        _write("main")
+    totals = _collect()
+    config._jrl_program_totals = totals
+    if (exitstatus == pytest.ExitCode.OK and _is_full_run(config)
+            and len(totals["keys"]) > PROGRAM_BUDGET):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        config._jrl_over_budget = True
+
+
+def _write(worker: str):
+    with open(os.path.join(os.environ[_DIR_VARIABLE], f"{worker}.json"), "w") as f:
+        json.dump({"requests": _requests, "compile_seconds": _compile_seconds,
+                   "keys": sorted(_keys)}, f)
+
+
+def _collect():
+    directory = os.environ[_DIR_VARIABLE]
+    keys, requests, seconds = set(), 0, 0.0
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        with open(path) as f:
+            part = json.load(f)
+        keys.update(part["keys"])
+        requests += part["requests"]
+        seconds += part["compile_seconds"]
+        os.remove(path)
+    os.rmdir(directory)
+    return {"keys": keys, "requests": requests, "compile_seconds": seconds}
+
+
+def _is_full_run(config) -> bool:
+    option = config.option
+    if (getattr(option, "keyword", "") or getattr(option, "markexpr", "")
+            or getattr(option, "lf", False) or getattr(option, "deselect", None)):
+        return False
+    testpaths = {os.path.join(str(config.rootpath), p) for p in config.getini("testpaths")}
+    return not config.args or {os.path.abspath(a) for a in config.args} == testpaths
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    totals = getattr(config, "_jrl_program_totals", None)
+    if not totals:
+        return
+    terminalreporter.write_line(
+        f"XLA programs: {len(totals['keys'])} distinct (full-suite budget "
+        f"{PROGRAM_BUDGET}), {totals['requests']} built in all workers, "
+        f"{totals['compile_seconds']:.0f} s compiling or loading them")
+    if getattr(config, "_jrl_over_budget", False):
+        terminalreporter.write_line(
+            f"FAILED: the suite built {len(totals['keys'])} distinct XLA programs, over "
+            f"the budget of {PROGRAM_BUDGET} (tests/compile_budget.py). Share the "
+            "session fixtures in tests/tiny.py, or raise the budget where the new "
+            "programs are what is tested.", red=True)

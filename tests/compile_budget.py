@@ -17,13 +17,14 @@ import json
 import os
 import tempfile
 
+import jax
 import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU, with room for the odd program that
-# differs by scheduling. Raise it in the change that adds programs, saying why.
-PROGRAM_BUDGET = 2600
+# Distinct programs of the full suite on the CPU: 4,492 when it was set, and room for a
+# few more. Raise it in the change that adds programs, saying why.
+PROGRAM_BUDGET = 4600
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 
@@ -55,8 +56,12 @@ monitoring.register_event_listener(_on_event)
 monitoring.register_event_duration_secs_listener(_on_duration)
 # JAX logs each program's cache key on a cache hit or miss; these two functions (looked
 # up by name when called) are where the key is in hand.
-for _name in ("log_persistent_cache_hit", "log_persistent_cache_miss"):
-    setattr(_compiler, _name, _recording(getattr(_compiler, _name)))
+_HOOKS = ("log_persistent_cache_hit", "log_persistent_cache_miss")
+# Another JAX may have moved them: then nothing is counted, and a full run says so.
+COUNTING = all(hasattr(_compiler, name) for name in _HOOKS)
+if COUNTING:
+    for _name in _HOOKS:
+        setattr(_compiler, _name, _recording(getattr(_compiler, _name)))
 
 
 def pytest_configure(config):
@@ -75,7 +80,7 @@ def pytest_sessionfinish(session, exitstatus):
     totals = _collect()
     config._jrl_program_totals = totals
     if (exitstatus == pytest.ExitCode.OK and _is_full_run(config)
-            and len(totals["keys"]) > PROGRAM_BUDGET):
+            and (not COUNTING or len(totals["keys"]) > PROGRAM_BUDGET)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         config._jrl_over_budget = True
 
@@ -113,6 +118,13 @@ def _is_full_run(config) -> bool:
 def pytest_terminal_summary(terminalreporter, config):
     totals = getattr(config, "_jrl_program_totals", None)
     if not totals:
+        return
+    if not COUNTING:
+        failed = "FAILED: " if getattr(config, "_jrl_over_budget", False) else ""
+        terminalreporter.write_line(
+            f"{failed}XLA programs not counted: jax {jax.__version__} has no "
+            f"jax._src.compiler.{' or '.join(_HOOKS)} (tests/compile_budget.py)",
+            red=bool(failed))
         return
     terminalreporter.write_line(
         f"XLA programs: {len(totals['keys'])} distinct (full-suite budget "

@@ -4,10 +4,10 @@ Compiling is most of the suite's time, so the number of distinct programs is wha
 new test costs. Every program JAX hands to XLA is counted by its compilation-cache
 key, whether it was compiled or read back from the persistent cache, so the count is
 the same on a cold and a warm cache. Each pytest-xdist worker writes what it built;
-the controller adds them up, prints the figures and, for a full run (the testpaths,
-no `-k`, `-m`, `--deselect` or `--lf`), fails the session when the distinct programs
-pass `PROGRAM_BUDGET`. Programs built by subprocesses the tests start (`python -m
-jrl.train`, the notebook) are not counted.
+the controller adds them up, prints the figures and, for a full run (no paths given
+but the testpaths; no `-k`, `-m`, `--deselect` or `--lf`), fails the session when
+the distinct programs pass `PROGRAM_BUDGET`. Programs built by subprocesses the tests
+start (`python -m jrl.train`, the notebook) are not counted.
 
 A capability that adds tests adds programs: make them share the session fixtures in
 `tests/tiny.py` first; raise the budget only where a new program is what is tested.
@@ -22,9 +22,10 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 4,492 when it was set, and room for a
-# few more. Raise it in the change that adds programs, saying why.
-PROGRAM_BUDGET = 4600
+# Distinct programs of the full suite on the CPU: 4,487 when it was set, and room for a
+# few more. Raise it in the change that adds programs, saying why. (The variable is for
+# the budget's own test.)
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4600))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 
@@ -111,8 +112,10 @@ def _is_full_run(config) -> bool:
     if (getattr(option, "keyword", "") or getattr(option, "markexpr", "")
             or getattr(option, "lf", False) or getattr(option, "deselect", None)):
         return False
+    if config.args_source != pytest.Config.ArgsSource.ARGS:  # the testpaths, or the directory
+        return True
     testpaths = {os.path.join(str(config.rootpath), p) for p in config.getini("testpaths")}
-    return not config.args or {os.path.abspath(a) for a in config.args} == testpaths
+    return {os.path.abspath(a) for a in config.args} == testpaths
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -163,7 +163,10 @@ def test_remat_and_unrolling_give_the_same_gradients(tiny, remat, unroll):
     expected = _grad(params, tokens, mask, config)
     actual = _grad(params, tokens, mask,
                    dataclasses.replace(config, remat=remat, scan_unroll=unroll))
-    chex.assert_trees_all_close(actual, expected, atol=1e-6, rtol=1e-5)
+    # On a GPU the unrolled layers fuse differently and sum in another order: float32
+    # roundings of up to ~1.3e-6 on gradients of ~0.02.
+    atol = 1e-6 if jax.default_backend() == "cpu" else 3e-6
+    chex.assert_trees_all_close(actual, expected, atol=atol, rtol=1e-5)
     chex.assert_tree_all_finite(actual)
 
 

@@ -10,12 +10,14 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # Most of the suite's time is XLA compiling small programs. The tests check what the
-    # programs compute, which LLVM's optimisation of the CPU code does not change beyond
-    # float rounding: at level 0 they compile about a third faster, and the tiny models
-    # here run no slower for it. Subprocesses the tests start inherit the flag
-    # (`tests.eight_devices.cpu_env`).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+    # programs compute, which the CPU code's optimisation does not change beyond float
+    # rounding: with LLVM at level 0 and fusions emitted straight to LLVM IR (not through
+    # XLA's MLIR fusion emitters) a trainer's programs compile in about half the time, and
+    # the tiny models here run no slower for it. Subprocesses the tests start inherit the
+    # flags (`tests.eight_devices.cpu_env`).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
 else:
     # On a GPU the tests compile hundreds of small programs: XLA's autotuning of each
     # matmul and fusion (several seconds a program, no effect on results at the tests'
@@ -26,6 +28,7 @@ else:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # The tests compare float32 results with float64 and PyTorch references at float32
 # tolerances. Off the CPU (JAX_PLATFORMS=cuda, tpu), float32 matmuls default to TF32 or
@@ -56,3 +59,24 @@ def pytest_collection_modifyitems(config, items):
 
     first = {item.path for item in items if builds_a_module_fixture(item)}
     items.sort(key=lambda item: item.path not in first)  # stable: modules stay whole
+
+
+@pytest.fixture
+def xla_default_emitters(monkeypatch):
+    """The test's programs compiled with XLA's default CPU fusion emitters, not the
+    suite's faster-compiling ones (`XLA_FLAGS` above): for tests that two differently
+    built programs give the same bits, which XLA's emitters give and the suite's
+    may round apart by an ulp."""
+    from jax._src import compiler
+
+    get_options = compiler.get_compile_options
+
+    def with_default_emitters(*args, env_options_overrides=None, **kwargs):
+        overrides = {"xla_cpu_use_fusion_emitters": True, **(env_options_overrides or {})}
+        return get_options(*args, env_options_overrides=overrides, **kwargs)
+
+    if jax.default_backend() == "cpu":
+        monkeypatch.setattr(compiler, "get_compile_options", with_default_emitters)
+        jax.clear_caches()  # programs built earlier in this process had the suite's flags
+    yield
+    jax.clear_caches()

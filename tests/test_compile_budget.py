@@ -41,6 +41,9 @@ def test_a_full_run_over_the_budget_fails_and_says_so(inner):
     line = next(s for s in within.outlines if s.startswith("XLA programs: "))
     distinct = int(line.split()[2])
     assert 3 <= distinct < 1000, line
+    # The module that built them is named, with the programs it built first.
+    modules = next(s for s in within.outlines if "most compile time" in s)
+    assert f"test_shapes.py {distinct} " in modules, modules
 
     over = inner(distinct - 1)
     assert over.ret == pytest.ExitCode.TESTS_FAILED

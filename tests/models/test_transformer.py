@@ -265,9 +265,9 @@ def test_a_forward_with_a_cache_traces_one_layer_for_all(num_tokens):
     assert len({id(e.params["jaxpr"]) for e in calls}) == 1  # one trace
 
 
-def test_unrolled_config_initialises_the_same_parameters(tiny):
+def test_unrolled_config_initialises_the_same_parameters(tiny, xla_default_emitters):
     """`init_params` builds with the scan rolled (the unrolled init only compiles
-    slower); the parameters are those of the model's own unrolled init."""
+    slower); the parameters are those of the model's own unrolled init, bit for bit."""
     config = dataclasses.replace(tiny[0], scan_unroll=True)
     key = jax.random.key(7)
     ones = jnp.ones((1, 1), jnp.int32)

@@ -89,7 +89,7 @@ def test_the_segments_caches_alone_change_no_bit(small_params, monkeypatch):
     assert report.stages == [(12, 127), (12, 191), (12, 255)], report.stages
 
 
-def test_segments_with_the_decode_kernel_give_its_bits(monkeypatch):
+def test_segments_with_the_decode_kernel_give_its_bits(monkeypatch, xla_default_emitters):
     """The Mosaic GPU decode-attention kernel (fused, in GPU interpret mode off a GPU) on
     the cache's rows, in bf16: the single program's bits too. Its blocks are 64 or 128
     slots by the cache's length, so the segments' caches differ by whole 128-slot blocks

@@ -111,6 +111,10 @@ def train_sft(params, rows: list[Row], tokenizer, *, model: ModelConfig, steps: 
     With a `sharder`, batches are split over its batch axes and the optimizer state
     follows the parameters' shardings.
     """
+    if batch_size > len(rows):
+        raise ConfigError(f"sft.batch_size={batch_size}: more than the {len(rows)} training "
+                          "rows (the warm start draws a batch without replacement); set "
+                          f"--config.sft.batch_size to at most {len(rows)}")
     optimizer = sft_optimizer(lr, lr_warmup_steps)
     if sharder is None:
         state = update.ModelState(params, optimizer.init(params))
@@ -211,14 +215,12 @@ def warm_start(experiment_settings: ExperimentSettings, workdir, model, params, 
 def main(argv):
     """`python -m jrl.sft --config=configs/x.py --workdir=...`: the warm start alone."""
     del argv
-    from absl import app, logging
+    from absl import logging
 
     from jrl import cli
 
     logging.set_verbosity(logging.WARNING)
-    config = cli.CONFIG.value
-    if config is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    config = cli.required_config()
     experiment_settings = settings.experiment_from_config(config)
     experiment_settings.sft.check_steps()
     workdir = cli.WORKDIR.value or "runs/sft"
@@ -240,6 +242,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from absl import flags
+
     from jrl import cli
 
+    flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir and --debug
     cli.run(main)

@@ -19,16 +19,18 @@ if __name__ == "__main__":  # before the slow imports: a Ctrl-C during them stop
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from jrl import cli, metrics, sft, sharding
+from jrl.algos import advantages
 from jrl.app import compilation_cache, distributed, experiment, rundir
+from jrl.config import batches
 from jrl.config import settings as settings_lib
 from jrl.data.dataset import ground_truth  # noqa: E402
-from jrl.errors import ConfigError, RewardError  # noqa: E402
+from jrl.errors import ConfigError, JrlError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
 from jrl.rewards import in_graph, scoring  # noqa: E402
-from jrl.rl.trainer import RLTrainer, check_batch_sizes  # noqa: E402
+from jrl.rl.trainer import RLTrainer  # noqa: E402
 
 # Training rows whose demonstrations a custom reward function is tried on before the
 # warm start (`_try_reward_fn`).
@@ -93,10 +95,14 @@ class _Prepared:
 def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
     """Builds and checks the inputs without writing anything; raises on the first problem:
     every key of the config first (`settings_lib.from_config`), then the tokenizer, the
-    rows, the files and the reward function."""
+    rows, the batch sizes against the rows and the mesh (all of them in one error,
+    `jrl.config.batches`), the files and the reward function."""
+    _check_batch_sizes_first(config, sharder, reward_fn)
     settings = settings_lib.from_config(config)
     tokenizer = experiment.build_tokenizer(settings.experiment)
     train_rows, val_rows = experiment.build_data(settings.experiment, tokenizer, reward_fn)
+    sharder = sharder or experiment.build_sharder(settings)
+    batches.check(batches.from_settings(settings), len(train_rows), sharder)
     settings = settings.with_data(stop_token_ids=tokenizer.eos_token_ids,
                                   pad_token_id=tokenizer.pad_token_id,
                                   num_train_rows=len(train_rows))
@@ -105,12 +111,31 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
         _check_runs(settings, tokenizer)
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
-    sharder = sharder or experiment.build_sharder(settings)
     rollout_sharder = experiment.build_rollout_sharder(settings)
-    check_batch_sizes(settings, sharder)
     interrupt.check(_checkpoint_step(workdir))
     return _Prepared(tokenizer, train_rows, val_rows, settings, sharder, rollout_sharder,
                      config.to_dict(), rundir.warm_start_settings(config))
+
+
+def _check_batch_sizes_first(config, sharder, reward_fn) -> None:
+    """Where a batch size of the config is what would stop `settings_lib.from_config`
+    (it stops at the first), every size that does not fit, with the training rows and
+    the mesh, in one error (`jrl.config.batches`); the rows are read for it."""
+    try:
+        needs_critic = advantages.get_estimator(config.algorithm.adv_estimator).needs_values
+        sizes = batches.from_config(config, needs_critic)
+        if sizes is not None and sharder is None:
+            devices = settings_lib.devices_from_config(config)
+            sharder = sharding.training_sharder(devices.mesh, devices.rules,
+                                                config.rollout.devices)
+    except (JrlError, AttributeError, KeyError, TypeError, ValueError):
+        return  # the settings name what is wrong
+    if sizes is None or not batches.problems(sizes, None, sharder):
+        return
+    experiment_settings = settings_lib.experiment_from_config(config)
+    tokenizer = experiment.build_tokenizer(experiment_settings)
+    train_rows, _ = experiment.build_data(experiment_settings, tokenizer, reward_fn)
+    batches.check(sizes, len(train_rows), sharder)
 
 
 def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_fn) -> None:
@@ -395,9 +420,7 @@ def _print_runs(summary: dict) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    config = cli.CONFIG.value
-    if config is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    config = cli.required_config()
     workdir = cli.WORKDIR.value or os.path.join("runs", cli.config_name())
     # Before anything compiles.
     compilation_cache.configure(config.trainer.get("compilation_cache_dir"))
@@ -407,4 +430,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    flags.adopt_module_key_flags(cli)  # --help lists --config, --workdir and --debug
     cli.run(main)

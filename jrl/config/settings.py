@@ -340,6 +340,7 @@ class TrainerSettings:
     # Where each step's / validation's samples are written (`<dir>/<step>.jsonl`); None: not.
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
+    log_val_generations: int = 0  # validation samples printed on the console
     # Runs in one program (`jrl.rl.runs`): seeds per setting, the sweep, steps per call.
     runs: int = 1
     sweep: str | None = None
@@ -388,7 +389,8 @@ class TrainerSettings:
                   f"{keep}")
         _set(self, **{name: _number(f"trainer.{name}", getattr(self, name), allow_zero=True,
                                     integer=True)
-                      for name in ("test_freq", "save_freq", "critic_warmup")},
+                      for name in ("test_freq", "save_freq", "critic_warmup",
+                                   "log_val_generations")},
              val_before_train=bool(self.val_before_train))
 
 
@@ -1098,6 +1100,7 @@ def _trainer(config) -> TrainerSettings:
                            max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
                            rollout_data_dir=t.rollout_data_dir,
                            validation_data_dir=t.validation_data_dir,
+                           log_val_generations=t.get("log_val_generations", 0),
                            parallel_compile=_flag("trainer.parallel_compile",
                                                   t.get("parallel_compile"), automatic=True),
                            total_training_steps=_get(config, "trainer.total_training_steps"),
@@ -1323,6 +1326,11 @@ def _sft(config) -> SftSettings:
                        lr=_get(config, "sft.lr"),
                        lr_warmup_steps=_get(config, "sft.lr_warmup_steps"),
                        max_response_length=_get(config, "rollout.response_length"))
+
+
+def devices_from_config(config: ml_collections.ConfigDict) -> DeviceSettings:
+    """`mesh.*`: the meshes' sizes and rules, checked."""
+    return _devices(config)
 
 
 def _devices(config) -> DeviceSettings:

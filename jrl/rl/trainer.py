@@ -35,6 +35,7 @@ from jrl import metrics
 from jrl import sharding as sharding_lib
 from jrl.algos import advantages as adv_lib
 from jrl.app import interrupt
+from jrl.config import batches
 from jrl.config.settings import Settings
 from jrl.data.dataset import BatchIterator, IteratorState
 from jrl.models import lora
@@ -66,26 +67,6 @@ class Timer:
     def done(self) -> dict[str, float]:
         self.seconds["step"] = time.perf_counter() - self._start
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
-
-
-def check_batch_sizes(settings: Settings, sharder: sharding_lib.Sharder) -> None:
-    """Every batch the steps split over the mesh must divide evenly (checked before the
-    run claims its workdir, and again by the trainer, before compiling)."""
-    check = sharder.check_batch
-    check(settings.train_batch_size, "data.train_batch_size (prompts)")
-    if settings.filter_groups is not None:
-        check(settings.filter_groups.gen_batch_size, "data.gen_batch_size (prompts)")
-    if sharder.context > 1:  # the rollout splits its rows over `context` too
-        prompts = settings.train_batch_size if settings.filter_groups is None else \
-            settings.filter_groups.gen_batch_size
-        sharder.for_rollout().check_batch(
-            prompts * settings.rollout.n,
-            f"the rollout's rows ({prompts} prompts x rollout.n)")
-    if settings.log_prob_micro_batch is not None:
-        check(settings.log_prob_micro_batch, "rollout.log_prob_micro_batch_size")
-    for role, role_settings in (("actor", settings.actor), ("critic", settings.critic)):
-        if role_settings is not None:
-            check(role_settings.update.micro_batch, f"{role}.ppo_micro_batch_size")
 
 
 # Metrics of `step.learn` that are not the actor's update (kept during critic warm-up).
@@ -157,7 +138,9 @@ class RLTrainer:
         self.settings = settings
         self.sharder = sharder or sharding_lib.Sharder(sharding_lib.make_mesh())
         _check_apart(self.sharder, rollout_sharder)
-        check_batch_sizes(settings, self.sharder)
+        # Against the mesh before anything compiles (`jrl.train` has checked them against
+        # the rows too, before the warm start; `fit` needs a batch of rows).
+        batches.check(batches.from_settings(settings, warm_start=False), None, self.sharder)
         self.model_config, self.tokenizer = model_config, tokenizer
         self.train_rows, self.val_rows = train_rows, val_rows
         scorer = experience.response_scorer(settings, tokenizer, reward_fn, reward_model)
@@ -351,17 +334,19 @@ class RLTrainer:
         Multi-turn rollouts add their metrics as training logs them, under `val-aux/`
         (`val-aux/num_turns/mean`, `val-aux/multi_turn/tool_calls/mean`, ...; over the
         generated rows, the last batch's padding copies included). With
-        `trainer.validation_data_dir` the samples go to `<dir>/<step>.jsonl`.
+        `trainer.validation_data_dir` the samples go to `<dir>/<step>.jsonl`; with
+        `trainer.log_val_generations` the first ones are printed.
         """
         sampling, state, rollouts = self.settings.validation, self.state, self.rollouts
         samples_dir = self.settings.trainer.validation_data_dir
+        shown = self.settings.trainer.log_val_generations
         turns, samples = [], []
 
         def respond(rows, padded, start):
             generated = rollouts.generate(state, padded, sampling, self._validation_key(start))
             turns.append(dict(generated.metrics))
             scored = rollouts.score(rows, generated, sampling.n)()
-            if samples_dir is not None:
+            if samples_dir is not None or shown:
                 samples.append((rows, scored))
             return scored
 
@@ -371,6 +356,12 @@ class RLTrainer:
                 batch_multiple=self.programs.sampling_sharder.batch_size_multiple)
         result.update({f"val-aux/{k}": v for k, v in multi_turn.combine_metrics(turns).items()})
         rollouts.write_samples(samples_dir, self.step, samples, sampling.n)
+        if shown and samples and jax.process_index() == 0:
+            from tqdm import tqdm
+
+            columns = rollouts.sample_columns(self.step, samples, sampling.n)
+            for line in metrics.sample_lines(self.step, columns, shown):
+                tqdm.write(line)  # above a progress bar, if any
         return result
 
     def _validation_key(self, start: int):

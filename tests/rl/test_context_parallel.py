@@ -166,22 +166,21 @@ def test_rollout_rows_must_split_over_context_too():
     from jax.sharding import AbstractMesh
 
     from jrl import sharding
-    from jrl.config import settings
+    from jrl.config import batches, settings
     from jrl.errors import ConfigError
-    from jrl.rl.trainer import check_batch_sizes
     from tests.tiny import tiny_config
 
-    def settings_of(prompts):
-        return settings.from_config(tiny_config(**{"data.train_batch_size": prompts}),
-                                    stop_token_ids=(2,), pad_token_id=0, num_train_rows=64)
+    def sizes_of(prompts):
+        return batches.from_settings(settings.from_config(
+            tiny_config(**{"data.train_batch_size": prompts}), stop_token_ids=(2,),
+            pad_token_id=0, num_train_rows=64))
 
     sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1), sharding.MESH_AXES))
-    check_batch_sizes(settings_of(4), sharder)  # 4 prompts x 2 = 8 rows: data x context
-    bad = settings_of(2)
-    with pytest.raises(ConfigError, match=r"the rollout's rows \(2 prompts x rollout\.n\) = 4 "
-                       r"sequences cannot be split over the mesh's batch axes \(data x fsdp "
-                       r"x context = 8\); make it a multiple of 8"):
-        check_batch_sizes(bad, sharder)
+    batches.check(sizes_of(4), 64, sharder)  # 4 prompts x 2 = 8 rows: data x context
+    with pytest.raises(ConfigError, match=r"the rollout's 2 prompts x rollout\.n=2 = 4 rows: "
+                       r"not a multiple of 8, the devices they are split over \(data x fsdp "
+                       r"x context\)"):
+        batches.check(sizes_of(2), 64, sharder)
 
 
 def test_mesh_context_errors_stop_before_the_workdir(tmp_path):

@@ -52,16 +52,60 @@ def _config_file_arg(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _load_config(spec: str):
-    """The config of a `--config=path.py[:arg]` value, as config_flags loads it."""
-    path, _, arg = spec.partition(":")
+def _load_module(path: str):
     if not os.path.isfile(path):
         raise ConfigError(f"--config: {path!r} is not a file; give a Python config file such as "
                           "configs/grpo_arith.py")
     module_spec = importlib.util.spec_from_file_location("jrl_user_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    return module
+
+
+def _load_config(spec: str):
+    """The config of a `--config=path.py[:arg]` value, as config_flags loads it."""
+    path, _, arg = spec.partition(":")
+    module = _load_module(path)
     return module.get_config(arg) if arg else module.get_config()
+
+
+def variant_notes(spec: str, overrides: dict[str, str]) -> list[str]:
+    """Where a `--config.<key>=<value>` is what one of the config file's variants
+    (`ARG_DEFAULTS`, `path.py:name=value`) sets along with other keys that follow it,
+    a line that names the variant and those keys (which the override leaves as they were)."""
+    path, _, arg = spec.partition(":")
+    if arg:
+        return []
+    module = _load_module(path)
+    names = getattr(module, "ARG_DEFAULTS", None) or {}
+    base = rundir.flatten(module.get_config())
+    notes = []
+    for key, text in overrides.items():
+        for name in names:
+            try:
+                variant = rundir.flatten(module.get_config(f"{name}={text}"))
+            except Exception:  # noqa: BLE001 - a value this variant does not take
+                continue
+            if str(variant.get(key)) != text or variant.get(key) == base.get(key):
+                continue
+            follow = {k: v for k, v in variant.items()
+                      if k != key and k not in overrides and v != base.get(k)}
+            if follow:
+                notes.append(
+                    f"note: --config.{key}={text} leaves what follows it in {path} as it was; "
+                    f"{path}:{name}={text} sets it with "
+                    + ", ".join(f"{k}={v}" for k, v in follow.items()))
+            break
+    return notes
+
+
+def required_config():
+    """The `--config` file's config; without one, a `ConfigError` that says how to give it."""
+    if CONFIG.value is None:
+        raise ConfigError("--config is required: give an experiment config file, e.g. "
+                          "--config=configs/grpo_arith.py (the files in configs/, or your "
+                          "own with a get_config() function); --help lists the flags")
+    return CONFIG.value
 
 
 def check_override_keys(config, keys: Sequence[str]) -> None:
@@ -87,6 +131,10 @@ def parse_flags(argv: list[str]) -> list[str]:
                 if a.startswith("--config.")]
         if spec:  # a bad file, variant or key is reported here, not by absl
             check_override_keys(_load_config(spec), keys)
+            overrides = dict(a[len("--config."):].split("=", 1) for a in argv[1:]
+                             if a.startswith("--config.") and "=" in a)
+            for note in variant_notes(spec, overrides):
+                print(note, file=sys.stderr)
     except JrlError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

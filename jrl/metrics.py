@@ -154,7 +154,7 @@ class MetricsWriter:
             self._bar = _progress_bar(self._bar.total, step, compiling=False)
             self._compiling = False
         shown = {"score": "critic/score/mean", "ppo_kl": "actor/ppo_kl",
-                 "s/step": "timing_s/step"}
+                 **_MULTI_TURN_SHOWN, "s/step": "timing_s/step"}
         self._bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in shown.items()
                                if v in metrics}, refresh=new_bar)
         self._bar.update(step - self._bar.n)
@@ -178,17 +178,26 @@ def _progress_bar(total_steps: int, initial: int, compiling: bool):
                 mininterval=1.0)
 
 
+# A multi-turn run's console: (label, metric) of the progress bar, per step.
+_MULTI_TURN_SHOWN = {"calls/row": "multi_turn/tool_calls/mean", "turns/row": "num_turns/mean",
+                     "tool errors": "multi_turn/tool_errors"}
+
+
 def validation_line(step: int, metrics: dict[str, float], max_keys: int = 3) -> str | None:
     """One line with a step's headline validation numbers, or None without validation.
 
-    Shows the `val-core/.../mean@n` keys (one per data source), at most `max_keys`.
+    Shows the `val-core/.../mean@n` keys (one per data source), at most `max_keys`,
+    and for multi-turn rollouts the validation's tool calls and turns per row and its
+    tool errors.
     """
     keys = sorted(k for k in metrics if k.startswith("val-core/") and "/mean@" in k)
     if not keys:
         return None
     shown = ", ".join(f"{k} = {metrics[k]:.3f}" for k in keys[:max_keys])
     more = f" (+{len(keys) - max_keys} more)" if len(keys) > max_keys else ""
-    return f"step {step}: {shown}{more}"
+    turns = ", ".join(f"{label} {metrics['val-aux/' + key]:.3g}"
+                      for label, key in _MULTI_TURN_SHOWN.items() if "val-aux/" + key in metrics)
+    return f"step {step}: {shown}{more}" + (f"; {turns}" if turns else "")
 
 
 def _truncate_after(path: str, step: int) -> None:
@@ -233,6 +242,22 @@ def write_samples(directory: str, step: int, columns: dict[str, Sequence]) -> st
             sample = {name: values[i] for name, values in columns.items()}
             f.write(json.dumps(sample, ensure_ascii=False, default=str) + "\n")
     return path
+
+
+def sample_lines(step: int, columns: dict[str, Sequence], count: int) -> list[str]:
+    """The first `count` samples of `columns` (as `write_samples` takes them) as console
+    lines: a header with the score, then the prompt and the response, indented."""
+    total = len(columns.get("output", ()))
+    lines = []
+    for i in range(min(count, total)):
+        lines.append(f"step {step}: validation sample {i + 1} of {total}, score "
+                     f"{columns['score'][i]:.3g}, ground truth {columns['gts'][i]!r}")
+        for name in ("input", "output"):
+            label = "prompt:   " if name == "input" else "response: "
+            text = str(columns[name][i]).splitlines() or [""]
+            lines.append("  " + label + text[0])
+            lines += ["  " + " " * len(label) + line for line in text[1:]]
+    return lines
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -43,6 +43,33 @@ def test_validation_line_is_short():
     assert metrics.validation_line(7, _step(0.5)) is None
 
 
+def test_multi_turn_runs_show_their_tool_calls_turns_and_errors(writer, capsys):
+    """A multi-turn step's bar shows tool calls and turns per row and tool errors; its
+    validation line adds the validation's."""
+    turns = {"multi_turn/tool_calls/mean": 0.75, "num_turns/mean": 2.5,
+             "multi_turn/tool_errors": 3.0}
+    writer.write(1, {**_step(0.53), **turns})
+    assert writer._bar.postfix == ("score=0.53, ppo_kl=0.00123, calls/row=0.75, turns/row=2.5, "
+                                   "tool errors=3, s/step=0.41")
+    writer.write(2, {**_step(0.6), VAL: 0.5, **{f"val-aux/{k}": v for k, v in turns.items()}})
+    assert (f"step 2: {VAL} = 0.500; calls/row 0.75, turns/row 2.5, tool errors 3"
+            in capsys.readouterr().out.splitlines())
+
+
+def test_validation_samples_as_console_lines():
+    columns = {"input": ["User: 12*34\nAssistant: ", "User: 2*3\nAssistant: "],
+               "output": ["<tool_call>12*34</tool_call>\nTool: 408\nAssistant: 408", "6"],
+               "gts": ["408", "6"], "score": [1.0, 0.0]}
+    assert metrics.sample_lines(5, columns, 1) == [
+        "step 5: validation sample 1 of 2, score 1, ground truth '408'",
+        "  prompt:   User: 12*34",
+        "            Assistant: ",
+        "  response: <tool_call>12*34</tool_call>",
+        "            Tool: 408",
+        "            Assistant: 408"]
+    assert len(metrics.sample_lines(5, columns, 10)) == 6 + 4  # both samples, no more
+
+
 def test_nothing_is_printed_without_the_console_logger(tmp_path, capsys):
     w = metrics.MetricsWriter(str(tmp_path), ["jsonl"], total_steps=4)
     w.write(0, {VAL: 0.297})

@@ -292,7 +292,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.staleness = 1
     c.rollout.multi_turn = ml_collections.ConfigDict()
     # Multi-turn rollouts with tools: the model calls tools between its turns; the
-    # response budget (response_length) covers every turn and tool output.
+    # response budget (response_length) covers every turn and tool output. Logged per
+    # step (under val-aux/ for validation): num_turns/{mean,max,min} (model turns and
+    # tool answers per row), multi_turn/tool_calls/{mean,total} (every call written,
+    # malformed ones too), multi_turn/tool_calls/malformed (not parsed, not run),
+    # multi_turn/tool_errors (answered with an error, at most tool_calls/total); the
+    # console shows calls and turns per row and tool errors (docs/guide.md).
     c.rollout.multi_turn.enable = False
     # verl's tool config file (YAML or JSON): `tools: [{class_name, config, tool_schema}]`.
     c.rollout.multi_turn.tool_config_path = config_dict.placeholder(str)
@@ -516,6 +521,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Write each validation's samples to <dir>/<step>.jsonl as rollout_data_dir does
     # (step 0: the validation before training; verl's; None: off).
     c.trainer.validation_data_dir = config_dict.placeholder(str)
+    # Print the first this many samples of each validation on the console: prompt,
+    # response (a multi-turn one with its tool turns) and score (verl's; 0: none).
+    c.trainer.log_val_generations = 0
     # Start of a run in a workdir that already holds one: "auto" (same config: resume;
     # changed keys: stop and list them), "disable" (start over: the workdir's
     # checkpoints, warm start and metrics are removed) or "resume_path" (resume from

@@ -280,6 +280,11 @@ class Rollouts:
         `[(rows, Scored)]`, `n` responses per row; nothing without a directory."""
         if directory is None or jax.process_index() != 0 or not batches:
             return
+        metrics.write_samples(directory, step, self.sample_columns(step, batches, n))
+
+    def sample_columns(self, step: int, batches, n: int) -> dict[str, list]:
+        """The samples of scored batches `[(rows, Scored)]` by column, as
+        `metrics.write_samples` takes them."""
         columns: dict[str, list] = {}
         for rows, (scores, extras, _, texts) in batches:
             prompts = [prompt_text(self.tokenizer, row, self.chat, self.turns.prompt_schemas)
@@ -290,7 +295,7 @@ class Rollouts:
                           "step": step, **{k: np.asarray(v)[i].item() for k, v in extras.items()}}
                 for name, value in sample.items():
                     columns.setdefault(name, []).append(value)
-        metrics.write_samples(directory, step, columns)
+        return columns
 
 
 # -- where a step's batch comes from -------------------------------------------------------------

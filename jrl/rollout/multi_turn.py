@@ -526,7 +526,8 @@ class _Conversations:
         by_row = self._run_calls(pending_calls)
         blocks = {}
         for row, calls, errors in pending_calls:
-            self.calls_per_row[row] += len(calls)
+            # A call that does not parse counts as a call (answered with its error).
+            self.calls_per_row[row] += len(calls) + len(errors)
             self.parse_errors += len(errors)
             messages = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
             messages += tools_lib.tool_messages(by_row.get(row, []))
@@ -579,6 +580,7 @@ class _Conversations:
                 "multi_turn/assistant_turns/mean": float(self.assistant_turns.mean()),
                 "multi_turn/tool_calls/mean": float(self.calls_per_row.mean()),
                 "multi_turn/tool_calls/total": float(self.calls_per_row.sum()),
+                "multi_turn/tool_calls/malformed": float(self.parse_errors),
                 "multi_turn/tool_errors": calls["tools/errors"] + self.parse_errors,
                 "multi_turn/tool_blocks_cut": float(self.cut_blocks),
                 "multi_turn/segments": float(self.segments),

@@ -290,9 +290,12 @@ def test_rows_equal_the_template_applied_to_the_whole_conversation(monkeypatch, 
             position = first + count
         assert position == len(pieces)
         np.testing.assert_array_equal(out.response_mask[row, real], trained[ids.shape[1]:])
-        assert out.tool_calls[row] == sum(len(tools_lib.parse_tool_calls(t, "hermes")[0])
+        # Every call counts, the malformed one too (answered with its error).
+        assert out.tool_calls[row] == sum(sum(map(len, tools_lib.parse_tool_calls(t, "hermes")))
                                           for t in conv[:-1])
     assert out.metrics["multi_turn/tool_errors"] == 1  # the malformed call
+    assert out.metrics["multi_turn/tool_calls/malformed"] == 1
+    assert out.metrics["multi_turn/tool_calls/total"] == out.tool_calls.sum() >= 1
     assert len(blocks) == 2  # two rounds of tool answers, no re-prefill
 
 

@@ -376,12 +376,17 @@ def _metrics(workdir):
             for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
 
 
-def test_tiny_run_with_the_calculator(tmp_path, calls):
+def test_tiny_run_with_the_calculator(tmp_path, calls, capsys):
     """Two steps, validation after the second; the samples of each step and of the
-    validation are written as verl writes them."""
+    validation are written as verl writes them, and the validation's first two printed
+    (`trainer.log_val_generations`)."""
     rollouts, validations = tmp_path / "rollouts", tmp_path / "validations"
     run(_tool_config(**{"trainer.test_freq": 2, "trainer.rollout_data_dir": str(rollouts),
-                        "trainer.validation_data_dir": str(validations)}), str(tmp_path))
+                        "trainer.validation_data_dir": str(validations),
+                        "trainer.log_val_generations": 2}), str(tmp_path))
+    printed = capsys.readouterr().out
+    assert printed.count("step 2: validation sample ") == 2, printed
+    assert "step 2: validation sample 2 of 8, score " in printed
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
     outputs = _check_samples(rollouts, [1, 2], rows=4 * 2)  # train_batch_size x rollout.n

@@ -382,8 +382,9 @@ def _clamped_std(x: Array, mask: Array, lower: float, upper: float) -> Array:
 
 def _is_metrics(log_ratio: Array, mask: Array, cfg: RolloutCorrectionConfig) -> dict:
     """verl's `rollout_is_*`: statistics of the weights as applied (before the batch
-    normalisation); the fractions above and below the bounds, and at the sequence level
-    the max and min, from the raw ratios."""
+    normalisation); the fractions above and below the bounds, of tokens or of rows, and
+    at the sequence level the max and min, from the raw ratios (safety-bounded only:
+    under TIS no mean of truncated weights passes the upper bound)."""
     p = "rollout_corr/rollout_is"
     upper, icepop_lower = cfg.is_bounds()
     lower = 1.0 / upper if icepop_lower is None else icepop_lower
@@ -405,12 +406,12 @@ def _is_metrics(log_ratio: Array, mask: Array, cfg: RolloutCorrectionConfig) -> 
     out[f"{p}_std"] = _clamped_std(w, mask, 0.0, upper)
     out[f"{p}_eff_sample_size"] = 1.0 / masked_mean(
         (clamped / (masked_mean(clamped, mask) + 1e-8)) ** 2, mask)
-    seq = masked_mean(w, mask, axis=-1)
+    seq, raw_seq = masked_mean(w, mask, axis=-1), masked_mean(raw, mask, axis=-1)
     out.update({
         f"{p}_seq_mean": seq.mean(), f"{p}_seq_std": _std(seq), f"{p}_seq_max": seq.max(),
         f"{p}_seq_min": seq.min(), f"{p}_seq_max_deviation": jnp.abs(seq - 1.0).max(),
-        f"{p}_seq_fraction_high": jnp.mean((seq > upper).astype(jnp.float32)),
-        f"{p}_seq_fraction_low": jnp.mean((seq < lower).astype(jnp.float32))})
+        f"{p}_seq_fraction_high": jnp.mean((raw_seq > upper).astype(jnp.float32)),
+        f"{p}_seq_fraction_low": jnp.mean((raw_seq < lower).astype(jnp.float32))})
     if icepop_lower is not None:
         out[f"{p}_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).astype(
             jnp.float32), mask)

@@ -260,10 +260,11 @@ def ref_is_metrics(lr, mask, level, upper, lower=None):
     c = np.clip(w[m], 0, upper)
     out["std"] = np.std(c)
     out["eff_sample_size"] = 1.0 / np.mean((c / (c.mean() + 1e-8)) ** 2)
-    seq = ref_masked_mean(w, mask, 1)
+    seq, raw_seq = ref_masked_mean(w, mask, 1), ref_masked_mean(raw, mask, 1)
     out.update(seq_mean=seq.mean(), seq_std=np.std(seq, ddof=1), seq_max=seq.max(),
                seq_min=seq.min(), seq_max_deviation=np.abs(seq - 1).max(),
-               seq_fraction_high=(seq > upper).mean(), seq_fraction_low=(seq < low).mean())
+               seq_fraction_high=(raw_seq > upper).mean(),
+               seq_fraction_low=(raw_seq < low).mean())
     if lower is not None:
         out["oob_ratio"] = ((raw[m] < lower) | (raw[m] > upper)).mean()
     return {f"rollout_corr/rollout_is_{k}": v for k, v in out.items()}
@@ -382,8 +383,45 @@ def test_is_metrics_are_those_of_the_applied_weights():
                        "std": np.sqrt((w ** 2).mean() - mean ** 2),
                        "eff_sample_size": 1 / ((w / mean) ** 2).mean(),
                        "ratio_fraction_high": 1 / 3, "ratio_fraction_low": 1 / 3,
-                       "seq_max": mean, "seq_fraction_high": 0.0}.items():
+                       "seq_max": mean,
+                       # The row's mean ratio before truncation, (24.45 + 1 + 0.37) / 3 =
+                       # 8.6, is above 2: the row counts (its truncated mean, 1.12, is not).
+                       "seq_fraction_high": 1.0, "seq_fraction_low": 0.0}.items():
         close(got[f"rollout_corr/rollout_is_{key}"], value)
+
+
+def test_is_seq_fractions_judge_each_rows_mean_ratio_before_truncation():
+    """verl's `rollout_is_seq_fraction_high` / `_low`: the share of rows whose mean of
+    the raw token ratios (bounded at e^20 only) is above the upper bound / below the
+    lower, whatever the weights applied. Rows of ratios (ones of 3 tokens, a padded row
+    of 2, an empty row):
+      row 0: 6, 1, 1      mean 8/3 = 2.67
+      row 1: 0.1, 0.1, 4  mean 4.2/3 = 1.4
+      row 2: 0.05, 0.25   mean 0.15   (third token padding, ratio e^5 not counted)
+      row 3: empty        mean 0 (verl's masked mean of no tokens)"""
+    ratios = np.array([[6.0, 1.0, 1.0], [0.1, 0.1, 4.0], [0.05, 0.25, np.exp(5.0)],
+                       [1.0, 1.0, 1.0]])
+    mask = jnp.array([[1.0, 1, 1], [1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    old = jnp.asarray(np.log(ratios), jnp.float32)
+    p = "rollout_corr/rollout_is_seq_fraction"
+    # TIS at 2 (lower 1/2): above 2 row 0 only; below 1/2 rows 2 and 3. Truncated,
+    # row 0's mean is (2 + 1 + 1) / 3 = 1.33 and no row would pass 2.
+    got = rc.metrics(old, jnp.zeros_like(old), mask, Cfg(rollout_is="token",
+                                                          rollout_is_threshold=2.0))
+    close(got[f"{p}_high"], 1 / 4)
+    close(got[f"{p}_low"], 2 / 4)
+    # IcePop within [0.2, 5]: none above 5; below 0.2 rows 2 and 3.
+    got = rc.metrics(old, jnp.zeros_like(old), mask, Cfg(rollout_is="token",
+                                                          rollout_is_threshold="0.2_5"))
+    close(got[f"{p}_high"], 0.0)
+    close(got[f"{p}_low"], 2 / 4)
+    # IcePop within [1.5, 2.5]: above 2.5 row 0 (2.67); below 1.5 rows 1, 2 and 3.
+    # Every weight applied is 0 here (no ratio lies within the bounds), so by the
+    # applied weights no row would be above and all four below.
+    got = rc.metrics(old, jnp.zeros_like(old), mask, Cfg(rollout_is="token",
+                                                          rollout_is_threshold="1.5_2.5"))
+    close(got[f"{p}_high"], 1 / 4)
+    close(got[f"{p}_low"], 3 / 4)
 
 
 def test_metric_hand_values():

@@ -66,7 +66,8 @@ def get_config(arg: str | None = None):
     c.actor.shuffle = True
     c.critic.shuffle = True
     c.algorithm.adv_estimator = "grpo"
-    # Held-out accuracy is above 0.85 by step 25 and near 1 by step 100 on every seed.
+    # Held-out greedy accuracy rises from about 0.3 to 0.74-1.00 by step 100 on every
+    # seed measured (0.86-1.00 over 32 seeds; docs/learning.md).
     c.trainer.total_training_steps = a.steps
     c.trainer.test_freq = 25
     c.trainer.save_freq = 50

@@ -1,4 +1,4 @@
-"""GRPO on two-digit addition: the main job, runs on a laptop CPU in a few minutes.
+"""GRPO on two-digit addition: the main job, runs on a laptop CPU in about 3 minutes.
 
 A small decoder learns `a+b=` -> `sum` (answer written least-significant digit
 first) with the built-in character tokenizer. The supervised warm start imitates a

@@ -360,8 +360,8 @@ class RLTrainer:
             from tqdm import tqdm
 
             columns = rollouts.sample_columns(self.step, samples, sampling.n)
-            for line in metrics.sample_lines(self.step, columns, shown):
-                tqdm.write(line)  # above a progress bar, if any
+            # One write: the progress bar, if any, is redrawn once, below the samples.
+            tqdm.write("\n".join(metrics.sample_lines(self.step, columns, shown)))
         return result
 
     def _validation_key(self, start: int):

@@ -22,10 +22,14 @@ else:
     # On a GPU the tests compile hundreds of small programs: XLA's autotuning of each
     # matmul and fusion (several seconds a program, no effect on results at the tests'
     # float32 precision) is skipped, and memory is taken as needed so that several
-    # pytest workers (`-n`) can share one GPU.
+    # pytest workers (`-n`) can share one GPU. Each buffer's memory goes back to the
+    # card when the buffer dies (the platform allocator): JAX's pooling allocator keeps
+    # each worker's peak, and 8 workers' pools after the kernel checks at real sizes
+    # (several GiB each) overflowed an 80 GB H100.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_autotune_level=0").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -62,21 +62,23 @@ def _load_module(path: str):
     return module
 
 
-def _load_config(spec: str):
-    """The config of a `--config=path.py[:arg]` value, as config_flags loads it."""
+def _load_config(spec: str, module=None):
+    """The config of a `--config=path.py[:arg]` value, as config_flags loads it
+    (`module`: the file, when already loaded)."""
     path, _, arg = spec.partition(":")
-    module = _load_module(path)
+    module = module or _load_module(path)
     return module.get_config(arg) if arg else module.get_config()
 
 
-def variant_notes(spec: str, overrides: dict[str, str]) -> list[str]:
+def variant_notes(spec: str, overrides: dict[str, str], module=None) -> list[str]:
     """Where a `--config.<key>=<value>` is what one of the config file's variants
     (`ARG_DEFAULTS`, `path.py:name=value`) sets along with other keys that follow it,
-    a line that names the variant and those keys (which the override leaves as they were)."""
+    a line that names the variant and those keys (which the override leaves as they were).
+    `module`: the config file, when already loaded."""
     path, _, arg = spec.partition(":")
     if arg:
         return []
-    module = _load_module(path)
+    module = module or _load_module(path)
     names = getattr(module, "ARG_DEFAULTS", None) or {}
     base = rundir.flatten(module.get_config())
     notes = []
@@ -130,10 +132,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         keys = [a[len("--config."):].split("=", 1)[0] for a in argv[1:]
                 if a.startswith("--config.")]
         if spec:  # a bad file, variant or key is reported here, not by absl
-            check_override_keys(_load_config(spec), keys)
+            module = _load_module(spec.partition(":")[0])  # the file runs once here
+            check_override_keys(_load_config(spec, module), keys)
             overrides = dict(a[len("--config."):].split("=", 1) for a in argv[1:]
                              if a.startswith("--config.") and "=" in a)
-            for note in variant_notes(spec, overrides):
+            for note in variant_notes(spec, overrides, module):
                 print(note, file=sys.stderr)
     except JrlError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -48,6 +48,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # The experts of an MoE layer, whole on every device (each split as a dense MLP is).
+    ("experts", None),
     ("layers", None),
     ("head_dim", None),
     ("cache_length", None),

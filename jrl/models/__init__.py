@@ -1,4 +1,5 @@
-"""Decoder-only transformers (Llama 3 / Qwen2 / Qwen2.5 / Qwen3), heads, KV cache, HF I/O.
+"""Decoder-only transformers (Llama 3 / Qwen2 / Qwen2.5 / Qwen3, Qwen3-MoE / Mixtral), heads,
+KV cache, HF I/O.
 
 Typical use::
 
@@ -10,7 +11,7 @@ Typical use::
 See docs/models.md for shapes, the cache contract and the options.
 """
 
-from jrl.models import lora
+from jrl.models import lora, moe
 from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
     KVCache,
@@ -31,6 +32,7 @@ from jrl.models.transformer import (
     Transformer,
     forward,
     forward_logits,
+    forward_with_router,
     init_params,
     param_logical_axes,
 )
@@ -45,12 +47,14 @@ __all__ = [
     "attention_mask",
     "forward",
     "forward_logits",
+    "forward_with_router",
     "init_cache",
     "init_critic_params",
     "init_params",
     "init_value_head",
     "load_pretrained",
     "lora",
+    "moe",
     "param_logical_axes",
     "positions_from_mask",
     "save_pretrained",

@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family.
+"""Model configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family
+and its mixture-of-experts relatives, Qwen3-MoE and Mixtral.
 
 `ModelConfig` is hashable, so it can be a static argument of `jax.jit`. It is built
 from a Hugging Face `config.json` dict (`ModelConfig.from_hf`), from a named preset
@@ -13,6 +14,10 @@ The three families differ only in a few switches:
 | llama  | no         | no                   | optional "llama3"  |
 | qwen2  | yes        | no                   | none               |
 | qwen3  | no         | yes                  | none               |
+
+The MoE families are these with the MLP replaced by `num_experts` SwiGLU experts of
+width `moe_intermediate_size`, `num_experts_per_tok` of them per token
+(`jrl.models.moe`): `qwen3_moe` has Qwen3's attention, `mixtral` Llama's.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any
 from jrl.errors import ConfigError
 from jrl.kernels import mosaic_backend
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -39,12 +45,16 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "lm"),
     "Qwen2ForCausalLM": ("qwen2", "lm"),
     "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
+    "MixtralForCausalLM": ("mixtral", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
     "Qwen2ForSequenceClassification": ("qwen2", "score"),
     "Qwen3ForSequenceClassification": ("qwen3", "score"),
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                "mixtral": "mixtral"}
+_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                    "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +77,12 @@ class ModelConfig:
     """Architecture and run-time options of a decoder-only transformer.
 
     Attributes:
-      family: "llama", "qwen2" or "qwen3" (picks the HF class names on save).
+      family: "llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral" (picks the HF class
+        names on save).
       vocab_size: V, rows of the token embedding.
       hidden_size: D, width of the residual stream.
-      intermediate_size: F, width of the SwiGLU MLP.
+      intermediate_size: F, width of the SwiGLU MLP (MoE families: the checkpoint's dense
+        width, kept for save; the experts' is `moe_intermediate_size`).
       num_layers: L, decoder layers.
       num_heads: N, query heads.
       num_kv_heads: K, key/value heads (grouped-query attention; N % K == 0).
@@ -80,7 +92,13 @@ class ModelConfig:
       rms_norm_eps: epsilon of every RMSNorm.
       tie_word_embeddings: the LM head is the transposed token embedding.
       qkv_bias: q/k/v projections have a bias (Qwen2).
-      qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+      qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3, Qwen3-MoE).
+      num_experts: E, the experts of each MoE layer (0: a dense model).
+      num_experts_per_tok: k, the experts each token is routed to.
+      moe_intermediate_size: width of each expert's SwiGLU MLP.
+      norm_topk_prob: divide the k routing weights by their sum (Mixtral always does).
+      router_aux_loss_coef: the checkpoint's load-balancing loss coefficient (the
+        default of `actor.router_aux_loss_coef`; written back on save).
       max_position_embeddings: longest context the checkpoint was trained for.
       bos_token_id, eos_token_ids, pad_token_id: from config.json, kept for save.
       initializer_range: stddev of the normal init of fresh kernels.
@@ -142,6 +160,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -183,6 +206,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self._check_experts()
         # Lists from JSON would make the config unhashable.
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
@@ -193,6 +217,27 @@ class ModelConfig:
         _check_choice("lora_rollout", self.lora_rollout, LORA_ROLLOUTS)
         targets = lora_targets(self.lora_targets or "all-linear") if self.lora_rank else ()
         object.__setattr__(self, "lora_targets", targets)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family in MOE_FAMILIES
+
+    def _check_experts(self) -> None:
+        if not self.is_moe:
+            if self.num_experts:
+                raise ConfigError(f"num_experts={self.num_experts} needs an MoE family "
+                                  f"({', '.join(MOE_FAMILIES)}); family is {self.family!r}")
+            return
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not (isinstance(e, int) and e >= 1 and isinstance(k, int) and 1 <= k <= e):
+            raise ConfigError(f"an MoE model needs num_experts >= 1 and 1 <= "
+                              f"num_experts_per_tok <= num_experts; got {e} and {k}")
+        if self.moe_intermediate_size < 1:
+            raise ConfigError("an MoE model needs moe_intermediate_size >= 1, got "
+                              f"{self.moe_intermediate_size}")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ConfigError("mixtral renormalises its top-k routing weights; "
+                              "norm_topk_prob must be true")
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
@@ -210,7 +255,7 @@ class ModelConfig:
             or attention variant; the message names it and lists what is supported.
         """
         family, _ = hf_family_and_head(hf_config)
-        _check_hf_features(hf_config)
+        _check_hf_features(hf_config, family)
         heads = hf_config["num_attention_heads"]
         default_head_dim = 128 if family == "qwen3" else hf_config["hidden_size"] // heads
         kwargs = dict(
@@ -227,13 +272,15 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             max_position_embeddings=hf_config.get("max_position_embeddings", 32768),
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
             pad_token_id=hf_config.get("pad_token_id"),
             initializer_range=hf_config.get("initializer_range", 0.02),
         )
+        if family in MOE_FAMILIES:
+            kwargs.update(_hf_experts(hf_config, family))
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -276,12 +323,22 @@ class ModelConfig:
             "dtype": self.param_dtype,
             "torch_dtype": self.param_dtype,
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family != "qwen2":
             hf.update(attention_bias=False)
         if self.family == "llama":
             hf.update(mlp_bias=False)
+        elif self.family == "mixtral":
+            hf.update(sliding_window=None, intermediate_size=self.moe_intermediate_size,
+                      num_local_experts=self.num_experts, router_jitter_noise=0.0)
         else:
             hf.update(use_sliding_window=False)
+        if self.is_moe:
+            hf.update(num_experts_per_tok=self.num_experts_per_tok,
+                      router_aux_loss_coef=self.router_aux_loss_coef)
+        if self.family == "qwen3_moe":
+            hf.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                      norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[])
         if head == "score":
             hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         return hf
@@ -314,8 +371,26 @@ def hf_family_and_head(hf_config: Mapping[str, Any]) -> tuple[str, str]:
     return _MODEL_TYPES[model_type], "lm"
 
 
-def _check_hf_features(hf_config: Mapping[str, Any]) -> None:
+def _check_hf_features(hf_config: Mapping[str, Any], family: str) -> None:
     """Rejects config switches this implementation does not model."""
+    if family == "mixtral":
+        window = hf_config.get("sliding_window")
+        if window is not None and window < hf_config.get("max_position_embeddings", 0):
+            raise ConfigError(f"config.json sets sliding_window={window}; jrl's Mixtral attends "
+                              "to the whole context (sliding_window null)")
+        if hf_config.get("router_jitter_noise"):
+            raise ConfigError(f"config.json sets router_jitter_noise="
+                              f"{hf_config['router_jitter_noise']}; jrl routes without noise "
+                              "(set it to 0.0)")
+    if family == "qwen3_moe":
+        only_dense = list(hf_config.get("mlp_only_layers") or [])
+        step = hf_config.get("decoder_sparse_step", 1)
+        if only_dense or step not in (1, None):
+            raise ConfigError(
+                f"config.json sets mlp_only_layers={only_dense} and decoder_sparse_step={step}: "
+                "dense layers between MoE layers; jrl's Qwen3-MoE has an MoE block in every "
+                "layer (mlp_only_layers [] and decoder_sparse_step 1, as the released "
+                "checkpoints)")
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
@@ -327,6 +402,23 @@ def _check_hf_features(hf_config: Mapping[str, Any]) -> None:
     if partial is not None and float(partial) != 1.0:
         raise ConfigError(f"config.json sets partial_rotary_factor={partial}; jrl rotates "
                           "the whole head (1.0) only")
+
+
+def _hf_experts(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE or Mixtral `config.json` (transformers 5 writes
+    `num_local_experts` for both; 4.x wrote `num_experts` for Qwen3-MoE)."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    width_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=hf_config["num_experts_per_tok"],
+        moe_intermediate_size=hf_config[width_key],
+        # transformers' defaults where the file has no key: Qwen3-MoE does not
+        # renormalise, Mixtral always does.
+        norm_topk_prob=(True if family == "mixtral"
+                        else bool(hf_config.get("norm_topk_prob", False))),
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def _rope_dict(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -423,6 +515,29 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
         max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
+    ),
+    # A small Qwen3-MoE for tests and the synthetic tasks (`configs/grpo_arith_moe.py`).
+    "tiny-moe": ModelConfig(
+        family="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        tie_word_embeddings=True, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, router_aux_loss_coef=0.001,
+        max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        router_aux_loss_coef=0.001, max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_ids=(151645,),
+    ),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True, router_aux_loss_coef=0.02,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
     ),
     "llama-3.2-1b": ModelConfig(
         family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,

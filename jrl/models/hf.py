@@ -2,7 +2,8 @@
 
 `load_pretrained(dir)` reads `config.json` and `model.safetensors` (or the shards
 listed in `model.safetensors.index.json`) of a `LlamaForCausalLM`,
-`Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `*ForSequenceClassification` checkpoint.
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `MixtralForCausalLM` or
+`*ForSequenceClassification` checkpoint.
 Tensors are read one at a time through `safetensors.safe_open` (memory-mapped),
 transposed/reshaped into jrl's layout, cast to the requested dtype and written into
 one preallocated host buffer per jrl leaf, which goes to the device as soon as it
@@ -16,6 +17,9 @@ is full; the host never holds two copies of the model.
 HF stores a linear layer as `weight [out, in]`; jrl stores `kernel [in, ...out]`, so
 2-D weights are transposed and per-head axes split out (`q_proj.weight [N*H, D]`
 <-> `q_proj/kernel [D, N, H]`, `o_proj.weight [D, N*H]` <-> `o_proj/kernel [N, H, D]`).
+An MoE checkpoint stores each expert's projections as tensors of their own
+(`mlp.experts.{e}.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.{e}.w1.weight`),
+which become one `[E, ...]` kernel per layer.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class TensorSpec:
       jrl_shape: shape of the jrl leaf (per layer, without the leading L).
       transpose: HF `[out, in]` weight vs jrl `[in, ...out]` kernel.
       per_layer: the jrl leaf is stacked over layers.
+      experts: E when the jrl leaf (per layer) is stacked over E experts, each one HF
+        tensor (`hf_name` contains `{e}`); 0 otherwise.
     """
 
     hf_name: str
@@ -70,6 +76,21 @@ class TensorSpec:
     jrl_shape: tuple[int, ...]
     transpose: bool = False
     per_layer: bool = False
+    experts: int = 0
+
+    def indices(self, num_layers: int) -> list[tuple[int, ...]]:
+        """The index into the jrl leaf of each of its HF tensors: `()`, `(layer,)` or
+        `(layer, expert)`."""
+        layers = [(i,) for i in range(num_layers)] if self.per_layer else [()]
+        if not self.experts:
+            return layers
+        return [(*i, e) for i in layers for e in range(self.experts)]
+
+    def name(self, index: tuple[int, ...]) -> str:
+        """The HF tensor at `index` (`indices`)."""
+        if not index:
+            return self.hf_name
+        return self.hf_name.format(i=index[0], e=index[1] if self.experts else None)
 
     def to_jrl(self, tensor: np.ndarray) -> np.ndarray:
         return (tensor.T if self.transpose else tensor).reshape(self.jrl_shape)
@@ -99,11 +120,16 @@ def tensor_specs(config: ModelConfig, head: str = "lm") -> list[TensorSpec]:
         layer("self_attn.v_proj.weight", "attn/v_proj/kernel", (k * h, d), (d, k, h), True),
         layer("self_attn.o_proj.weight", "attn/o_proj/kernel", (d, n * h), (n, h, d), True),
         layer("post_attention_layernorm.weight", "mlp_norm/scale", (d,), (d,)),
-        layer("mlp.gate_proj.weight", "mlp/gate_proj/kernel", (f, d), (d, f), True),
-        layer("mlp.up_proj.weight", "mlp/up_proj/kernel", (f, d), (d, f), True),
-        layer("mlp.down_proj.weight", "mlp/down_proj/kernel", (d, f), (f, d), True),
         TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), (d,)),
     ]
+    if c.is_moe:
+        specs += _expert_specs(c)
+    else:
+        specs += [
+            layer("mlp.gate_proj.weight", "mlp/gate_proj/kernel", (f, d), (d, f), True),
+            layer("mlp.up_proj.weight", "mlp/up_proj/kernel", (f, d), (d, f), True),
+            layer("mlp.down_proj.weight", "mlp/down_proj/kernel", (d, f), (f, d), True),
+        ]
     if c.qkv_bias:
         specs += [
             layer("self_attn.q_proj.bias", "attn/q_proj/bias", (n * h,), (n, h)),
@@ -121,6 +147,28 @@ def tensor_specs(config: ModelConfig, head: str = "lm") -> list[TensorSpec]:
     elif head == "score":
         specs.append(TensorSpec("score.weight", ("score", "kernel"), (1, d), (d, 1), True))
     return specs
+
+
+# The HF names of an MoE layer's block and of its experts' gate, up and down projections.
+_HF_EXPERTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+def _expert_specs(config: ModelConfig) -> list[TensorSpec]:
+    """The router and the experts' projections of each MoE layer."""
+    d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    block, (gate, up, down) = _HF_EXPERTS[config.family]
+    prefix = f"model.layers.{{i}}.{block}"
+    expert = lambda hf, path, hf_shape, jrl_shape: TensorSpec(
+        f"{prefix}.experts.{{e}}.{hf}.weight", ("layers", "mlp", path, "kernel"), hf_shape,
+        jrl_shape, transpose=True, per_layer=True, experts=e)
+    return [
+        TensorSpec(f"{prefix}.gate.weight", ("layers", "mlp", "router", "kernel"), (e, d),
+                   (d, e), transpose=True, per_layer=True),
+        expert(gate, "gate_proj", (f, d), (d, f)),
+        expert(up, "up_proj", (f, d), (d, f)),
+        expert(down, "down_proj", (d, f), (f, d)),
+    ]
 
 
 # --------------------------------------------------------------------------- loading
@@ -256,12 +304,13 @@ class _CheckpointReader:
 
 
 def _load_leaf(reader: _CheckpointReader, spec: TensorSpec, num_layers: int, dtype) -> np.ndarray:
-    """One jrl leaf in `dtype`, filled tensor by tensor (layer by layer)."""
+    """One jrl leaf in `dtype`, filled tensor by tensor (layer by layer, expert by expert)."""
     if not spec.per_layer:
         return spec.to_jrl(reader.get(spec.hf_name, spec.hf_shape)).astype(dtype)
-    leaf = np.empty((num_layers, *spec.jrl_shape), dtype)
-    for i in range(num_layers):
-        leaf[i] = spec.to_jrl(reader.get(spec.hf_name.format(i=i), spec.hf_shape))
+    stacked = (num_layers, spec.experts) if spec.experts else (num_layers,)
+    leaf = np.empty((*stacked, *spec.jrl_shape), dtype)
+    for index in spec.indices(num_layers):
+        leaf[index] = spec.to_jrl(reader.get(spec.name(index), spec.hf_shape))
     return leaf
 
 
@@ -359,14 +408,11 @@ def _head_of(params: Mapping[str, Any], config: ModelConfig) -> str:
 
 def _hf_tensors(
     config: ModelConfig, params: Mapping[str, Any], head: str
-) -> Iterator[tuple[str, TensorSpec, int | None]]:
-    """(HF name, spec, layer index or None) for every tensor to write."""
+) -> Iterator[tuple[str, TensorSpec, tuple[int, ...]]]:
+    """(HF name, spec, index into the jrl leaf) for every tensor to write."""
     for spec in tensor_specs(config, head):
-        if spec.per_layer:
-            for i in range(config.num_layers):
-                yield spec.hf_name.format(i=i), spec, i
-        else:
-            yield spec.hf_name, spec, None
+        for index in spec.indices(config.num_layers):
+            yield spec.name(index), spec, index
 
 
 def _plan_shards(tensors, itemsize: int, max_shard_bytes: int) -> list[list]:
@@ -423,9 +469,8 @@ def save_pretrained(
         file_name = (WEIGHTS_NAME if len(shards) == 1
                      else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
-        for name, spec, layer in shard:
-            leaf = _get_path(params, spec.path)
-            leaf = leaf if layer is None else leaf[layer]
+        for name, spec, index in shard:
+            leaf = _get_path(params, spec.path)[index]
             tensors[name] = spec.to_hf(np.asarray(jax.device_get(leaf)).astype(np_dtype))
             weight_map[name] = file_name
             total_bytes += tensors[name].nbytes

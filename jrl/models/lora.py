@@ -7,7 +7,9 @@ layer has an adapter next to its kernel (see `transformer.Lora`):
     layers/attn/o_proj_lora/a   [L, N, H, r]     layers/attn/o_proj_lora/b   [L, r, D]
     layers/mlp/down_proj_lora/a [L, F, r]        layers/mlp/down_proj_lora/b [L, r, D]
 
-and the projection computes `x W + (x a) b * lora_alpha / r`. The adapters are
+and the projection computes `x W + (x a) b * lora_alpha / r`. In an MoE model
+(`jrl.models.moe`) each expert's gate, up and down projection has its own adapter:
+`layers/mlp/gate_proj_lora/a [L, E, D, r]`, `.../b [L, E, r, F]`. The adapters are
 ordinary leaves of the tree, so the model code is the same with or without them;
 `split` separates them from the base (what trains from what stays frozen) and
 `combine` puts them back.
@@ -44,10 +46,18 @@ _GROUP = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn"
 _HF_GROUP = {"attn": "self_attn", "mlp": "mlp"}
 
 
+def stacked(config: ModelConfig, name: str) -> tuple[int, ...]:
+    """The dims a projection's kernel has per layer before its input dims: `(E,)` for an
+    MoE model's experts, else none."""
+    return (config.num_experts,) if config.is_moe and _GROUP[name] == "mlp" else ()
+
+
 def shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """{projection: (input dims, output dims)} of each targeted projection (per layer)."""
+    """{projection: (input dims, output dims)} of each targeted projection (per layer,
+    and per expert in an MoE model: `stacked`)."""
     c = config
-    d, f, n, k, h = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    f = c.moe_intermediate_size if c.is_moe else c.intermediate_size
+    d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     table = {"q_proj": ((d,), (n, h)), "k_proj": ((d,), (k, h)), "v_proj": ((d,), (k, h)),
              "o_proj": ((n, h), (d,)), "gate_proj": ((d,), (f,)), "up_proj": ((d,), (f,)),
              "down_proj": ((f,), (d,))}
@@ -97,19 +107,21 @@ def init_adapters(config: ModelConfig, rng: jax.Array, dtype: str | None = None)
     keys = jax.random.split(rng, len(config.lora_targets))
     for key, (name, (in_dims, out_dims)) in zip(keys, shapes(config).items(), strict=True):
         bound = 1.0 / math.sqrt(math.prod(in_dims))
-        a = jax.random.uniform(key, (config.num_layers, *in_dims, config.lora_rank),
+        lead = (config.num_layers, *stacked(config, name))
+        a = jax.random.uniform(key, (*lead, *in_dims, config.lora_rank),
                                jnp.float32, -bound, bound).astype(dtype)
-        b = jnp.zeros((config.num_layers, config.lora_rank, *out_dims), dtype)
+        b = jnp.zeros((*lead, config.lora_rank, *out_dims), dtype)
         adapters.setdefault("layers", {}).setdefault(_GROUP[name], {})[name + _SUFFIX] = {
             "a": a, "b": b}
     return adapters
 
 
-def _delta(config: ModelConfig, a, b, kernel_shape) -> jax.Array:
-    """`a b * alpha / r` as a `[L, in..., out...]` kernel update, in float32."""
-    num_layers, rank = a.shape[0], a.shape[-1]
-    a2 = a.reshape(num_layers, -1, rank).astype(jnp.float32)
-    b2 = b.reshape(num_layers, rank, -1).astype(jnp.float32)
+def _delta(config: ModelConfig, a, b, kernel_shape, num_lead: int = 1) -> jax.Array:
+    """`a b * alpha / r` as a `[L, in..., out...]` kernel update (`[L, E, ...]`: `num_lead`
+    2), in float32."""
+    lead, rank = math.prod(a.shape[:num_lead]), a.shape[-1]
+    a2 = a.reshape(lead, -1, rank).astype(jnp.float32)
+    b2 = b.reshape(lead, rank, -1).astype(jnp.float32)
     return (jnp.einsum("lir,lro->lio", a2, b2) * (config.lora_alpha / config.lora_rank)
             ).reshape(kernel_shape)
 
@@ -128,7 +140,8 @@ def merge(params: Mapping[str, Any], config: ModelConfig) -> tuple[ModelConfig, 
         group = _GROUP[name]
         adapter = adapters["layers"][group][name + _SUFFIX]
         kernel = merged["layers"][group][name]["kernel"]
-        update = _delta(config, adapter["a"], adapter["b"], kernel.shape)
+        update = _delta(config, adapter["a"], adapter["b"], kernel.shape,
+                        1 + len(stacked(config, name)))
         merged["layers"][group][name] = {
             **merged["layers"][group][name],
             "kernel": (kernel.astype(jnp.float32) + update).astype(kernel.dtype)}
@@ -143,6 +156,17 @@ def restart(params: Mapping[str, Any], config: ModelConfig, rng: jax.Array) -> d
     _, merged = merge(params, config)
     dtype = jax.tree.leaves(split(params)[1])[0].dtype
     return combine(merged, init_adapters(config, rng, dtype))
+
+
+def _check_peft_layout(config: ModelConfig) -> None:
+    """PEFT's files name one adapter per module; an MoE model's experts have none."""
+    experts = [name for name in config.lora_targets if stacked(config, name)]
+    if experts:
+        raise ValueError(
+            f"adapters on the experts of an MoE model ({', '.join(experts)}) have no PEFT file "
+            "layout; merge them into the weights (jrl.models.lora.merge, then "
+            "save_pretrained), or target attention only (model.target_modules="
+            "q_proj,k_proj,v_proj,o_proj)")
 
 
 def _peft_name(layer: int, name: str, which: str) -> str:
@@ -160,6 +184,7 @@ def save_peft(params: Mapping[str, Any], config: ModelConfig, path: str | os.Pat
 
     if not config.lora_rank:
         raise ValueError("the config has no LoRA adapters (lora_rank = 0)")
+    _check_peft_layout(config)
     _, adapters = split(params)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -222,6 +247,10 @@ def load_peft(path: str | os.PathLike, config: ModelConfig, dtype: str = "float3
                               ) from None
     config = dataclasses.replace(config, lora_rank=int(spec["r"]),
                                  lora_alpha=float(spec["lora_alpha"]), lora_targets=targets)
+    try:
+        _check_peft_layout(config)
+    except ValueError as err:
+        raise CheckpointError(f"{path / ADAPTER_CONFIG}: {err}") from None
     tensors = load_file(str(path / ADAPTER_WEIGHTS))
     adapters: dict = {}
     rank = config.lora_rank

@@ -1,4 +1,5 @@
-"""Decoder-only transformer of the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family (Flax Linen).
+"""Decoder-only transformer of the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family and its
+mixture-of-experts relatives, Qwen3-MoE and Mixtral (Flax Linen).
 
 One layer is `x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))`; the layers are one
 `nn.scan`, so their parameters are stacked on a leading `layers` axis and the
@@ -25,6 +26,9 @@ H head_dim; logical axis names in brackets):
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]        untied LM only (see heads.py)
 
+An MoE family's `layers/mlp` is `jrl.models.moe.MoeMlp`'s instead (router and the
+experts' kernels, `[L, E, ...]`).
+
 `forward` serves training (no cache; the layers as one scan), prefill and decode
 (the layers applied one by one, each on its own cache buffers); see
 `jrl.models.cache` for the cache contract. It returns hidden states; `heads.unembed` turns them into
@@ -47,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jrl.kernels import decode_attention as decode_lib
 from jrl.kernels import packed_attention
-from jrl.models import context_attention, rope
+from jrl.models import context_attention, moe, rope
 from jrl.models import heads as heads_lib
 from jrl.models.cache import KVCache, RowCache, attention_mask
 from jrl.models.config import ModelConfig
@@ -483,7 +487,7 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index):
+    def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index, valid_bt=None):
         x_btd, cache = carry
         c = self.config
         recompute = _recomputes_in_backward(c)
@@ -492,7 +496,11 @@ class DecoderLayer(nn.Module):
             attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index
         )
         x_btd = x_btd + attn_out
-        x_btd = x_btd + Mlp(c, name="mlp")(_norm(c, "embed", "mlp_norm", recompute)(x_btd))
+        mlp_in = _norm(c, "embed", "mlp_norm", recompute)(x_btd)
+        if c.is_moe:
+            x_btd = x_btd + moe.MoeMlp(c, name="mlp")(mlp_in, valid_bt)
+        else:
+            x_btd = x_btd + Mlp(c, name="mlp")(mlp_in)
         return (constrain(x_btd, _HIDDEN), cache), None
 
 
@@ -511,9 +519,10 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
         layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=prevent_cse)
     return nn.scan(
         layer_cls,
-        variable_axes={"params": 0},
+        # The MoE layers' router statistics (`moe.ROUTER_COLLECTION`) stack like the params.
+        variable_axes={"params": 0, moe.ROUTER_COLLECTION: 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         length=config.num_layers,
         unroll=config.num_layers if config.scan_unroll else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
@@ -557,7 +566,9 @@ class Transformer(nn.Module):
         else:
             mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
         layers = jnp.arange(c.num_layers)
-        (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None)
+        valid_bt = _valid_tokens(mask) if c.is_moe else None
+        (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None,
+                                        valid_bt)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
         if self.is_initializing():
             self._create_head(hidden_btd)
@@ -574,6 +585,18 @@ class Transformer(nn.Module):
             heads_lib.Head(1, False, None, name="score", **kwargs)(hidden_btd)
 
 
+def _valid_tokens(mask) -> jax.Array:
+    """1 for each real token of the training forward's layout, `[B, T]` (the router
+    statistics of MoE layers leave the others out)."""
+    if isinstance(mask, SharedPrompt):
+        p = mask.prompt_mask_gp.shape[1]
+        responses = mask.row_mask_bs[:, p:].reshape(mask.prompt_mask_gp.shape[0], -1)
+        return jnp.concatenate([mask.prompt_mask_gp, responses], axis=1)
+    if isinstance(mask, packed_attention.Segments):
+        return mask.segment_ids_bt > 0
+    return mask
+
+
 # Names of the fused projections a layer may carry instead of its separate ones
 # (`fuse_projections`): the sampler's layout, never trained or saved.
 FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
@@ -581,8 +604,8 @@ FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
 
 def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
     """One layer's parameters with `q/k/v_proj` as one `qkv_proj` (`[D, N + 2K, H]`,
-    query heads, then key, then value heads) and `gate/up_proj` as one `gate_up_proj`
-    (`[D, 2, F]`): one matmul each instead of three and two, for decoding. Projections
+    query heads, then key, then value heads) and, in a dense model, `gate/up_proj` as one
+    `gate_up_proj` (`[D, 2, F]`): one matmul each instead of three and two, for decoding. Projections
     with an unmerged LoRA adapter stay separate."""
     attn, mlp = dict(layer_params["attn"]), dict(layer_params["mlp"])
     if not any(f"{n}_lora" in attn for n in ("q_proj", "k_proj", "v_proj")):
@@ -590,7 +613,8 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
         attn[FUSED_QKV] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
         if config.qkv_bias:
             attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
-    if not any(f"{n}_lora" in mlp for n in GATE_UP):
+    # (An MoE layer's experts run as grouped matmuls of their own, `jrl.models.moe`.)
+    if not config.is_moe and not any(f"{n}_lora" in mlp for n in GATE_UP):
         parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
         mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
@@ -730,6 +754,19 @@ def forward(
     hidden_btd = Transformer(config, head="none").apply(
         {"params": params}, tokens_bt, positions_bt, mask)
     return hidden_btd, None
+
+
+def forward_with_router(params: Params, tokens_bt: jax.Array, positions_bt: jax.Array, mask,
+                        *, config: ModelConfig) -> tuple[jax.Array, moe.RouterStats]:
+    """The training forward of an MoE model (`forward` without a cache), with its layers'
+    router statistics, `[L, ...]` (`moe.load_balancing_loss`, `moe.load_metrics`)."""
+    if not config.is_moe:
+        raise ValueError(f"forward_with_router needs an MoE model; family is {config.family!r}")
+    _check_forward_args(tokens_bt, mask, None, None)
+    hidden_btd, collected = Transformer(config, head="none").apply(
+        {"params": params}, tokens_bt, positions_bt, mask, mutable=[moe.ROUTER_COLLECTION])
+    (stats,) = collected[moe.ROUTER_COLLECTION]["layers"]["mlp"][moe.ROUTER_NAME]
+    return hidden_btd, stats
 
 
 def forward_logits(

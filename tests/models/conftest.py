@@ -72,6 +72,26 @@ HF_CASES = {
         transformers.Qwen3ForCausalLM,
         dict(tie_word_embeddings=False, head_dim=32),
     ),
+    # Mixture-of-experts: 8 experts, 2 a token, renormalised (as Qwen3-30B-A3B) or not
+    # (transformers' default); Mixtral always renormalises.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=48, norm_topk_prob=True),
+    ),
+    "qwen3_moe_unnormalised": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(tie_word_embeddings=True, num_experts=4, num_experts_per_tok=3,
+             moe_intermediate_size=32, norm_topk_prob=False),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+             intermediate_size=40),
+    ),
     "qwen2_reward": (
         transformers.Qwen2Config,
         transformers.Qwen2ForSequenceClassification,

@@ -1,0 +1,247 @@
+"""Mixture-of-experts MLP of the Qwen3-MoE and Mixtral families: top-k routing and dropless
+dispatch through grouped matmuls.
+
+Each token's hidden state goes through a router (`[D, E]`, no bias), a softmax over the E
+experts in float32, and the top k of those probabilities; with `norm_topk_prob` (always
+for Mixtral) the k weights are divided by their sum. The token's output is the weighted
+sum of its k experts' SwiGLU MLPs:
+
+    y = sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)),   e = e_j, j < k
+
+Dispatch is dropless: the N k (token, expert) pairs are sorted by expert, so that each
+expert's tokens are one contiguous group, and every projection is one grouped matmul
+(`jax.lax.ragged_dot`) over the groups. No token is dropped and no capacity is padded;
+the cost follows the tokens, not E times the tokens. The outputs go back to their tokens
+by the inverse permutation and are summed over each token's k pairs.
+
+Parameter tree of one layer (`[L, ...]` stacked by the layer scan; E experts, F the
+experts' width, `moe_intermediate_size`):
+
+    mlp/router/kernel          [D, E]       (embed, None)
+    mlp/gate_proj/kernel       [E, D, F]    (experts, embed, mlp)
+    mlp/up_proj/kernel         [E, D, F]
+    mlp/down_proj/kernel       [E, F, D]    (experts, mlp, embed)
+    mlp/<name>_lora/{a, b}     [E, in, r], [E, r, out]   LoRA on the experts
+
+The router's load-balancing loss is transformers' `load_balancing_loss_func` (Switch
+Transformer, Fedus et al. 2021, eqs. 4-6, generalised to k experts a token): with
+`f_e` the share of the (token, choice) pairs routed to expert e and `P_e` the mean
+router probability of e, both over every layer's valid tokens,
+`loss = E * sum_e (k f_e) P_e`. The layers record the sums it needs (`RouterStats`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The collection and name under which each MoE layer records its router statistics
+# (`nn.Module.sow`); `transformer.forward_with_router` collects them.
+ROUTER_COLLECTION, ROUTER_NAME = "intermediates", "router_stats"
+
+
+class Routing(NamedTuple):
+    """Each token's experts and weights.
+
+    Attributes:
+      experts_nk: int32 `[N, k]`, the chosen experts, most probable first.
+      weights_nk: float32 `[N, k]`, their weights (renormalised where configured).
+      probs_ne: float32 `[N, E]`, the router's full softmax.
+    """
+
+    experts_nk: jax.Array
+    weights_nk: jax.Array
+    probs_ne: jax.Array
+
+
+class RouterStats(NamedTuple):
+    """Sums over one layer's valid tokens (stacked `[L, ...]` over layers by the scan).
+
+    Attributes:
+      assigned_e: float32 `[E]`, (token, choice) pairs routed to each expert.
+      probs_e: float32 `[E]`, the router's probabilities summed over the tokens.
+      tokens: float32 `[]`, the valid tokens.
+    """
+
+    assigned_e: jax.Array
+    probs_e: jax.Array
+    tokens: jax.Array
+
+
+def route(logits_ne: jax.Array, k: int, normalize: bool) -> Routing:
+    """Top-k routing as transformers computes it: softmax in float32, the k largest
+    probabilities (ties to the lower expert index), renormalised to sum to 1 when
+    `normalize`."""
+    probs = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
+    weights, experts = lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights, probs)
+
+
+def router_stats(routing: Routing, valid_n: jax.Array | None) -> RouterStats:
+    """The layer's sums for the load-balancing loss and the load metrics; `valid_n`
+    (`[N]`, 1 for a real token) leaves padding out, as transformers' attention mask
+    does. None: every token counts."""
+    num_experts = routing.probs_ne.shape[-1]
+    valid = (jnp.ones(routing.probs_ne.shape[:1], jnp.float32) if valid_n is None
+             else valid_n.astype(jnp.float32))
+    per_choice = jnp.repeat(valid, routing.experts_nk.shape[1])
+    assigned = jnp.zeros((num_experts,), jnp.float32).at[routing.experts_nk.reshape(-1)].add(
+        per_choice)
+    return RouterStats(assigned, jnp.einsum("ne,n->e", routing.probs_ne, valid),
+                       jnp.sum(valid))
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """transformers' auxiliary loss from the layers' stacked `RouterStats`: every layer's
+    tokens pooled, `E * sum_e (assigned_e / tokens) (probs_e / tokens)`. 0 when no token
+    is valid."""
+    num_experts = stats.probs_e.shape[-1]
+    tokens = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    assigned = jnp.sum(stats.assigned_e.reshape(-1, num_experts), axis=0) / tokens
+    probs = jnp.sum(stats.probs_e.reshape(-1, num_experts), axis=0) / tokens
+    return num_experts * jnp.sum(assigned * probs)
+
+
+def load_metrics(stats: RouterStats) -> dict[str, jax.Array]:
+    """Tokens per expert (each layer's (token, choice) pairs; min, mean and max over
+    the layers' experts) and the load imbalance, each layer's busiest expert over its
+    mean, averaged over the layers (1: balanced; E / k: each token to the same k)."""
+    num_experts = stats.assigned_e.shape[-1]
+    assigned = stats.assigned_e.reshape(-1, num_experts)
+    mean = jnp.mean(assigned, axis=-1)
+    imbalance = jnp.max(assigned, axis=-1) / jnp.maximum(mean, 1e-9)
+    return {"moe/tokens_per_expert_min": jnp.min(assigned),
+            "moe/tokens_per_expert_mean": jnp.mean(assigned),
+            "moe/tokens_per_expert_max": jnp.max(assigned),
+            "moe/max_over_mean_load": jnp.mean(imbalance)}
+
+
+class Dispatch(NamedTuple):
+    """The (token, choice) pairs sorted by expert.
+
+    Attributes:
+      order: int32 `[N k]`, the pairs' flat indices (`n k + j`) in expert order.
+      group_sizes: int32 `[E]`, pairs per expert (the grouped matmuls' groups).
+    """
+
+    order: jax.Array
+    group_sizes: jax.Array
+
+
+def dispatch(experts_nk: jax.Array, num_experts: int) -> Dispatch:
+    flat = experts_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return Dispatch(order, sizes)
+
+
+def grouped(x_md: jax.Array, kernel_edf: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`x_md` (rows sorted by expert) times each row's expert's kernel: `[M, F]`."""
+    return lax.ragged_dot(x_md, kernel_edf, group_sizes,
+                          preferred_element_type=x_md.dtype)
+
+
+class ExpertProjection(nn.Module):
+    """One projection of every expert, `[E, D_in, D_out]`, applied to rows sorted by
+    expert."""
+
+    num_experts: int
+    features: int
+    axes: tuple[str, str, str]
+    initializer_range: float
+    dtype: str
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x_md, group_sizes):
+        normal = nn.initializers.normal(self.initializer_range)
+        kernel = self.param("kernel", nn.with_logical_partitioning(normal, self.axes),
+                            (self.num_experts, x_md.shape[-1], self.features), self.param_dtype)
+        return grouped(x_md.astype(self.dtype), kernel.astype(self.dtype), group_sizes)
+
+
+class ExpertLora(nn.Module):
+    """The LoRA adapters of one projection of every expert, `a [E, D_in, r]` (uniform in
+    `±1/sqrt(D_in)`) and `b [E, r, D_out]` (zero), as `transformer.Lora` for a dense
+    projection: `(x a_e) b_e * alpha / r` for rows sorted by expert."""
+
+    num_experts: int
+    features: int
+    axes: tuple[str, str, str]
+    rank: int
+    alpha: float
+    dtype: str
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x_md, group_sizes):
+        e, d = self.num_experts, x_md.shape[-1]
+        experts, in_axis, out_axis = self.axes
+        bound = 1.0 / math.sqrt(d)
+        uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+        a = self.param("a", nn.with_logical_partitioning(uniform, (experts, in_axis, None)),
+                       (e, d, self.rank), self.param_dtype)
+        b = self.param("b", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                          (experts, None, out_axis)),
+                       (e, self.rank, self.features), self.param_dtype)
+        low = grouped(x_md.astype(self.dtype), a.astype(self.dtype), group_sizes)
+        out = grouped(low, b.astype(self.dtype), group_sizes)
+        return out * jnp.asarray(self.alpha / self.rank, self.dtype)
+
+
+class MoeMlp(nn.Module):
+    """The MoE block of a decoder layer: router, top-k, the experts' SwiGLU MLPs.
+
+    `__call__(x_btd, valid_bt)`; `valid_bt` (1 for a real token, or None) weights the
+    router statistics the block records in `ROUTER_COLLECTION` when that collection is
+    mutable (the update's forward); the outputs never depend on it.
+    """
+
+    config: object  # ModelConfig (not imported: config imports nothing from models)
+
+    @nn.compact
+    def __call__(self, x_btd: jax.Array, valid_bt: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        b, t, d = x_btd.shape
+        e, k, f = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        x_nd = x_btd.reshape(b * t, d).astype(c.dtype)
+        normal = nn.initializers.normal(c.initializer_range)
+        logits = nn.DenseGeneral(
+            e, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=nn.with_logical_partitioning(normal, ("embed", None)), name="router",
+        )(x_nd)
+        routing = route(logits, k, c.norm_topk_prob)
+        if self.is_mutable_collection(ROUTER_COLLECTION):
+            valid = None if valid_bt is None else valid_bt.reshape(-1)
+            self.sow(ROUTER_COLLECTION, ROUTER_NAME, router_stats(routing, valid))
+        plan = dispatch(routing.experts_nk, e)
+        x_md = jnp.take(x_nd, plan.order // k, axis=0)
+
+        def project(name, features, axes, rows_md):
+            out = ExpertProjection(e, features, axes, c.initializer_range, c.dtype,
+                                   c.param_dtype, name=name)(rows_md, plan.group_sizes)
+            if c.lora_rank and name in c.lora_targets:
+                adapter = ExpertLora(e, features, axes, c.lora_rank, c.lora_alpha, c.dtype,
+                                     c.param_dtype, name=f"{name}_lora")
+                out = out + adapter(rows_md, plan.group_sizes).astype(out.dtype)
+            return out
+
+        gate = project("gate_proj", f, ("experts", "embed", "mlp"), x_md)
+        up = project("up_proj", f, ("experts", "embed", "mlp"), x_md)
+        out_md = project("down_proj", d, ("experts", "mlp", "embed"), nn.silu(gate) * up)
+        # Back to (token, choice) order, weighted, summed over each token's k choices.
+        # Qwen3-MoE casts the weights to the compute dtype first; Mixtral keeps them in
+        # float32 until the sum (as transformers does).
+        inverse = jnp.zeros_like(plan.order).at[plan.order].set(
+            jnp.arange(plan.order.shape[0], dtype=jnp.int32))
+        out_nkd = jnp.take(out_md, inverse, axis=0).reshape(b * t, k, d)
+        weights = routing.weights_nk.astype(jnp.float32 if c.family == "mixtral" else c.dtype)
+        out_nd = jnp.einsum("nkd,nk->nd", out_nkd.astype(weights.dtype), weights)
+        return out_nd.astype(c.dtype).reshape(b, t, d)

@@ -95,6 +95,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.num_kv_heads = config_dict.placeholder(int)
     # Per-head width override.
     c.model.head_dim = config_dict.placeholder(int)
+    # Experts per layer override (mixture-of-experts presets: tiny-moe, qwen3-30b-a3b,
+    # mixtral-8x7b).
+    c.model.num_experts = config_dict.placeholder(int)
+    # Experts each token is routed to, override (MoE presets).
+    c.model.num_experts_per_tok = config_dict.placeholder(int)
+    # Each expert's MLP width override (MoE presets).
+    c.model.moe_intermediate_size = config_dict.placeholder(int)
 
     c.tokenizer = ml_collections.ConfigDict()
     # "char" (built-in character tokenizer) or "hf" (tokenizer files in model.path or `path`).
@@ -177,6 +184,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.kl_loss_coef = 0.001
     # KL estimator of the KL loss: k1, k2, k3 (low_var_kl), abs, mse, or a `+` variant.
     c.actor.kl_loss_type = "low_var_kl"
+    # Mixture-of-experts models: weight of the router's load-balancing loss (transformers'
+    # load_balancing_loss_func over the micro-batch's tokens, added to the actor loss;
+    # metric actor/router_aux_loss). None: the checkpoint's router_aux_loss_coef. 0: off.
+    c.actor.router_aux_loss_coef = config_dict.placeholder(float)
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128
     # Response-length buckets of every log-prob, value and update pass: the rows are

@@ -169,6 +169,8 @@ class ActorSettings:
     kl_loss_coef: float
     kl_loss_type: str
     optim: OptimSettings
+    # The MoE router's load-balancing loss coefficient (None: the checkpoint's).
+    router_aux_loss_coef: float | None = None
     # The update is on-policy and reads its old log-probs from its own forward pass
     # (`actor.reuse_update_log_probs` where it applies; `Settings` checks it does).
     on_policy: bool = False
@@ -193,6 +195,9 @@ class ActorSettings:
              kl_loss_coef=float(_number("actor.kl_loss_coef", self.kl_loss_coef,
                                         allow_zero=True)))
         _choice("actor.kl_loss_type", self.kl_loss_type, losses.KL_PENALTIES)
+        if self.router_aux_loss_coef is not None:
+            _set(self, router_aux_loss_coef=float(_number(
+                "actor.router_aux_loss_coef", self.router_aux_loss_coef, allow_zero=True)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,8 +502,9 @@ class ModelSettings:
       lora_targets: `model.target_modules` as the config gives it: the projections with
         adapters.
       lora_rollout: how rollouts apply the adapters ("merged" or "unmerged").
-      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: the
-        preset's overrides; None keeps the preset's value.
+      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
+        num_experts, num_experts_per_tok, moe_intermediate_size: the preset's overrides;
+        None keeps the preset's value.
       attention_impl: `model.attention_impl` where a config adds the key (None: it does
         not); only checked against runs in one program.
     """
@@ -522,6 +528,9 @@ class ModelSettings:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
     attention_impl: str | None = None
 
     def __post_init__(self):
@@ -531,9 +540,8 @@ class ModelSettings:
 
     def preset_overrides(self) -> dict:
         """The preset's overrides the config sets (`hidden_size`, ...)."""
-        names = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in PRESET_OVERRIDES
+                if getattr(self, name) is not None}
 
     def config_fields(self) -> dict:
         """The `ModelConfig` fields the config sets besides the architecture and the
@@ -545,6 +553,12 @@ class ModelSettings:
                 "scan_unroll": self.scan_unroll, "lora_rank": self.lora_rank,
                 "lora_alpha": self.lora_alpha, "lora_targets": self.lora_targets,
                 "lora_rollout": self.lora_rollout}
+
+
+# The `model.*` keys that override a preset's shape.
+PRESET_OVERRIDES = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                    "moe_intermediate_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1181,6 +1195,7 @@ def _actor(config, n: int, steps: int | None) -> ActorSettings:
         use_kl_loss=_get(config, "actor.use_kl_loss"),
         kl_loss_coef=_get(config, "actor.kl_loss_coef"),
         kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps),
+        router_aux_loss_coef=config.actor.get("router_aux_loss_coef"),
         correction=_rollout_correction(config))
 
 
@@ -1299,8 +1314,7 @@ def _model(config) -> ModelSettings:
     unroll = get("scan_unroll")
     if unroll is None:  # unrolled with token-budget micro-batches in the update
         unroll = any(config[role].get("use_dynamic_bsz", False) for role in ("actor", "critic"))
-    overrides = ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim")
+    overrides = PRESET_OVERRIDES
     return ModelSettings(
         path=model.path, preset=model.preset, param_dtype=model.param_dtype,
         dtype=model.dtype, remat=model.remat,

@@ -336,7 +336,8 @@ class ModelConfig:
             hf.update(num_experts_per_tok=self.num_experts_per_tok,
                       router_aux_loss_coef=self.router_aux_loss_coef)
         if self.family == "qwen3_moe":
-            hf.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+            hf.update(num_experts=self.num_experts,
+                      moe_intermediate_size=self.moe_intermediate_size,
                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
                       mlp_only_layers=[])
         if head == "score":

@@ -586,12 +586,14 @@ class Transformer(nn.Module):
 
 
 def _valid_tokens(mask) -> jax.Array:
-    """1 for each real token of the training forward's layout, `[B, T]` (the router
-    statistics of MoE layers leave the others out)."""
+    """Each token's weight in the router statistics of MoE layers, `[B, T]`: 1 for a real
+    token, 0 for padding; in the shared-prompt layout a prompt token counts once for each
+    row that shares it, as in the plain layout, where each row holds its copy."""
     if isinstance(mask, SharedPrompt):
-        p = mask.prompt_mask_gp.shape[1]
-        responses = mask.row_mask_bs[:, p:].reshape(mask.prompt_mask_gp.shape[0], -1)
-        return jnp.concatenate([mask.prompt_mask_gp, responses], axis=1)
+        groups, p = mask.prompt_mask_gp.shape
+        rows = mask.row_mask_bs.shape[0] // groups
+        responses = mask.row_mask_bs[:, p:].reshape(groups, -1)
+        return jnp.concatenate([mask.prompt_mask_gp * rows, responses], axis=1)
     if isinstance(mask, packed_attention.Segments):
         return mask.segment_ids_bt > 0
     return mask
@@ -605,8 +607,8 @@ FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
 def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
     """One layer's parameters with `q/k/v_proj` as one `qkv_proj` (`[D, N + 2K, H]`,
     query heads, then key, then value heads) and, in a dense model, `gate/up_proj` as one
-    `gate_up_proj` (`[D, 2, F]`): one matmul each instead of three and two, for decoding. Projections
-    with an unmerged LoRA adapter stay separate."""
+    `gate_up_proj` (`[D, 2, F]`): one matmul each instead of three and two, for decoding.
+    Projections with an unmerged LoRA adapter stay separate."""
     attn, mlp = dict(layer_params["attn"]), dict(layer_params["mlp"])
     if not any(f"{n}_lora" in attn for n in ("q_proj", "k_proj", "v_proj")):
         parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]

@@ -301,12 +301,23 @@ def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int)
     return prompt_ids, prompt_mask, responses, response_mask
 
 
+def _forward(params, tokens, positions, mask, config: ModelConfig, with_router: bool):
+    """The training forward's hidden states, and an MoE model's router statistics when
+    `with_router` (else None)."""
+    if with_router:
+        return transformer.forward_with_router(params, tokens, positions, mask, config=config)
+    return transformer.forward(params, tokens, positions, mask, config=config)[0], None
+
+
 def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *,
-                    config: ModelConfig, group: int = 1) -> Array:
+                    config: ModelConfig, group: int = 1, with_router: bool = False):
     """Hidden states `[B, R, D]` that predict each response token (one full forward).
 
     `group`: k > 1 when each run of k consecutive rows holds the same prompt (ids and
     mask): the prompt's layers then run once per run (the module docstring).
+    `with_router`: return `(hidden, router statistics)` of an MoE model
+    (`transformer.forward_with_router`), each row's prompt counted once per row in either
+    layout.
     """
     r_out = responses.shape[1]
     prompt_ids, prompt_mask, responses, response_mask = _even_lengths(
@@ -315,8 +326,9 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     p = prompt_ids.shape[1]
     r = responses.shape[1]
     if group == 1:
-        hidden_btd, _ = transformer.forward(params, tokens, positions, mask, config=config)
-        return hidden_btd[:, p - 1 : p + r - 1]
+        hidden_btd, stats = _forward(params, tokens, positions, mask, config, with_router)
+        hidden_brd = hidden_btd[:, p - 1 : p + r - 1]
+        return (hidden_brd, stats) if with_router else hidden_brd
     b = tokens.shape[0]
     if b % group:
         raise ValueError(f"{b} rows do not split into groups of {group} sharing a prompt")
@@ -324,13 +336,14 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     first = lambda x: x.reshape(g, group, *x.shape[1:])[:, 0]  # the group's prompt
     grouped = lambda x: jnp.concatenate([first(x[:, :p]), x[:, p:].reshape(g, group * r)], 1)
     shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
-    hidden_gtd, _ = transformer.forward(params, grouped(tokens), grouped(positions), shared,
-                                        config=config)
+    hidden_gtd, stats = _forward(params, grouped(tokens), grouped(positions), shared, config,
+                                 with_router)
     # Response token 0 is predicted by the prompt's last position, token t by response t-1.
     last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
     own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : max(r_out - 1, 0)]
     hidden_brd = jnp.concatenate([last_prompt, own], axis=1)[:, :r_out]  # R = 0: none
-    return constrain(hidden_brd, ("batch", None, None))
+    hidden_brd = constrain(hidden_brd, ("batch", None, None))
+    return (hidden_brd, stats) if with_router else hidden_brd
 
 
 def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask, *,
@@ -415,19 +428,23 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
 _HEAD_TOKENS = 2048
 
 
-def _packed_hidden(params, micro: packing.Micro, config: ModelConfig):
-    """Hidden states `[G, L, D]` of a packed micro-batch, and each slot's next token."""
+def _packed_hidden(params, micro: packing.Micro, config: ModelConfig,
+                   with_router: bool = False):
+    """Hidden states `[G, L, D]` of a packed micro-batch, each slot's next token, and the
+    router statistics of an MoE model when `with_router` (else None)."""
     tokens, positions, segments, targets = micro.inputs()
-    hidden, _ = transformer.forward(params, tokens, positions, segments, config=config)
-    return hidden, targets
+    hidden, stats = _forward(params, tokens, positions, segments, config, with_router)
+    return hidden, targets, stats
 
 
 def packed_log_probs(params, micro: packing.Micro, *, config: ModelConfig,
                      temperature: float = 1.0, chunk_size: int = 128,
-                     with_entropy: bool = False, entropy_grad: bool = True):
+                     with_entropy: bool = False, entropy_grad: bool = True,
+                     with_router: bool = False):
     """Per slot of a packed micro-batch, the log-prob (and entropy) of the token in the
-    next slot, `[G, L]` each (`packing.Micro.responses` takes them to the response grid)."""
-    hidden_gld, targets_gl = _packed_hidden(params, micro, config)
+    next slot, `[G, L]` each (`packing.Micro.responses` takes them to the response grid);
+    with `with_router`, an MoE model's router statistics as a third output."""
+    hidden_gld, targets_gl, stats = _packed_hidden(params, micro, config, with_router)
     # The head runs on the slots as `[rows, W]` so that a chunk of `chunk_size` columns
     # spans about _HEAD_TOKENS tokens (of one packed row it would be a thin matmul).
     g, length, d = hidden_gld.shape
@@ -436,12 +453,13 @@ def packed_log_probs(params, micro: packing.Micro, *, config: ModelConfig,
         params, hidden_gld.reshape(rows, -1, d), targets_gl.reshape(rows, -1),
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
         entropy_grad=entropy_grad, impl=config.logprob_impl)
-    return log_probs.reshape(g, length), entropy.reshape(g, length)
+    out = log_probs.reshape(g, length), entropy.reshape(g, length)
+    return (*out, stats) if with_router else out
 
 
 def packed_values(critic_params, micro: packing.Micro, *, config: ModelConfig) -> Array:
     """Per slot of a packed micro-batch, the critic's value of the state after it `[G, L]`."""
-    hidden, _ = _packed_hidden(critic_params, micro, config)
+    hidden, _, _ = _packed_hidden(critic_params, micro, config)
     return heads.values(critic_params, hidden)
 
 

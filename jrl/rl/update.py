@@ -22,6 +22,7 @@ import optax
 from jrl.algos import advantages as adv_lib
 from jrl.algos import losses, masks, rollout_correction
 from jrl.config.settings import ActorSettings, CriticSettings, UpdateSettings
+from jrl.models import moe
 from jrl.models.config import ModelConfig
 from jrl.rl import buckets, logprobs, packing
 from jrl.sharding import constrain
@@ -254,7 +255,7 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model_config: ModelConf
     mask = _live_mask(micro)
     with_entropy = actor.entropy_coeff != 0
     skips_old_pass = actor.skips_old_pass
-    log_probs, entropy = _micro_log_probs(
+    log_probs, entropy, router = _micro_log_probs(
         params, micro, model_config, group, temperature=temperature, chunk_size=chunk_size,
         with_entropy=with_entropy or skips_old_pass, entropy_grad=with_entropy)
     agg = lambda x: masks.agg_loss(x, mask, actor.loss.loss_agg_mode, normalizer,
@@ -276,21 +277,39 @@ def actor_loss(params, micro: Batch, normalizer, rng, *, model_config: ModelConf
         sums["kl_loss"] = agg(kld)
         loss = loss + actor.kl_loss_coef * sums["kl_loss"]
     means = {k.removeprefix("actor/"): v for k, v in means.items()}
+    if router is not None:  # an MoE model: the router's load-balancing loss and load
+        aux = moe.load_balancing_loss(router)
+        # Each micro-batch's loss (over all its tokens, as transformers computes it),
+        # weighted by its share of the mini-batch's response tokens: the micro-batches'
+        # terms add up to their token-weighted mean.
+        share = jnp.sum(mask) / jnp.maximum(normalizer.num_tokens, 1.0)
+        sums["router_aux_loss"] = aux * share
+        coef = actor.router_aux_loss_coef
+        coef = model_config.router_aux_loss_coef if coef is None else coef
+        loss = loss + coef * sums["router_aux_loss"]
+        means.update(moe.load_metrics(jax.lax.stop_gradient(router)))
     return loss, (sums, means, tokens)
 
 
 def _micro_log_probs(params, micro: Batch, model_config: ModelConfig, group: int, **kwargs):
     """The micro-batch's response log-probs and entropies `[micro, R]`: of its packed
-    sequences (token-budget micro-batches, `micro["packed"]`) or of its padded rows."""
+    sequences (token-budget micro-batches, `micro["packed"]`) or of its padded rows; and
+    an MoE model's router statistics (`moe.RouterStats`; None for a dense model)."""
+    with_router = model_config.is_moe
     if "packed" in micro:
-        return tuple(micro["packed"].responses(x, _attention(micro)) for x in
-                     logprobs.packed_log_probs(params, micro["packed"], config=model_config,
-                                               **kwargs))
+        out = logprobs.packed_log_probs(params, micro["packed"], config=model_config,
+                                        with_router=with_router, **kwargs)
+        log_probs, entropy = (micro["packed"].responses(x, _attention(micro))
+                              for x in out[:2])
+        return log_probs, entropy, out[2] if with_router else None
     hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
                                       micro["responses"], _attention(micro),
-                                      config=model_config, group=group)
-    return logprobs.token_log_probs(params, hidden, micro["responses"],
-                                    impl=model_config.logprob_impl, **kwargs)
+                                      config=model_config, group=group,
+                                      with_router=with_router)
+    hidden, router = hidden if with_router else (hidden, None)
+    log_probs, entropy = logprobs.token_log_probs(params, hidden, micro["responses"],
+                                                  impl=model_config.logprob_impl, **kwargs)
+    return log_probs, entropy, router
 
 
 def _policy_loss(log_probs, current, micro: Batch, mask, normalizer, rng,

@@ -73,8 +73,24 @@ def test_unsupported_architecture(broken):
 
 
 def test_unsupported_model_type_without_architectures():
-    with pytest.raises(ValueError, match="unsupported model_type 'gemma'.*'llama', 'qwen2'"):
-        ModelConfig.from_hf({"model_type": "gemma"})
+    with pytest.raises(ValueError,
+                       match="unsupported model_type 'mamba'.*'llama', 'mixtral', 'qwen2'"):
+        ModelConfig.from_hf({"model_type": "mamba"})
+
+
+@pytest.mark.parametrize("family, keys, match", [
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\].*every layer"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+])
+def test_moe_variants_jrl_does_not_model_are_named(family, keys, match):
+    hf = {"model_type": family, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4,
+          "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "max_position_embeddings": 32768, **keys}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(hf)
 
 
 def test_unsupported_rope_type(broken):

@@ -27,6 +27,9 @@ CAUSAL_CASES = [
     "qwen2_untied",
     "qwen3_tied",
     "qwen3_untied",
+    "qwen3_moe",
+    "qwen3_moe_unnormalised",
+    "mixtral",
 ]
 forward_logits_jit = jax.jit(forward_logits, static_argnames="config")
 forward_jit = jax.jit(forward, static_argnames="config")
@@ -62,7 +65,8 @@ def test_logits_match_transformers_on_left_padded_batch(
     assert config.tie_word_embeddings == ("lm_head" not in params)
 
 
-@pytest.mark.parametrize("case", ["llama_tied_llama3_rope", "qwen3_untied", "qwen2_untied"])
+@pytest.mark.parametrize("case", ["llama_tied_llama3_rope", "qwen3_untied", "qwen2_untied",
+                                  "qwen3_moe", "mixtral"])
 def test_save_pretrained_loads_in_transformers(
     case, hf_checkpoint, ragged_batch, random_params, tmp_path
 ):

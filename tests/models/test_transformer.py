@@ -37,6 +37,10 @@ PUBLISHED_PARAM_COUNTS = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920,
     "llama-3.2-1b": 1_235_814_400,
+    # Counted by hand from the released config.json shapes (embeddings and head untied,
+    # attention, router, E experts x 3 projections, norms): "30.5B" and "46.7B" published.
+    "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
 }
 LOGICAL_AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", None}
 
@@ -65,6 +69,32 @@ QWEN3_0_6B_CONFIG_JSON = {
     "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
 }
 
+# The published config.json of Qwen/Qwen3-30B-A3B.
+QWEN3_30B_A3B_CONFIG_JSON = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+# The published config.json of mistralai/Mixtral-8x7B-v0.1.
+MIXTRAL_8X7B_CONFIG_JSON = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 32000,
+}
+
 
 def _param_count(config, head="lm"):
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), head))
@@ -82,14 +112,39 @@ def test_preset_tensor_shapes_match_transformers(name):
     hf_config = transformers.AutoConfig.for_model(**config.to_hf())
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    hf_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    hf_shapes = _as_saved(model.state_dict(), config)
     if config.tie_word_embeddings:
         hf_shapes.pop("lm_head.weight")
     ours = {}
     for spec in tensor_specs(config):
-        names = [spec.hf_name.format(i=i) for i in range(config.num_layers)]
-        ours.update({n: spec.hf_shape for n in (names if spec.per_layer else [spec.hf_name])})
+        ours.update({spec.name(index): spec.hf_shape for index in spec.indices(config.num_layers)})
     assert ours == hf_shapes
+
+
+def _as_saved(state_dict, config) -> dict:
+    """The tensors' names and shapes as transformers writes them to files: in memory,
+    transformers 5 holds each MoE layer's experts as two fused tensors (`gate_up_proj`
+    `[E, 2F, D]`, `down_proj` `[E, D, F]`) and Mixtral's block under `mlp`; its files
+    hold one tensor per expert and projection."""
+    names = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(
+        config.family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    block, gate, up, down = names
+    shapes = {}
+    for key, value in state_dict.items():
+        key, shape = key.replace(".mlp.", f".{block}."), tuple(value.shape)
+        fused = re.fullmatch(rf"(model\.layers\.\d+\.{block}\.experts)\.(gate_up_proj|down_proj)",
+                             key)
+        if not fused:
+            shapes[key] = shape
+            continue
+        prefix, which = fused.groups()
+        for e in range(shape[0]):
+            if which == "down_proj":
+                shapes[f"{prefix}.{e}.{down}.weight"] = shape[1:]
+            else:
+                for name in (gate, up):
+                    shapes[f"{prefix}.{e}.{name}.weight"] = (shape[1] // 2, shape[2])
+    return shapes
 
 
 def test_from_hf_reads_published_configs():
@@ -97,6 +152,8 @@ def test_from_hf_reads_published_configs():
     qwen3 = ModelConfig.from_hf(QWEN3_0_6B_CONFIG_JSON)
     assert qwen3 == PRESETS["qwen3-0.6b"]
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (128, True, False)
+    assert ModelConfig.from_hf(QWEN3_30B_A3B_CONFIG_JSON) == PRESETS["qwen3-30b-a3b"]
+    assert ModelConfig.from_hf(MIXTRAL_8X7B_CONFIG_JSON) == PRESETS["mixtral-8x7b"]
 
 
 def test_from_hf_reads_transformers5_rope_parameters():

@@ -1,0 +1,211 @@
+"""Mixture-of-experts layers (`jrl.models.moe`) against references written here: routing
+by hand, the block as a per-token loop in numpy and as a dense one-hot computation (for
+gradients), transformers' load-balancing loss, and the actor loss's router term."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jrl.algos import masks
+from jrl.models import (
+    ModelConfig,
+    forward,
+    forward_with_router,
+    init_params,
+    load_pretrained,
+    lora,
+    moe,
+)
+from jrl.rl import logprobs, update
+from tests.rl.test_shared_prompts import _grouped_batch
+from tests.rl.test_update import _actor_settings
+
+# Jitted, so that each test builds a few programs rather than one per operation.
+_forward = jax.jit(forward, static_argnames="config")
+_forward_with_router = jax.jit(forward_with_router, static_argnames="config")
+
+_CONFIG = ModelConfig.preset("tiny-moe", hidden_size=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=8, initializer_range=0.5)
+
+
+def test_route_takes_the_top_k_probabilities_and_renormalises():
+    logits = jnp.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.5 + 1e-3, 4.0]])
+    e = np.exp(np.asarray(logits, np.float64))
+    probs = e / e.sum(-1, keepdims=True)
+    # Token 0: experts 1 (e^3) and 2 (e^2); token 1: experts 3 and 2 (0.501 > 0.5).
+    top = np.array([[1, 2], [3, 2]])
+    top_p = np.take_along_axis(probs, top, -1)
+
+    routed = moe.route(logits, 2, normalize=True)
+    np.testing.assert_array_equal(routed.experts_nk, top)
+    np.testing.assert_allclose(routed.weights_nk, top_p / top_p.sum(-1, keepdims=True),
+                               rtol=1e-6)
+    np.testing.assert_allclose(routed.probs_ne, probs, rtol=1e-6)
+    unnormalised = moe.route(logits, 2, normalize=False)
+    np.testing.assert_allclose(unnormalised.weights_nk, top_p, rtol=1e-6)
+
+
+def _block_params(config, seed=0, rank=0):
+    """Random parameters of one `MoeMlp` (with LoRA adapters of rank `rank`)."""
+    config = dataclasses.replace(config, lora_rank=rank)
+    x = jnp.zeros((1, 1, config.hidden_size))
+    shapes = jax.eval_shape(lambda: moe.MoeMlp(config).init(jax.random.key(0), x))["params"]
+    rng = np.random.default_rng(seed)
+    return config, jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(0, 0.5, s.shape), s.dtype), nn.meta.unbox(shapes))
+
+
+def _numpy_block(params, config, x_nd):
+    """The block token by token: softmax, the k largest, renormalised, each chosen
+    expert's SwiGLU MLP (LoRA folded into its kernels) weighted and summed."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    scale = config.lora_alpha / max(config.lora_rank, 1)
+
+    def kernel(name, e):
+        w = p[name]["kernel"][e]
+        if f"{name}_lora" in p:
+            w = w + p[f"{name}_lora"]["a"][e] @ p[f"{name}_lora"]["b"][e] * scale
+        return w
+
+    out = np.zeros_like(x_nd, np.float64)
+    for n, x in enumerate(np.asarray(x_nd, np.float64)):
+        logits = x @ p["router"]["kernel"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-probs, kind="stable")[: config.num_experts_per_tok]
+        weights = probs[chosen] / (probs[chosen].sum() if config.norm_topk_prob else 1.0)
+        for e, w in zip(chosen, weights, strict=True):
+            gate, up = x @ kernel("gate_proj", e), x @ kernel("up_proj", e)
+            hidden = gate / (1 + np.exp(-gate)) * up
+            out[n] += w * (hidden @ kernel("down_proj", e))
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_block_equals_a_per_token_loop(rank):
+    """Dropless dispatch gives every token its own k experts, with and without LoRA
+    adapters on the experts."""
+    config, params = _block_params(_CONFIG, rank=rank)
+    x = jax.random.normal(jax.random.key(1), (3, 5, config.hidden_size))
+    got = jax.jit(moe.MoeMlp(config).apply)({"params": params}, x)
+    want = _numpy_block(params, config, np.asarray(x).reshape(-1, config.hidden_size))
+    # (float32 sums of values up to ~100: tolerances relative to the largest)
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
+                               atol=1e-6 * np.abs(want).max(), rtol=1e-5)
+
+
+def _dense_block(params, config, x_btd):
+    """The block computed for every expert on every token, weighted by a dense `[N, E]`
+    matrix of the routing weights (zero for experts not chosen)."""
+    x = x_btd.reshape(-1, x_btd.shape[-1])
+    routed = moe.route(x @ params["router"]["kernel"], config.num_experts_per_tok,
+                       config.norm_topk_prob)
+    dense_w = jnp.sum(jax.nn.one_hot(routed.experts_nk, config.num_experts)
+                      * routed.weights_nk[..., None], axis=1)
+    gate = jnp.einsum("nd,edf->nef", x, params["gate_proj"]["kernel"])
+    up = jnp.einsum("nd,edf->nef", x, params["up_proj"]["kernel"])
+    out = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, params["down_proj"]["kernel"])
+    return jnp.einsum("ned,ne->nd", out, dense_w).reshape(x_btd.shape)
+
+
+def test_block_gradients_equal_the_dense_computation():
+    """Gradients through the grouped matmuls, the permutation and the weights: inputs,
+    router and every expert kernel."""
+    config, params = _block_params(_CONFIG, seed=2)
+    x = jax.random.normal(jax.random.key(3), (2, 6, config.hidden_size))
+    cotangent = jax.random.normal(jax.random.key(4), x.shape)
+    loss = lambda fn: lambda prm, x: jnp.sum(fn(prm, x) * cotangent)
+    ours = loss(lambda prm, x: moe.MoeMlp(config).apply({"params": prm}, x))
+    dense = loss(functools.partial(lambda prm, x, c: _dense_block(prm, c, x), c=config))
+    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(dense, argnums=(0, 1)))(params, x)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4), got, want)
+
+
+def test_load_balancing_loss_equals_transformers(hf_checkpoint, ragged_batch):
+    """`load_balancing_loss` over the layers' statistics of a left-padded batch equals the
+    `aux_loss` transformers returns with `output_router_logits` (padding left out)."""
+    for case in ("qwen3_moe", "mixtral"):
+        path, model = hf_checkpoint(case)
+        config, params = load_pretrained(path)
+        with torch.no_grad():
+            want = model(
+                input_ids=torch.as_tensor(ragged_batch["tokens"], dtype=torch.long),
+                attention_mask=torch.as_tensor(ragged_batch["mask"], dtype=torch.long),
+                position_ids=torch.as_tensor(ragged_batch["positions"], dtype=torch.long),
+                output_router_logits=True,
+            ).aux_loss.item()
+        _, stats = _forward_with_router(
+            params, *(jnp.asarray(ragged_batch[k]) for k in ("tokens", "positions", "mask")),
+            config=config)
+        np.testing.assert_allclose(moe.load_balancing_loss(stats), want, rtol=1e-5,
+                                   err_msg=case)
+        assert float(jnp.sum(stats.tokens)) == config.num_layers * ragged_batch["mask"].sum()
+
+
+def test_load_metrics_by_hand():
+    stats = moe.RouterStats(assigned_e=jnp.array([[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),
+                            probs_e=jnp.zeros((2, 4)), tokens=jnp.array([4.0, 4.0]))
+    got = {k: float(v) for k, v in moe.load_metrics(stats).items()}
+    assert got == {"moe/tokens_per_expert_min": 0.0, "moe/tokens_per_expert_mean": 2.0,
+                   "moe/tokens_per_expert_max": 6.0,
+                   # layer 0: 6 / 2; layer 1: 2 / 2.
+                   "moe/max_over_mean_load": 2.0}
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_actor_loss_adds_the_router_loss_of_the_plain_layout(group):
+    """The actor loss gains `coef x` the load-balancing loss of every sequence's tokens
+    (prompt and response) as one forward per row computes it, also when rows share their
+    prompt's forward (`group`), with the load metrics beside it."""
+    config = dataclasses.replace(_CONFIG, vocab_size=40, num_layers=1)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    ids, pmask, resp, rmask = _grouped_batch(0, groups=2, k=2, p=4, r=5)
+    rng = np.random.default_rng(0)
+    micro = {"prompt_ids": ids, "prompt_mask": pmask, "responses": resp, "response_mask": rmask,
+             "old_log_probs": jnp.asarray(-rng.random(rmask.shape), jnp.float32),
+             "ref_log_probs": jnp.asarray(-rng.random(rmask.shape), jnp.float32),
+             "advantages": jnp.asarray(rng.normal(size=rmask.shape), jnp.float32)}
+    normalizer = masks.loss_normalizer(rmask)
+
+    def loss(coef):
+        actor = dataclasses.replace(_actor_settings(4), router_aux_loss_coef=coef)
+        return jax.jit(functools.partial(
+            update.actor_loss, model_config=config, actor=actor, temperature=1.0, chunk_size=4,
+            group=group))(params, micro, normalizer, jax.random.key(0))
+
+    (without, _), (with_aux, (sums, means, _)) = loss(0.0), loss(0.5)
+    tokens, mask, positions = logprobs.sequence_inputs(ids, pmask, resp, rmask)
+    _, stats = _forward_with_router(params, tokens, positions, mask, config=config)
+    want = moe.load_balancing_loss(stats)
+    np.testing.assert_allclose(sums["router_aux_loss"], want, rtol=1e-5)
+    np.testing.assert_allclose(with_aux - without, 0.5 * want, rtol=1e-4)
+    assert float(means["moe/tokens_per_expert_mean"]) == pytest.approx(
+        float(mask.sum()) * config.num_experts_per_tok / config.num_experts)
+
+
+def test_expert_adapters_merge_into_the_kernels():
+    """`lora.merge` folds each expert's adapter into its kernel: the merged model computes
+    what the adapted one does."""
+    config = dataclasses.replace(_CONFIG, vocab_size=40, lora_rank=4)
+    base, _ = lora.split(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    adapters = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(1), a.shape),
+                            lora.init_adapters(config, jax.random.key(2)))
+    params = lora.combine(base, adapters)
+    tokens = jax.random.randint(jax.random.key(3), (2, 6), 3, 40)
+    mask = jnp.ones_like(tokens)
+    positions = jnp.cumsum(mask, 1) - 1
+    adapted, _ = _forward(params, tokens, positions, mask, config=config)
+    merged_config, merged = lora.merge(params, config)
+    plain, _ = _forward(merged, tokens, positions, mask, config=merged_config)
+    bare, _ = _forward(base, tokens, positions, mask, config=merged_config)
+    np.testing.assert_allclose(plain, adapted, atol=2e-5)
+    assert float(jnp.abs(bare - adapted).max()) > 1e-2  # the adapters do change the output
+    with pytest.raises(ValueError, match="experts of an MoE model .*gate_proj"):
+        lora.save_peft(params, config, "/nonexistent")

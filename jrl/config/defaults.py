@@ -188,6 +188,12 @@ def base_config() -> ml_collections.ConfigDict:
     # load_balancing_loss_func over the micro-batch's tokens, added to the actor loss;
     # metric actor/router_aux_loss). None: the checkpoint's router_aux_loss_coef. 0: off.
     c.actor.router_aux_loss_coef = config_dict.placeholder(float)
+    # Mixture-of-experts routing replay (verl's router_replay): "rollout" records each
+    # token's experts in every layer during the rollout and routes the actor's log-prob
+    # and update passes to them (the weights still the training router's), so rollout
+    # and training use the same experts; "disabled": each pass routes for itself. Not
+    # with multi-turn rollouts, rollout.cache_segments > 1 or token-budget micro-batches.
+    c.actor.router_replay = "disabled"
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128
     # Response-length buckets of every log-prob, value and update pass: the rows are

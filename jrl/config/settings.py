@@ -28,6 +28,7 @@ from jrl.data import synthetic
 from jrl.errors import ConfigError
 from jrl.kernels import mosaic_backend
 from jrl.models import config as model_config
+from jrl.models import hf
 from jrl.rewards import custom, in_graph, reward_model, scoring
 from jrl.rl import buckets
 from jrl.rollout import multi_turn, sampler
@@ -171,6 +172,8 @@ class ActorSettings:
     optim: OptimSettings
     # The MoE router's load-balancing loss coefficient (None: the checkpoint's).
     router_aux_loss_coef: float | None = None
+    # "rollout": the actor's passes route each token to the rollout's experts.
+    router_replay: str = "disabled"
     # The update is on-policy and reads its old log-probs from its own forward pass
     # (`actor.reuse_update_log_probs` where it applies; `Settings` checks it does).
     on_policy: bool = False
@@ -195,6 +198,7 @@ class ActorSettings:
              kl_loss_coef=float(_number("actor.kl_loss_coef", self.kl_loss_coef,
                                         allow_zero=True)))
         _choice("actor.kl_loss_type", self.kl_loss_type, losses.KL_PENALTIES)
+        _choice("actor.router_replay", self.router_replay, ROUTER_REPLAY_MODES)
         if self.router_aux_loss_coef is not None:
             _set(self, router_aux_loss_coef=float(_number(
                 "actor.router_aux_loss_coef", self.router_aux_loss_coef, allow_zero=True)))
@@ -1025,6 +1029,7 @@ def _sampling(config, key: str) -> SamplingConfig:
         decode_buckets=_decode_buckets(config),
         cache_segments=_get(config, "rollout.cache_segments"),
         gemm=_get(config, "rollout.gemm"),
+        record_routing=key == "rollout" and config.actor.get("router_replay") == "rollout",
     ), key)
 
 
@@ -1156,6 +1161,41 @@ def _critic_lora(config) -> dict:
     return fields
 
 
+ROUTER_REPLAY_MODES = ("disabled", "rollout")
+
+
+def _check_router_replay(config, settings: Settings) -> None:
+    """Routing replay needs an MoE model and a rollout that records its routing in one
+    program, replayed on padded micro-batches."""
+    if settings.actor.router_replay == "disabled":
+        return
+    key = "actor.router_replay"
+    family = _model_family(config)
+    if family not in model_config.MOE_FAMILIES:
+        _fail(key, f"'rollout' replays the experts of a mixture-of-experts model "
+              f"({', '.join(model_config.MOE_FAMILIES)}); the model is {family!r}")
+    others = {"rollout.multi_turn.enable=True": settings.multi_turn is not None,
+              f"rollout.cache_segments={settings.rollout.cache_segments}":
+                  settings.rollout.cache_segments > 1,
+              "actor.use_dynamic_bsz=True": settings.actor.update.max_token_len is not None,
+              "rollout.log_prob_use_dynamic_bsz=True": settings.log_prob_max_token_len
+                  is not None}
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        _fail(key, f"'rollout' is not supported with {', '.join(clash)} (the rollout records "
+              "its routing in one program, replayed on padded micro-batches); set "
+              f"{key}='disabled' or change those keys")
+
+
+def _model_family(config) -> str:
+    """The model's family, from the checkpoint's config.json or the preset."""
+    path = _get(config, "model.path")
+    if path:
+        return model_config.hf_family_and_head(
+            hf.read_hf_config(os.path.expanduser(path)))[0]
+    return model_config.ModelConfig.preset(_get(config, "model.preset")).family
+
+
 def _check_model(config) -> None:
     """The `model` keys the trainer reads: float32 parameters, a compute dtype, remat."""
     if _get(config, "model.param_dtype") != "float32":
@@ -1196,6 +1236,7 @@ def _actor(config, n: int, steps: int | None) -> ActorSettings:
         kl_loss_coef=_get(config, "actor.kl_loss_coef"),
         kl_loss_type=_get(config, "actor.kl_loss_type"), optim=_optim(config, "actor", steps),
         router_aux_loss_coef=config.actor.get("router_aux_loss_coef"),
+        router_replay=config.actor.get("router_replay", "disabled"),
         correction=_rollout_correction(config))
 
 
@@ -1411,6 +1452,7 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids=None, pad_t
         log_prob_max_token_len=_log_prob_max_token_len(config))
     settings = _reuse_update_passes(config, settings)
     _check_multi_run(config, settings)
+    _check_router_replay(config, settings)
     if stop_token_ids is None:
         return settings
     return settings.with_data(stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,

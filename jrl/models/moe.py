@@ -23,6 +23,12 @@ experts' width, `moe_intermediate_size`):
     mlp/down_proj/kernel       [E, F, D]    (experts, mlp, embed)
     mlp/<name>_lora/{a, b}     [E, in, r], [E, r, out]   LoRA on the experts
 
+Routing replay (verl's `router_replay`): the sampler records each token's k experts in
+every layer (`RECORD_COLLECTION`), and the training passes route each token to its
+recorded experts instead of their own top k (`forced`), the weights still the training
+router's probabilities of those experts (renormalised as configured); a token with no
+record (`NOT_RECORDED`) takes its own top k.
+
 The router's load-balancing loss is transformers' `load_balancing_loss_func` (Switch
 Transformer, Fedus et al. 2021, eqs. 4-6, generalised to k experts a token): with
 `f_e` the share of the (token, choice) pairs routed to expert e and `P_e` the mean
@@ -43,6 +49,10 @@ from jax import lax
 # The collection and name under which each MoE layer records its router statistics
 # (`nn.Module.sow`); `transformer.forward_with_router` collects them.
 ROUTER_COLLECTION, ROUTER_NAME = "intermediates", "router_stats"
+# ... and each token's chosen experts, `[B, T, k]` (routing replay; the sampler's forwards).
+RECORD_COLLECTION, RECORD_NAME = "routing", "experts"
+# A recorded expert id meaning "no record": the token routes itself.
+NOT_RECORDED = -1
 
 
 class Routing(NamedTuple):
@@ -73,12 +83,18 @@ class RouterStats(NamedTuple):
     tokens: jax.Array
 
 
-def route(logits_ne: jax.Array, k: int, normalize: bool) -> Routing:
+def route(logits_ne: jax.Array, k: int, normalize: bool,
+          forced_nk: jax.Array | None = None) -> Routing:
     """Top-k routing as transformers computes it: softmax in float32, the k largest
     probabilities (ties to the lower expert index), renormalised to sum to 1 when
-    `normalize`."""
+    `normalize`. `forced_nk`: experts to route each token to instead (routing replay),
+    their weights the same probabilities'; rows of `NOT_RECORDED` route themselves."""
     probs = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
     weights, experts = lax.top_k(probs, k)
+    if forced_nk is not None:
+        recorded = jnp.all(forced_nk != NOT_RECORDED, axis=-1, keepdims=True)
+        experts = jnp.where(recorded, forced_nk.astype(jnp.int32), experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights, probs)
@@ -199,15 +215,18 @@ class ExpertLora(nn.Module):
 class MoeMlp(nn.Module):
     """The MoE block of a decoder layer: router, top-k, the experts' SwiGLU MLPs.
 
-    `__call__(x_btd, valid_bt)`; `valid_bt` (1 for a real token, or None) weights the
-    router statistics the block records in `ROUTER_COLLECTION` when that collection is
-    mutable (the update's forward); the outputs never depend on it.
+    `__call__(x_btd, valid_bt, forced_btk)`; `valid_bt` (1 for a real token, or None)
+    weights the router statistics the block records in `ROUTER_COLLECTION` when that
+    collection is mutable (the update's forward); the outputs never depend on it.
+    `forced_btk`: recorded experts to route to (routing replay), or None. The chosen
+    experts are recorded in `RECORD_COLLECTION` when it is mutable.
     """
 
     config: object  # ModelConfig (not imported: config imports nothing from models)
 
     @nn.compact
-    def __call__(self, x_btd: jax.Array, valid_bt: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, valid_bt: jax.Array | None = None,
+                 forced_btk: jax.Array | None = None) -> jax.Array:
         c = self.config
         b, t, d = x_btd.shape
         e, k, f = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
@@ -217,7 +236,10 @@ class MoeMlp(nn.Module):
             e, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
             kernel_init=nn.with_logical_partitioning(normal, ("embed", None)), name="router",
         )(x_nd)
-        routing = route(logits, k, c.norm_topk_prob)
+        forced = None if forced_btk is None else forced_btk.reshape(b * t, k)
+        routing = route(logits, k, c.norm_topk_prob, forced)
+        if self.is_mutable_collection(RECORD_COLLECTION):
+            self.sow(RECORD_COLLECTION, RECORD_NAME, routing.experts_nk.reshape(b, t, k))
         if self.is_mutable_collection(ROUTER_COLLECTION):
             valid = None if valid_bt is None else valid_bt.reshape(-1)
             self.sow(ROUTER_COLLECTION, ROUTER_NAME, router_stats(routing, valid))

@@ -487,7 +487,8 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index, valid_bt=None):
+    def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index, valid_bt=None,
+                 forced_btk=None):
         x_btd, cache = carry
         c = self.config
         recompute = _recomputes_in_backward(c)
@@ -498,7 +499,7 @@ class DecoderLayer(nn.Module):
         x_btd = x_btd + attn_out
         mlp_in = _norm(c, "embed", "mlp_norm", recompute)(x_btd)
         if c.is_moe:
-            x_btd = x_btd + moe.MoeMlp(c, name="mlp")(mlp_in, valid_bt)
+            x_btd = x_btd + moe.MoeMlp(c, name="mlp")(mlp_in, valid_bt, forced_btk)
         else:
             x_btd = x_btd + Mlp(c, name="mlp")(mlp_in)
         return (constrain(x_btd, _HIDDEN), cache), None
@@ -522,7 +523,8 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
         # The MoE layers' router statistics (`moe.ROUTER_COLLECTION`) stack like the params.
         variable_axes={"params": 0, moe.ROUTER_COLLECTION: 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        # (layer index, RoPE, mask, write index, valid tokens, each layer's replayed experts)
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
         length=config.num_layers,
         unroll=config.num_layers if config.scan_unroll else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
@@ -542,7 +544,7 @@ class Transformer(nn.Module):
     head: str = "lm"
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, mask):
+    def __call__(self, tokens_bt, positions_bt, mask, routing_btlk=None):
         c = self.config
         normal = nn.initializers.normal(c.initializer_range)
         x_btd = nn.Embed(
@@ -567,8 +569,9 @@ class Transformer(nn.Module):
             mask_b1ts = attention_mask(mask, tokens_bt.shape[1], None)
         layers = jnp.arange(c.num_layers)
         valid_bt = _valid_tokens(mask) if c.is_moe else None
+        forced_lbtk = None if routing_btlk is None else jnp.moveaxis(routing_btlk, 2, 0)
         (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None,
-                                        valid_bt)
+                                        valid_bt, forced_lbtk)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
         if self.is_initializing():
             self._create_head(hidden_btd)
@@ -622,8 +625,10 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
     return {**layer_params, "attn": attn, "mlp": mlp}
 
 
-def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config):
-    """`forward` with a cache: the same layers as `Transformer`, applied one by one.
+def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config,
+                    record: bool = False):
+    """`forward` with a cache: the same layers as `Transformer`, applied one by one; with
+    `record` (an MoE model), also each token's experts in every layer, `[B, T, L, k]`.
 
     Layer l reads its keys/values as the cache's own buffers `k[l]`, `v[l]` and its
     weights as static slices of the stacked parameters (or, when `params["layers"]`
@@ -644,23 +649,31 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     # the same. Fresh, so that no trace outlives the mesh (`constrain`) it was made
     # under; not jitted when called eagerly, where it would compile at every call.
     def apply_layer(layer_params, x_btd, one_layer, sin_btk, cos_btk, mask_b1ts, write_index):
-        (x_btd, one_layer), _ = DecoderLayer(c).apply(
+        out = DecoderLayer(c).apply(
             {"params": layer_params}, (x_btd, one_layer), 0, sin_btk, cos_btk, mask_b1ts,
-            write_index)
-        return x_btd, one_layer
+            write_index, mutable=[moe.RECORD_COLLECTION] if record else False)
+        ((x_btd, one_layer), _), recorded = out if record else (out, None)
+        experts = (recorded[moe.RECORD_COLLECTION]["mlp"][moe.RECORD_NAME][0] if record
+                   else None)
+        return x_btd, one_layer, experts
 
     if isinstance(x_btd, jax.core.Tracer):
         apply_layer = jax.jit(apply_layer)
 
     stacked = not isinstance(params["layers"], (list, tuple))
+    experts = []
     for i in range(c.num_layers):
         layer_params = (jax.tree.map(lambda w, i=i: w[i], params["layers"]) if stacked
                         else params["layers"][i])
-        x_btd, one_layer = apply_layer(layer_params, x_btd, cache.replace(
+        x_btd, one_layer, chosen = apply_layer(layer_params, x_btd, cache.replace(
             k=(cache.k[i],), v=(cache.v[i],)), sin_btk, cos_btk, mask_b1ts, write_index)
         cache = cache.replace_layer(i, *one_layer.layer(0))
+        experts.append(chosen)
     final_norm = RMSNorm(c.rms_norm_eps, "embed", c.dtype, c.param_dtype)
-    return final_norm.apply({"params": params["final_norm"]}, x_btd), cache
+    hidden_btd = final_norm.apply({"params": params["final_norm"]}, x_btd)
+    if record:
+        return hidden_btd, cache, jnp.stack(experts, axis=2)
+    return hidden_btd, cache
 
 
 def _decode_tiles(cache):
@@ -728,6 +741,7 @@ def forward(
     write_index: jax.Array | int | None = None,
     *,
     config: ModelConfig,
+    routing: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the backbone: training forward (no cache), prefill or decode step.
 
@@ -744,6 +758,9 @@ def forward(
       write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
         with a cache, must be None without one.
       config: the architecture (static under jit).
+      routing: an MoE model's replayed experts, int `[B, T, L, k]` in the layout of
+        `tokens_bt` (`moe.NOT_RECORDED` where a token routes itself), for a forward
+        without a cache; None: every token routes itself.
 
     Returns:
       (hidden_btd, cache): final hidden states `[B, T, D]` after the final norm, in
@@ -751,22 +768,40 @@ def forward(
     """
     _check_forward_args(tokens_bt, mask, cache, write_index)
     if cache is not None:
+        if routing is not None:
+            raise ValueError("routing replay is for forwards without a cache")
         return _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index,
                                config)
     hidden_btd = Transformer(config, head="none").apply(
-        {"params": params}, tokens_bt, positions_bt, mask)
+        {"params": params}, tokens_bt, positions_bt, mask, routing)
     return hidden_btd, None
 
 
+def forward_recording(params: Params, tokens_bt: jax.Array, positions_bt: jax.Array,
+                      mask: jax.Array, cache: KVCache, write_index, *, config: ModelConfig
+                      ) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`forward` with a cache (prefill or decode) of an MoE model, with each token's
+    experts in every layer, int32 `[B, T, L, k]` (the sampler's record for routing
+    replay)."""
+    if not config.is_moe:
+        raise ValueError(f"recording experts needs an MoE model; family is {config.family!r}")
+    _check_forward_args(tokens_bt, mask, cache, write_index)
+    return _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config,
+                           record=True)
+
+
 def forward_with_router(params: Params, tokens_bt: jax.Array, positions_bt: jax.Array, mask,
-                        *, config: ModelConfig) -> tuple[jax.Array, moe.RouterStats]:
-    """The training forward of an MoE model (`forward` without a cache), with its layers'
-    router statistics, `[L, ...]` (`moe.load_balancing_loss`, `moe.load_metrics`)."""
+                        *, config: ModelConfig, routing: jax.Array | None = None
+                        ) -> tuple[jax.Array, moe.RouterStats]:
+    """The training forward of an MoE model (`forward` without a cache; `routing` as
+    there), with its layers' router statistics, `[L, ...]` (`moe.load_balancing_loss`,
+    `moe.load_metrics`)."""
     if not config.is_moe:
         raise ValueError(f"forward_with_router needs an MoE model; family is {config.family!r}")
     _check_forward_args(tokens_bt, mask, None, None)
     hidden_btd, collected = Transformer(config, head="none").apply(
-        {"params": params}, tokens_bt, positions_bt, mask, mutable=[moe.ROUTER_COLLECTION])
+        {"params": params}, tokens_bt, positions_bt, mask, routing,
+        mutable=[moe.ROUTER_COLLECTION])
     (stats,) = collected[moe.ROUTER_COLLECTION]["layers"]["mlp"][moe.ROUTER_NAME]
     return hidden_btd, stats
 

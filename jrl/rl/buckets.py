@@ -32,7 +32,7 @@ Array = jax.Array
 # cuDNN's attention backward), except the last, which is R.
 _MULTIPLE = 16
 # Arrays of a micro-batch dict that are not response-aligned.
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+PROMPT_KEYS = ("prompt_ids", "prompt_mask", "prompt_routing")
 
 
 def sizes(response_length: int, num_buckets: int) -> tuple[int, ...]:

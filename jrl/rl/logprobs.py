@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jrl import sharding
 from jrl.kernels import logprob_head
 from jrl.models import cache as cache_lib
-from jrl.models import context_attention, heads, transformer
+from jrl.models import context_attention, heads, moe, transformer
 from jrl.models.config import ModelConfig
 from jrl.rl import buckets, packing
 from jrl.sharding import constrain
@@ -283,33 +283,47 @@ def prompt_mismatch(prompt_ids, prompt_mask, group: int) -> Array:
     return jnp.sum(differs(prompt_ids) | differs(prompt_mask)).astype(jnp.float32)
 
 
-def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int):
+def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int,
+                  routing=()):
     """The inputs with masked columns added where cuDNN's attention needs even lengths
     (else it falls back to XLA's), or the `context` axis a multiple of its size
     (`jrl.models.context_attention`; the plain layout only): on the left of the prompts
     when P (the plain layout: P + R) is not a multiple, and in the shared layout on the
     right of the responses when R is odd. Masked columns change no real token's output
-    (positions follow the mask)."""
-    pad = lambda x, left, right: jnp.pad(x, ((0, 0), (left, right)))
+    (positions follow the mask). `routing`: the recorded `(prompt_routing,
+    response_routing)` to pad alike (with `moe.NOT_RECORDED`), or ()."""
+    def pad(x, left, right, value=0):
+        widths = ((0, 0), (left, right)) + ((0, 0),) * (x.ndim - 2)
+        return jnp.pad(x, widths, constant_values=value)
+
+    routing = list(routing)
     p, r = prompt_ids.shape[1], responses.shape[1]
     multiple = 2 if group > 1 else max(2, context_attention.context_size())
     extra = -(p if group > 1 else p + r) % multiple
     if extra:
         prompt_ids, prompt_mask = pad(prompt_ids, extra, 0), pad(prompt_mask, extra, 0)
+        if routing:
+            routing[0] = pad(routing[0], extra, 0, moe.NOT_RECORDED)
     if group > 1 and r % 2:
         responses, response_mask = pad(responses, 0, 1), pad(response_mask, 0, 1)
-    return prompt_ids, prompt_mask, responses, response_mask
+        if routing:
+            routing[1] = pad(routing[1], 0, 1, moe.NOT_RECORDED)
+    return prompt_ids, prompt_mask, responses, response_mask, tuple(routing)
 
 
-def _forward(params, tokens, positions, mask, config: ModelConfig, with_router: bool):
+def _forward(params, tokens, positions, mask, config: ModelConfig, with_router: bool,
+             routing=None):
     """The training forward's hidden states, and an MoE model's router statistics when
-    `with_router` (else None)."""
+    `with_router` (else None); `routing`: the experts to replay (`transformer.forward`)."""
     if with_router:
-        return transformer.forward_with_router(params, tokens, positions, mask, config=config)
-    return transformer.forward(params, tokens, positions, mask, config=config)[0], None
+        return transformer.forward_with_router(params, tokens, positions, mask, config=config,
+                                               routing=routing)
+    return transformer.forward(params, tokens, positions, mask, config=config,
+                               routing=routing)[0], None
 
 
-def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *,
+def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
+                    prompt_routing=None, response_routing=None, *,
                     config: ModelConfig, group: int = 1, with_router: bool = False):
     """Hidden states `[B, R, D]` that predict each response token (one full forward).
 
@@ -317,16 +331,20 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     mask): the prompt's layers then run once per run (the module docstring).
     `with_router`: return `(hidden, router statistics)` of an MoE model
     (`transformer.forward_with_router`), each row's prompt counted once per row in either
-    layout.
+    layout. `prompt_routing [B, P, L, k]`, `response_routing [B, R, L, k]`: an MoE model's
+    experts to replay (the rollout's), or None.
     """
     r_out = responses.shape[1]
-    prompt_ids, prompt_mask, responses, response_mask = _even_lengths(
-        prompt_ids, prompt_mask, responses, response_mask, group)
+    recorded = () if prompt_routing is None else (prompt_routing, response_routing)
+    prompt_ids, prompt_mask, responses, response_mask, recorded = _even_lengths(
+        prompt_ids, prompt_mask, responses, response_mask, group, recorded)
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, responses, response_mask)
+    routing = jnp.concatenate(recorded, axis=1) if recorded else None
     p = prompt_ids.shape[1]
     r = responses.shape[1]
     if group == 1:
-        hidden_btd, stats = _forward(params, tokens, positions, mask, config, with_router)
+        hidden_btd, stats = _forward(params, tokens, positions, mask, config, with_router,
+                                     routing)
         hidden_brd = hidden_btd[:, p - 1 : p + r - 1]
         return (hidden_brd, stats) if with_router else hidden_brd
     b = tokens.shape[0]
@@ -334,10 +352,11 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
         raise ValueError(f"{b} rows do not split into groups of {group} sharing a prompt")
     g = b // group
     first = lambda x: x.reshape(g, group, *x.shape[1:])[:, 0]  # the group's prompt
-    grouped = lambda x: jnp.concatenate([first(x[:, :p]), x[:, p:].reshape(g, group * r)], 1)
+    grouped = lambda x: jnp.concatenate(
+        [first(x[:, :p]), x[:, p:].reshape(g, group * r, *x.shape[2:])], 1)
     shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
     hidden_gtd, stats = _forward(params, grouped(tokens), grouped(positions), shared, config,
-                                 with_router)
+                                 with_router, None if routing is None else grouped(routing))
     # Response token 0 is predicted by the prompt's last position, token t by response t-1.
     last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
     own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : max(r_out - 1, 0)]
@@ -346,13 +365,14 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask, *
     return (hidden_brd, stats) if with_router else hidden_brd
 
 
-def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask, *,
+def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask,
+                       prompt_routing=None, response_routing=None, *,
                        config: ModelConfig, temperature: float = 1.0, chunk_size: int = 128,
                        with_entropy: bool = False, group: int = 1):
     """Log-probs `[B, R]` of the responses under `params` (and entropy `[B, R]`);
-    `group` as in `response_hidden`."""
+    `group` and the routing to replay as in `response_hidden`."""
     hidden = response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
-                             config=config, group=group)
+                             prompt_routing, response_routing, config=config, group=group)
     return token_log_probs(params, hidden, responses, temperature=temperature,
                            chunk_size=chunk_size, with_entropy=with_entropy,
                            impl=config.logprob_impl)
@@ -369,8 +389,8 @@ def response_values(critic_params, prompt_ids, prompt_mask, responses, response_
 
 def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = (),
                      group: int = 1):
-    """`fn(params, prompt_ids, prompt_mask, responses, attention_mask) -> outputs`, run over
-    micro-batches of `micro_batch` rows.
+    """`fn(params, prompt_ids, prompt_mask, responses, attention_mask[, prompt_routing,
+    response_routing]) -> outputs`, run over micro-batches of `micro_batch` rows.
 
     The rows `[N, ...]` are viewed as `[N / micro_batch, micro_batch, ...]` and mapped
     sequentially (`lax.map`), so activations and logits are bounded by one micro-batch;
@@ -387,20 +407,23 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
     if micro_batch is None and len(bucket_sizes) < 2:
         return fn
 
-    def bucketed(params, prompt_ids, prompt_mask, responses, attention_mask):
+    def bucketed(params, prompt_ids, prompt_mask, responses, attention_mask, *routing):
         if len(bucket_sizes) < 2:
-            return fn(params, prompt_ids, prompt_mask, responses, attention_mask)
+            return fn(params, prompt_ids, prompt_mask, responses, attention_mask, *routing)
         r = responses.shape[1]
+        prompt_routing = routing[:1]  # the response routing is cut with the responses
 
         def branch(size):
-            def run(responses, attention_mask):
+            def run(responses, attention_mask, *response_routing):
                 out = fn(params, prompt_ids, prompt_mask, responses[:, :size],
-                         attention_mask[:, :size])
+                         attention_mask[:, :size], *prompt_routing,
+                         *(x[:, :size] for x in response_routing))
                 return buckets.pad_columns(out, r)
             return run
 
         length = jnp.max(buckets.used_lengths(attention_mask))
-        return buckets.switch(length, bucket_sizes, branch, responses, attention_mask)
+        return buckets.switch(length, bucket_sizes, branch, responses, attention_mask,
+                              *routing[1:])
 
     def mapped(params, *arrays):
         n = arrays[0].shape[0]

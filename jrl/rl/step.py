@@ -44,7 +44,8 @@ from jrl.rollout.sampler import RolloutOutput, SamplingConfig, generate_program
 _SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "responses", "response_mask",
                     "response_attention_mask")
 _ACTOR_FIELDS = _SEQUENCE_FIELDS + ("old_log_probs", "advantages", "ref_log_probs",
-                                    "rollout_is_weights")
+                                    "rollout_is_weights", "prompt_routing",
+                                    "response_routing")
 _CRITIC_FIELDS = _SEQUENCE_FIELDS + ("values", "returns")
 _ON_POLICY_CRITIC_FIELDS = _SEQUENCE_FIELDS + ("token_level_rewards",)
 # The prefixes of `data_metrics`' keys.
@@ -190,7 +191,8 @@ def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:
     """The sampler's output as the step's `Rollout` (log-probs only when sampling)."""
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    responses=out.responses, response_mask=out.response_mask,
-                   rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)
+                   rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None,
+                   prompt_routing=out.prompt_routing, response_routing=out.response_routing)
 
 
 def rollout_params(state: TrainState, frozen=None, *, model_config: ModelConfig,
@@ -257,17 +259,21 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, set
             return lambda params, *_: logprobs.packed_pass(packed_fn, params, plan, seq[3])
         return logprobs.in_micro_batches(padded_fn, settings.log_prob_micro_batch, sizes, group)
 
-    def log_probs(params, config, with_entropy):
+    def log_probs(params, config, with_entropy, routing=()):
         kwargs = dict(config=config, temperature=settings.rollout.temperature,
                       chunk_size=settings.logprob_chunk_size, with_entropy=with_entropy)
         return passes(functools.partial(logprobs.response_log_probs, **kwargs),
-                      functools.partial(logprobs.packed_log_probs, **kwargs))(params, *seq)
+                      functools.partial(logprobs.packed_log_probs, **kwargs))(
+            params, *seq, *routing)
 
     runs = forward_passes(settings, ref_params is not None)
     old_log_probs, entropy = None, None
     if "old_log_probs" in runs:  # else the update's pass or the rollout gives them
+        # The actor's experts are the rollout's where it recorded them (routing replay);
+        # the reference routes for itself.
         old_log_probs, entropy = log_probs(
-            compute_params(actor_params(state, frozen), model_config), model_config, True)
+            compute_params(actor_params(state, frozen), model_config), model_config, True,
+            Experience.of(rollout).routing())
     base_model = lora.without(model_config)
     ref_log_probs = None
     if "ref_log_probs" in runs:

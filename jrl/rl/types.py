@@ -37,6 +37,11 @@ class Rollout:
     # [N, R] float32, the sampler's log-prob of each token it drew (0 off the model's
     # tokens); None for greedy rollouts.
     rollout_log_probs: Array | None = None
+    # [N, P, L, k] and [N, R, L, k] int32, an MoE model's experts for each prompt and
+    # response token in every layer, as the rollout routed them (`actor.router_replay`);
+    # else None.
+    prompt_routing: Array | None = None
+    response_routing: Array | None = None
 
     def attention_mask(self) -> Array:
         return self.response_mask if self.response_attention_mask is None else \
@@ -64,15 +69,24 @@ class Experience:
     reward_baselines: Array | None = None  # [N] float32, greedy rewards (ReMax)
     response_attention_mask: Array | None = None  # [N, R] (`Rollout`'s)
     rollout_log_probs: Array | None = None  # [N, R] (`Rollout`'s)
+    prompt_routing: Array | None = None  # [N, P, L, k] (`Rollout`'s)
+    response_routing: Array | None = None  # [N, R, L, k] (`Rollout`'s)
 
     attention_mask = Rollout.attention_mask
+
+    def routing(self) -> tuple[Array, Array] | tuple[()]:
+        """The recorded routing to replay, `(prompt_routing, response_routing)`, or ()."""
+        return () if self.prompt_routing is None else (self.prompt_routing,
+                                                       self.response_routing)
 
     @classmethod
     def of(cls, rollout: Rollout, **fields) -> Experience:
         return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
                    responses=rollout.responses, response_mask=rollout.response_mask,
                    response_attention_mask=rollout.response_attention_mask,
-                   rollout_log_probs=rollout.rollout_log_probs, **fields)
+                   rollout_log_probs=rollout.rollout_log_probs,
+                   prompt_routing=rollout.prompt_routing,
+                   response_routing=rollout.response_routing, **fields)
 
 
 @struct.dataclass

@@ -304,6 +304,7 @@ def _micro_log_probs(params, micro: Batch, model_config: ModelConfig, group: int
         return log_probs, entropy, out[2] if with_router else None
     hidden = logprobs.response_hidden(params, micro["prompt_ids"], micro["prompt_mask"],
                                       micro["responses"], _attention(micro),
+                                      micro.get("prompt_routing"), micro.get("response_routing"),
                                       config=model_config, group=group,
                                       with_router=with_router)
     hidden, router = hidden if with_router else (hidden, None)

@@ -46,7 +46,7 @@ from jax import lax
 
 from jrl import sharding
 from jrl.kernels import decode_attention
-from jrl.models import transformer
+from jrl.models import moe, transformer
 from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
     KVCache,
@@ -106,6 +106,9 @@ class SamplingConfig:
       gemm: on a GPU, how the sampler's programs compile their matmuls: "cublas"
         (each a cuBLAS call; `compiler_options`) or "xla" (XLA's choice, which takes
         Triton GEMM fusions for many of them). No effect off a GPU.
+      record_routing: an MoE model's rollout records each token's experts in every
+        layer (`RolloutOutput.prompt_routing`, `.response_routing`) for routing replay
+        in the training passes. One program only (`cache_segments` 1).
     """
 
     n: int = 1
@@ -120,6 +123,7 @@ class SamplingConfig:
     decode_buckets: int = 1
     cache_segments: int = 1
     gemm: str = "cublas"
+    record_routing: bool = False
 
     def __post_init__(self):
         # A list (from a ConfigDict or JSON) would make the config unhashable.
@@ -171,6 +175,10 @@ class SamplingConfig:
                  "at least one token")
         if self.gemm not in GEMMS:
             fail("gemm", f"one of {', '.join(map(repr, GEMMS))}")
+        if not isinstance(self.record_routing, (bool, np.bool_)):
+            fail("record_routing", "True or False")
+        if self.record_routing and self.cache_segments > 1:
+            fail("cache_segments", "1 when the rollout records its routing (routing replay)")
         return self
 
     def for_validation(self, **val_kwargs) -> SamplingConfig:
@@ -207,6 +215,10 @@ class RolloutOutput:
       rollout_log_probs: float32 `[N, R]` log-prob of each sampled token under the
         processed distribution it was drawn from; 0 on padding and when greedy.
       response_lengths: int32 `[N]` number of response tokens (sum of the mask).
+      prompt_routing, response_routing: with `SamplingConfig.record_routing`, each
+        prompt and response token's experts in every layer, `[N, P, L, k]` and
+        `[N, R, L, k]` (`moe.NOT_RECORDED` on padding and on each row's last response
+        token, which is never fed back); else None.
     """
 
     prompt_ids: jax.Array
@@ -215,6 +227,8 @@ class RolloutOutput:
     response_mask: jax.Array
     rollout_log_probs: jax.Array
     response_lengths: jax.Array
+    prompt_routing: jax.Array | None = None
+    response_routing: jax.Array | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array]:
         """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""
@@ -238,6 +252,10 @@ class _DecodeState:
     keys: jax.Array  # [N] the rows' PRNG keys (`row_keys`)
     prompt_lengths: jax.Array  # int32 [N]
     rows: jax.Array  # int32 [N]: each row's index among the output rows
+    # int32 [N, R, L, k] and [N, P, L, k]: the experts of each response token fed and of
+    # each prompt token (`record_routing`), or None.
+    routing: jax.Array | None = None
+    prompt_routing: jax.Array | None = None
 
 
 def generate(
@@ -334,12 +352,22 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     num_rows, num_new = state.responses.shape
     groups = _row_groups(num_rows)
     sizes = decode_sizes(num_rows, groups, sampling)
-    out = (state.responses, state.log_probs, state.lengths)
+    out = _outputs(state)
     state, out = decode_rows(params, state, out, num_new, sizes, groups,
                              prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
-    responses, log_probs, lengths = (_write_rows(out, state, groups) if len(sizes) > 1 else
-                                     (state.responses, state.log_probs, state.lengths))
-    return rollout_output(row_prompt_ids, row_prompt_mask, responses, log_probs, lengths)
+    out = _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
+    if not sampling.record_routing:
+        return rollout_output(row_prompt_ids, row_prompt_mask, *out)
+    *out, response_routing, prompt_routing = out
+    return rollout_output(row_prompt_ids, row_prompt_mask, *out).replace(
+        prompt_routing=prompt_routing, response_routing=response_routing)
+
+
+def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:
+    """The state's per-row outputs: responses, log-probs, lengths (and the recorded
+    routing of the responses and the prompts)."""
+    out = (state.responses, state.log_probs, state.lengths)
+    return out if state.routing is None else (*out, state.routing, state.prompt_routing)
 
 
 def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config: ModelConfig,
@@ -356,8 +384,16 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
     params = per_layer(params, config)
     # The n samples of a prompt share its prefill: run it once per prompt, then copy
     # the cache to the n rows.
-    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask, num_new, config,
-                                          num_slots)
+    prefilled = _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots,
+                         record=sampling.record_routing)
+    logits_bv, cache, key_mask = prefilled[:3]
+    routing = prompt_routing = None
+    if sampling.record_routing:  # the prompts' experts, and room for the responses'
+        prompt_routing = repeat(prefilled[3], ("batch", None, None, None))
+        prompt_routing = jnp.where(row_prompt_mask[:, :, None, None] > 0, prompt_routing,
+                                   moe.NOT_RECORDED)
+        routing = jnp.full((num_rows, num_new, *prompt_routing.shape[2:]), moe.NOT_RECORDED,
+                           jnp.int32)
     logits_nv, key_mask = repeat(logits_bv), repeat(key_mask)
     cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
     state = _DecodeState(
@@ -372,6 +408,8 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
         keys=row_keys(rng, num_rows),
         prompt_lengths=jnp.sum(row_prompt_mask, axis=1),
         rows=jnp.arange(num_rows, dtype=jnp.int32),
+        routing=routing,
+        prompt_routing=prompt_routing,
     )
     return row_prompt_ids, row_prompt_mask, _emit(state, logits_nv, sampling), params
 
@@ -470,8 +508,7 @@ def _write_rows(out, state: _DecodeState, groups: int):
         return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups), local,
                                               _grouped(values, groups)))
 
-    return tuple(put(b, v) for b, v in zip(out, (state.responses, state.log_probs,
-                                                  state.lengths), strict=True))
+    return tuple(put(b, v) for b, v in zip(out, _outputs(state), strict=True))
 
 
 def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
@@ -484,7 +521,7 @@ def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
         return _ungrouped(jax.vmap(lambda x, i: x[i])(_grouped(x, groups, axes), order), axes)
 
     rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-            if f.name not in ("step", "cache")}
+            if f.name not in ("step", "cache") and getattr(state, f.name) is not None}
     if isinstance(state.cache, RowCache):  # its rows stay; they map to the new batch
         cache = state.cache.with_batch(order)
     else:
@@ -517,24 +554,28 @@ def _fuses(config: ModelConfig) -> bool:
     return config.fuse_decode_projections and not heads_split
 
 
-def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None):
+def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
+             record: bool = False):
     """One forward over the B prompts into a fresh cache of P + R slots (or `num_slots`).
 
     Returns:
       (logits `[B, V]` float32 at the last prompt slot, cache, key_mask `[B, S]`), with
-      S = `cache_slots(P + R)`: rounded up to whole blocks for the decode-attention kernel.
+      S = `cache_slots(P + R)`: rounded up to whole blocks for the decode-attention kernel;
+      with `record`, the prompts' experts `[B, P, L, k]` as a fourth.
     """
     batch, prompt_len = prompt_ids.shape
     slots = num_slots or cache_slots(config, prompt_len + num_new)
     cache = init_cache(config, batch, slots)
     key_mask = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
     positions = positions_from_mask(prompt_mask)
-    hidden_bpd, cache = forward(
+    run = transformer.forward_recording if record else forward
+    hidden_bpd, cache, *recorded = run(
         params, prompt_ids, positions, key_mask, cache, 0, config=config
     )
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
-    return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
+    logits = constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None))
+    return (logits, cache, key_mask, *recorded)
 
 
 def cache_slots(config: ModelConfig, needed: int) -> int:
@@ -560,11 +601,16 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
     )
     attended = decoding_mask(key_mask, slot, ~state.done)
     positions = (state.prompt_lengths + state.step - 1)[:, None]
-    hidden_n1d, cache = forward(
+    record = state.routing is not None
+    hidden_n1d, cache, *recorded = (transformer.forward_recording if record else forward)(
         params, state.last_tokens[:, None], positions, attended, state.cache, slot,
         config=config,
     )
     logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
+    if record:  # the experts of response token step - 1 (padding after a stop: none)
+        experts = jnp.where(state.done[:, None, None, None], moe.NOT_RECORDED, recorded[0])
+        state = state.replace(routing=lax.dynamic_update_slice_in_dim(
+            state.routing, experts.astype(state.routing.dtype), state.step - 1, axis=1))
     return logits_nv, state.replace(cache=cache, key_mask=key_mask)
 
 

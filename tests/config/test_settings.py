@@ -248,3 +248,20 @@ def test_sample_dump_directories(tmp_path):
         _settings(**{"trainer.validation_data_dir": str(tmp_path / "file")})
     with pytest.raises(ConfigError, match=r"^trainer\.rollout_data_dir: must be a directory"):
         _settings(**{"trainer.rollout_data_dir": ""})
+
+
+def test_router_replay_needs_an_moe_model_and_a_rollout_that_records():
+    moe = {"model.preset": "tiny-moe", "actor.router_replay": "rollout"}
+    s = _settings(**moe)
+    assert s.actor.router_replay == "rollout"
+    assert s.rollout.record_routing and not s.validation.record_routing
+    assert not _settings(**{"model.preset": "tiny-moe"}).rollout.record_routing
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'rollout' replays the experts "
+                       "of a mixture-of-experts model .* the model is 'qwen2'$"):
+        _settings(**{"actor.router_replay": "rollout"})
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'rollout' is not supported "
+                       "with actor.use_dynamic_bsz=True, rollout.log_prob_use_dynamic_bsz"):
+        _settings(**moe, **{"actor.use_dynamic_bsz": True})
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'R3' is not valid; choose one "
+                       "of \\['disabled', 'rollout'\\]"):
+        _settings(**{"actor.router_replay": "R3"})

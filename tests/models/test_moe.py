@@ -17,12 +17,15 @@ from jrl.models import (
     ModelConfig,
     forward,
     forward_with_router,
+    init_cache,
     init_params,
     load_pretrained,
     lora,
     moe,
+    transformer,
 )
 from jrl.rl import logprobs, update
+from jrl.rollout.sampler import SamplingConfig, generate
 from tests.rl.test_shared_prompts import _grouped_batch
 from tests.rl.test_update import _actor_settings
 
@@ -209,3 +212,54 @@ def test_expert_adapters_merge_into_the_kernels():
     assert float(jnp.abs(bare - adapted).max()) > 1e-2  # the adapters do change the output
     with pytest.raises(ValueError, match="experts of an MoE model .*gate_proj"):
         lora.save_peft(params, config, "/nonexistent")
+
+
+def test_route_to_recorded_experts_weighs_them_by_the_training_router():
+    logits = jnp.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.0, 4.0]])
+    e = np.exp(np.asarray(logits, np.float64))
+    probs = e / e.sum(-1, keepdims=True)
+    # Token 0 replays experts 0 and 3 (not its own top 2); token 1 has no record.
+    forced = jnp.array([[0, 3], [moe.NOT_RECORDED, moe.NOT_RECORDED]])
+    routed = moe.route(logits, 2, normalize=True, forced_nk=forced)
+    np.testing.assert_array_equal(routed.experts_nk, [[0, 3], [3, 0]])
+    want0 = probs[0, [0, 3]] / probs[0, [0, 3]].sum()
+    want1 = probs[1, [3, 0]] / probs[1, [3, 0]].sum()
+    np.testing.assert_allclose(routed.weights_nk, [want0, want1], rtol=1e-6)
+
+
+def test_sampler_records_the_experts_the_training_forward_chooses():
+    """In float32 the rollout's record is each token's own top k in the full forward
+    (prompt and fed response tokens; none for padding and each row's last token), and
+    replaying it leaves the training forward unchanged, while replaying other experts
+    changes it."""
+    config = dataclasses.replace(_CONFIG, vocab_size=40)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    prompt_mask = jnp.ones((2, 5), jnp.int32).at[0, :2].set(0)
+    prompt_ids = jax.random.randint(jax.random.key(1), (2, 5), 3, 40) * prompt_mask
+    sampling = SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=(7, 11),
+                              record_routing=True, decode_buckets=2)
+    out = generate(params, prompt_ids, prompt_mask, jax.random.key(2), sampling, config=config)
+    tokens, mask, positions = logprobs.sequence_inputs(out.prompt_ids, out.prompt_mask,
+                                                       out.responses, out.response_mask)
+    recorded = jnp.concatenate([out.prompt_routing, out.response_routing], axis=1)
+    assert recorded.shape == (4, 11, config.num_layers, config.num_experts_per_tok)
+
+    _, _, own = jax.jit(transformer.forward_recording, static_argnames="config")(
+        params, tokens, positions, mask, init_cache(config, 4, 11), 0, config=config)
+    fed = np.asarray(mask, bool).copy()
+    lengths = np.asarray(out.response_lengths)
+    # Each row's last response token (its stop token, or the last column) is sampled,
+    # never fed back.
+    fed[np.arange(4), out.prompt_ids.shape[1] + lengths - 1] = False
+    np.testing.assert_array_equal(np.asarray(recorded)[fed], np.asarray(own)[fed])
+    assert np.all(np.asarray(recorded)[~fed] == moe.NOT_RECORDED)
+    assert lengths.min() < 6  # a row stopped early: its padding has no record
+
+    plain, _ = _forward(params, tokens, positions, mask, config=config)
+    replayed, _ = _forward(params, tokens, positions, mask, config=config, routing=recorded)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(replayed)[valid], np.asarray(plain)[valid],
+                               atol=1e-5)
+    other = jnp.where(recorded >= 0, (recorded + 1) % config.num_experts, recorded)
+    moved, _ = _forward(params, tokens, positions, mask, config=config, routing=other)
+    assert np.abs(np.asarray(moved) - np.asarray(plain))[valid].max() > 1e-2

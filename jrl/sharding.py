@@ -9,6 +9,8 @@ One mesh with four axes serves every step:
              tokens split, attention run Ulysses-style (`jrl.models.context_attention`);
              the rollout splits its rows over it instead (`Sharder.for_rollout`)
     tensor   tensor (Megatron) parallelism: attention heads, MLP width and vocabulary split
+    expert   expert parallelism of mixture-of-experts layers: each device holds a share of
+             every MoE layer's experts (`jrl.models.moe`); the batch is split over it too
 
 Model code names the axes of its arrays logically (`vocab`, `embed`, `heads`, `mlp`,
 `batch`, `length`, ...); `rules` map those names to mesh axes. A dimension that the mapped mesh
@@ -36,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 # Mesh axes the batch is split over.
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis name -> mesh axis (or axes); names not listed are replicated.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -48,8 +50,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    # The experts of an MoE layer, whole on every device (each split as a dense MLP is).
-    ("experts", None),
+    # The experts of an MoE layer (each expert's width split as a dense MLP's is).
+    ("experts", "expert"),
     ("layers", None),
     ("head_dim", None),
     ("cache_length", None),
@@ -67,7 +69,8 @@ class MeshSettings:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
-    context: int = 1  # (last, so that positional `(data, fsdp, tensor)` still reads)
+    context: int = 1  # (after tensor, so that positional `(data, fsdp, tensor)` still reads)
+    expert: int = 1
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
         """The concrete sizes, in `MESH_AXES` order, for `num_devices` devices.

@@ -430,13 +430,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.context = 1
     # Devices on the tensor-parallel axis (heads, MLP width and vocabulary split).
     c.mesh.tensor = 1
+    # Devices on the expert-parallel axis: each holds 1/expert of every MoE layer's experts
+    # and of the batch; a layer's tokens go to their experts' devices and back
+    # (mixture-of-experts models; dense models treat it as data parallelism).
+    c.mesh.expert = 1
     # Devices the runs of one program (trainer.runs, reward.in_graph_fn) are split over,
     # each holding runs / mesh.runs of them (-1: all devices); with runs, the other axes
     # do not apply.
     c.mesh.runs = 1
     c.mesh.rules = ml_collections.ConfigDict()
     # Mesh axes (comma-separated, "" for none) each logical axis is split over: batch rows.
-    c.mesh.rules.batch = "data,fsdp"
+    c.mesh.rules.batch = "data,fsdp,expert"
     # Vocabulary (embedding rows, LM head columns, logits).
     c.mesh.rules.vocab = "tensor"
     # Hidden dimension of the parameters (the FSDP split).
@@ -455,6 +459,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.rules.cache_length = ""
     # Tokens of a sequence in the training passes (activations; the context split).
     c.mesh.rules.length = "context"
+    # The experts of each MoE layer.
+    c.mesh.rules.experts = "expert"
 
     c.distributed = ml_collections.ConfigDict()
     # Start jax.distributed: "auto" (when a coordinator is configured or the environment

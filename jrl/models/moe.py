@@ -38,6 +38,7 @@ router probability of e, both over every layer's valid tokens,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -45,6 +46,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
+
+from jrl import sharding
 
 # The collection and name under which each MoE layer records its router statistics
 # (`nn.Module.sow`); `transformer.forward_with_router` collects them.
@@ -53,6 +57,8 @@ ROUTER_COLLECTION, ROUTER_NAME = "intermediates", "router_stats"
 RECORD_COLLECTION, RECORD_NAME = "routing", "experts"
 # A recorded expert id meaning "no record": the token routes itself.
 NOT_RECORDED = -1
+# The mesh axis the experts are split over (expert parallelism).
+EXPERT_AXIS = "expert"
 
 
 class Routing(NamedTuple):
@@ -164,52 +170,136 @@ def grouped(x_md: jax.Array, kernel_edf: jax.Array, group_sizes: jax.Array) -> j
                           preferred_element_type=x_md.dtype)
 
 
-class ExpertProjection(nn.Module):
-    """One projection of every expert, `[E, D_in, D_out]`, applied to rows sorted by
-    expert."""
+class _Kernel(nn.Module):
+    """A parameter `kernel` of `shape` (normal init, logical `axes`), returned as it is:
+    the block applies its kernels itself (`experts`), inside a `shard_map` under expert
+    parallelism."""
 
-    num_experts: int
-    features: int
-    axes: tuple[str, str, str]
-    initializer_range: float
-    dtype: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    stddev: float
     param_dtype: str
 
     @nn.compact
-    def __call__(self, x_md, group_sizes):
-        normal = nn.initializers.normal(self.initializer_range)
-        kernel = self.param("kernel", nn.with_logical_partitioning(normal, self.axes),
-                            (self.num_experts, x_md.shape[-1], self.features), self.param_dtype)
-        return grouped(x_md.astype(self.dtype), kernel.astype(self.dtype), group_sizes)
+    def __call__(self) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.stddev), self.axes)
+        return self.param("kernel", init, self.shape, self.param_dtype)
 
 
-class ExpertLora(nn.Module):
-    """The LoRA adapters of one projection of every expert, `a [E, D_in, r]` (uniform in
+class _Adapter(nn.Module):
+    """The LoRA adapter of one projection of every expert: `a [E, D_in, r]` (uniform in
     `±1/sqrt(D_in)`) and `b [E, r, D_out]` (zero), as `transformer.Lora` for a dense
-    projection: `(x a_e) b_e * alpha / r` for rows sorted by expert."""
+    projection; returned as they are."""
 
-    num_experts: int
-    features: int
+    shape: tuple[int, int, int]  # the kernel's, [E, D_in, D_out]
     axes: tuple[str, str, str]
     rank: int
-    alpha: float
-    dtype: str
     param_dtype: str
 
     @nn.compact
-    def __call__(self, x_md, group_sizes):
-        e, d = self.num_experts, x_md.shape[-1]
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        e, d_in, d_out = self.shape
         experts, in_axis, out_axis = self.axes
-        bound = 1.0 / math.sqrt(d)
+        bound = 1.0 / math.sqrt(d_in)
         uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
         a = self.param("a", nn.with_logical_partitioning(uniform, (experts, in_axis, None)),
-                       (e, d, self.rank), self.param_dtype)
+                       (e, d_in, self.rank), self.param_dtype)
         b = self.param("b", nn.with_logical_partitioning(nn.initializers.zeros,
                                                           (experts, None, out_axis)),
-                       (e, self.rank, self.features), self.param_dtype)
-        low = grouped(x_md.astype(self.dtype), a.astype(self.dtype), group_sizes)
-        out = grouped(low, b.astype(self.dtype), group_sizes)
-        return out * jnp.asarray(self.alpha / self.rank, self.dtype)
+                       (e, self.rank, d_out), self.param_dtype)
+        return a, b
+
+
+# The experts' projections: name, logical axes of the kernel `[E, D_in, D_out]`.
+_PROJECTIONS = (("gate_proj", ("experts", "embed", "mlp")),
+                ("up_proj", ("experts", "embed", "mlp")),
+                ("down_proj", ("experts", "mlp", "embed")))
+
+
+def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: float = 1.0):
+    """Each row's expert's SwiGLU MLP, rows sorted by expert (`group_sizes` of them for
+    each of the kernels' experts; rows past their sum come out as zeros or garbage and
+    are the caller's to discard): `down(silu(gate(x)) * up(x))`, with LoRA adapters
+    `(x a_e) b_e * lora_scale` where `adapters` has them."""
+    def project(name, rows):
+        rows = rows.astype(dtype)
+        out = grouped(rows, kernels[name].astype(dtype), group_sizes)
+        if name in adapters:
+            a, b = adapters[name]
+            low = grouped(rows, a.astype(dtype), group_sizes)
+            out = out + grouped(low, b.astype(dtype), group_sizes) * jnp.asarray(lora_scale,
+                                                                                 dtype)
+        return out
+
+    gate, up = project("gate_proj", x_md), project("up_proj", x_md)
+    return project("down_proj", nn.silu(gate) * up)
+
+
+def _combine(out_md, order, weights_nk, family: str, dtype):
+    """The experts' outputs `[N k, D]` (in expert order, `order`) back in (token, choice)
+    order, weighted and summed over each token's k choices: `[N, D]`. Qwen3-MoE casts the
+    weights to the compute dtype first; Mixtral keeps them in float32 until the sum (as
+    transformers does)."""
+    n, k = weights_nk.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    out_nkd = jnp.take(out_md, inverse, axis=0).reshape(n, k, -1)
+    weights = weights_nk.astype(jnp.float32 if family == "mixtral" else dtype)
+    return jnp.einsum("nkd,nk->nd", out_nkd.astype(weights.dtype), weights).astype(dtype)
+
+
+def _block(x_nd, router_de, kernels, adapters, forced_nk, *, config):
+    """The MoE block on one device's tokens with every expert there: `(out [N, D],
+    routing)`."""
+    c = config
+    logits = jnp.einsum("nd,de->ne", x_nd.astype(c.dtype), router_de.astype(c.dtype))
+    routing = route(logits, c.num_experts_per_tok, c.norm_topk_prob, forced_nk)
+    plan = dispatch(routing.experts_nk, c.num_experts)
+    x_md = jnp.take(x_nd, plan.order // c.num_experts_per_tok, axis=0)
+    out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes, dtype=c.dtype,
+                         lora_scale=_lora_scale(c))
+    return _combine(out_md, plan.order, routing.weights_nk, c.family, c.dtype), routing
+
+
+def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, config,
+                           axis: str):
+    """`_block` inside a `shard_map` over the expert axis `axis` (size P): this device
+    holds E / P of the experts and 1 / P of the tokens. The tokens of the P devices are
+    gathered (each device routes all of them, the router being replicated), each device
+    runs the (token, choice) pairs routed to its own experts, sorted first, through its
+    experts' grouped matmuls, and the partial outputs are summed back to the devices
+    that hold the tokens (a reduce-scatter). Dropless, with no capacity: a device's
+    grouped matmuls cover exactly the pairs routed to its experts."""
+    c = config
+    e_local = kernels["gate_proj"].shape[0]
+    gather = lambda x: None if x is None else lax.all_gather(x, axis, axis=0, tiled=True)
+    x_all, forced_all = gather(x_nd), gather(forced_nk)
+    logits = jnp.einsum("nd,de->ne", x_all.astype(c.dtype), router_de.astype(c.dtype))
+    routing = route(logits, c.num_experts_per_tok, c.norm_topk_prob, forced_all)
+    local = routing.experts_nk - lax.axis_index(axis) * e_local
+    mine = (local >= 0) & (local < e_local)
+    # Other devices' pairs sort after this device's (group e_local, which no kernel has).
+    plan = dispatch(jnp.where(mine, local, e_local), e_local + 1)
+    x_md = jnp.take(x_all, plan.order // c.num_experts_per_tok, axis=0)
+    out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes[:e_local], dtype=c.dtype,
+                         lora_scale=_lora_scale(c))
+    mine_m = jnp.take(mine.reshape(-1), plan.order)
+    out_md = jnp.where(mine_m[:, None], out_md, 0)
+    out_nd = _combine(out_md, plan.order, routing.weights_nk, c.family, c.dtype)
+    out_nd = lax.psum_scatter(out_nd.astype(jnp.float32), axis, scatter_dimension=0,
+                              tiled=True).astype(c.dtype)
+    return out_nd, routing
+
+
+def _lora_scale(config) -> float:
+    return config.lora_alpha / config.lora_rank if config.lora_rank else 1.0
+
+
+def expert_axis_size(num_experts: int, num_tokens: int) -> int:
+    """Devices the experts are split over: the active mesh's `expert` axis, where it
+    divides the experts and the tokens (else 1: every device holds every expert)."""
+    sharder = sharding.active_sharder()
+    size = 1 if sharder is None else sharder.mesh.shape.get(EXPERT_AXIS, 1)
+    return size if num_experts % size == 0 and num_tokens % size == 0 else 1
 
 
 class MoeMlp(nn.Module):
@@ -219,7 +309,8 @@ class MoeMlp(nn.Module):
     weights the router statistics the block records in `ROUTER_COLLECTION` when that
     collection is mutable (the update's forward); the outputs never depend on it.
     `forced_btk`: recorded experts to route to (routing replay), or None. The chosen
-    experts are recorded in `RECORD_COLLECTION` when it is mutable.
+    experts are recorded in `RECORD_COLLECTION` when it is mutable. Under a mesh with an
+    `expert` axis the experts are split over it (`_expert_parallel_block`).
     """
 
     config: object  # ModelConfig (not imported: config imports nothing from models)
@@ -230,40 +321,39 @@ class MoeMlp(nn.Module):
         c = self.config
         b, t, d = x_btd.shape
         e, k, f = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        x_nd = x_btd.reshape(b * t, d).astype(c.dtype)
-        normal = nn.initializers.normal(c.initializer_range)
-        logits = nn.DenseGeneral(
-            e, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-            kernel_init=nn.with_logical_partitioning(normal, ("embed", None)), name="router",
-        )(x_nd)
+        router = _Kernel((d, e), ("embed", None), c.initializer_range, c.param_dtype,
+                         name="router")()
+        kernels, adapters = {}, {}
+        for name, axes in _PROJECTIONS:
+            shape = (e, d, f) if axes[1] == "embed" else (e, f, d)
+            kernels[name] = _Kernel(shape, axes, c.initializer_range, c.param_dtype,
+                                    name=name)()
+            if c.lora_rank and name in c.lora_targets:
+                adapters[name] = _Adapter(shape, axes, c.lora_rank, c.param_dtype,
+                                          name=f"{name}_lora")()
+        x_nd = x_btd.reshape(b * t, d)
         forced = None if forced_btk is None else forced_btk.reshape(b * t, k)
-        routing = route(logits, k, c.norm_topk_prob, forced)
+        block = functools.partial(_block, config=c)
+        parts = expert_axis_size(e, b * t)
+        if parts > 1 and not self.is_initializing():
+            block = _in_shard_map(functools.partial(
+                _expert_parallel_block, config=c, axis=EXPERT_AXIS), forced is not None)
+        out_nd, routing = block(x_nd, router, kernels, adapters, forced)
         if self.is_mutable_collection(RECORD_COLLECTION):
             self.sow(RECORD_COLLECTION, RECORD_NAME, routing.experts_nk.reshape(b, t, k))
         if self.is_mutable_collection(ROUTER_COLLECTION):
             valid = None if valid_bt is None else valid_bt.reshape(-1)
             self.sow(ROUTER_COLLECTION, ROUTER_NAME, router_stats(routing, valid))
-        plan = dispatch(routing.experts_nk, e)
-        x_md = jnp.take(x_nd, plan.order // k, axis=0)
+        return out_nd.reshape(b, t, d)
 
-        def project(name, features, axes, rows_md):
-            out = ExpertProjection(e, features, axes, c.initializer_range, c.dtype,
-                                   c.param_dtype, name=name)(rows_md, plan.group_sizes)
-            if c.lora_rank and name in c.lora_targets:
-                adapter = ExpertLora(e, features, axes, c.lora_rank, c.lora_alpha, c.dtype,
-                                     c.param_dtype, name=f"{name}_lora")
-                out = out + adapter(rows_md, plan.group_sizes).astype(out.dtype)
-            return out
 
-        gate = project("gate_proj", f, ("experts", "embed", "mlp"), x_md)
-        up = project("up_proj", f, ("experts", "embed", "mlp"), x_md)
-        out_md = project("down_proj", d, ("experts", "mlp", "embed"), nn.silu(gate) * up)
-        # Back to (token, choice) order, weighted, summed over each token's k choices.
-        # Qwen3-MoE casts the weights to the compute dtype first; Mixtral keeps them in
-        # float32 until the sum (as transformers does).
-        inverse = jnp.zeros_like(plan.order).at[plan.order].set(
-            jnp.arange(plan.order.shape[0], dtype=jnp.int32))
-        out_nkd = jnp.take(out_md, inverse, axis=0).reshape(b * t, k, d)
-        weights = routing.weights_nk.astype(jnp.float32 if c.family == "mixtral" else c.dtype)
-        out_nd = jnp.einsum("nkd,nk->nd", out_nkd.astype(weights.dtype), weights)
-        return out_nd.astype(c.dtype).reshape(b, t, d)
+def _in_shard_map(block, with_forced: bool):
+    """`block(x, router, kernels, adapters, forced)` mapped over the expert axis only (the
+    mesh's other axes stay with the compiler): tokens and the experts' weights split over
+    it, the router whole; the routing comes out whole on every device."""
+    mesh = sharding.active_sharder().mesh
+    split, whole = PartitionSpec(EXPERT_AXIS), PartitionSpec()
+    in_specs = (split, whole, split, split, split if with_forced else None)
+    return jax.shard_map(block, mesh=mesh, in_specs=in_specs,
+                         out_specs=(split, Routing(whole, whole, whole)),
+                         axis_names=frozenset({EXPERT_AXIS}), check_vma=False)

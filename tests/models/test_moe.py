@@ -263,3 +263,50 @@ def test_sampler_records_the_experts_the_training_forward_chooses():
     other = jnp.where(recorded >= 0, (recorded + 1) % config.num_experts, recorded)
     moved, _ = _forward(params, tokens, positions, mask, config=config, routing=other)
     assert np.abs(np.asarray(moved) - np.asarray(plain))[valid].max() > 1e-2
+
+
+_EXPERT_PARALLEL_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jrl import sharding
+from jrl.models import ModelConfig, forward_with_router, init_params, moe, param_logical_axes
+config = ModelConfig.preset("tiny-moe", vocab_size=40, lora_rank=4)
+params = init_params(config, jax.random.key(0))
+params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(9), x.shape), params)
+tokens = jax.random.randint(jax.random.key(1), (8, 6), 3, 40)
+mask = jnp.ones((8, 6), jnp.int32).at[0, :2].set(0).at[5, :4].set(0)
+positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
+weights = jax.random.normal(jax.random.key(2), (8, 6, config.hidden_size))
+
+def loss(params):
+    hidden, stats = forward_with_router(params, tokens, positions, mask, config=config)
+    return jnp.sum(hidden * weights) + moe.load_balancing_loss(stats), hidden
+
+out = {}
+for expert in (1, 4):
+    sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(data=-1, expert=expert)))
+    with sharder.active():
+        placed = jax.device_put(params, sharder.params(param_logical_axes(config), params))
+        (value, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed)
+    kernel = placed["layers"]["mlp"]["gate_proj"]["kernel"]
+    out[expert] = dict(value=float(value), hidden=np.asarray(hidden).tolist(),
+                       grads=[np.asarray(g).ravel().tolist() for g in jax.tree.leaves(grads)],
+                       expert_shards=len({str(s.index) for s in kernel.addressable_shards}))
+print(json.dumps(out))
+"""
+
+
+def test_expert_parallel_forward_and_gradients_equal_one_device():
+    """On 8 CPU devices with the experts split over 4 (`mesh.expert=4`, each device 2 of
+    the 8 experts, with LoRA adapters), the forward, the load-balancing loss and every
+    gradient equal the unsplit model's."""
+    from tests.eight_devices import run_script
+
+    out = run_script(_EXPERT_PARALLEL_SCRIPT)
+    one, split = out["1"], out["4"]
+    assert (one["expert_shards"], split["expert_shards"]) == (1, 4)
+    np.testing.assert_allclose(split["value"], one["value"], rtol=1e-5)
+    np.testing.assert_allclose(split["hidden"], one["hidden"], atol=1e-5)
+    for got, want in zip(split["grads"], one["grads"], strict=True):
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))

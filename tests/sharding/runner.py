@@ -6,7 +6,7 @@ the `jax.distributed` set-up can differ from the test process's:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.runner \\
         --algo grpo --meshes "1,1,1 8,1,1 2,2,2" --steps 3 --out metrics.json
 
-Each mesh is `data,fsdp,tensor` over the first data*fsdp*tensor devices; the output
+Each mesh is `data,fsdp,tensor[,context,expert]` over the first devices it needs; the output
 maps each mesh to its list of per-step metrics. With `--coordinator`, the process joins a
 `jax.distributed` cluster (`--num_processes`, `--process_id`). With `--jobs '{"name":
 ["--algo", "ppo", ...], ...}'` it runs several such jobs (each its own arguments) one
@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(rollout.decode_buckets=4, 6-token responses so rows stop apart)")
     parser.add_argument("--value_pass", action="store_true", help="(ppo) the critic's "
                         "update in two mini-batches, after a separate value pass")
+    parser.add_argument("--moe", action="store_true", help="the tiny mixture-of-experts "
+                        "model (8 experts, 2 a token) with routing replay")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume "
                         "from (trainer.resume_mode='resume_path')")
     parser.add_argument("--jobs", default=None, help="JSON: {name: [arguments of a job]}, "
@@ -131,6 +133,8 @@ def run_job(args) -> dict[str, list[dict]]:
         config.rollout.decode_buckets, config.rollout.response_length = 4, 6
     if args.value_pass:
         config.critic.ppo_mini_batch_size = 4
+    if args.moe:
+        config.model.preset, config.actor.router_replay = "tiny-moe", "rollout"
     if args.workdir:
         config.trainer.save_freq = args.steps
     if args.resume_from:

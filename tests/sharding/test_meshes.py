@@ -56,6 +56,9 @@ JOBS = {
     # tensor=2), and on that mesh with token-budget micro-batches in every pass.
     "value_pass": ["--algo", "ppo", "--meshes", "1,1,1 2,2,2 2,2,2+packed",
                    "--steps", "2", "--value_pass"],
+    # GRPO on a mixture-of-experts model with routing replay: one device, and the experts
+    # split over 4 devices (expert=4) beside fsdp=2.
+    "moe": ["--algo", "grpo", "--meshes", "1,1,1 1,2,1,1,4", "--steps", "2", "--moe"],
     # Last: the multi-turn config reads every turn as a tool call in its process.
     "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 2,2,2", "--steps", "2"],
 }
@@ -155,6 +158,16 @@ def test_multi_turn_meshes_match_one_device(mesh_runs):
     assert all(r["multi_turn/tool_calls/total"] > 0 for r in expected)
     assert max(r["multi_turn/segments"] for r in expected) >= 2
     assert_same_metrics(expected, runs["2,2,2"])
+
+
+def test_expert_parallel_moe_matches_one_device(mesh_runs):
+    """A mixture-of-experts model's GRPO steps, with the rollout's routing replayed, on
+    (fsdp=2, expert=4: each device holds 2 of the 8 experts of each layer and the tokens
+    go to them and back) vs one device."""
+    runs = mesh_runs["moe"]
+    expected = runs["1,1,1"]
+    assert all(r["actor/router_aux_loss"] > 0 for r in expected)
+    assert_same_metrics(expected, runs["1,2,1,1,4"])
 
 
 def test_two_processes_match_one_process(tmp_path, mesh_runs):

@@ -100,7 +100,8 @@ class MeshSettings:
         return tuple(sizes)
 
     def _describe(self) -> str:
-        return ", ".join(f"mesh.{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+        return ", ".join(f"mesh.{axis}={getattr(self, axis)}" for axis in MESH_AXES
+                         if axis != "expert" or self.expert != 1)
 
 
 def make_mesh(mesh: MeshSettings | None = None,
@@ -236,10 +237,18 @@ class Sharder:
         with jax.transfer_guard_host_to_device("allow"):
             return jax.tree.map(put, tree)
 
+    @property
+    def batch_axes_named(self) -> str:
+        """The batch's mesh axes for messages, "data x fsdp" (the expert axis only where
+        the mesh has one)."""
+        axes = [a for a in self.rules.get("batch", ())
+                if a != "expert" or self.mesh.shape.get(a, 1) > 1]
+        return " x ".join(axes) or "none"
+
     def check_batch(self, size: int, what: str) -> None:
         multiple = self.batch_size_multiple
         if size % multiple:
-            axes = " x ".join(self.rules.get("batch", ())) or "none"
+            axes = self.batch_axes_named
             raise ConfigError(
                 f"{what} = {size} sequences cannot be split over the mesh's batch axes "
                 f"({axes} = {multiple}); make it a multiple of {multiple}")

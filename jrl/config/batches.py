@@ -97,7 +97,7 @@ def _split(sharder) -> tuple[int, str, int | None]:
     are split over where that differs: a `context` axis)."""
     if sharder is None:
         return 1, "data", None
-    axes = " x ".join(sharder.rules.get("batch", ())) or "none"
+    axes = sharder.batch_axes_named
     rollout = sharder.for_rollout().batch_size_multiple if sharder.context > 1 else None
     return sharder.batch_size_multiple, axes, rollout
 

@@ -16,7 +16,7 @@ MAIN = BatchSizes(train=32, n=8, updates=(("actor", 16, 128),), sft=128)
 
 
 def _mesh(data=1, fsdp=1, context=1, tensor=1):
-    return sharding.Sharder(AbstractMesh((data, fsdp, context, tensor), sharding.MESH_AXES))
+    return sharding.Sharder(AbstractMesh((data, fsdp, context, tensor, 1), sharding.MESH_AXES))
 
 
 def test_five_rows_under_the_main_sizes():

@@ -161,7 +161,7 @@ def test_applies_where_the_rules_split_the_tokens_over_context():
     from jrl.models import context_attention
 
     assert not context_attention.applies(16)  # no active Sharder
-    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1), sharding.MESH_AXES))
+    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1, 1), sharding.MESH_AXES))
     with sharder.active():
         assert context_attention.context_size() == 4
         assert context_attention.applies(16)

@@ -175,7 +175,7 @@ def test_rollout_rows_must_split_over_context_too():
             tiny_config(**{"data.train_batch_size": prompts}), stop_token_ids=(2,),
             pad_token_id=0, num_train_rows=64))
 
-    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1), sharding.MESH_AXES))
+    sharder = sharding.Sharder(AbstractMesh((2, 1, 4, 1, 1), sharding.MESH_AXES))
     batches.check(sizes_of(4), 64, sharder)  # 4 prompts x 2 = 8 rows: data x context
     with pytest.raises(ConfigError, match=r"the rollout's 2 prompts x rollout\.n=2 = 4 rows: "
                        r"not a multiple of 8, the devices they are split over \(data x fsdp "

@@ -12,17 +12,18 @@ from tests.eight_devices import run_script
 
 
 @pytest.mark.parametrize(("sizes", "devices", "expected"), [
-    # (data, fsdp, tensor[, context]) -> sizes in MESH_AXES order (data, fsdp, context,
-    # tensor).
-    ((-1, 1, 1), 8, (8, 1, 1, 1)),
-    ((1, -1, 1), 8, (1, 8, 1, 1)),
-    ((2, -1, 2), 8, (2, 2, 1, 2)),
-    ((2, 2, 2), 8, (2, 2, 1, 2)),
-    ((2, 1, 1, 4), 8, (2, 1, 4, 1)),
-    ((1, 2, 2, -1), 8, (1, 2, 2, 2)),
+    # (data, fsdp, tensor[, context[, expert]]) -> sizes in MESH_AXES order (data, fsdp,
+    # context, tensor, expert).
+    ((-1, 1, 1), 8, (8, 1, 1, 1, 1)),
+    ((1, -1, 1), 8, (1, 8, 1, 1, 1)),
+    ((2, -1, 2), 8, (2, 2, 1, 2, 1)),
+    ((2, 2, 2), 8, (2, 2, 1, 2, 1)),
+    ((2, 1, 1, 4), 8, (2, 1, 4, 1, 1)),
+    ((1, 2, 2, -1), 8, (1, 2, 2, 2, 1)),
+    ((1, 2, 1, 1, -1), 8, (1, 2, 1, 1, 4)),
 ])
 def test_mesh_sizes(sizes, devices, expected):
-    assert sharding.MESH_AXES == ("data", "fsdp", "context", "tensor")
+    assert sharding.MESH_AXES == ("data", "fsdp", "context", "tensor", "expert")
     assert MeshSettings(*sizes).resolve(devices) == expected
 
 
@@ -40,7 +41,7 @@ def test_mesh_size_errors_name_the_keys(sizes, message):
 
 
 def _sharder(data=2, fsdp=2, tensor=2, context=1):
-    return Sharder(AbstractMesh((data, fsdp, context, tensor), sharding.MESH_AXES))
+    return Sharder(AbstractMesh((data, fsdp, context, tensor, 1), sharding.MESH_AXES))
 
 
 def test_specs_split_what_divides_and_replicate_the_rest():
@@ -74,7 +75,7 @@ def test_rules_from_config():
         sharding.rules_from_config(ml_collections.ConfigDict({"mlp": "model"}))
     rules = dict(sharding.rules_from_config(ml_collections.ConfigDict(
         {"batch": "data,fsdp", "embed": "fsdp"})))
-    gathered = dict(Sharder(AbstractMesh((2, 2, 1, 1), sharding.MESH_AXES),
+    gathered = dict(Sharder(AbstractMesh((2, 2, 1, 1, 1), sharding.MESH_AXES),
                             tuple(rules.items())).rules_without("fsdp"))
     assert gathered == {"batch": ("data", "fsdp"), "embed": ()}
 
@@ -141,7 +142,7 @@ for remat, unroll in (("none", False), ("none", True), ("full", False), ("dots_s
 
     seen = []
     for devices in (jax.devices()[:4], jax.devices()[4:]):
-        mesh = Mesh(np.array(devices).reshape(4, 1, 1, 1), sharding.MESH_AXES)
+        mesh = Mesh(np.array(devices).reshape(4, 1, 1, 1, 1), sharding.MESH_AXES)
         with sharding.Sharder(mesh).active():
             seen.append(sorted(device_ids(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)))
     result[f"{remat}-{unroll}"] = seen

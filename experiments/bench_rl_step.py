@@ -111,6 +111,8 @@ COMPILES = CompileLog()
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen2.5-0.5b", help="jrl.models.PRESETS name")
+    p.add_argument("--num_layers", type=int, default=None,
+                   help="the preset's layers, fewer (a model too large for the card whole)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (params stay float32)")
     p.add_argument("--algo", default="both", choices=("grpo", "ppo", "both"))
     p.add_argument("--batch", type=int, default=64, help="prompts per step")
@@ -277,6 +279,7 @@ def make_config(args, algo: str):
     c = base_config()
     c.seed = args.seed
     c.model.preset = args.preset
+    c.model.num_layers = args.num_layers
     c.model.param_dtype = "float32"
     c.model.dtype = args.dtype
     c.model.remat = args.remat
@@ -392,6 +395,7 @@ def attention_flops(args, targets: np.ndarray | None) -> float | None:
     layer for a sequence of l tokens, d = heads x head_dim), known for forced and for
     `--uniform_lengths` lengths (None for other natural stops)."""
     model = ModelConfig.preset(args.preset)
+    layers = args.num_layers or model.num_layers
     rows = args.batch * args.n
     if targets is not None:
         lengths = args.prompt_len + targets.astype(np.float64)
@@ -400,7 +404,7 @@ def attention_flops(args, targets: np.ndarray | None) -> float | None:
     else:
         return None
     d = model.num_heads * model.head_dim
-    return float(6.0 * d * model.num_layers * np.sum(lengths ** 2))
+    return float(6.0 * d * layers * np.sum(lengths ** 2))
 
 
 def build_trainer(args, algo: str, workdir: str):

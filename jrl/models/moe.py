@@ -49,6 +49,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jrl import sharding
+from jrl.kernels import grouped_matmul
 
 # The collection and name under which each MoE layer records its router statistics
 # (`nn.Module.sow`); `transformer.forward_with_router` collects them.
@@ -120,6 +121,19 @@ def router_stats(routing: Routing, valid_n: jax.Array | None) -> RouterStats:
                        jnp.sum(valid))
 
 
+def active_size(tree, config) -> float:
+    """Parameters of `tree` (a model's, or part of one: adapters) a token runs through:
+    each MoE layer's experts count `num_experts_per_tok / num_experts` of their size (a
+    token's k experts), the rest whole; the count behind an MoE model's FLOPs a token."""
+    share = config.num_experts_per_tok / config.num_experts if config.is_moe else 1.0
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [getattr(p, "key", None) for p in path]
+        expert = ("mlp" in keys and "router" not in keys and config.is_moe)
+        total += leaf.size * (share if expert else 1.0)
+    return total
+
+
 def load_balancing_loss(stats: RouterStats) -> jax.Array:
     """transformers' auxiliary loss from the layers' stacked `RouterStats`: every layer's
     tokens pooled, `E * sum_e (assigned_e / tokens) (probs_e / tokens)`. 0 when no token
@@ -165,9 +179,9 @@ def dispatch(experts_nk: jax.Array, num_experts: int) -> Dispatch:
 
 
 def grouped(x_md: jax.Array, kernel_edf: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """`x_md` (rows sorted by expert) times each row's expert's kernel: `[M, F]`."""
-    return lax.ragged_dot(x_md, kernel_edf, group_sizes,
-                          preferred_element_type=x_md.dtype)
+    """`x_md` (rows sorted by expert) times each row's expert's kernel: `[M, F]`
+    (`jrl.kernels.grouped_matmul`: a Pallas kernel on Hopper GPUs, else XLA's)."""
+    return grouped_matmul.grouped_matmul(x_md, kernel_edf, group_sizes)
 
 
 class _Kernel(nn.Module):

@@ -38,7 +38,7 @@ from jrl.app import interrupt
 from jrl.config import batches
 from jrl.config.settings import Settings
 from jrl.data.dataset import BatchIterator, IteratorState
-from jrl.models import lora
+from jrl.models import lora, moe
 from jrl.models.config import ModelConfig
 from jrl.rl import evaluate, experience, types
 from jrl.rl import programs as programs_lib
@@ -203,9 +203,11 @@ class RLTrainer:
         """Model FLOPs of one token's forward and backward pass in the actor's update:
         2 per weight forward and 2 backward (the input's gradient), plus 2 for the
         gradient of each weight that trains (6N in full; 4N + 2 x adapters with LoRA,
-        whose frozen base needs no weight gradient)."""
-        trained = sum(x.size for x in jax.tree.leaves(self.state.actor.params))
-        return 4.0 * self.num_params + 2.0 * trained
+        whose frozen base needs no weight gradient); an MoE model's weights counted as
+        a token uses them (its k experts of E: `moe.active_size`)."""
+        config = self.model_config
+        total = moe.active_size((self.state.actor.params, self.frozen), config)
+        return 4.0 * total + 2.0 * moe.active_size(self.state.actor.params, config)
 
     def memory_report(self) -> str:
         """Per-device bytes of parameters, optimizer states and the rollout's KV cache."""

@@ -310,3 +310,17 @@ def test_expert_parallel_forward_and_gradients_equal_one_device():
     for got, want in zip(split["grads"], one["grads"], strict=True):
         want = np.asarray(want)
         np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_active_size_counts_a_tokens_k_experts():
+    """The MFU's parameter count of an MoE model: tiny-moe (E 8, k 2, D 64, F 64, 2 layers)
+    has 2 x 3 x 8 x 64 x 64 = 196,608 expert weights, of which a token runs 2/8."""
+    config = ModelConfig.preset("tiny-moe")
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    total = sum(x.size for x in jax.tree.leaves(shapes))
+    experts = 2 * 3 * 8 * 64 * 64
+    assert moe.active_size(shapes, config) == total - experts + experts * 2 / 8
+    dense = ModelConfig.preset("tiny")
+    dense_shapes = jax.eval_shape(lambda: init_params(dense, jax.random.key(0)))
+    assert moe.active_size(dense_shapes, dense) == sum(
+        x.size for x in jax.tree.leaves(dense_shapes))

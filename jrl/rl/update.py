@@ -290,7 +290,8 @@ def _micro_log_probs(params, micro: Batch, model_config: ModelConfig, group: int
                                       micro["responses"], _attention(micro),
                                       config=model_config, group=group)
     return logprobs.token_log_probs(params, hidden, micro["responses"],
-                                    impl=model_config.logprob_impl, **kwargs)
+                                    impl=model_config.logprob_impl,
+                                    softcap=model_config.final_logit_softcapping, **kwargs)
 
 
 def _policy_loss(log_probs, current, micro: Batch, mask, normalizer, rng,

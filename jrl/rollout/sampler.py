@@ -534,7 +534,8 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None):
     )
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
-    return constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None)), cache, key_mask
+    logits_bv = unembed(params, hidden_bpd[:, -1], softcap=config.final_logit_softcapping)
+    return constrain(logits_bv, ("batch", None)), cache, key_mask
 
 
 def cache_slots(config: ModelConfig, needed: int) -> int:
@@ -564,7 +565,8 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
         params, state.last_tokens[:, None], positions, attended, state.cache, slot,
         config=config,
     )
-    logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
+    logits_nv = unembed(params, hidden_n1d[:, 0], softcap=config.final_logit_softcapping)
+    logits_nv = constrain(logits_nv, ("batch", None))
     return logits_nv, state.replace(cache=cache, key_mask=key_mask)
 
 

@@ -2,6 +2,7 @@
 soft-capped log-prob head and the config errors (float32, tiny random checkpoints)."""
 
 import dataclasses
+import functools
 import json
 
 import chex
@@ -18,10 +19,17 @@ from jrl.models import (
     ModelConfig,
     forward_logits,
     init_cache,
+    init_params,
     load_pretrained,
     save_pretrained,
 )
+from jrl.rl import logprobs, packing
 from jrl.rl.logprobs import token_log_probs
+from jrl.rollout import sampler
+from jrl.rollout.sampler import SamplingConfig
+from tests.rl.test_packing import make_batch
+from tests.rl.test_shared_prompts import _grouped_batch
+from tests.rollout.test_sampler import ragged_prompts
 
 _LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 _COMMON = dict(
@@ -238,3 +246,50 @@ def test_kernels_without_softcap_or_window_are_refused():
         dataclasses.replace(PRESETS["tiny"], sliding_window=8, layer_types=("full_attention",) * 2)
     # Gemma 3 has no attention soft-cap: cuDNN's attention stays its choice on a GPU.
     assert PRESETS["gemma-3-1b"].attention_impl == "auto"
+
+
+# tiny-gemma (soft-caps, every other layer sliding) with a window of 3, shorter than the
+# rows below; a large init spreads the logits.
+LAYOUT = ModelConfig.preset("tiny-gemma", hidden_size=32, intermediate_size=64, head_dim=8,
+                            query_pre_attn_scalar=8, sliding_window=3, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def layout_params():
+    return jax.jit(init_params, static_argnums=0)(LAYOUT, jax.random.key(0))
+
+
+def test_packed_and_shared_prompt_layouts_keep_the_window(layout_params):
+    """Packed rows (each sequence's positions restart) and shared prompts (responses as rows
+    of their own) give the padded layout's log-probs: the window counts each sequence's
+    tokens, never the slots of another."""
+    plain = jax.jit(functools.partial(logprobs.response_log_probs, config=LAYOUT,
+                                      with_entropy=True))
+    batch = make_batch()
+    packed = jax.jit(lambda p: logprobs.packed_pass(
+        functools.partial(logprobs.packed_log_probs, config=LAYOUT, with_entropy=True), p,
+        packing.for_sequences(*batch, 40), batch[3]))(layout_params)
+    mask = batch[3]
+    for got, want in zip(packed, plain(layout_params, *batch), strict=True):
+        np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0),
+                                   rtol=2e-5, atol=2e-6)
+
+    grouped = _grouped_batch(0, vocab=LAYOUT.vocab_size)
+    shared = jax.jit(functools.partial(logprobs.response_log_probs, config=LAYOUT,
+                                       with_entropy=True, group=4))(layout_params, *grouped)
+    for got, want in zip(shared, plain(layout_params, *grouped), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_sampler_log_probs_equal_the_training_forwards(layout_params):
+    """The sampler's decode (cache, window, soft-caps) draws each token with the log-prob the
+    training pass gives it, over 12 new tokens from prompts of 1 to 7."""
+    ids, mask = ragged_prompts([5, 2, 7, 1], prompt_len=7, vocab_size=LAYOUT.vocab_size, seed=0)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=(2,))
+    out = sampler.generate(layout_params, ids, mask, jax.random.key(1), sampling, config=LAYOUT)
+    want, _ = jax.jit(functools.partial(logprobs.response_log_probs, config=LAYOUT))(
+        layout_params, out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
+    valid = np.asarray(out.response_mask) > 0
+    assert valid.sum(1).max() > LAYOUT.sliding_window + 1
+    np.testing.assert_allclose(np.asarray(out.rollout_log_probs)[valid], np.asarray(want)[valid],
+                               atol=2e-5, rtol=0)

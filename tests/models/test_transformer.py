@@ -37,6 +37,9 @@ PUBLISHED_PARAM_COUNTS = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920,
     "llama-3.2-1b": 1_235_814_400,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-3-1b": 999_885_952,
 }
 LOGICAL_AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", None}
 

@@ -288,7 +288,10 @@ class ModelConfig:
             if hf_config.get(key):
                 raise ConfigError(f"config.json sets {key}=true, which jrl does not support")
         heads = hf_config["num_attention_heads"]
+        fields = gemma.hf_fields(hf_config)
+        factor = fields.pop("linear_rope_factor")
         kwargs = dict(
+            rope_scaling=None if factor is None else LinearRopeScaling(factor),
             vocab_size=hf_config["vocab_size"],
             hidden_size=hf_config["hidden_size"],
             intermediate_size=hf_config["intermediate_size"],
@@ -303,7 +306,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
             pad_token_id=hf_config.get("pad_token_id"),
             initializer_range=hf_config.get("initializer_range", 0.02),
-            **gemma.hf_fields(hf_config),
+            **fields,
         )
         kwargs.update(overrides)
         return cls(**kwargs)

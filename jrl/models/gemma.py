@@ -217,9 +217,9 @@ def check(config) -> dict[str, Any]:
 
 def hf_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The Gemma `ModelConfig` fields of a HF `config.json` dict (transformers 4 and 5
-    keys), after checking the switches jrl does not model."""
-    from jrl.models.config import LinearRopeScaling  # noqa: PLC0415 (config imports this)
-
+    keys), after checking the switches jrl does not model; the global layers' linear
+    RoPE factor (or None) as `linear_rope_factor`, for `config.py` to make its
+    `LinearRopeScaling`."""
     act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or ACTIVATION
     if act != ACTIVATION:
         raise ConfigError(f"unsupported hidden_activation {act!r}; Gemma checkpoints use "
@@ -254,10 +254,10 @@ def hf_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     local_theta = local.get("rope_theta", hf_config.get("rope_local_base_freq"))
     if family == "gemma3" and local_theta is None:
         local_theta = 10000.0  # HF's default
-    scaling = None
+    factor = None
     kind = full.get("rope_type", full.get("type", "default"))
     if kind == "linear":
-        scaling = LinearRopeScaling(float(full["factor"]))
+        factor = float(full["factor"])
     elif kind != "default":
         raise ConfigError(f"unsupported rope_type {kind!r} for the global layers; Gemma "
                           "supports 'default' and 'linear'")
@@ -268,7 +268,7 @@ def hf_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(
         family=family,
         rope_theta=float(theta),
-        rope_scaling=scaling,
+        linear_rope_factor=factor,
         rope_local_base_freq=None if family == "gemma2" else float(local_theta),
         attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
         final_logit_softcapping=None if final_cap is None else float(final_cap),

@@ -301,7 +301,10 @@ class ModelConfig:
             head_dim=hf_config.get("head_dim") or 256,  # HF's default for both families
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             qk_norm=hf_config.get("model_type") != "gemma2",
-            max_position_embeddings=hf_config.get("max_position_embeddings", 8192),
+            # HF's defaults: 8,192 (Gemma 2), 131,072 (Gemma 3).
+            max_position_embeddings=hf_config.get("max_position_embeddings", 8192 if
+                                                  hf_config.get("model_type") == "gemma2"
+                                                  else 131072),
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
             pad_token_id=hf_config.get("pad_token_id"),

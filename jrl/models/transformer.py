@@ -88,8 +88,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        ones = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
-        init = nn.with_logical_partitioning(ones, (self.axis_name,))
+        # A scale of 1 either way: Gemma stores it as 1 + weight, with weight 0.
+        unit = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        init = nn.with_logical_partitioning(unit, (self.axis_name,))
         scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
         norm = functools.partial(gemma.rms_norm if self.unit_offset else _rms_norm,
                                  eps=self.eps, dtype=self.dtype)

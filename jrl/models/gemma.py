@@ -22,7 +22,7 @@ The layers stay one `nn.scan` with stacked parameters: the per-layer differences
 travel as a scanned bool per layer (`local_flags`), which picks between two variants
 of the mask and of the RoPE tables (`LayerTypes`, `for_layer`).
 
-This module imports nothing of `jrl.models` at its top: `config.py` imports it.
+This module imports nothing of `jrl.models`: `config.py` imports it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ LAYER_TYPES = (FULL, SLIDING)
 # The MLP activation of every Gemma 2 / 3 checkpoint (HF's `hidden_activation`).
 ACTIVATION = "gelu_pytorch_tanh"
 # Gemma checkpoints with more than the text decoder.
-_MULTIMODAL = {"Gemma3ForConditionalGeneration", "Gemma3Model", "PaliGemmaForConditionalGeneration"}
+_MULTIMODAL = {"Gemma3ForConditionalGeneration", "Gemma3Model"}
 
 
 def is_gemma(config) -> bool:
@@ -56,10 +56,6 @@ def layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
     (Gemma 2: 2, alternating from a sliding first layer; Gemma 3: 6, five local to one
     global)."""
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
-
-
-def has_sliding_layers(config) -> bool:
-    return SLIDING in config.layer_types
 
 
 def local_flags(config) -> jax.Array:

@@ -246,6 +246,9 @@ def token_log_probs(
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
     """
+    if softcap is not None and impl == "mosaic":
+        raise ValueError("the log-prob head's kernel has no soft-cap; use impl 'auto' or "
+                         "'xla' for a model with final_logit_softcapping")
     b, r, d = hidden_brd.shape
     if r == 0:
         empty = jnp.zeros((b, 0), jnp.float32)
@@ -263,9 +266,6 @@ def token_log_probs(
                             (None, "batch", "length"))
 
     weight, vocab_first = _unembedding(params)
-    if softcap is not None and impl == "mosaic":
-        raise ValueError("the log-prob head's kernel has no soft-cap; use impl 'auto' or "
-                         "'xla' for a model with final_logit_softcapping")
     if isinstance(temperature, int | float):
         impl = ("xla" if softcap is not None
                 else logprob_head.choose_impl(impl, d, with_entropy, hidden_brd.dtype))

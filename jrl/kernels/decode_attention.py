@@ -1049,7 +1049,8 @@ def _no_vma_check():
     return contextlib.nullcontext() if check is None else check(False)
 
 
-def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None):
+def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None, *, scale=None,
+                      softcap=None):
     """Softmax attention with the queries of a key/value head grouped, in float32.
 
     `N = K * G` query heads share K key/value heads. The queries are viewed as
@@ -1070,6 +1071,9 @@ def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None):
       k_bksh, v_bksh: `[B, K, S, H]` keys and values.
       mask_b1ts: bool `[B, 1, T, S]`, True where a query may attend to a key.
       rows: None, or the `RowCache` whose rows q, k and v are (see above).
+      scale: the scores' scale (None: `H ** -0.5`; Gemma's `query_pre_attn_scalar ** -0.5`).
+      softcap: None, or the cap c of Gemma 2's soft-capping: scores `s` become
+        `c * tanh(s / c)` after scaling and before the mask.
 
     Returns:
       `[B, T, N, H]` in the queries' dtype.
@@ -1078,7 +1082,10 @@ def grouped_attention(q_btnh, k_bksh, v_bksh, mask_b1ts, rows=None):
     k = k_bksh.shape[1]
     q_bkgth = q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
     logits = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(h))
+                        preferred_element_type=jnp.float32)
+    logits = logits / jnp.sqrt(jnp.float32(h)) if scale is None else logits * scale
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     axes, slots = ("batch", "kv_heads", None, None, None), k_bksh.shape[2]
     if rows is not None:  # the single program's batch rows and slots
         pad = ((0, 0),) * (logits.ndim - 1) + ((0, max(rows.softmax_slots - slots, 0)),)

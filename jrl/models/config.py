@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family
-and its mixture-of-experts relatives, Qwen3-MoE and Mixtral.
+"""Model configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 and
+Gemma 2 / Gemma 3 (text) families, and the mixture-of-experts Qwen3-MoE and Mixtral.
 
 `ModelConfig` is hashable, so it can be a static argument of `jax.jit`. It is built
 from a Hugging Face `config.json` dict (`ModelConfig.from_hf`), from a named preset
@@ -14,10 +14,14 @@ The three families differ only in a few switches:
 | llama  | no         | no                   | optional "llama3"  |
 | qwen2  | yes        | no                   | none               |
 | qwen3  | no         | yes                  | none               |
+| gemma2 | no         | no                   | none               |
+| gemma3 | no         | yes                  | optional "linear"  |
 
-The MoE families are these with the MLP replaced by `num_experts` SwiGLU experts of
-width `moe_intermediate_size`, `num_experts_per_tok` of them per token
-(`jrl.models.moe`): `qwen3_moe` has Qwen3's attention, `mixtral` Llama's.
+Gemma adds more switches (soft-capping, sliding-window layers, sandwich norms, GeGLU,
+scaled embeddings): `jrl.models.gemma` describes them. The MoE families are Qwen3's
+and Llama's layers with the MLP replaced by `num_experts` SwiGLU experts of width
+`moe_intermediate_size`, `num_experts_per_tok` of them per token (`jrl.models.moe`):
+`qwen3_moe` has Qwen3's attention, `mixtral` Llama's.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import Any
 
 from jrl.errors import ConfigError
 from jrl.kernels import mosaic_backend
+from jrl.models import gemma
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", *gemma.FAMILIES)
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
@@ -50,11 +55,16 @@ ARCHITECTURES = {
     "LlamaForSequenceClassification": ("llama", "score"),
     "Qwen2ForSequenceClassification": ("qwen2", "score"),
     "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "Gemma2ForCausalLM": ("gemma2", "lm"),
+    "Gemma3ForCausalLM": ("gemma3", "lm"),
 }
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                "mixtral": "mixtral"}
+                "mixtral": "mixtral", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# model_type -> family above; the family's model_type on save here.
+_FAMILY_MODEL_TYPES = {family: model_type for model_type, family in _MODEL_TYPES.items()}
 _HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                    "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+                    "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gemma2": "Gemma2",
+                    "gemma3": "Gemma3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +83,32 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE scaling (`rope_type: "linear"`): every rotation speed divided by
+    `factor` (Gemma 3's global layers, factor 8 in the 4B and 12B)."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture and run-time options of a decoder-only transformer.
 
     Attributes:
-      family: "llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral" (picks the HF class
-        names on save).
+      family: "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2" or "gemma3"
+        (picks the HF class names on save; the Gemma families bring the layer of
+        `jrl.models.gemma`).
       vocab_size: V, rows of the token embedding.
       hidden_size: D, width of the residual stream.
-      intermediate_size: F, width of the SwiGLU MLP (MoE families: the checkpoint's dense
-        width, kept for save; the experts' is `moe_intermediate_size`).
+      intermediate_size: F, width of the SwiGLU (Gemma: GeGLU) MLP (MoE families: the
+        checkpoint's dense width, kept for save; the experts' is `moe_intermediate_size`).
       num_layers: L, decoder layers.
       num_heads: N, query heads.
       num_kv_heads: K, key/value heads (grouped-query attention; N % K == 0).
       head_dim: H, per-head width (Qwen3 has H != D / N).
       rope_theta: RoPE base.
-      rope_scaling: Llama 3 scaling, or None for plain RoPE.
+      rope_scaling: Llama 3 scaling, linear scaling (Gemma 3's global layers), or None
+        for plain RoPE.
       rms_norm_eps: epsilon of every RMSNorm.
       tie_word_embeddings: the LM head is the transposed token embedding.
       qkv_bias: q/k/v projections have a bias (Qwen2).
@@ -100,6 +120,18 @@ class ModelConfig:
       router_aux_loss_coef: the checkpoint's load-balancing loss coefficient (the
         default of `actor.router_aux_loss_coef`; written back on save).
       max_position_embeddings: longest context the checkpoint was trained for.
+      attn_logit_softcapping: Gemma 2: attention scores become `cap * tanh(s / cap)`
+        before the mask (None: not capped).
+      final_logit_softcapping: Gemma: the LM logits are capped the same way, before any
+        temperature or log-softmax (None: not capped).
+      query_pre_attn_scalar: Gemma: scores are scaled by its `** -0.5` instead of
+        `head_dim ** -0.5` (None: head_dim).
+      sliding_window: Gemma: a sliding layer's query sees the keys fewer than this many
+        tokens behind it (and itself).
+      layer_types: Gemma: "full_attention" or "sliding_attention" per layer (HF's
+        `layer_types`); () for all full.
+      rope_local_base_freq: Gemma 3: the RoPE base of the sliding layers, which never
+        scale it (None: they use the global layers' RoPE).
       bos_token_id, eos_token_ids, pad_token_id: from config.json, kept for save.
       initializer_range: stddev of the normal init of fresh kernels.
       param_dtype: dtype parameters are stored in.
@@ -155,7 +187,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -166,6 +198,12 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
     max_position_embeddings: int = 32768
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -217,6 +255,8 @@ class ModelConfig:
         _check_choice("lora_rollout", self.lora_rollout, LORA_ROLLOUTS)
         targets = lora_targets(self.lora_targets or "all-linear") if self.lora_rank else ()
         object.__setattr__(self, "lora_targets", targets)
+        for name, value in gemma.check(self).items():
+            object.__setattr__(self, name, value)
 
     @property
     def is_moe(self) -> bool:
@@ -255,6 +295,8 @@ class ModelConfig:
             or attention variant; the message names it and lists what is supported.
         """
         family, _ = hf_family_and_head(hf_config)
+        if family in gemma.FAMILIES:
+            return cls._from_hf_gemma(hf_config, **overrides)
         _check_hf_features(hf_config, family)
         heads = hf_config["num_attention_heads"]
         default_head_dim = 128 if family == "qwen3" else hf_config["hidden_size"] // heads
@@ -284,6 +326,38 @@ class ModelConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    @classmethod
+    def _from_hf_gemma(cls, hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
+        for key in ("attention_bias", "mlp_bias"):
+            if hf_config.get(key):
+                raise ConfigError(f"config.json sets {key}=true, which jrl does not support")
+        heads = hf_config["num_attention_heads"]
+        fields = gemma.hf_fields(hf_config)
+        factor = fields.pop("linear_rope_factor")
+        kwargs = dict(
+            rope_scaling=None if factor is None else LinearRopeScaling(factor),
+            vocab_size=hf_config["vocab_size"],
+            hidden_size=hf_config["hidden_size"],
+            intermediate_size=hf_config["intermediate_size"],
+            num_layers=hf_config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+            head_dim=hf_config.get("head_dim") or 256,  # HF's default for both families
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            qk_norm=hf_config.get("model_type") != "gemma2",
+            # HF's defaults: 8,192 (Gemma 2), 131,072 (Gemma 3).
+            max_position_embeddings=hf_config.get("max_position_embeddings", 8192 if
+                                                  hf_config.get("model_type") == "gemma2"
+                                                  else 131072),
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(hf_config.get("eos_token_id")),
+            pad_token_id=hf_config.get("pad_token_id"),
+            initializer_range=hf_config.get("initializer_range", 0.02),
+            **fields,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
     def to_hf(self, head: str = "lm") -> dict[str, Any]:
         """The `config.json` dict that transformers (4.45+ and 5.x) loads.
 
@@ -294,12 +368,12 @@ class ModelConfig:
         _check_choice("head", head, ("lm", "score"))
         suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling is not None:
+        if isinstance(self.rope_scaling, RopeScaling):
             rope_parameters.update(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
         eos = self.eos_token_ids
         hf = {
             "architectures": [_HF_CLASS_PREFIX[self.family] + suffix],
-            "model_type": _MODEL_TYPES[self.family],
+            "model_type": _FAMILY_MODEL_TYPES[self.family],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -340,6 +414,9 @@ class ModelConfig:
                       moe_intermediate_size=self.moe_intermediate_size,
                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
                       mlp_only_layers=[])
+        if self.family in gemma.FAMILIES:
+            hf.pop("use_sliding_window")  # Gemma's windows are its layer_types
+            hf.update(gemma.to_hf(self))
         if head == "score":
             hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         return hf
@@ -355,6 +432,8 @@ class ModelConfig:
 def hf_family_and_head(hf_config: Mapping[str, Any]) -> tuple[str, str]:
     """(family, head) of a HF config dict, from `architectures` or else `model_type`."""
     architectures = hf_config.get("architectures") or []
+    if (message := gemma.unsupported_architecture(hf_config)) is not None:
+        raise ConfigError(message)
     for arch in architectures:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
@@ -479,7 +558,9 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 # Shapes of the released checkpoints (their config.json files). `tiny` is for tests
-# and synthetic tasks: it fits the built-in CharTokenizer's vocabulary.
+# and synthetic tasks: it fits the built-in CharTokenizer's vocabulary; `tiny-gemma` is
+# its Gemma 2 counterpart (soft-caps, a window shorter than the arithmetic tasks'
+# sequences on every other layer).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         family="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -549,5 +630,62 @@ PRESETS: dict[str, ModelConfig] = {
         ),
         rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001,),
+    ),
+    "tiny-gemma": ModelConfig(
+        family="gemma2", vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        tie_word_embeddings=True, max_position_embeddings=512, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=gemma.layer_types(2, 2), bos_token_id=1, eos_token_ids=(2,), pad_token_id=0,
+    ),
+    # google/gemma-2-2b and -9b: every other layer sliding (HF's default layer_types),
+    # query_pre_attn_scalar = head_dim (the 27B alone scales by hidden / heads).
+    "gemma-2-2b": ModelConfig(
+        family="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+        num_layers=26, num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=8192,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        sliding_window=4096, layer_types=gemma.layer_types(26, 2),
+        bos_token_id=2, eos_token_ids=(1,), pad_token_id=0,
+    ),
+    "gemma-2-9b": ModelConfig(
+        family="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+        num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=8192,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        sliding_window=4096, layer_types=gemma.layer_types(42, 2),
+        bos_token_id=2, eos_token_ids=(1,), pad_token_id=0,
+    ),
+    # google/gemma-3-1b-pt (Gemma3ForCausalLM): five sliding layers to one global
+    # (sliding_window_pattern 6), no soft-caps, no RoPE scaling.
+    "gemma-3-1b": ModelConfig(
+        family="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512,
+        layer_types=gemma.layer_types(26, 6), rope_local_base_freq=10000.0,
+        bos_token_id=2, eos_token_ids=(1,), pad_token_id=0,
+    ),
+    # The text models of google/gemma-3-4b-pt and -12b-pt (their config.json's
+    # text_config; the checkpoints themselves are Gemma3ForConditionalGeneration, which
+    # load_pretrained refuses). Values their text_config leaves out are
+    # Gemma3TextConfig's defaults: vocab_size 262208, head_dim 256,
+    # query_pre_attn_scalar 256, rope_theta 1e6, rope_local_base_freq 1e4,
+    # max_position_embeddings 131072, the pattern of 6, and for the 4B 8 heads / 4 KV heads.
+    "gemma-3-4b": ModelConfig(
+        family="gemma3", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+        num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=1e6,
+        rope_scaling=LinearRopeScaling(8.0), rms_norm_eps=1e-6, tie_word_embeddings=True,
+        qk_norm=True, max_position_embeddings=131072, query_pre_attn_scalar=256,
+        sliding_window=1024, layer_types=gemma.layer_types(34, 6),
+        rope_local_base_freq=10000.0, bos_token_id=2, eos_token_ids=(1,), pad_token_id=0,
+    ),
+    "gemma-3-12b": ModelConfig(
+        family="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+        num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rope_theta=1e6,
+        rope_scaling=LinearRopeScaling(8.0), rms_norm_eps=1e-6, tie_word_embeddings=True,
+        qk_norm=True, max_position_embeddings=131072, query_pre_attn_scalar=256,
+        sliding_window=1024, layer_types=gemma.layer_types(48, 6),
+        rope_local_base_freq=10000.0, bos_token_id=2, eos_token_ids=(1,), pad_token_id=0,
     ),
 }

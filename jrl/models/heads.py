@@ -23,6 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jrl.models import gemma
+
 Params = Mapping[str, Any]
 BACKBONE_KEYS = ("embed", "layers", "final_norm")
 HEADS = ("lm", "value", "score", "none")
@@ -59,7 +61,8 @@ class Head(nn.Module):
             )
 
 
-def unembed(params: Params, hidden_btd: jax.Array, *, dtype: str | None = None) -> jax.Array:
+def unembed(params: Params, hidden_btd: jax.Array, *, dtype: str | None = None,
+            softcap: float | None = None) -> jax.Array:
     """LM logits `hidden @ W` with `W` the LM head, or the embedding's transpose when tied.
 
     Args:
@@ -67,6 +70,8 @@ def unembed(params: Params, hidden_btd: jax.Array, *, dtype: str | None = None) 
       hidden_btd: `[..., D]` final hidden states (any leading shape, e.g. a chunk).
       dtype: dtype of the matmul operands; defaults to `hidden_btd.dtype`. The
         product is accumulated and returned in float32 either way.
+      softcap: the model's `final_logit_softcapping` (Gemma): logits `z` become
+        `cap * tanh(z / cap)`, in float32; None: as they are.
 
     Returns:
       float32 logits `[..., V]`.
@@ -75,9 +80,13 @@ def unembed(params: Params, hidden_btd: jax.Array, *, dtype: str | None = None) 
     hidden = hidden_btd.astype(dtype)
     if "lm_head" in params:
         weight_dv = params["lm_head"]["kernel"].astype(dtype)
-        return jnp.einsum("...d,dv->...v", hidden, weight_dv, preferred_element_type=jnp.float32)
-    embedding_vd = params["embed"]["embedding"].astype(dtype)
-    return jnp.einsum("...d,vd->...v", hidden, embedding_vd, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", hidden, weight_dv,
+                            preferred_element_type=jnp.float32)
+    else:
+        embedding_vd = params["embed"]["embedding"].astype(dtype)
+        logits = jnp.einsum("...d,vd->...v", hidden, embedding_vd,
+                            preferred_element_type=jnp.float32)
+    return gemma.softcap(logits, softcap)
 
 
 def values(params: Params, hidden_btd: jax.Array) -> jax.Array:

@@ -2,7 +2,8 @@
 
 `load_pretrained(dir)` reads `config.json` and `model.safetensors` (or the shards
 listed in `model.safetensors.index.json`) of a `LlamaForCausalLM`,
-`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `MixtralForCausalLM` or
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `MixtralForCausalLM`,
+`Gemma2ForCausalLM`, `Gemma3ForCausalLM` or
 `*ForSequenceClassification` checkpoint.
 Tensors are read one at a time through `safetensors.safe_open` (memory-mapped),
 transposed/reshaped into jrl's layout, cast to the requested dtype and written into
@@ -40,7 +41,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jrl import errors
-from jrl.models import lora
+from jrl.models import gemma, lora
 from jrl.models.config import ModelConfig, hf_family_and_head
 
 CONFIG_NAME = "config.json"
@@ -119,7 +120,10 @@ def tensor_specs(config: ModelConfig, head: str = "lm") -> list[TensorSpec]:
         layer("self_attn.k_proj.weight", "attn/k_proj/kernel", (k * h, d), (d, k, h), True),
         layer("self_attn.v_proj.weight", "attn/v_proj/kernel", (k * h, d), (d, k, h), True),
         layer("self_attn.o_proj.weight", "attn/o_proj/kernel", (d, n * h), (n, h, d), True),
-        layer("post_attention_layernorm.weight", "mlp_norm/scale", (d,), (d,)),
+        # Gemma's post_attention_layernorm is a post-norm of the attention's output
+        # (`gemma`); its MLP's pre-norm is pre_feedforward_layernorm.
+        layer("post_attention_layernorm.weight",
+              "post_attn_norm/scale" if gemma.is_gemma(c) else "mlp_norm/scale", (d,), (d,)),
         TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), (d,)),
     ]
     if c.is_moe:
@@ -135,6 +139,11 @@ def tensor_specs(config: ModelConfig, head: str = "lm") -> list[TensorSpec]:
             layer("self_attn.q_proj.bias", "attn/q_proj/bias", (n * h,), (n, h)),
             layer("self_attn.k_proj.bias", "attn/k_proj/bias", (k * h,), (k, h)),
             layer("self_attn.v_proj.bias", "attn/v_proj/bias", (k * h,), (k, h)),
+        ]
+    if gemma.is_gemma(c):
+        specs += [
+            layer("pre_feedforward_layernorm.weight", "mlp_norm/scale", (d,), (d,)),
+            layer("post_feedforward_layernorm.weight", "post_mlp_norm/scale", (d,), (d,)),
         ]
     if c.qk_norm:
         specs += [

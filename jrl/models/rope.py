@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) with optional Llama 3 frequency scaling.
+"""Rotary position embeddings (RoPE) with optional Llama 3 or linear frequency scaling.
 
 Uses the "rotate half" layout of the HF Llama/Qwen checkpoints: the head vector is
 split into a first and a second half, and pair i is (x[i], x[i + H/2]), rotated by
@@ -7,24 +7,29 @@ angle `position * inv_freq[i]` (Su et al. 2021, https://arxiv.org/abs/2104.09864
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.models.config import ModelConfig, RopeScaling
+from jrl.models import gemma
+from jrl.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair rotation speeds `theta ** (-2i / H)`, Llama-3-scaled if configured.
+    """Per-pair rotation speeds `theta ** (-2i / H)`, Llama-3- or linearly scaled if
+    configured.
 
     Returns:
       float32 array `[H/2]`.
     """
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is not None:
+    if isinstance(config.rope_scaling, LinearRopeScaling):
+        inv_freq = inv_freq / config.rope_scaling.factor
+    elif config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
     return inv_freq.astype(np.float32)
 
@@ -65,3 +70,15 @@ def apply_rope(x_btnh: jax.Array, sin_btk: jax.Array, cos_btk: jax.Array) -> jax
     sin, cos = sin_btk[:, :, None, :], cos_btk[:, :, None, :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_btnh.dtype)
+
+
+def sin_cos_by_layer_type(positions_bt: jax.Array, config: ModelConfig):
+    """`sin_cos`, or where sliding layers have a RoPE base of their own (Gemma 3's
+    `rope_local_base_freq`, never scaled) a `gemma.LayerTypes` pair of each table."""
+    sin_btk, cos_btk = sin_cos(positions_bt, config)
+    if config.rope_local_base_freq is None:
+        return sin_btk, cos_btk
+    local = dataclasses.replace(config, rope_theta=config.rope_local_base_freq,
+                                rope_scaling=None)
+    local_sin_btk, local_cos_btk = sin_cos(positions_bt, local)
+    return (gemma.LayerTypes(sin_btk, local_sin_btk), gemma.LayerTypes(cos_btk, local_cos_btk))

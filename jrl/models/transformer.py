@@ -1,9 +1,10 @@
-"""Decoder-only transformer of the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 family and its
-mixture-of-experts relatives, Qwen3-MoE and Mixtral (Flax Linen).
+"""Decoder-only transformer of the Llama 3 / Qwen2 / Qwen2.5 / Qwen3 and Gemma 2 / 3 families
+and the mixture-of-experts Qwen3-MoE and Mixtral (Flax Linen).
 
 One layer is `x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))`; the layers are one
 `nn.scan`, so their parameters are stacked on a leading `layers` axis and the
-layer is compiled once.
+layer is compiled once. Gemma's layer is `x += Norm(Attn(Norm(x))); x +=
+Norm(GeGLU(Norm(x)))` with soft-capping and sliding-window layers (`jrl.models.gemma`).
 
 Parameter tree (shapes with L layers, V vocab, D hidden, F mlp, N/K query/kv heads,
 H head_dim; logical axis names in brackets):
@@ -23,6 +24,9 @@ H head_dim; logical axis names in brackets):
     layers/mlp/gate_proj/kernel     [L, D, F]     (layers, embed, mlp)
     layers/mlp/up_proj/kernel       [L, D, F]
     layers/mlp/down_proj/kernel     [L, F, D]     (layers, mlp, embed)
+    layers/post_attn_norm/scale     [L, D]        gemma only (HF: post_attention_layernorm)
+    layers/post_mlp_norm/scale      [L, D]        gemma only (HF: post_feedforward_layernorm;
+                                                  its pre_feedforward_layernorm is mlp_norm)
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]        untied LM only (see heads.py)
 
@@ -51,7 +55,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jrl.kernels import decode_attention as decode_lib
 from jrl.kernels import packed_attention
-from jrl.models import context_attention, moe, rope
+from jrl.models import cache as cache_lib
+from jrl.models import context_attention, gemma, moe, rope
 from jrl.models import heads as heads_lib
 from jrl.models.cache import KVCache, RowCache, attention_mask
 from jrl.models.config import ModelConfig
@@ -82,12 +87,16 @@ class RMSNorm(nn.Module):
     dtype: str
     param_dtype: str
     recompute: bool = False  # the backward pass recomputes from `x` (`_rms_norm`)
+    unit_offset: bool = False  # Gemma's: the scale is 1 + weight (`gemma.rms_norm`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        init = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+        # A scale of 1 either way: Gemma stores it as 1 + weight, with weight 0.
+        unit = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        init = nn.with_logical_partitioning(unit, (self.axis_name,))
         scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-        norm = functools.partial(_rms_norm, eps=self.eps, dtype=self.dtype)
+        norm = functools.partial(gemma.rms_norm if self.unit_offset else _rms_norm,
+                                 eps=self.eps, dtype=self.dtype)
         return (jax.checkpoint(norm) if self.recompute else norm)(x, scale)
 
 
@@ -100,7 +109,7 @@ def _rms_norm(x, scale, *, eps: float, dtype: str) -> jax.Array:
 
 def _norm(config: ModelConfig, axis_name: str, name: str, recompute: bool = False) -> RMSNorm:
     return RMSNorm(config.rms_norm_eps, axis_name, config.dtype, config.param_dtype,
-                   recompute, name=name)
+                   recompute, gemma.is_gemma(config), name=name)
 
 
 def _recomputes_in_backward(config: ModelConfig) -> bool:
@@ -241,14 +250,17 @@ def _attend(config: ModelConfig, q_btnh, k_bskh, v_bskh, mask_b1ts, rows=None):
     """Attention over keys/values `[B, S, K, H]` (no cache): cuDNN or XLA by `_attention_impl`.
     With `rows` (a `RowCache`) q, k and v are its rows, the mask the batch's."""
     impl = _attention_impl(config, q_btnh.dtype, q_btnh.shape[1], k_bskh.shape[1])
+    scale = gemma.query_scale(config)
     if impl == "xla":
         return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_bskh, 1, 2),
-                                            jnp.swapaxes(v_bskh, 1, 2), mask_b1ts, rows)
+                                            jnp.swapaxes(v_bskh, 1, 2), mask_b1ts, rows,
+                                            scale=scale,
+                                            softcap=config.attn_logit_softcapping)
     if rows is not None:
         mask_b1ts = rows.to_cache_rows(mask_b1ts, ("batch", None, None, None))
     if impl == "cudnn":
         k_bskh, v_bskh = packed_attention.heads_split_alike(q_btnh, k_bskh, v_bskh)
-    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_b1ts,
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_b1ts, scale=scale,
                                         implementation=impl)
 
 
@@ -415,6 +427,8 @@ class Mlp(nn.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         c = self.config
         f = c.intermediate_size
+        if gemma.is_gemma(c):
+            return self._geglu(x_btd)
         if self.has_variable("params", FUSED_GATE_UP):  # the sampler's fused layout
             gate_up = _dense(c, (2, f), ("embed", None, "mlp"), FUSED_GATE_UP)(x_btd)
         elif _joins_gate_up(self, c):  # the two kernels stacked (the sampler's layout)
@@ -438,6 +452,21 @@ class Mlp(nn.Module):
             out_btd = down(gate_up, kernel.astype(c.dtype))
             return checkpoint_name(out_btd, _PROJ_OUT) if c.lora_rank else out_btd
         hidden_btf = constrain(swiglu(gate_up), _MLP)
+        return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj", hidden_btf)
+
+    def _geglu(self, x_btd: jax.Array) -> jax.Array:
+        """Gemma's GeGLU, `down(gelu_tanh(gate(x)) * up(x))`, in the plain form (gate and up
+        as two matmuls, or the sampler's joined `gate_up_proj`)."""
+        c = self.config
+        f = c.intermediate_size
+        if self.has_variable("params", FUSED_GATE_UP):
+            gate_up = _dense(c, (2, f), ("embed", None, "mlp"), FUSED_GATE_UP)(x_btd)
+            gate_btf, up_btf = gate_up[..., 0, :], gate_up[..., 1, :]
+        else:
+            gate_btf = _project(c, f, ("embed", "mlp"), "gate_proj", x_btd)
+            up_btf = _project(c, f, ("embed", "mlp"), "up_proj", x_btd)
+        gate_btf, up_btf = constrain(gate_btf, _MLP), constrain(up_btf, _MLP)
+        hidden_btf = constrain(gemma.gelu_tanh(gate_btf) * up_btf, _MLP)
         return _project(c, c.hidden_size, ("mlp", "embed"), "down_proj", hidden_btf)
 
 
@@ -488,20 +517,31 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer, sin_btk, cos_btk, mask_b1ts, write_index, valid_bt=None,
-                 forced_btk=None):
+                 forced_btk=None, local=None):
+        """`valid_bt`, `forced_btk`: an MoE layer's token weights for its router statistics
+        and its replayed experts (`moe.MoeMlp`). `local`: this layer is a sliding-window
+        one (a scanned bool where the config has `layer_types`), which picks its mask and
+        RoPE tables (`gemma.for_layer`)."""
         x_btd, cache = carry
         c = self.config
+        if local is not None:
+            sin_btk, cos_btk, mask_b1ts = gemma.for_layer(local, sin_btk, cos_btk, mask_b1ts)
         recompute = _recomputes_in_backward(c)
         attn_in = _norm(c, "embed", "attn_norm", recompute)(x_btd)
         attn_out, cache = Attention(c, name="attn")(
             attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index
         )
+        if gemma.is_gemma(c):  # sandwich norms: each branch's output normalised too
+            attn_out = _norm(c, "embed", "post_attn_norm", recompute)(attn_out)
         x_btd = x_btd + attn_out
         mlp_in = _norm(c, "embed", "mlp_norm", recompute)(x_btd)
         if c.is_moe:
-            x_btd = x_btd + moe.MoeMlp(c, name="mlp")(mlp_in, valid_bt, forced_btk)
+            mlp_out = moe.MoeMlp(c, name="mlp")(mlp_in, valid_bt, forced_btk)
         else:
-            x_btd = x_btd + Mlp(c, name="mlp")(mlp_in)
+            mlp_out = Mlp(c, name="mlp")(mlp_in)
+        if gemma.is_gemma(c):
+            mlp_out = _norm(c, "embed", "post_mlp_norm", recompute)(mlp_out)
+        x_btd = x_btd + mlp_out
         return (constrain(x_btd, _HIDDEN), cache), None
 
 
@@ -523,8 +563,10 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
         # The MoE layers' router statistics (`moe.ROUTER_COLLECTION`) stack like the params.
         variable_axes={"params": 0, moe.ROUTER_COLLECTION: 0},
         split_rngs={"params": True},
-        # (layer index, RoPE, mask, write index, valid tokens, each layer's replayed experts)
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+        # (layer, sin, cos, mask, write_index, valid tokens, each layer's replayed experts
+        # [, local]): `local` per layer with layer_types.
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0)
+        + ((0,) if config.layer_types else ()),
         length=config.num_layers,
         unroll=config.num_layers if config.scan_unroll else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
@@ -552,10 +594,19 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(normal, ("vocab", "embed")),
             name="embed",
         )(tokens_bt)
+        if gemma.is_gemma(c):
+            x_btd = x_btd * gemma.embed_scale(c)
         x_btd = constrain(x_btd, _HIDDEN)
-        sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
+        sin_btk, cos_btk = rope.sin_cos_by_layer_type(positions_bt, c)
         if isinstance(mask, SharedPrompt):
             mask_b1ts = mask.attention_masks()
+        elif gemma.attends_densely(c):
+            # Gemma's windows, soft-cap and query scale need the dense mask's path
+            # (`gemma.attends_densely`): packed rows become their dense mask, and
+            # padded rows never take splash or the context-parallel kernel.
+            mask_b1ts = (packed_attention.dense_mask(mask.segment_ids_bt)
+                         if isinstance(mask, packed_attention.Segments)
+                         else attention_mask(mask, tokens_bt.shape[1], None))
         elif isinstance(mask, packed_attention.Segments):
             mask_b1ts = mask  # attention reads the segment ids themselves
         elif (packed_attention.choose_impl(c.attention_impl, c.dtype, c.head_dim,
@@ -570,8 +621,12 @@ class Transformer(nn.Module):
         layers = jnp.arange(c.num_layers)
         valid_bt = _valid_tokens(mask) if c.is_moe else None
         forced_lbtk = None if routing_btlk is None else jnp.moveaxis(routing_btlk, 2, 0)
+        local = ()
+        if c.layer_types:
+            local = (gemma.local_flags(c),)
+            mask_b1ts = _windowed_masks(c, mask, mask_b1ts, positions_bt, positions_bt)
         (x_btd, _), _ = _layer_stack(c)((x_btd, None), layers, sin_btk, cos_btk, mask_b1ts, None,
-                                        valid_bt, forced_lbtk)
+                                        valid_bt, forced_lbtk, *local)
         hidden_btd = _norm(c, "embed", "final_norm")(x_btd)
         if self.is_initializing():
             self._create_head(hidden_btd)
@@ -638,9 +693,15 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     """
     c = config
     embedding = params["embed"]["embedding"]
-    x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0).astype(c.dtype), _HIDDEN)
-    sin_btk, cos_btk = rope.sin_cos(positions_bt, c)
+    x_btd = jnp.take(embedding, tokens_bt, axis=0).astype(c.dtype)
+    if gemma.is_gemma(c):
+        x_btd = x_btd * gemma.embed_scale(c)
+    x_btd = constrain(x_btd, _HIDDEN)
+    sin_btk, cos_btk = rope.sin_cos_by_layer_type(positions_bt, c)
     mask_b1ts = _attention_mask(c, mask, tokens_bt.shape[1], cache, write_index)
+    if c.layer_types:  # the keys' positions: valid slots before each (the cache contract)
+        mask_b1ts = _windowed_masks(c, mask, mask_b1ts, positions_bt,
+                                    cache_lib.positions_from_mask(mask))
 
     # Under a trace, one jitted function for every layer, made afresh for this trace:
     # traced and lowered once per call of `_cached_forward` instead of once per layer
@@ -665,15 +726,34 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
     for i in range(c.num_layers):
         layer_params = (jax.tree.map(lambda w, i=i: w[i], params["layers"]) if stacked
                         else params["layers"][i])
+        local = bool(c.layer_types) and c.layer_types[i] == gemma.SLIDING
         x_btd, one_layer, chosen = apply_layer(layer_params, x_btd, cache.replace(
-            k=(cache.k[i],), v=(cache.v[i],)), sin_btk, cos_btk, mask_b1ts, write_index)
+            k=(cache.k[i],), v=(cache.v[i],)), *gemma.for_layer(local, sin_btk, cos_btk, mask_b1ts),
+            write_index)
         cache = cache.replace_layer(i, *one_layer.layer(0))
         experts.append(chosen)
-    final_norm = RMSNorm(c.rms_norm_eps, "embed", c.dtype, c.param_dtype)
+    final_norm = RMSNorm(c.rms_norm_eps, "embed", c.dtype, c.param_dtype,
+                         unit_offset=gemma.is_gemma(c))
     hidden_btd = final_norm.apply({"params": params["final_norm"]}, x_btd)
     if record:
         return hidden_btd, cache, jnp.stack(experts, axis=2)
     return hidden_btd, cache
+
+
+def _windowed_masks(config: ModelConfig, mask, mask_b1ts, query_pos_bt, key_pos_bs):
+    """The layers' masks as a `gemma.LayerTypes` pair: as they are for the global layers,
+    with `config.sliding_window` applied for the sliding ones. `mask` is `forward`'s
+    (the shared-prompt layout's positions come from its own masks)."""
+    if gemma.SLIDING not in config.layer_types:
+        return mask_b1ts
+    window = config.sliding_window
+    if isinstance(mask, SharedPrompt):
+        sliding = gemma.window_shared_prompt(
+            mask_b1ts, cache_lib.positions_from_mask(mask.prompt_mask_gp),
+            cache_lib.positions_from_mask(mask.row_mask_bs), window)
+    else:
+        sliding = gemma.windowed(mask_b1ts, query_pos_bt, key_pos_bs, window)
+    return gemma.LayerTypes(mask_b1ts, sliding)
 
 
 def _decode_tiles(cache):
@@ -816,11 +896,12 @@ def forward_logits(
     *,
     config: ModelConfig,
 ) -> tuple[jax.Array, KVCache | None]:
-    """`forward` followed by `heads.unembed`: float32 logits `[B, T, V]` and the cache."""
+    """`forward` followed by `heads.unembed` (soft-capped where the config says): float32
+    logits `[B, T, V]` and the cache."""
     hidden_btd, cache = forward(
         params, tokens_bt, positions_bt, mask, cache, write_index, config=config
     )
-    return heads_lib.unembed(params, hidden_btd), cache
+    return heads_lib.unembed(params, hidden_btd, softcap=config.final_logit_softcapping), cache
 
 
 def _check_forward_args(tokens_bt, mask, cache, write_index) -> None:

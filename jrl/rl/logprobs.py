@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jrl import sharding
 from jrl.kernels import logprob_head
 from jrl.models import cache as cache_lib
-from jrl.models import context_attention, heads, moe, transformer
+from jrl.models import context_attention, gemma, heads, moe, transformer
 from jrl.models.config import ModelConfig
 from jrl.rl import buckets, packing
 from jrl.sharding import constrain
@@ -57,17 +57,24 @@ def _unembedding(params) -> tuple[Array, bool]:
     return params["embed"]["embedding"], True
 
 
-def _chunk_logits(weight, hidden_bcd, vocab_first, temperature):
-    """float32 logits `[B, C, V]` of one chunk, divided by the temperature; `weight` in
-    the hidden states' dtype (cast once, outside the loop over chunks)."""
+def _capped_logits(weight, hidden_bcd, vocab_first, softcap):
+    """float32 logits `[B, C, V]` of one chunk, soft-capped where the model is (Gemma's
+    `final_logit_softcapping`, before the temperature as the sampler applies it);
+    `weight` in the hidden states' dtype (cast once, outside the loop over chunks)."""
     spec = "bcd,vd->bcv" if vocab_first else "bcd,dv->bcv"
     logits = jnp.einsum(spec, hidden_bcd, weight, preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab")) / temperature
+    return gemma.softcap(constrain(logits, ("batch", "length", "vocab")), softcap)
 
 
-def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, with_entropy):
+def _chunk_logits(weight, hidden_bcd, vocab_first, temperature, softcap=None):
+    """`_capped_logits` divided by the temperature."""
+    return _capped_logits(weight, hidden_bcd, vocab_first, softcap) / temperature
+
+
+def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, with_entropy,
+                   softcap=None):
     """(log_probs, entropy, log_z), each float32 `[B, C]`, of one chunk."""
-    logits_bcv = _chunk_logits(weight, hidden_bcd, vocab_first, temperature)
+    logits_bcv = _chunk_logits(weight, hidden_bcd, vocab_first, temperature, softcap)
     log_z_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
     target_logit_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
     log_probs_bc = target_logit_bc - log_z_bc
@@ -78,19 +85,19 @@ def _chunk_forward(weight, hidden_bcd, targets_bc, vocab_first, temperature, wit
     return log_probs_bc, entropy_bc, log_z_bc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-                     entropy_grad, impl):
+                     entropy_grad, impl, softcap=None):
     """`(log_probs, entropy)`, each `[N, B, C]`, over N chunks (`_fused_fwd`, `_fused_bwd`)."""
     out, _ = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-                        entropy_grad, impl)
+                        entropy_grad, impl, softcap)
     return out
 
 
 def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_entropy,
-               entropy_grad, impl):
+               entropy_grad, impl, softcap=None):
     del entropy_grad
-    if impl == "mosaic":
+    if impl == "mosaic":  # (never with a soft-cap: `token_log_probs` takes XLA's head)
         lp, ent, log_z = _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first,
                                          temperature, with_entropy, impl)
         return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
@@ -98,7 +105,7 @@ def _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, with_
 
     def body(_, xs):
         return None, _chunk_forward(compute_weight, *xs, vocab_first, temperature,
-                                    with_entropy)
+                                    with_entropy, softcap)
 
     _, (lp, ent, log_z) = jax.lax.scan(body, None, (hidden_nbcd, targets_nbc))
     return (lp, ent), (weight, hidden_nbcd, targets_nbc, log_z, ent)
@@ -119,12 +126,14 @@ def _kernel_forward(weight, hidden_nbcd, targets_nbc, vocab_first, temperature, 
     return chunks(target - log_z), chunks(ent), chunks(log_z)
 
 
-def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, residuals,
+def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, softcap, residuals,
                cotangents):
     """Recomputes each chunk's logits and forms d(loss)/d(logits) in one elementwise pass.
 
     With `z` the logits and `p = softmax(z)`: `d log p[y] / dz = onehot(y) - p` and
-    `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`. Without `entropy_grad`
+    `dH / dz = -p * (log p + H)`; `z = x @ W / temperature`, or with a soft-cap c
+    `z = c tanh(x @ W / c) / temperature`, whose derivative in `x @ W` is
+    `(1 - tanh^2) / temperature`. Without `entropy_grad`
     the entropy's cotangent is ignored (its term costs a pass over the chunk's logits).
     With `impl="mosaic"` (and `logprob_head.BACKWARD` "mosaic") d(loss)/d(logits) comes
     from `logprob_head.grad_logits`, the logits recomputed on chip; the two matmuls of the
@@ -144,13 +153,15 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
                 hidden_bcd, w, targets_bc, log_z_bc, g_lp_bc, g_ent_bc, ent_bc, vocab=vocab,
                 vocab_first=vocab_first, temperature=temperature,
                 entropy_grad=with_entropy and entropy_grad)
-        log_p_bcv = (_chunk_logits(w, hidden_bcd, vocab_first, temperature)
-                     - log_z_bc[..., None])
+        capped_bcv = _capped_logits(w, hidden_bcd, vocab_first, softcap)
+        log_p_bcv = capped_bcv / temperature - log_z_bc[..., None]
         p_bcv = jnp.exp(log_p_bcv)
         onehot_bcv = jnp.arange(vocab)[None, None, :] == targets_bc[..., None]
         grad_bcv = g_lp_bc[..., None] * (onehot_bcv.astype(jnp.float32) - p_bcv)
         if with_entropy and entropy_grad:
             grad_bcv -= g_ent_bc[..., None] * p_bcv * (log_p_bcv + ent_bc[..., None])
+        if softcap is not None:
+            grad_bcv *= 1 - jnp.square(capped_bcv / softcap)
         return (grad_bcv / temperature).astype(hidden_bcd.dtype)
 
     def body(grad_w, xs):
@@ -175,26 +186,26 @@ def _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, impl, resid
 _fused_log_probs.defvjp(_fused_fwd, _fused_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _traced_temperature_log_probs(weight, hidden_nbcd, targets_nbc, temperature, vocab_first,
-                                  with_entropy, entropy_grad):
+                                  with_entropy, entropy_grad, softcap=None):
     """`_fused_log_probs` (XLA) with `temperature` a traced operand (one run's own in a
     sweep, `jrl.rl.runs`), not differentiated: the same forward and backward passes."""
     return _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature,
-                      with_entropy, entropy_grad, "xla")[0]
+                      with_entropy, entropy_grad, "xla", softcap)[0]
 
 
 def _traced_fwd(weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
-                entropy_grad):
+                entropy_grad, softcap=None):
     out, residuals = _fused_fwd(weight, hidden_nbcd, targets_nbc, vocab_first, temperature,
-                                with_entropy, entropy_grad, "xla")
+                                with_entropy, entropy_grad, "xla", softcap)
     return out, (residuals, temperature)
 
 
-def _traced_bwd(vocab_first, with_entropy, entropy_grad, residuals, cotangents):
+def _traced_bwd(vocab_first, with_entropy, entropy_grad, softcap, residuals, cotangents):
     residuals, temperature = residuals
-    grads = _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, "xla", residuals,
-                       cotangents)
+    grads = _fused_bwd(vocab_first, temperature, with_entropy, entropy_grad, "xla", softcap,
+                       residuals, cotangents)
     return (*grads, None)
 
 
@@ -211,6 +222,7 @@ def token_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     impl: str = "auto",
+    softcap: float | None = None,
 ):
     """Log-probs (and entropy) of `targets` given the hidden states that predict them.
 
@@ -226,10 +238,17 @@ def token_log_probs(
       impl: "xla" (chunked logits), "mosaic" (`jrl.kernels.logprob_head`, on Hopper GPUs:
         no logits in memory in the forward pass; chunks bound only the backward's) or
         "auto" (the kernel where it applies, `logprob_head.choose_impl`).
+      softcap: the model's `final_logit_softcapping` (Gemma): the logits `z` become
+        `cap * tanh(z / cap)` before the temperature and the log-softmax, as the sampler's
+        (`heads.unembed`). The kernel has no soft-cap: with one the head is XLA's
+        ("mosaic" is then refused).
 
     Returns:
       `(log_probs [B, R], entropy [B, R])` in float32 (entropy zeros if not asked).
     """
+    if softcap is not None and impl == "mosaic":
+        raise ValueError("the log-prob head's kernel has no soft-cap; use impl 'auto' or "
+                         "'xla' for a model with final_logit_softcapping")
     b, r, d = hidden_brd.shape
     if r == 0:
         empty = jnp.zeros((b, 0), jnp.float32)
@@ -248,13 +267,15 @@ def token_log_probs(
 
     weight, vocab_first = _unembedding(params)
     if isinstance(temperature, int | float):
-        impl = logprob_head.choose_impl(impl, d, with_entropy, hidden_brd.dtype)
+        impl = ("xla" if softcap is not None
+                else logprob_head.choose_impl(impl, d, with_entropy, hidden_brd.dtype))
         lp_nbc, ent_nbc = _fused_log_probs(weight, hidden_nbcd, targets_nbc, vocab_first,
-                                           temperature, with_entropy, entropy_grad, impl)
+                                           temperature, with_entropy, entropy_grad, impl,
+                                           softcap)
     else:  # traced (a sweep's run): an operand, and the XLA head (the kernel's is static)
         lp_nbc, ent_nbc = _traced_temperature_log_probs(
             weight, hidden_nbcd, targets_nbc, temperature, vocab_first, with_entropy,
-            entropy_grad)
+            entropy_grad, softcap)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]
     return unchunk(lp_nbc), unchunk(ent_nbc)
 
@@ -375,7 +396,7 @@ def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask
                              prompt_routing, response_routing, config=config, group=group)
     return token_log_probs(params, hidden, responses, temperature=temperature,
                            chunk_size=chunk_size, with_entropy=with_entropy,
-                           impl=config.logprob_impl)
+                           impl=config.logprob_impl, softcap=config.final_logit_softcapping)
 
 
 def response_values(critic_params, prompt_ids, prompt_mask, responses, response_mask, *,
@@ -475,7 +496,8 @@ def packed_log_probs(params, micro: packing.Micro, *, config: ModelConfig,
     log_probs, entropy = token_log_probs(
         params, hidden_gld.reshape(rows, -1, d), targets_gl.reshape(rows, -1),
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, impl=config.logprob_impl)
+        entropy_grad=entropy_grad, impl=config.logprob_impl,
+        softcap=config.final_logit_softcapping)
     out = log_probs.reshape(g, length), entropy.reshape(g, length)
     return (*out, stats) if with_router else out
 

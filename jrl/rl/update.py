@@ -308,8 +308,9 @@ def _micro_log_probs(params, micro: Batch, model_config: ModelConfig, group: int
                                       config=model_config, group=group,
                                       with_router=with_router)
     hidden, router = hidden if with_router else (hidden, None)
-    log_probs, entropy = logprobs.token_log_probs(params, hidden, micro["responses"],
-                                                  impl=model_config.logprob_impl, **kwargs)
+    log_probs, entropy = logprobs.token_log_probs(
+        params, hidden, micro["responses"], impl=model_config.logprob_impl,
+        softcap=model_config.final_logit_softcapping, **kwargs)
     return log_probs, entropy, router
 
 

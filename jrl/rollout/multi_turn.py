@@ -140,7 +140,8 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
         attended = decoding_mask(key_mask, state.slot, feed)
         hidden, cache = forward(params, state.last_tokens[:, None], state.positions[:, None],
                                 attended, state.cache, state.slot, config=config)
-        logits = constrain(unembed(params, hidden[:, 0]), ("batch", None))
+        logits = constrain(unembed(params, hidden[:, 0], softcap=config.final_logit_softcapping),
+                           ("batch", None))
         state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + 1,
                               positions=state.positions + feed)
         return _emit(state, logits, row_keys, sampling, budget, turn_stop_ids)
@@ -233,7 +234,8 @@ def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
     positions = state.positions[:, None] + jnp.maximum(jnp.cumsum(block_mask, axis=1) - 1, 0)
     hidden, cache = forward(params, block_ids.astype(jnp.int32), positions, key_mask,
                             state.cache, state.slot, config=config)
-    logits = constrain(unembed(params, hidden[:, -1]), ("batch", None))
+    logits = constrain(unembed(params, hidden[:, -1], softcap=config.final_logit_softcapping),
+                       ("batch", None))
     going = lengths > 0
     state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + block_len,
                           positions=state.positions + lengths, active=going,

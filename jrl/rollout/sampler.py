@@ -574,8 +574,8 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
     )
     # Left padding puts every row's last prompt token in slot P-1; unembedding only
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
-    logits = constrain(unembed(params, hidden_bpd[:, -1]), ("batch", None))
-    return (logits, cache, key_mask, *recorded)
+    logits_bv = unembed(params, hidden_bpd[:, -1], softcap=config.final_logit_softcapping)
+    return (constrain(logits_bv, ("batch", None)), cache, key_mask, *recorded)
 
 
 def cache_slots(config: ModelConfig, needed: int) -> int:
@@ -606,7 +606,8 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
         params, state.last_tokens[:, None], positions, attended, state.cache, slot,
         config=config,
     )
-    logits_nv = constrain(unembed(params, hidden_n1d[:, 0]), ("batch", None))
+    logits_nv = unembed(params, hidden_n1d[:, 0], softcap=config.final_logit_softcapping)
+    logits_nv = constrain(logits_nv, ("batch", None))
     if record:  # the experts of response token step - 1 (padding after a stop: none)
         experts = jnp.where(state.done[:, None, None, None], moe.NOT_RECORDED, recorded[0])
         state = state.replace(routing=lax.dynamic_update_slice_in_dim(

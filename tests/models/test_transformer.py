@@ -41,6 +41,9 @@ PUBLISHED_PARAM_COUNTS = {
     # attention, router, E experts x 3 projections, norms): "30.5B" and "46.7B" published.
     "qwen3-30b-a3b": 30_532_122_624,
     "mixtral-8x7b": 46_702_792_704,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-3-1b": 999_885_952,
 }
 LOGICAL_AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", None}
 

@@ -22,10 +22,11 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 4,561 when it was set, and room for a
-# few more. Raise it in the change that adds programs, saying why. (The variable is for
-# the budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4650))
+# Distinct programs of the full suite on the CPU: about 4,720 when it was set (4,561
+# before the mixture-of-experts and Gemma families, whose models, sampler and update
+# programs their tests compile), and room for a few more. Raise it in the change that
+# adds programs, saying why. (The variable is for the budget's own test.)
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4800))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

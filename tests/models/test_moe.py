@@ -33,24 +33,26 @@ from tests.rl.test_update import _actor_settings
 _forward = jax.jit(forward, static_argnames="config")
 _forward_with_router = jax.jit(forward_with_router, static_argnames="config")
 
+_route = jax.jit(moe.route, static_argnames=("k", "normalize"))
+
 _CONFIG = ModelConfig.preset("tiny-moe", hidden_size=16, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=8, initializer_range=0.5)
 
 
 def test_route_takes_the_top_k_probabilities_and_renormalises():
-    logits = jnp.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.5 + 1e-3, 4.0]])
+    logits = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.5 + 1e-3, 4.0]], np.float32)
     e = np.exp(np.asarray(logits, np.float64))
     probs = e / e.sum(-1, keepdims=True)
     # Token 0: experts 1 (e^3) and 2 (e^2); token 1: experts 3 and 2 (0.501 > 0.5).
     top = np.array([[1, 2], [3, 2]])
     top_p = np.take_along_axis(probs, top, -1)
 
-    routed = moe.route(logits, 2, normalize=True)
+    routed = _route(logits, 2, normalize=True)
     np.testing.assert_array_equal(routed.experts_nk, top)
     np.testing.assert_allclose(routed.weights_nk, top_p / top_p.sum(-1, keepdims=True),
                                rtol=1e-6)
     np.testing.assert_allclose(routed.probs_ne, probs, rtol=1e-6)
-    unnormalised = moe.route(logits, 2, normalize=False)
+    unnormalised = _route(logits, 2, normalize=False)
     np.testing.assert_allclose(unnormalised.weights_nk, top_p, rtol=1e-6)
 
 
@@ -95,7 +97,7 @@ def test_block_equals_a_per_token_loop(rank):
     """Dropless dispatch gives every token its own k experts, with and without LoRA
     adapters on the experts."""
     config, params = _block_params(_CONFIG, rank=rank)
-    x = jax.random.normal(jax.random.key(1), (3, 5, config.hidden_size))
+    x = np.random.default_rng(1).normal(size=(3, 5, config.hidden_size)).astype(np.float32)
     got = jax.jit(moe.MoeMlp(config).apply)({"params": params}, x)
     want = _numpy_block(params, config, np.asarray(x).reshape(-1, config.hidden_size))
     # (float32 sums of values up to ~100: tolerances relative to the largest)
@@ -121,8 +123,9 @@ def test_block_gradients_equal_the_dense_computation():
     """Gradients through the grouped matmuls, the permutation and the weights: inputs,
     router and every expert kernel."""
     config, params = _block_params(_CONFIG, seed=2)
-    x = jax.random.normal(jax.random.key(3), (2, 6, config.hidden_size))
-    cotangent = jax.random.normal(jax.random.key(4), x.shape)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 6, config.hidden_size)).astype(np.float32)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
     loss = lambda fn: lambda prm, x: jnp.sum(fn(prm, x) * cotangent)
     ours = loss(lambda prm, x: moe.MoeMlp(config).apply({"params": prm}, x))
     dense = loss(functools.partial(lambda prm, x, c: _dense_block(prm, c, x), c=config))
@@ -153,9 +156,9 @@ def test_load_balancing_loss_equals_transformers(hf_checkpoint, ragged_batch):
 
 
 def test_load_metrics_by_hand():
-    stats = moe.RouterStats(assigned_e=jnp.array([[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),
-                            probs_e=jnp.zeros((2, 4)), tokens=jnp.array([4.0, 4.0]))
-    got = {k: float(v) for k, v in moe.load_metrics(stats).items()}
+    stats = moe.RouterStats(assigned_e=np.array([[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),
+                            probs_e=np.zeros((2, 4)), tokens=np.array([4.0, 4.0]))
+    got = {k: float(v) for k, v in jax.jit(moe.load_metrics)(stats).items()}
     assert got == {"moe/tokens_per_expert_min": 0.0, "moe/tokens_per_expert_mean": 2.0,
                    "moe/tokens_per_expert_max": 6.0,
                    # layer 0: 6 / 2; layer 1: 2 / 2.
@@ -198,12 +201,14 @@ def test_expert_adapters_merge_into_the_kernels():
     what the adapted one does."""
     config = dataclasses.replace(_CONFIG, vocab_size=40, lora_rank=4)
     base, _ = lora.split(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
-    adapters = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(1), a.shape),
-                            lora.init_adapters(config, jax.random.key(2)))
-    params = lora.combine(base, adapters)
-    tokens = jax.random.randint(jax.random.key(3), (2, 6), 3, 40)
-    mask = jnp.ones_like(tokens)
-    positions = jnp.cumsum(mask, 1) - 1
+    rng = np.random.default_rng(1)
+    adapters = jax.tree.map(lambda a: np.asarray(a) + 0.3 * rng.normal(size=a.shape),
+                            jax.jit(lora.init_adapters, static_argnums=0)(config,
+                                                                         jax.random.key(2)))
+    params = lora.combine(base, jax.tree.map(lambda a: a.astype(np.float32), adapters))
+    tokens = rng.integers(3, 40, (2, 6)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    positions = np.cumsum(mask, 1) - 1
     adapted, _ = _forward(params, tokens, positions, mask, config=config)
     merged_config, merged = lora.merge(params, config)
     plain, _ = _forward(merged, tokens, positions, mask, config=merged_config)
@@ -215,12 +220,12 @@ def test_expert_adapters_merge_into_the_kernels():
 
 
 def test_route_to_recorded_experts_weighs_them_by_the_training_router():
-    logits = jnp.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.0, 4.0]])
+    logits = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 0.0, 4.0]], np.float32)
     e = np.exp(np.asarray(logits, np.float64))
     probs = e / e.sum(-1, keepdims=True)
     # Token 0 replays experts 0 and 3 (not its own top 2); token 1 has no record.
-    forced = jnp.array([[0, 3], [moe.NOT_RECORDED, moe.NOT_RECORDED]])
-    routed = moe.route(logits, 2, normalize=True, forced_nk=forced)
+    forced = np.array([[0, 3], [moe.NOT_RECORDED, moe.NOT_RECORDED]], np.int32)
+    routed = _route(logits, 2, normalize=True, forced_nk=forced)
     np.testing.assert_array_equal(routed.experts_nk, [[0, 3], [3, 0]])
     want0 = probs[0, [0, 3]] / probs[0, [0, 3]].sum()
     want1 = probs[1, [3, 0]] / probs[1, [3, 0]].sum()
@@ -234,14 +239,15 @@ def test_sampler_records_the_experts_the_training_forward_chooses():
     changes it."""
     config = dataclasses.replace(_CONFIG, vocab_size=40)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    prompt_mask = jnp.ones((2, 5), jnp.int32).at[0, :2].set(0)
-    prompt_ids = jax.random.randint(jax.random.key(1), (2, 5), 3, 40) * prompt_mask
-    sampling = SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=(7, 11),
+    prompt_mask = np.ones((2, 5), np.int32)
+    prompt_mask[0, :2] = 0
+    prompt_ids = np.random.default_rng(1).integers(3, 40, (2, 5)).astype(np.int32) * prompt_mask
+    sampling = SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=(7, 11, 13, 17, 19, 23),
                               record_routing=True, decode_buckets=2)
     out = generate(params, prompt_ids, prompt_mask, jax.random.key(2), sampling, config=config)
-    tokens, mask, positions = logprobs.sequence_inputs(out.prompt_ids, out.prompt_mask,
-                                                       out.responses, out.response_mask)
-    recorded = jnp.concatenate([out.prompt_routing, out.response_routing], axis=1)
+    tokens, mask, positions = jax.jit(logprobs.sequence_inputs)(
+        out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
+    recorded = np.concatenate([out.prompt_routing, out.response_routing], axis=1)
     assert recorded.shape == (4, 11, config.num_layers, config.num_experts_per_tok)
 
     _, _, own = jax.jit(transformer.forward_recording, static_argnames="config")(
@@ -260,7 +266,7 @@ def test_sampler_records_the_experts_the_training_forward_chooses():
     valid = np.asarray(mask, bool)
     np.testing.assert_allclose(np.asarray(replayed)[valid], np.asarray(plain)[valid],
                                atol=1e-5)
-    other = jnp.where(recorded >= 0, (recorded + 1) % config.num_experts, recorded)
+    other = np.where(recorded >= 0, (recorded + 1) % config.num_experts, recorded)
     moved, _ = _forward(params, tokens, positions, mask, config=config, routing=other)
     assert np.abs(np.asarray(moved) - np.asarray(plain))[valid].max() > 1e-2
 

@@ -1,13 +1,18 @@
 """Grouped matmuls of mixture-of-experts layers: rows sorted by expert times each row's
 expert's weights, `out[i] = x[i] @ w[g(i)]` (`jax.lax.ragged_dot`'s contract).
 
-XLA lowers `ragged_dot` on a GPU to a dense computation over every group (a `[M, G, K]`
-intermediate: 64 GiB for one Qwen3-30B-A3B projection of 16k tokens), so on Hopper GPUs
-the grouped matmuls run as Pallas kernels on the Mosaic GPU backend instead, from JAX's
-own: `ragged_dot_mgpu.ragged_dot` for the forward and the input gradient (the weights
-transposed), `transposed_ragged_dot_mgpu.transposed_ragged_dot` for the weight gradient
-(a per-group `x_g^T dy_g`). Elsewhere, and for operands the kernels do not take (float32,
-widths that are not multiples of their tiles), `jax.lax.ragged_dot`.
+XLA lowers `ragged_dot` to a computation over every group (on a GPU a `[M, G, K]`
+intermediate: 64 GiB for one Qwen3-30B-A3B projection of 16k tokens), so
+
+- on Hopper GPUs the grouped matmuls run as Pallas kernels on the Mosaic GPU backend,
+  from JAX's own: `ragged_dot_mgpu.ragged_dot` for the forward and the input gradient
+  (the weights transposed), `transposed_ragged_dot_mgpu.transposed_ragged_dot` for the
+  weight gradient (a per-group `x_g^T dy_g`);
+- elsewhere, and for operands the kernels do not take ("tiles"), each group's rows are
+  padded to whole tiles of T rows, so that a tile holds one group's rows, and the tiles
+  run as one batched matmul with each tile's group's weights: about `M + G T` rows of
+  work instead of `G M`, for a `[M / T + G, K, N]` copy of the weights;
+- "xla" is `jax.lax.ragged_dot` itself (the tests' reference).
 
 Rows past the sum of `group_sizes` are the caller's to ignore (the kernels leave them
 unwritten, XLA zero).
@@ -16,6 +21,7 @@ unwritten, XLA zero).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +29,7 @@ from jax import lax
 
 from jrl.kernels import mosaic_backend
 
-IMPLS = ("auto", "xla", "mosaic")
+IMPLS = ("auto", "xla", "tiles", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,23 +55,57 @@ def for_widths(m: int, n: int) -> Tiles:
 
 def choose_impl(impl: str, x_md: jax.Array, w_gkn: jax.Array) -> str:
     """"mosaic" on a Hopper GPU for half-precision operands whose widths K and N are
-    multiples of 64 ("auto"), else "xla"."""
+    multiples of 64 ("auto"), else "tiles"."""
     if impl != "auto":
         return impl
     k, n = w_gkn.shape[1:]
     half = x_md.dtype in (jnp.bfloat16, jnp.float16) and x_md.dtype == w_gkn.dtype
     fits = k % 64 == 0 and n % 64 == 0
-    return "mosaic" if half and fits and mosaic_backend.on_hopper() else "xla"
+    return "mosaic" if half and fits and mosaic_backend.on_hopper() else "tiles"
 
 
 def grouped_matmul(x_md: jax.Array, w_gkn: jax.Array, group_sizes: jax.Array,
                    impl: str = "auto") -> jax.Array:
     """`[M, N]`: row i of `x_md [M, K]` times `w_gkn[g] [K, N]` for the group g it is in
     (`group_sizes [G]` consecutive rows each), in the operands' dtype."""
-    if choose_impl(impl, x_md, w_gkn) == "xla":
+    impl = choose_impl(impl, x_md, w_gkn)
+    if impl == "xla":
         return lax.ragged_dot(x_md, w_gkn, group_sizes.astype(jnp.int32),
                               preferred_element_type=x_md.dtype)
+    if impl == "tiles":
+        return _tiles(x_md, w_gkn, group_sizes.astype(jnp.int32))
     return _mosaic(x_md, w_gkn, group_sizes.astype(jnp.int32))
+
+
+def _tile_rows(m: int, g: int) -> int:
+    """T: a power of two near the rows a group has on average, from 8 to 128 (larger
+    tiles waste more padding, smaller ones copy the weights more often)."""
+    return int(min(128, max(8, 2 ** math.ceil(math.log2(max(1, m // max(g, 1)))))))
+
+
+def _tiles(x_md, w_gkn, group_sizes):
+    """`grouped_matmul` with each group's rows padded to whole tiles (module docstring);
+    rows past the groups come out zero."""
+    m, k = x_md.shape
+    g, _, n = w_gkn.shape
+    t = _tile_rows(m, g)
+    num_tiles = m // t + g  # bounds sum_g ceil(size_g / t)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    padded = -(-group_sizes // t) * t
+    padded_starts = jnp.cumsum(padded) - padded
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, rows, side="right")  # g past the groups
+    valid = group < g
+    group = jnp.minimum(group, g - 1)
+    slot = jnp.where(valid, padded_starts[group] + rows - starts[group], num_tiles * t)
+    x_tiles = jnp.zeros((num_tiles * t, k), x_md.dtype).at[slot].set(x_md, mode="drop")
+    tile_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_tiles) * t, side="right")
+    w_tiles = jnp.take(w_gkn, jnp.minimum(tile_group, g - 1), axis=0)
+    out = jnp.einsum("tmk,tkn->tmn", x_tiles.reshape(num_tiles, t, k), w_tiles,
+                     preferred_element_type=x_md.dtype).reshape(num_tiles * t, n)
+    return jnp.where(valid[:, None], jnp.take(out, jnp.minimum(slot, num_tiles * t - 1),
+                                              axis=0), 0).astype(x_md.dtype)
 
 
 def _kernels():

@@ -10,7 +10,7 @@ sum of its k experts' SwiGLU MLPs:
 
 Dispatch is dropless: the N k (token, expert) pairs are sorted by expert, so that each
 expert's tokens are one contiguous group, and every projection is one grouped matmul
-(`jax.lax.ragged_dot`) over the groups. No token is dropped and no capacity is padded;
+over the groups (`jrl.kernels.grouped_matmul`). No token is dropped and no capacity is padded;
 the cost follows the tokens, not E times the tokens. The outputs go back to their tokens
 by the inverse permutation and are summed over each token's k pairs.
 
@@ -178,12 +178,6 @@ def dispatch(experts_nk: jax.Array, num_experts: int) -> Dispatch:
     return Dispatch(order, sizes)
 
 
-def grouped(x_md: jax.Array, kernel_edf: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """`x_md` (rows sorted by expert) times each row's expert's kernel: `[M, F]`
-    (`jrl.kernels.grouped_matmul`: a Pallas kernel on Hopper GPUs, else XLA's)."""
-    return grouped_matmul.grouped_matmul(x_md, kernel_edf, group_sizes)
-
-
 class _Kernel(nn.Module):
     """A parameter `kernel` of `shape` (normal init, logical `axes`), returned as it is:
     the block applies its kernels itself (`experts`), inside a `shard_map` under expert
@@ -235,14 +229,14 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
     each of the kernels' experts; rows past their sum come out as zeros or garbage and
     are the caller's to discard): `down(silu(gate(x)) * up(x))`, with LoRA adapters
     `(x a_e) b_e * lora_scale` where `adapters` has them."""
+    grouped = lambda rows, w: grouped_matmul.grouped_matmul(rows, w.astype(dtype), group_sizes)
+
     def project(name, rows):
         rows = rows.astype(dtype)
-        out = grouped(rows, kernels[name].astype(dtype), group_sizes)
+        out = grouped(rows, kernels[name])
         if name in adapters:
             a, b = adapters[name]
-            low = grouped(rows, a.astype(dtype), group_sizes)
-            out = out + grouped(low, b.astype(dtype), group_sizes) * jnp.asarray(lora_scale,
-                                                                                 dtype)
+            out = out + grouped(grouped(rows, a), b) * jnp.asarray(lora_scale, dtype)
         return out
 
     gate, up = project("gate_proj", x_md), project("up_proj", x_md)
@@ -261,12 +255,18 @@ def _combine(out_md, order, weights_nk, family: str, dtype):
     return jnp.einsum("nkd,nk->nd", out_nkd.astype(weights.dtype), weights).astype(dtype)
 
 
+def _route_tokens(x_nd, router_de, forced_nk, config) -> Routing:
+    """The router's logits `x W_r` in the compute dtype, then `route`."""
+    c = config
+    logits = jnp.einsum("nd,de->ne", x_nd.astype(c.dtype), router_de.astype(c.dtype))
+    return route(logits, c.num_experts_per_tok, c.norm_topk_prob, forced_nk)
+
+
 def _block(x_nd, router_de, kernels, adapters, forced_nk, *, config):
     """The MoE block on one device's tokens with every expert there: `(out [N, D],
     routing)`."""
     c = config
-    logits = jnp.einsum("nd,de->ne", x_nd.astype(c.dtype), router_de.astype(c.dtype))
-    routing = route(logits, c.num_experts_per_tok, c.norm_topk_prob, forced_nk)
+    routing = _route_tokens(x_nd, router_de, forced_nk, c)
     plan = dispatch(routing.experts_nk, c.num_experts)
     x_md = jnp.take(x_nd, plan.order // c.num_experts_per_tok, axis=0)
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes, dtype=c.dtype,
@@ -286,9 +286,8 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     c = config
     e_local = kernels["gate_proj"].shape[0]
     gather = lambda x: None if x is None else lax.all_gather(x, axis, axis=0, tiled=True)
-    x_all, forced_all = gather(x_nd), gather(forced_nk)
-    logits = jnp.einsum("nd,de->ne", x_all.astype(c.dtype), router_de.astype(c.dtype))
-    routing = route(logits, c.num_experts_per_tok, c.norm_topk_prob, forced_all)
+    x_all = gather(x_nd)
+    routing = _route_tokens(x_all, router_de, gather(forced_nk), c)
     local = routing.experts_nk - lax.axis_index(axis) * e_local
     mine = (local >= 0) & (local < e_local)
     # Other devices' pairs sort after this device's (group e_local, which no kernel has).

@@ -273,7 +273,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, set
         # the reference routes for itself.
         old_log_probs, entropy = log_probs(
             compute_params(actor_params(state, frozen), model_config), model_config, True,
-            Experience.of(rollout).routing())
+            rollout.routing())
     base_model = lora.without(model_config)
     ref_log_probs = None
     if "ref_log_probs" in runs:

@@ -47,6 +47,11 @@ class Rollout:
         return self.response_mask if self.response_attention_mask is None else \
             self.response_attention_mask
 
+    def routing(self) -> tuple[Array, Array] | tuple[()]:
+        """The recorded routing to replay, `(prompt_routing, response_routing)`, or ()."""
+        return () if self.prompt_routing is None else (self.prompt_routing,
+                                                       self.response_routing)
+
 
 @struct.dataclass
 class Experience:
@@ -73,11 +78,7 @@ class Experience:
     response_routing: Array | None = None  # [N, R, L, k] (`Rollout`'s)
 
     attention_mask = Rollout.attention_mask
-
-    def routing(self) -> tuple[Array, Array] | tuple[()]:
-        """The recorded routing to replay, `(prompt_routing, response_routing)`, or ()."""
-        return () if self.prompt_routing is None else (self.prompt_routing,
-                                                       self.response_routing)
+    routing = Rollout.routing
 
     @classmethod
     def of(cls, rollout: Rollout, **fields) -> Experience:

@@ -21,6 +21,7 @@ unwritten, XLA zero).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -113,6 +114,10 @@ def _kernels():
     return ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 
+# Each kernel call is its own jitted function, so that a program lowers a kernel once
+# per operand shape however often it calls it (the sampler's layers and decode steps):
+# lowering a Mosaic GPU kernel takes about half a second of Python.
+@functools.partial(jax.jit, static_argnames="transpose_rhs")
 def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False):
     ragged, _ = _kernels()
     k, n = w_gkn.shape[1:]
@@ -132,17 +137,23 @@ def _mosaic_fwd(x_md, w_gkn, group_sizes):
     return _forward(x_md, w_gkn, group_sizes), (x_md, w_gkn, group_sizes)
 
 
-def _mosaic_bwd(residuals, d_out):
-    x_md, w_gkn, group_sizes = residuals
+@jax.jit
+def _weight_gradient(x_md, d_out, group_sizes):
+    """`[G, K, N]`: x_g^T dy_g over each group g's rows."""
     _, transposed = _kernels()
-    t = for_widths(*w_gkn.shape[1:])
-    d_out = d_out.astype(x_md.dtype)
-    # dx = dy w_g^T (the weights read transposed); dw_g = x_g^T dy_g over group g's rows.
-    d_x = _forward(d_out, w_gkn, group_sizes, transpose_rhs=True)
-    d_w = transposed.transposed_ragged_dot(
+    t = for_widths(x_md.shape[1], d_out.shape[1])
+    return transposed.transposed_ragged_dot(
         x_md, d_out, group_sizes=group_sizes, block_m=t.block_m, block_n=t.block_n,
         block_k=t.block_k, max_concurrent_steps=t.max_concurrent_steps,
         grid_block_n=t.grid_block_n)
+
+
+def _mosaic_bwd(residuals, d_out):
+    x_md, w_gkn, group_sizes = residuals
+    d_out = d_out.astype(x_md.dtype)
+    # dx = dy w_g^T (the weights read transposed); dw_g = x_g^T dy_g over group g's rows.
+    d_x = _forward(d_out, w_gkn, group_sizes, transpose_rhs=True)
+    d_w = _weight_gradient(x_md, d_out, group_sizes)
     # Rows past the groups carry no gradient (the kernel leaves theirs unwritten).
     rows = jnp.arange(x_md.shape[0]) < jnp.sum(group_sizes)
     d_x = jnp.where(rows[:, None], d_x, 0)

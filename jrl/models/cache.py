@@ -40,6 +40,16 @@ Rules:
   value itself and reads the blocks of each row that hold slots `[first valid slot,
   write_index)`, with no `key_mask` (it masks the rest of those blocks by position).
 
+Sliding-window layers (Gemma's local layers) may hold a ring buffer instead
+(`init_cache(..., ring=True)`): W = `min(sliding_window, S)` slots, slot s kept at
+index `s mod W`, so that such a layer's cache costs its window, not the sequence
+(`layer_slots`). `key_mask` still spans all S slots: a layer whose buffer is shorter
+than the mask is a ring, and its attention reads the mask's columns of the slots its
+entries hold (`ring_slots`). A query's window is counted in tokens of the row, so a
+ring holds every key it needs only where a row's tokens fill contiguous slots: the
+single-turn sampler's cache, not a multi-turn one (whose rows wait) nor one moved
+between segments; those keep full buffers.
+
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.
 """
@@ -51,6 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jrl.models import gemma
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
@@ -80,7 +91,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        """S, the slots of the full-length layers (ring buffers are shorter)."""
+        return max(k.shape[2] for k in self.k)
 
     def write(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
         """Writes one layer's new keys/values `[B, T, K, H]` at slots write_index.. ."""
@@ -88,6 +100,25 @@ class KVCache:
                           for buffer, new_btkh in zip(self.layer(layer), (k_btkh, v_btkh),
                                                       strict=True))
         return self.replace_layer(layer, k_bksh, v_bksh)
+
+    def write_ring(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> KVCache:
+        """`write` for a ring buffer of W slots: slot s goes to index `s mod W`; of T > W
+        new tokens only the last W are kept (the others would be overwritten)."""
+        slots = self.k[layer].shape[2]
+        num = k_btkh.shape[1]
+        kept = min(num, slots)
+
+        def put(buffer_bksh, new_btkh):
+            new_bksh = jnp.swapaxes(new_btkh[:, num - kept:], 1, 2).astype(buffer_bksh.dtype)
+            if kept == 1:  # a decode step: in place
+                return lax.dynamic_update_slice(buffer_bksh, new_bksh,
+                                                (0, 0, write_index % slots, 0))
+            index = (write_index + num - kept + jnp.arange(kept)) % slots  # distinct
+            return buffer_bksh.at[:, :, index].set(new_bksh)
+
+        return self.replace_layer(layer, *(put(buffer, new) for buffer, new in
+                                           zip(self.layer(layer), (k_btkh, v_btkh),
+                                               strict=True)))
 
     def replace_layer(self, layer: int, k_bksh: jax.Array, v_bksh: jax.Array) -> KVCache:
         """The cache with layer `layer`'s buffers replaced (as a kernel returned them)."""
@@ -167,8 +198,25 @@ def take_rows(x: jax.Array, index_gr: jax.Array, axes, mode: str) -> jax.Array:
     return constrain(taken.reshape(-1, *x.shape[1:]), axes)
 
 
+def layer_slots(config: ModelConfig, max_len: int, ring: bool = False) -> tuple[int, ...]:
+    """Each layer's cache slots: `max_len`, or with `ring` `min(sliding_window, max_len)`
+    for the sliding-window layers (`config.layer_types`)."""
+    sliding = [ring and t == gemma.SLIDING for t in config.layer_types or ()]
+    sliding += [False] * (config.num_layers - len(sliding))
+    return tuple(min(config.sliding_window, max_len) if s else max_len for s in sliding)
+
+
+def ring_slots(last_slot, num_slots: int) -> jax.Array:
+    """int32 `[W]`: the slot each index of a ring buffer of W = `num_slots` entries holds
+    once slots up to `last_slot` are written, `last_slot - ((last_slot - j) mod W)`; < 0
+    for an index not written yet."""
+    j = jnp.arange(num_slots, dtype=jnp.int32)
+    return last_slot - (last_slot - j) % num_slots
+
+
 def init_cache(
-    config: ModelConfig, batch_size: int, max_len: int, dtype: str | None = None
+    config: ModelConfig, batch_size: int, max_len: int, dtype: str | None = None,
+    ring: bool = False,
 ) -> KVCache:
     """An empty cache of `max_len` slots per row.
 
@@ -177,14 +225,18 @@ def init_cache(
       batch_size: B.
       max_len: S, prompt length plus the most tokens to generate.
       dtype: buffer dtype; defaults to the compute dtype `config.dtype`.
+      ring: the sliding-window layers' buffers as rings of their window (module
+        docstring); for caches whose rows' tokens fill contiguous slots.
 
     Returns:
-      `KVCache` with L zero buffers `[B, K, S, H]` each in `k` and `v`.
+      `KVCache` with L zero buffers `[B, K, S_l, H]` each in `k` and `v`, S_l from
+      `layer_slots`.
     """
-    shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
     dtype = dtype or config.dtype
+    shapes = [(batch_size, config.num_kv_heads, slots, config.head_dim)
+              for slots in layer_slots(config, max_len, ring)]
     zeros = lambda: tuple(constrain(jnp.zeros(shape, dtype), CACHE_LOGICAL_AXES)
-                          for _ in range(config.num_layers))
+                          for shape in shapes)
     return KVCache(k=zeros(), v=zeros())
 
 

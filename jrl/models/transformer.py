@@ -304,6 +304,8 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
         return attend(q_btnh, k_btkh, v_btkh, mask_b1ts, c.attention_impl), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    if cache.layer(layer)[0].shape[2] < mask_b1ts.shape[-1]:  # a ring buffer
+        return _ring_attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts, cache, layer, write_index)
     rows = isinstance(cache, RowCache)
     if rows:  # rotated on the batch's rows, attended on the cache's
         q_btnh, k_btkh, v_btkh = (cache.to_cache_rows(x, axes) for x, axes in (
@@ -314,6 +316,35 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
     out_btnh = _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
                        mask_b1ts, cache if rows else None)
     return (cache.to_batch_rows(out_btnh, _HEADS) if rows else out_btnh), cache
+
+
+def _ring_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, mask_b1ts, cache, layer, write_index):
+    """Attention of a sliding-window layer whose cache is a ring buffer of W slots
+    (`cache_lib.init_cache(ring=True)`), over what the ring holds and the new tokens,
+    each key masked as its slot's column of `mask_b1ts` `[B, 1, T, S]`.
+
+    A decode step (T = 1) writes its token first and attends to the ring: the window's
+    keys are the W slots up to the query's. Longer writes (the prefill) attend to the
+    ring as it was and the T new tokens, then keep the last W of them."""
+    if isinstance(cache, RowCache):
+        raise ValueError("a ring-buffer cache layer cannot take a RowCache's rows")
+    num = q_btnh.shape[1]
+    slots = cache.layer(layer)[0].shape[2]
+    if num == 1:
+        cache = cache.write_ring(layer, write_index, k_btkh, v_btkh)
+        k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.layer(layer))
+        key_slots = cache_lib.ring_slots(write_index, slots)
+        keys, values = jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2)
+    else:
+        held = (jnp.swapaxes(t, 1, 2).astype(c.dtype) for t in cache.layer(layer))
+        keys, values = (jnp.concatenate([old, new.astype(c.dtype)], axis=1)
+                        for old, new in zip(held, (k_btkh, v_btkh), strict=True))
+        key_slots = jnp.concatenate([cache_lib.ring_slots(write_index - 1, slots),
+                                     write_index + jnp.arange(num, dtype=jnp.int32)])
+        cache = cache.write_ring(layer, write_index, k_btkh, v_btkh)
+    columns = jnp.take(mask_b1ts, jnp.maximum(key_slots, 0), axis=3)
+    out_btnh = _attend(c, q_btnh, keys, values, columns & (key_slots >= 0))
+    return out_btnh, cache
 
 
 class Attention(nn.Module):

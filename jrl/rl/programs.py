@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jrl import sharding as sharding_lib
 from jrl.config.settings import Settings
 from jrl.models import CACHE_LOGICAL_AXES, lora, param_logical_axes
+from jrl.models.cache import layer_slots
 from jrl.models.config import ModelConfig
 from jrl.optim import make_optimizer
 from jrl.rl import logprobs, packing, types
@@ -355,14 +356,22 @@ def _kv_cache_parts(programs: Programs) -> list[tuple[str, object, object]]:
                 f"{settings.rollout.cache_segments}; then the rows still running, at most "
                 f"{rows} x {slots})")
         slots = first
-    shape = (rows, model_config.num_kv_heads, slots, model_config.head_dim)
-    layers = 2 * model_config.num_layers
-    cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(model_config.dtype))] * layers
+    # The single-turn program's sliding-window layers keep rings of their window
+    # (`jrl.models.cache.init_cache`).
+    ring = settings.multi_turn is None and settings.rollout.cache_segments == 1
+    per_layer = layer_slots(model_config, slots, ring)
+    if per_layer.count(slots) < len(per_layer):
+        rings = sorted(set(per_layer) - {slots})
+        name += (f" ({len(per_layer) - per_layer.count(slots)} sliding-window layers of "
+                 f"{model_config.num_layers}: rings of {', '.join(map(str, rings))} slots)")
+    shapes = [(rows, model_config.num_kv_heads, n, model_config.head_dim)
+              for n in per_layer for _ in range(2)]
+    cache = [jax.ShapeDtypeStruct(shape, jnp.dtype(model_config.dtype)) for shape in shapes]
     parts = [(name, cache,
-              [programs.sampling_sharder.named(CACHE_LOGICAL_AXES, shape)] * layers)]
+              [programs.sampling_sharder.named(CACHE_LOGICAL_AXES, s) for s in shapes])]
     if programs.sampler_shardings is not None:  # per device of the sampling group
         parts.append(("sampling group: weights (x2)", programs.sampler_shapes,
                       programs.sampler_shardings))
-        rollout_cache = [programs.rollout_sharder.named(CACHE_LOGICAL_AXES, shape)] * layers
+        rollout_cache = [programs.rollout_sharder.named(CACHE_LOGICAL_AXES, s) for s in shapes]
         parts.append(("sampling group: KV cache", cache, rollout_cache))
     return parts

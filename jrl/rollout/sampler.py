@@ -384,8 +384,11 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
     params = per_layer(params, config)
     # The n samples of a prompt share its prefill: run it once per prompt, then copy
     # the cache to the n rows.
+    # The single program's rows fill contiguous slots, so Gemma's sliding-window layers
+    # keep rings of their window (`cache.init_cache`); a segment's cache, moved between
+    # programs of different lengths, keeps full buffers.
     prefilled = _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots,
-                         record=sampling.record_routing)
+                         record=sampling.record_routing, ring=num_slots is None)
     logits_bv, cache, key_mask = prefilled[:3]
     routing = prompt_routing = None
     if sampling.record_routing:  # the prompts' experts, and room for the responses'
@@ -555,8 +558,9 @@ def _fuses(config: ModelConfig) -> bool:
 
 
 def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
-             record: bool = False):
-    """One forward over the B prompts into a fresh cache of P + R slots (or `num_slots`).
+             record: bool = False, ring: bool = False):
+    """One forward over the B prompts into a fresh cache of P + R slots (or `num_slots`),
+    with `ring` the sliding-window layers' as rings of their window (`init_cache`).
 
     Returns:
       (logits `[B, V]` float32 at the last prompt slot, cache, key_mask `[B, S]`), with
@@ -565,7 +569,7 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
     """
     batch, prompt_len = prompt_ids.shape
     slots = num_slots or cache_slots(config, prompt_len + num_new)
-    cache = init_cache(config, batch, slots)
+    cache = init_cache(config, batch, slots, ring=ring)
     key_mask = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
     positions = positions_from_mask(prompt_mask)
     run = transformer.forward_recording if record else forward

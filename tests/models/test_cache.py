@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from jrl.models import (
+    PRESETS,
     attention_mask,
     forward_logits,
     init_cache,
     load_pretrained,
     positions_from_mask,
 )
+from jrl.models.cache import layer_slots, ring_slots
 from jrl.rollout import sampler
 
 CASE = "qwen3_untied"  # q/k norm, GQA, head_dim != hidden / heads
@@ -90,6 +92,43 @@ def test_init_cache_shape(model):
     assert len(cache.k) == len(cache.v) == config.num_layers
     assert all(b.shape == shape and b.dtype == jnp.float32 for b in cache.k + cache.v)
     assert cache.max_len == 20
+
+
+def test_ring_buffer_holds_each_slot_at_its_index_mod_the_window():
+    """A sliding-window layer's ring of W = 3 slots, written by hand: a prefill of 5 tokens
+    keeps the last 3 (slot s at index s mod 3), each decode step overwrites the oldest, and
+    `ring_slots` names the slot each index holds (-1: none yet)."""
+    config = dataclasses.replace(PRESETS["tiny-gemma"], num_layers=2, sliding_window=3,
+                                 num_kv_heads=1, head_dim=2)
+    cache = init_cache(config, batch_size=1, max_len=12, ring=True)
+    assert [b.shape[2] for b in cache.k] == [3, 12]  # layer 0 sliding, layer 1 global
+    assert cache.max_len == 12
+    token = lambda *slots: jnp.repeat(
+        jnp.asarray(slots, jnp.float32).reshape(1, -1, 1, 1) + 100, 2, axis=3)
+    cache = cache.write_ring(0, 0, token(0, 1, 2, 3, 4), -token(0, 1, 2, 3, 4))
+    np.testing.assert_array_equal(cache.k[0][0, 0, :, 0], [103, 104, 102])
+    np.testing.assert_array_equal(cache.v[0][0, 0, :, 0], [-103, -104, -102])
+    np.testing.assert_array_equal(ring_slots(4, 3), [3, 4, 2])
+    for slot in (5, 6):
+        cache = cache.write_ring(0, jnp.int32(slot), token(slot), token(slot))
+    np.testing.assert_array_equal(cache.k[0][0, 0, :, 0], [106, 104, 105])
+    np.testing.assert_array_equal(ring_slots(6, 3), [6, 4, 5])
+    np.testing.assert_array_equal(ring_slots(1, 3), [0, 1, -1])
+    # A global layer never takes a ring; nor does a window longer than the cache.
+    assert layer_slots(config, 12, ring=True) == (3, 12)
+    assert layer_slots(config, 2, ring=True) == (2, 2)
+    assert layer_slots(config, 12) == (12, 12)
+
+
+def test_gemma3_ring_cache_is_a_fifth_of_a_full_one_at_long_responses():
+    """Gemma 3 1B (22 of 26 layers sliding, window 512) at P512 + R8192: the rollout cache
+    is 20.4% of full buffers', as 4 full layers plus 22 windows give by hand."""
+    config = PRESETS["gemma-3-1b"]
+    slots = 512 + 8192
+    assert config.layer_types.count("sliding_attention") == 22
+    ring = sum(layer_slots(config, slots, ring=True))
+    assert ring == 4 * slots + 22 * 512
+    assert ring / sum(layer_slots(config, slots)) == pytest.approx(46080 / 226304)
 
 
 def test_prefill_then_decode_matches_full_forward(model, ragged_batch):

@@ -133,10 +133,12 @@ def test_save_pretrained_loads_in_transformers(case, gemma_checkpoint, ragged_ba
     jax.tree.map(np.testing.assert_array_equal, reloaded, params)
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["full", "ring"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cached_decoding_equals_the_full_forward(case, gemma_checkpoint, ragged_batch):
+def test_cached_decoding_equals_the_full_forward(case, ring, gemma_checkpoint, ragged_batch):
     """Prefill 5 slots, then decode the other 4 one by one: each step's logits are the full
-    forward's at that token, with the window (4) reaching back past the prompt."""
+    forward's at that token, with the window (4) reaching back past the prompt; also with
+    the sliding layers' caches as rings of 4 slots, which the prefill overfills."""
     path, _ = gemma_checkpoint(case)
     config, params = load_pretrained(path)
     # Host arrays, sliced on the host: only the two jitted programs are built.
@@ -144,7 +146,9 @@ def test_cached_decoding_equals_the_full_forward(case, gemma_checkpoint, ragged_
     expected = _jrl_logits(params, config, ragged_batch)
     batch, num_tokens = tokens.shape
     prompt = 5
-    cache = init_cache(config, batch, num_tokens)
+    cache = init_cache(config, batch, num_tokens, ring=ring)
+    assert [b.shape[2] for b in cache.k] == [4 if ring else num_tokens, num_tokens,
+                                             4 if ring else num_tokens]
     key_mask = np.where(np.arange(num_tokens) < prompt, mask, 0)
     logits, cache = forward_logits_jit(params, tokens[:, :prompt], positions[:, :prompt],
                                        key_mask, cache, np.int32(0), config=config)

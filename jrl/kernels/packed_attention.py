@@ -173,10 +173,10 @@ def heads_split_alike(q_btnh, k_btkh, v_btkh):
 
 def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments, *, window: int | None = None,
            scale: float | None = None):
-    """cuDNN's packed layout. Its `sliding_window_length` L keeps the keys in
-    `(pos - L, pos]` of a query at `pos` (`q - k < L`; `jax.nn.dot_product_attention`
-    hands it `l + 1` for a left window `l` that keeps `q - k <= l`), so Gemma's window
-    W is L = W; positions count from each segment's start."""
+    """cuDNN's packed layout. Its `sliding_window_length` L keeps a query at `pos` the
+    keys in `(pos - L, pos]` of its segment (`q - k < L`, the rule of JAX's docstring and
+    of `jax.nn.dot_product_attention`, which hands it `l + 1` for a left window `l` whose
+    XLA path keeps `q - k <= l`), so Gemma's window W passes as it is."""
     # jax.nn.dot_product_attention does not take segments; its cuDNN backend does.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 

@@ -10,8 +10,14 @@ formed on the accelerators:
   layout, each row given by its segments' offsets and lengths. The kernel treats each
   segment as a sequence of its own, so the blocks that causality or another segment
   masks are skipped, not computed and masked.
-- "splash" (TPU): JAX's Pallas splash attention with a causal mask and segment ids.
+- "splash" (TPU): JAX's Pallas splash attention with a causal (or local) mask and
+  segment ids.
 - "xla": the reference, a dense mask from the segment ids (CPU, tests).
+
+Gemma's options travel as arguments (`attend`): a sliding window W (a query sees the
+keys fewer than W slots behind it; within a segment slots count the sequence's
+tokens, so this is HF's `q - k < W` in positions), a soft-cap of the scores and
+another query scale. cuDNN has no soft-cap, so `choose_impl` never picks it for one.
 
 `choose_impl` picks by backend; each kernel is compared with the reference in tests.
 """
@@ -53,14 +59,17 @@ def segments(segment_ids_bt: jax.Array, max_segments: int) -> Segments:
     return Segments(segment_ids_bt, *segment_offsets(segment_ids_bt, max_segments))
 
 
-def dense_mask(segment_ids_bt: jax.Array) -> jax.Array:
-    """bool `[B, 1, L, L]`: a query sees the keys of its segment at or before its slot.
+def dense_mask(segment_ids_bt: jax.Array, window: int | None = None) -> jax.Array:
+    """bool `[B, 1, L, L]`: a query sees the keys of its segment at or before its slot,
+    and with a `window` W only those fewer than W slots behind it (`q - k < W`).
 
     An unused slot sees only itself, so no query row is all masked (its output is
     never read)."""
     seg = segment_ids_bt
     slot = jnp.arange(seg.shape[1])
     causal_tt = slot[None, :] <= slot[:, None]
+    if window is not None:
+        causal_tt &= slot[:, None] - slot[None, :] < window
     same_btt = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
     return ((same_btt & causal_tt[None]) | jnp.eye(seg.shape[1], dtype=bool)[None])[:, None]
 
@@ -84,15 +93,17 @@ def segment_offsets(segment_ids_bt: jax.Array, max_segments: int):
     return offsets_bm.at[:, max_segments].set(-1), lengths_bm
 
 
-def choose_impl(impl: str, dtype, head_dim: int, length: int) -> str:
+def choose_impl(impl: str, dtype, head_dim: int, length: int, softcap: bool = False) -> str:
     """The kernel for this backend ('auto') or the one asked for, for rows of `length`
-    slots: splash's blocks are multiples of 128 slots, so other rows take the reference."""
+    slots: splash's blocks are multiples of 128 slots, so other rows take the reference.
+    With a `softcap` 'auto' never takes cuDNN, which has none."""
     if impl == "auto":
         half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         backend = jax.default_backend()
+        cudnn_fits = half and head_dim % 8 == 0 and head_dim <= 128 and not softcap
         if backend == "tpu" and head_dim % 128 == 0:
             impl = "splash"
-        elif backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and _hopper():
+        elif backend == "gpu" and cudnn_fits and _hopper():
             impl = "cudnn"
         else:
             impl = "xla"
@@ -104,19 +115,41 @@ def _hopper() -> bool:
     return int(str(capability).split(".")[0]) >= 9
 
 
-def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto"):
-    """Packed causal attention: queries `[B, L, N, H]`, keys/values `[B, L, K, H]`
-    (K divides N), outputs `[B, L, N, H]` in the queries' dtype."""
-    impl = choose_impl(impl, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1])
+def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto", *,
+           window: int | None = None, softcap: float | None = None,
+           scale: float | None = None):
+    """Packed causal attention.
+
+    Args:
+      q_btnh: `[B, L, N, H]` queries.
+      k_btkh, v_btkh: `[B, L, K, H]` keys and values (K divides N).
+      segments: the rows' `Segments`.
+      impl: one of `IMPLS` (`choose_impl`).
+      window: None, or W: a query sees only the keys fewer than W slots behind it
+        (Gemma's sliding layers; static, as the kernels' masks are).
+      softcap: None, or the cap c of Gemma 2's soft-capping: scores `s` become
+        `c * tanh(s / c)` after scaling and before the mask (not on cuDNN).
+      scale: the scores' scale (None: `H ** -0.5`).
+
+    Returns:
+      `[B, L, N, H]` in the queries' dtype.
+    """
+    impl = choose_impl(impl, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1],
+                       softcap=softcap is not None)
     if impl == "cudnn":
-        return _cudnn(q_btnh, k_btkh, v_btkh, segments)
+        if softcap is not None:
+            raise ValueError("cuDNN's attention has no soft-cap; use impl 'auto', 'splash' "
+                             "or 'xla'")
+        return _cudnn(q_btnh, k_btkh, v_btkh, segments, window=window, scale=scale)
     if impl == "splash":
-        return _splash_per_shard(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt)
+        return _splash_per_shard(q_btnh, k_btkh, v_btkh, segments.segment_ids_bt,
+                                 window=window, softcap=softcap, scale=scale)
     if impl != "xla":
         raise ValueError(f"packed attention impl must be one of {IMPLS}, got {impl!r}")
     return decode_lib.grouped_attention(q_btnh, jnp.swapaxes(k_btkh, 1, 2),
                                         jnp.swapaxes(v_btkh, 1, 2),
-                                        dense_mask(segments.segment_ids_bt))
+                                        dense_mask(segments.segment_ids_bt, window),
+                                        scale=scale, softcap=softcap)
 
 
 def heads_split_alike(q_btnh, k_btkh, v_btkh):
@@ -138,7 +171,12 @@ def heads_split_alike(q_btnh, k_btkh, v_btkh):
                  for x in (k_btkh, v_btkh))
 
 
-def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
+def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments, *, window: int | None = None,
+           scale: float | None = None):
+    """cuDNN's packed layout. Its `sliding_window_length` L keeps a query at `pos` the
+    keys in `(pos - L, pos]` of its segment (`q - k < L`, the rule of JAX's docstring and
+    of `jax.nn.dot_product_attention`, which hands it `l + 1` for a left window `l` whose
+    XLA path keeps `q - k <= l`), so Gemma's window W passes as it is."""
     # jax.nn.dot_product_attention does not take segments; its cuDNN backend does.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -150,7 +188,7 @@ def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
         # row's tokens as starting at slot 0. An empty second segment keeps them.
         offsets, lengths = (jnp.pad(x, ((0, 0), (0, 1)), constant_values=-1)
                             for x in (offsets, lengths))
-    scale = 1.0 / float(q_btnh.shape[-1]) ** 0.5
+    scale = 1.0 / float(q_btnh.shape[-1]) ** 0.5 if scale is None else scale
     # Unused slots belong to no segment: cuDNN writes neither their outputs nor their
     # gradients (memory is left as it was). Selecting around the call makes both zero.
     used = (segments.segment_ids_bt > 0)[:, :, None, None]
@@ -158,15 +196,16 @@ def _cudnn(q_btnh, k_btkh, v_btkh, segments: Segments):
                               for x in (q_btnh, k_btkh, v_btkh))
     out = cudnn.dot_product_attention(
         q_btnh, k_btkh, v_btkh, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
-        kv_offsets=offsets, scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL)
+        kv_offsets=offsets, scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        sliding_window_length=window)
     return jnp.where(used, out, jnp.zeros((), out.dtype))
 
 
-def _splash_per_shard(q_btnh, k_btkh, v_btkh, segment_ids_bt):
+def _splash_per_shard(q_btnh, k_btkh, v_btkh, segment_ids_bt, **options):
     """`splash` on each device's rows (and heads, where both head counts split over
     `tensor`): XLA cannot split a Mosaic TPU call over devices and refuses to lower one
     that spans several. Inside a `shard_map` (`context_attention`) it is the call itself."""
-    fn = functools.partial(splash, interpret=jax.default_backend() != "tpu")
+    fn = functools.partial(splash, interpret=jax.default_backend() != "tpu", **options)
     if jax.sharding.get_abstract_mesh().manual_axes:
         return fn(q_btnh, k_btkh, v_btkh, segment_ids_bt)
 
@@ -182,12 +221,15 @@ def _splash_per_shard(q_btnh, k_btkh, v_btkh, segment_ids_bt):
     return sharding.per_shard(fn, specs, q_btnh, k_btkh, v_btkh, segment_ids_bt)
 
 
-def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
-           block: int = 512):
+def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, window: int | None = None,
+           softcap: float | None = None, scale: float | None = None,
+           interpret: bool = False, block: int = 512):
     """JAX's Pallas TPU splash attention with a causal mask and segment ids (`interpret`:
     run in Pallas' TPU interpret mode, as the CPU tests do). L must be a multiple of 128
     (blocks of `gcd(L, block)` slots); the queries of a key/value head share it
-    (grouped-query)."""
+    (grouped-query). `window`, `softcap`, `scale`: as `attend`'s; a window is splash's
+    local mask, whose left size W - 1 keeps `q - W + 1 <= k`, so the blocks wholly
+    outside it are skipped."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel,
     )
@@ -201,15 +243,20 @@ def splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, interpret: bool = False,
     block_sizes = kernel.BlockSizes(
         block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
         block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
-    causal = mask_lib.CausalMask((length, length))
+    if window is None:
+        causal = mask_lib.CausalMask((length, length))
+    else:
+        causal = mask_lib.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
     multi = mask_lib.MultiHeadMask([causal] * (n // k))
     mha = kernel.make_splash_mqa(multi, block_sizes=block_sizes, head_shards=1,
-                                 q_seq_shards=1, interpret=interpret)
+                                 q_seq_shards=1, attn_logits_soft_cap=softcap,
+                                 interpret=interpret)
     # Each unused slot is a segment of its own (-1 - slot): no query row is empty.
     seg = jnp.where(segment_ids_bt > 0, segment_ids_bt, -1 - jnp.arange(length))
     ids = kernel.SegmentIds(q=seg, kv=seg)
     q_bkgth = q_btnh.reshape(b, length, k, n // k, h).transpose(0, 2, 3, 1, 4)
-    q_bkgth = q_bkgth * jnp.asarray(1.0 / h ** 0.5, q_bkgth.dtype)
+    scale = 1.0 / h ** 0.5 if scale is None else scale
+    q_bkgth = q_bkgth * jnp.asarray(scale, q_bkgth.dtype)
     k_bkth, v_bkth = (jnp.swapaxes(x, 1, 2) for x in (k_btkh, v_btkh))
     per_head = jax.vmap(mha, in_axes=(0, 0, 0, None))  # over K: [G, L, H] queries each
     out = jax.vmap(per_head)(q_bkgth, k_bkth, v_bkth, ids)

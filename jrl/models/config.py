@@ -140,10 +140,10 @@ class ModelConfig:
       remat: "none", "full" (recompute each layer in the backward pass) or
         "dots_saveable" (keep matmul outputs, recompute the rest).
       attention_impl: training attention: "auto" (on GPU cuDNN flash attention when
-        dtype and head_dim allow it; on TPU Pallas splash attention for rows of a
-        multiple of 128 tokens and head_dim a multiple of 128; else XLA), "xla",
-        "cudnn" or "splash" (`jrl.kernels.packed_attention`; off a TPU it runs in
-        Pallas' interpret mode, for tests).
+        dtype and head_dim allow it and there is no attention soft-cap; on TPU Pallas
+        splash attention for rows of a multiple of 128 tokens and head_dim a multiple
+        of 128; else XLA), "xla", "cudnn" or "splash" (`jrl.kernels.packed_attention`;
+        off a TPU it runs in Pallas' interpret mode, for tests).
       decode_attention_impl: cache write and attention of decode steps (one token
         per row over a cache): "auto" (the Pallas kernel of
         `jrl.kernels.decode_attention`, on Pallas' Mosaic GPU backend, on Hopper GPUs

@@ -9,7 +9,8 @@ around it, in a `shard_map` over the mesh:
 
     q [B, T/C, N, H], k/v [B, T/C, K, H]      each device: its chunk, all heads
       -> all_to_all over `context`             each device: all T tokens, N/C heads
-      -> packed_attention.attend               (cuDNN, splash or XLA, unchanged)
+      -> packed_attention.attend               (cuDNN, splash or XLA, with Gemma's
+                                                window, soft-cap and query scale)
       -> all_to_all back                       each device: its chunk, all heads
 
 so one layer moves the chunk's queries and outputs once each (`2 N' H T / C` values per
@@ -89,7 +90,7 @@ def _gathered_heads(k_btkh, v_btkh, *, n: int, padded: int, size: int):
 
 
 def _local(q_btnh, k_btkh, v_btkh, segment_ids_bt, offsets_bm, lengths_bm, *, size: int,
-           impl: str):
+           impl: str, **options):
     """One device's part: its chunk of every row in, its chunk of the outputs out."""
     n, k = q_btnh.shape[2], k_btkh.shape[2]
     pad = -n % size
@@ -104,21 +105,25 @@ def _local(q_btnh, k_btkh, v_btkh, segment_ids_bt, offsets_bm, lengths_bm, *, si
         q, key, value = (_to_heads(x) for x in (widen(q_btnh), k_btkh, v_btkh))
     segment_ids_bt = jax.lax.all_gather(segment_ids_bt, AXIS, axis=1, tiled=True)
     segments = packed_attention.Segments(segment_ids_bt, offsets_bm, lengths_bm)
-    out = packed_attention.attend(q, key, value, segments, impl)
+    out = packed_attention.attend(q, key, value, segments, impl, **options)
     return _to_tokens(out)[:, :, :n]
 
 
-def attend(q_btnh, k_btkh, v_btkh, segments: packed_attention.Segments, impl: str = "auto"):
+def attend(q_btnh, k_btkh, v_btkh, segments: packed_attention.Segments, impl: str = "auto",
+           *, window: int | None = None, softcap: float | None = None,
+           scale: float | None = None):
     """`packed_attention.attend` with the rows' tokens split over the active mesh's
     `context` axis (`applies(T)` must hold): queries `[B, T, N, H]`, keys/values
     `[B, T, K, H]` (K divides N), segments of `[B, T]` slots; outputs `[B, T, N, H]`,
-    split as the queries."""
+    split as the queries. `window`, `softcap`, `scale`: `packed_attention.attend`'s,
+    applied on each device's whole rows (all T tokens, its heads)."""
     sharder = sharding.active_sharder()
     size = sharder.context
     q_spec, kv_spec, token_spec, row_spec = _specs(sharder, q_btnh, k_btkh)
 
     def local(q, k, v, segment_ids, offsets, lengths):
-        return _local(q, k, v, segment_ids, offsets, lengths, size=size, impl=impl)
+        return _local(q, k, v, segment_ids, offsets, lengths, size=size, impl=impl,
+                      window=window, softcap=softcap, scale=scale)
 
     return jax.shard_map(
         local, mesh=sharder.mesh,

@@ -20,7 +20,10 @@ A Gemma layer is the Llama layer with these differences (transformers'
 
 The layers stay one `nn.scan` with stacked parameters: the per-layer differences
 travel as a scanned bool per layer (`local_flags`), which picks between two variants
-of the mask and of the RoPE tables (`LayerTypes`, `for_layer`).
+of the mask and of the RoPE tables (`LayerTypes`, `for_layer`). Rows given as segment
+ids (packed rows; padded rows on splash or under `mesh.context`) form no mask: the
+attention kernels take the window, soft-cap and query scale as options
+(`packed_attention.attend`), and the flag picks the kernel's variant.
 
 This module imports nothing of `jrl.models`: `config.py` imports it.
 """
@@ -61,14 +64,6 @@ def layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
 def local_flags(config) -> jax.Array:
     """bool `[L]`: which layers attend through a sliding window (the scan's input)."""
     return jnp.asarray([t == SLIDING for t in config.layer_types], bool)
-
-
-def attends_densely(config) -> bool:
-    """Whether the training passes attend through a dense `[B, 1, T, S]` mask: the packed
-    (cuDNN THD, splash) and context-parallel paths take segment ids only, with neither a
-    window, a soft-cap nor another query scale, so Gemma configs use the dense path (XLA,
-    or cuDNN with the dense mask where `attention_impl` allows) whatever the layout."""
-    return is_gemma(config)
 
 
 def query_scale(config) -> float | None:
@@ -161,7 +156,10 @@ def check(config) -> dict[str, Any]:
     Lists from JSON become tuples (hashable). An "auto" kernel choice for a config a
     kernel cannot serve resolves to "xla" here, once for every caller (the Mosaic GPU
     decode-attention kernel has no soft-cap and no window; the log-prob head's kernel no
-    final soft-cap; cuDNN's attention no soft-cap); a forced kernel stops with an error.
+    final soft-cap); a forced kernel stops with an error. The training attention's
+    "auto" stays: with an attention soft-cap it takes splash on a TPU and XLA elsewhere,
+    never cuDNN, which has none (`packed_attention.choose_impl`), and a forced "cudnn"
+    stops here.
     """
     linear = config.rope_scaling is not None and not hasattr(config.rope_scaling,
                                                              "low_freq_factor")
@@ -194,10 +192,13 @@ def check(config) -> dict[str, Any]:
         value = getattr(config, name)
         if value is not None and not value > 0:
             raise ConfigError(f"{name} must be > 0 (or None), got {value!r}")
+    if config.attn_logit_softcapping is not None and config.attention_impl == "cudnn":
+        raise ConfigError("attention_impl='cudnn' has no soft-capping, which this Gemma "
+                          "config needs (attn_logit_softcapping); use 'auto' (splash on a "
+                          "TPU, else XLA), 'splash' or 'xla'")
     kernels = {"decode_attention_impl": SLIDING in types
                or config.attn_logit_softcapping is not None,
-               "logprob_impl": config.final_logit_softcapping is not None,
-               "attention_impl": config.attn_logit_softcapping is not None}
+               "logprob_impl": config.final_logit_softcapping is not None}
     updates: dict[str, Any] = {"layer_types": types}
     for key, unsupported in kernels.items():
         if not unsupported:

@@ -194,10 +194,11 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     """cuDNN flash attention where it applies, else XLA.
 
     cuDNN needs a GPU, half precision and head_dim <= 128 (a multiple of 8); with a
-    mask (which it turns into a bias) its backward pass also needs even T and S.
+    mask (which it turns into a bias) its backward pass also needs even T and S. It has
+    no soft-cap (a forced "cudnn" with one is refused by `gemma.check`).
     """
-    if config.attention_impl == "splash":  # (where packed_attention does not apply)
-        return "xla"
+    if config.attention_impl == "splash" or config.attn_logit_softcapping is not None:
+        return "xla"  # splash takes segment ids only (`packed_attention`)
     if config.attention_impl != "auto":
         return config.attention_impl
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -288,20 +289,42 @@ def _shared_prompt_attention(config: ModelConfig, q_btnh, k_btkh, v_btkh,
     return jnp.concatenate([out_p, out_r], axis=1)
 
 
+def _packed_attention(c: ModelConfig, q_btnh, k_btkh, v_btkh, segments, local):
+    """Attention over rows given as segments (`packed_attention`), split over the mesh's
+    `context` axis where it divides T (`context_attention`), with Gemma's soft-cap and
+    query scale; a sliding layer's (`local`) with its window.
+
+    A kernel's mask is fixed when it is traced, so under the scan's traced `local` one
+    `lax.cond` runs the windowed or the global variant: selecting between both, as
+    `gemma.for_layer` does for dense masks, would run the attention twice.
+    """
+    attend = (context_attention.attend if context_attention.applies(q_btnh.shape[1])
+              else packed_attention.attend)
+
+    def with_window(window):
+        return functools.partial(attend, impl=c.attention_impl, window=window,
+                                 softcap=c.attn_logit_softcapping, scale=gemma.query_scale(c))
+
+    operands = (q_btnh, k_btkh, v_btkh, segments)
+    if local is None or gemma.SLIDING not in c.layer_types:
+        return with_window(None)(*operands)
+    if gemma.FULL not in c.layer_types:
+        return with_window(c.sliding_window)(*operands)
+    return lax.cond(local, with_window(c.sliding_window), with_window(None), *operands)
+
+
 def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk, mask_b1ts,
-                       cache, layer, write_index):
+                       cache, layer, write_index, local=None):
     """RoPE, then attention by layout (with the cache write where there is a cache);
-    packed rows (and padded rows, as one segment each) under a mesh whose `context`
-    axis divides T run split over it (`context_attention`)."""
+    packed rows (and padded rows, as one segment each) by `_packed_attention`. `local`:
+    whether this is a sliding-window layer (None: the config has no `layer_types`)."""
     q_btnh = constrain(rope.apply_rope(q_btnh, sin_btk, cos_btk), _HEADS)
     k_btkh = constrain(rope.apply_rope(k_btkh, sin_btk, cos_btk), _KV_HEADS)
     v_btkh = constrain(v_btkh, _KV_HEADS)
     if isinstance(mask_b1ts, SharedPromptMask):
         return _shared_prompt_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if isinstance(mask_b1ts, packed_attention.Segments):
-        attend = (context_attention.attend if context_attention.applies(q_btnh.shape[1])
-                  else packed_attention.attend)
-        return attend(q_btnh, k_btkh, v_btkh, mask_b1ts, c.attention_impl), cache
+        return _packed_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts, local), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if cache.layer(layer)[0].shape[2] < mask_b1ts.shape[-1]:  # a ring buffer
@@ -353,7 +376,8 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index):
+    def __call__(self, x_btd, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index,
+                 local=None):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         kv_heads = (c.num_kv_heads, c.head_dim)
@@ -402,7 +426,7 @@ class Attention(nn.Module):
             out_btnh = _to_batch_rows(cache, out_bnh)[:, None]
         else:
             out_btnh, cache = _rotate_and_attend(c, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
-                                                 mask_b1ts, cache, layer, write_index)
+                                                 mask_b1ts, cache, layer, write_index, local)
         return self._output(out_btnh), cache
 
     def _output(self, out_btnh):
@@ -552,7 +576,8 @@ class DecoderLayer(nn.Module):
         """`valid_bt`, `forced_btk`: an MoE layer's token weights for its router statistics
         and its replayed experts (`moe.MoeMlp`). `local`: this layer is a sliding-window
         one (a scanned bool where the config has `layer_types`), which picks its mask and
-        RoPE tables (`gemma.for_layer`)."""
+        RoPE tables (`gemma.for_layer`), or for rows given as segments its kernel's
+        window (`_packed_attention`)."""
         x_btd, cache = carry
         c = self.config
         if local is not None:
@@ -560,7 +585,7 @@ class DecoderLayer(nn.Module):
         recompute = _recomputes_in_backward(c)
         attn_in = _norm(c, "embed", "attn_norm", recompute)(x_btd)
         attn_out, cache = Attention(c, name="attn")(
-            attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index
+            attn_in, sin_btk, cos_btk, mask_b1ts, cache, layer, write_index, local
         )
         if gemma.is_gemma(c):  # sandwich norms: each branch's output normalised too
             attn_out = _norm(c, "embed", "post_attn_norm", recompute)(attn_out)
@@ -631,13 +656,6 @@ class Transformer(nn.Module):
         sin_btk, cos_btk = rope.sin_cos_by_layer_type(positions_bt, c)
         if isinstance(mask, SharedPrompt):
             mask_b1ts = mask.attention_masks()
-        elif gemma.attends_densely(c):
-            # Gemma's windows, soft-cap and query scale need the dense mask's path
-            # (`gemma.attends_densely`): packed rows become their dense mask, and
-            # padded rows never take splash or the context-parallel kernel.
-            mask_b1ts = (packed_attention.dense_mask(mask.segment_ids_bt)
-                         if isinstance(mask, packed_attention.Segments)
-                         else attention_mask(mask, tokens_bt.shape[1], None))
         elif isinstance(mask, packed_attention.Segments):
             mask_b1ts = mask  # attention reads the segment ids themselves
         elif (packed_attention.choose_impl(c.attention_impl, c.dtype, c.head_dim,
@@ -774,8 +792,10 @@ def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, c
 def _windowed_masks(config: ModelConfig, mask, mask_b1ts, query_pos_bt, key_pos_bs):
     """The layers' masks as a `gemma.LayerTypes` pair: as they are for the global layers,
     with `config.sliding_window` applied for the sliding ones. `mask` is `forward`'s
-    (the shared-prompt layout's positions come from its own masks)."""
-    if gemma.SLIDING not in config.layer_types:
+    (the shared-prompt layout's positions come from its own masks). Segments stay one:
+    the kernels take the window as an option (`_packed_attention`)."""
+    if gemma.SLIDING not in config.layer_types or isinstance(
+            mask_b1ts, packed_attention.Segments):
         return mask_b1ts
     window = config.sliding_window
     if isinstance(mask, SharedPrompt):

@@ -300,6 +300,37 @@ def test_cudnn_packed_attention_matches_xla(rows, length, lengths):
     assert max(errors) < 2e-2, errors
 
 
+@pytest.mark.parametrize("window", [16, 128])
+def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window):
+    """cuDNN's `sliding_window_length` W with a query scale (Gemma's sliding layers, bf16)
+    against the float32 XLA reference at windows W - 1, W and W + 1: it agrees with
+    `q - k < W` only (segments shorter and longer than W; gradients too at W)."""
+    seg = _segment_ids(2, 512, [[200, 1, 311], [12, 500]])
+    segments = packed_attention.segments(seg, 8)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 512, 8, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(2, 512, 4, 64)), jnp.bfloat16) for _ in range(2))
+    used = (seg > 0)[:, :, None, None]
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    def loss(impl, w, q, k, v):
+        out = packed_attention.attend(q, k, v, segments, impl, window=w, scale=0.1)
+        return jnp.sum(jnp.where(used, out.astype(jnp.float32) * cotangent, 0))
+
+    got = jax.jit(lambda *a: packed_attention.attend(*a, segments, "cudnn", window=window,
+                                                     scale=0.1))(q, k, v)
+    errors = {w: _rel(jnp.where(used, got, 0), jnp.where(used, packed_attention.attend(
+        *f32, segments, "xla", window=w, scale=0.1), 0)) for w in (window - 1, window,
+                                                                   window + 1)}
+    assert errors[window] < 2e-2 < min(errors[window - 1], errors[window + 1]), errors
+    grads = jax.jit(jax.grad(functools.partial(loss, "cudnn", window), argnums=(0, 1, 2)))(
+        q, k, v)
+    grads_want = jax.grad(functools.partial(loss, "xla", window), argnums=(0, 1, 2))(*f32)
+    errors = [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+    assert max(errors) < 2e-2, errors
+
+
 # ------------------------------------------------------------------ grouped matmuls (MoE)
 
 # (rows M, groups G, K, N): a Qwen3-30B-A3B layer's gate (D 2048 -> F 768) and down

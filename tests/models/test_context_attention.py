@@ -23,10 +23,10 @@ _PARITY_SCRIPT = textwrap.dedent("""
                 jax.random.normal(keys[2], (b, t, k, h)),
                 jax.random.normal(keys[3], (b, t, n, h)))  # output weights of the loss
 
-    def loss(attend, segments, weights):
+    def loss(attend, segments, weights, options):
         used = (segments.segment_ids_bt > 0)[:, :, None, None]
-        return lambda q, k, v: jnp.sum(jnp.where(used, attend(q, k, v, segments, "xla")
-                                                 * weights, 0.0))
+        return lambda q, k, v: jnp.sum(jnp.where(
+            used, attend(q, k, v, segments, "xla", **options) * weights, 0.0))
 
     def diff(a, b, used):
         return float(np.max(np.abs(np.where(used, np.asarray(a) - np.asarray(b), 0.0))))
@@ -51,25 +51,32 @@ _PARITY_SCRIPT = textwrap.dedent("""
         # Multi-head, 6 heads at context = 4: gathering would move more (K C >= N'), so
         # the heads are padded to 8 and traded as the queries are.
         "mha_pad_padded": (dict(data=2, context=4), padded, 1, (6, 6)),
+        # Gemma's options: a window of 3 (shorter than most segments, reaching across
+        # the chunk boundaries), a soft-cap and another query scale.
+        "gemma_options_packed": (dict(data=2, context=4), packed, 4, (8, 4)),
     }
+    gemma_options = dict(window=3, softcap=1.0, scale=0.6)
     out = {}
     for name, (sizes, ids, max_segments, (n, k)) in cases.items():
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
         segments = packed_attention.segments(ids, max_segments)
         q, key, value, weights = inputs(2, 16, n, k, 8, seed=len(out))
         used = np.asarray(ids > 0)[:, :, None, None]
+        options = gemma_options if name.startswith("gemma") else {}
 
-        def split(q, key, value, segments=segments, sharder=sharder):
+        def split(q, key, value, segments=segments, sharder=sharder, options=options):
             with sharder.active():
-                return context_attention.attend(q, key, value, segments, "xla")
+                return context_attention.attend(q, key, value, segments, "xla", **options)
 
-        def split_loss(q, key, value, segments=segments, sharder=sharder, weights=weights):
+        def split_loss(q, key, value, segments=segments, sharder=sharder, weights=weights,
+                       options=options):
             with sharder.active():
-                return loss(context_attention.attend, segments, weights)(q, key, value)
+                return loss(context_attention.attend, segments, weights, options)(q, key,
+                                                                                  value)
 
-        want = packed_attention.attend(q, key, value, segments, "xla")
+        want = packed_attention.attend(q, key, value, segments, "xla", **options)
         got = jax.jit(split)(q, key, value)
-        grads_want = jax.grad(loss(packed_attention.attend, segments, weights),
+        grads_want = jax.grad(loss(packed_attention.attend, segments, weights, options),
                               argnums=(0, 1, 2))(q, key, value)
         grads_got = jax.jit(jax.grad(split_loss, argnums=(0, 1, 2)))(q, key, value)
         out[name] = {"out": diff(got, want, used),
@@ -119,6 +126,40 @@ _PARITY_SCRIPT = textwrap.dedent("""
     out["leak_later_slots"] = float(np.max(np.abs(later - base)[0, 5:9]))
     out["own_segment_changes"] = float(np.max(np.abs(other - base)[0, 5:11]))
     out["row_1_unchanged"] = float(np.max(np.abs(other - base)[1]))
+
+    # A Gemma model (a sliding then a global layer; window 3, soft-cap, query scale) on
+    # padded rows (one segment each under `context`) and packed rows, split over
+    # context = 4, against one device (there the padded rows take the dense path).
+    from jrl.app import experiment
+    from jrl.models import ModelConfig, init_params, transformer
+    model = ModelConfig.preset("tiny-gemma", hidden_size=32, intermediate_size=64,
+                               head_dim=8, sliding_window=3, query_pre_attn_scalar=3,
+                               attn_logit_softcapping=1.0, initializer_range=0.3)
+    params = init_params(model, jax.random.key(0))
+    sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(data=2, context=4)))
+    placed = jax.device_put(params, experiment.param_shardings(sharder, model))
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 3, 128)
+    def restart(ids):  # each segment's positions from 0
+        starts = np.maximum.accumulate(np.where(
+            np.diff(ids, prepend=-1, axis=1) != 0, np.arange(16), 0), axis=1)
+        return jnp.asarray(np.where(ids > 0, np.arange(16) - starts, 0), jnp.int32)
+    layouts = {"padded": (padded, padded), "packed": (packed,
+                                                      packed_attention.segments(packed, 4))}
+    for name, (ids, mask) in layouts.items():
+        used = jnp.asarray(ids > 0)[..., None]
+        def model_loss(params, mask=mask, ids=ids, used=used):
+            hidden, _ = transformer.forward(params, tokens, restart(np.asarray(ids)), mask,
+                                            config=model)
+            return jnp.sum(jnp.where(used, hidden, 0) ** 2)
+        def split_model(params, model_loss=model_loss):
+            with sharder.active():
+                return jax.value_and_grad(model_loss)(params)
+        want, want_grads = jax.jit(jax.value_and_grad(model_loss))(params)
+        got, got_grads = jax.jit(split_model)(placed)
+        out["gemma_model_" + name] = {
+            "loss": abs(float(got - want)) / float(want),
+            "grad": max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                        zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)))}
     print(json.dumps(out))
 """)
 
@@ -130,7 +171,7 @@ def results():
 
 @pytest.mark.parametrize("case", ["gqa_pad_padded", "gqa_pad_packed", "gqa_split_packed",
                                   "tensor_packed", "tensor_uneven_padded", "mqa_packed",
-                                  "mha_pad_padded"])
+                                  "mha_pad_padded", "gemma_options_packed"])
 def test_outputs_and_gradients_match_one_device(results, case):
     got = results[case]
     assert got["out"] < 1e-5, got
@@ -171,3 +212,12 @@ def test_applies_where_the_rules_split_the_tokens_over_context():
     unsplit = dict(sharding.DEFAULT_RULES, length=None)
     with sharding.Sharder(sharder.mesh, tuple(unsplit.items())).active():
         assert not context_attention.applies(16)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gemma_model_on_context_matches_one_device(results, layout):
+    """Gemma's window (chosen per layer by `lax.cond` around the `shard_map`), soft-cap and
+    query scale on the split path; one device's padded rows take the dense mask."""
+    got = results["gemma_model_" + layout]
+    assert got["loss"] < 1e-5, got
+    assert got["grad"] < 1e-4, got

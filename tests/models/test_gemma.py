@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from jrl.errors import ConfigError
+from jrl.kernels import packed_attention
 from jrl.models import (
     PRESETS,
     ModelConfig,
@@ -22,6 +23,7 @@ from jrl.models import (
     init_params,
     load_pretrained,
     save_pretrained,
+    transformer,
 )
 from jrl.rl import logprobs, packing
 from jrl.rl.logprobs import token_log_probs
@@ -245,15 +247,24 @@ def test_unsupported_gemma_configs_name_the_key(changes, match):
         ModelConfig.from_hf(_hf_config("gemma3", **changes))
 
 
-def test_kernels_without_softcap_or_window_are_refused():
+def test_kernels_without_softcap_or_window_are_refused(monkeypatch):
     tiny = PRESETS["tiny-gemma"]
-    assert (tiny.attention_impl, tiny.decode_attention_impl, tiny.logprob_impl) == ("xla",) * 3
-    with pytest.raises(ConfigError, match="attention_impl='cudnn' has no soft-capping"):
+    assert (tiny.decode_attention_impl, tiny.logprob_impl) == ("xla",) * 2
+    # Training attention stays "auto": splash on a TPU (soft-cap and window as options),
+    # XLA elsewhere, never cuDNN (`packed_attention.choose_impl`).
+    assert tiny.attention_impl == "auto"
+    assert dataclasses.replace(tiny, attention_impl="splash").attention_impl == "splash"
+    with pytest.raises(ConfigError, match="attention_impl='cudnn' has no soft-capping.*"
+                                          "attn_logit_softcapping"):
         dataclasses.replace(tiny, attention_impl="cudnn")
     with pytest.raises(ConfigError, match="sliding_window, layer_types: Gemma options"):
         dataclasses.replace(PRESETS["tiny"], sliding_window=8, layer_types=("full_attention",) * 2)
     # Gemma 3 has no attention soft-cap: cuDNN's attention stays its choice on a GPU.
     assert PRESETS["gemma-3-1b"].attention_impl == "auto"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    no_cap = dataclasses.replace(tiny, attn_logit_softcapping=None)
+    assert transformer._attention_impl(no_cap, jnp.bfloat16, 8, 8) == "cudnn"
+    assert transformer._attention_impl(tiny, jnp.bfloat16, 8, 8) == "xla"
 
 
 # tiny-gemma (soft-caps, every other layer sliding) with a window of 3, shorter than the
@@ -301,3 +312,54 @@ def test_sampler_log_probs_equal_the_training_forwards(layout_params):
     assert valid.sum(1).max() > LAYOUT.sliding_window + 1
     np.testing.assert_allclose(np.asarray(out.rollout_log_probs)[valid], np.asarray(want)[valid],
                                atol=2e-5, rtol=0)
+
+
+# LAYOUT with a query scale other than head_dim ** -0.5 and a soft-cap that bends the
+# scores, so a kernel that dropped either would leave the padded path.
+PACKED = dataclasses.replace(LAYOUT, query_pre_attn_scalar=3, attn_logit_softcapping=1.0)
+# Four sequences, shorter (2) and longer (9, 40, 70) than the window of 3: padded one a
+# row (left padding), or packed into one row of 128 slots (7 unused), positions
+# restarting per sequence.
+_LENGTHS = (70, 2, 40, 9)
+
+
+def _padded_and_packed_rows():
+    rng = np.random.default_rng(4)
+    width = max(_LENGTHS)
+    mask = (np.arange(width)[None] >= width - np.array(_LENGTHS)[:, None]).astype(np.int32)
+    tokens = np.where(mask, rng.integers(3, PACKED.vocab_size, mask.shape), 0)
+    seg = np.zeros((1, 128), np.int32)
+    seg[0, :sum(_LENGTHS)] = np.repeat(np.arange(1, len(_LENGTHS) + 1), _LENGTHS)
+    packed_tokens = np.zeros((1, 128), np.int32)
+    packed_tokens[0, :sum(_LENGTHS)] = tokens[mask > 0]
+    packed_positions = np.zeros((1, 128), np.int32)
+    packed_positions[0, :sum(_LENGTHS)] = np.concatenate([np.arange(n) for n in _LENGTHS])
+    padded = (tokens, np.maximum(np.cumsum(mask, 1) - 1, 0), mask, mask > 0)
+    packed = (packed_tokens, packed_positions,
+              packed_attention.segments(jnp.asarray(seg), len(_LENGTHS)), seg > 0)
+    return padded, packed
+
+
+@pytest.mark.parametrize("impl", ["auto", "splash"])
+def test_packed_rows_give_the_padded_forward_and_gradients(layout_params, impl):
+    """Packed rows (`Segments`: the kernels take the window, soft-cap and query scale, the
+    layer's window chosen by `lax.cond`) against the padded rows' dense XLA path: hidden
+    states of every token and the parameter gradients of a weighted sum of them. "auto"
+    is the XLA reference on the CPU; "splash" runs in Pallas' TPU interpret mode."""
+    (tokens, positions, mask, used), (p_tokens, p_positions, segments, p_used) = (
+        _padded_and_packed_rows())
+    weights = np.random.default_rng(5).normal(size=(sum(_LENGTHS), PACKED.hidden_size))
+
+    def hidden_and_grads(config, tokens, positions, how, used):
+        def loss(params):
+            hidden, _ = transformer.forward(params, tokens, positions, how, config=config)
+            return jnp.sum(hidden[used] * weights), hidden[used]
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(layout_params)
+
+    (_, want), want_grads = hidden_and_grads(PACKED, tokens, positions, mask, used)
+    (_, got), got_grads = hidden_and_grads(
+        dataclasses.replace(PACKED, attention_impl=impl), p_tokens, p_positions, segments,
+        p_used)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    chex.assert_trees_all_close(got_grads, want_grads, atol=2e-4, rtol=2e-4)

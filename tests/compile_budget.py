@@ -22,11 +22,13 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: about 4,720 when it was set (4,561
-# before the mixture-of-experts and Gemma families, whose models, sampler and update
-# programs their tests compile), and room for a few more. Raise it in the change that
-# adds programs, saying why. (The variable is for the budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4800))
+# Distinct programs of the full suite on the CPU: about 4,835 when it was set (4,722
+# before Gemma's windowed and soft-capped packed attention, whose splash, context and
+# model tests compile both layer variants, the sliding layers' ring-buffer cache and
+# the old-log-prob pass that records its experts; 4,561 before the mixture-of-experts
+# and Gemma families), and room for a few more. Raise it in the change that adds
+# programs, saying why. (The variable is for the budget's own test.)
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4900))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

@@ -188,11 +188,14 @@ def base_config() -> ml_collections.ConfigDict:
     # load_balancing_loss_func over the micro-batch's tokens, added to the actor loss;
     # metric actor/router_aux_loss). None: the checkpoint's router_aux_loss_coef. 0: off.
     c.actor.router_aux_loss_coef = config_dict.placeholder(float)
-    # Mixture-of-experts routing replay (verl's router_replay): "rollout" records each
-    # token's experts in every layer during the rollout and routes the actor's log-prob
-    # and update passes to them (the weights still the training router's), so rollout
-    # and training use the same experts; "disabled": each pass routes for itself. Not
-    # with multi-turn rollouts, rollout.cache_segments > 1 or token-budget micro-batches.
+    # Mixture-of-experts routing replay (verl's router_replay): "rollout" (verl's R3)
+    # records each token's experts in every layer during the rollout and routes the
+    # actor's log-prob and update passes to them (the weights still the training
+    # router's), so rollout and training use the same experts; not with multi-turn
+    # rollouts or rollout.cache_segments > 1. "old_log_prob" (R2) records them in the
+    # actor's old-log-prob pass and replays them in every update mini-batch and epoch
+    # (where that pass runs; a single on-policy update is its own old pass). Neither
+    # with token-budget micro-batches. "disabled": each pass routes for itself.
     c.actor.router_replay = "disabled"
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128

@@ -1161,29 +1161,34 @@ def _critic_lora(config) -> dict:
     return fields
 
 
-ROUTER_REPLAY_MODES = ("disabled", "rollout")
+# verl's router_replay modes R3 ("rollout") and R2 ("old_log_prob").
+ROUTER_REPLAY_MODES = ("disabled", "rollout", "old_log_prob")
 
 
 def _check_router_replay(config, settings: Settings) -> None:
-    """Routing replay needs an MoE model and a rollout that records its routing in one
-    program, replayed on padded micro-batches."""
-    if settings.actor.router_replay == "disabled":
+    """Routing replay needs an MoE model and padded micro-batches, and "rollout" a
+    rollout that records its routing in one program."""
+    mode = settings.actor.router_replay
+    if mode == "disabled":
         return
     key = "actor.router_replay"
     family = _model_family(config)
     if family not in model_config.MOE_FAMILIES:
-        _fail(key, f"'rollout' replays the experts of a mixture-of-experts model "
+        _fail(key, f"{mode!r} replays the experts of a mixture-of-experts model "
               f"({', '.join(model_config.MOE_FAMILIES)}); the model is {family!r}")
-    others = {"rollout.multi_turn.enable=True": settings.multi_turn is not None,
-              f"rollout.cache_segments={settings.rollout.cache_segments}":
-                  settings.rollout.cache_segments > 1,
-              "actor.use_dynamic_bsz=True": settings.actor.update.max_token_len is not None,
+    others = {"actor.use_dynamic_bsz=True": settings.actor.update.max_token_len is not None,
               "rollout.log_prob_use_dynamic_bsz=True": settings.log_prob_max_token_len
                   is not None}
+    if mode == "rollout":
+        others = {"rollout.multi_turn.enable=True": settings.multi_turn is not None,
+                  f"rollout.cache_segments={settings.rollout.cache_segments}":
+                      settings.rollout.cache_segments > 1, **others}
     clash = [name for name, on in others.items() if on]
     if clash:
-        _fail(key, f"'rollout' is not supported with {', '.join(clash)} (the rollout records "
-              "its routing in one program, replayed on padded micro-batches); set "
+        where = ("the rollout records its routing in one program, replayed on padded "
+                 "micro-batches" if mode == "rollout" else
+                 "the old-log-prob pass records its routing on padded micro-batches")
+        _fail(key, f"{mode!r} is not supported with {', '.join(clash)} ({where}); set "
               f"{key}='disabled' or change those keys")
 
 

@@ -616,8 +616,9 @@ def _layer_stack(config: ModelConfig) -> nn.Module:
         layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=prevent_cse)
     return nn.scan(
         layer_cls,
-        # The MoE layers' router statistics (`moe.ROUTER_COLLECTION`) stack like the params.
-        variable_axes={"params": 0, moe.ROUTER_COLLECTION: 0},
+        # The MoE layers' router statistics (`moe.ROUTER_COLLECTION`) and chosen experts
+        # (`moe.RECORD_COLLECTION`) stack like the params.
+        variable_axes={"params": 0, moe.ROUTER_COLLECTION: 0, moe.RECORD_COLLECTION: 0},
         split_rngs={"params": True},
         # (layer, sin, cos, mask, write_index, valid tokens, each layer's replayed experts
         # [, local]): `local` per layer with layer_types.
@@ -922,19 +923,23 @@ def forward_recording(params: Params, tokens_bt: jax.Array, positions_bt: jax.Ar
 
 
 def forward_with_router(params: Params, tokens_bt: jax.Array, positions_bt: jax.Array, mask,
-                        *, config: ModelConfig, routing: jax.Array | None = None
-                        ) -> tuple[jax.Array, moe.RouterStats]:
+                        *, config: ModelConfig, routing: jax.Array | None = None,
+                        record: bool = False):
     """The training forward of an MoE model (`forward` without a cache; `routing` as
-    there), with its layers' router statistics, `[L, ...]` (`moe.load_balancing_loss`,
-    `moe.load_metrics`)."""
+    there): `(hidden, stats)`, with its layers' router statistics, `[L, ...]`
+    (`moe.load_balancing_loss`, `moe.load_metrics`); with `record`, also each token's
+    experts in every layer, int32 `[B, T, L, k]`, in the layout of `tokens_bt`."""
     if not config.is_moe:
         raise ValueError(f"forward_with_router needs an MoE model; family is {config.family!r}")
     _check_forward_args(tokens_bt, mask, None, None)
+    collections = [moe.ROUTER_COLLECTION] + ([moe.RECORD_COLLECTION] if record else [])
     hidden_btd, collected = Transformer(config, head="none").apply(
-        {"params": params}, tokens_bt, positions_bt, mask, routing,
-        mutable=[moe.ROUTER_COLLECTION])
+        {"params": params}, tokens_bt, positions_bt, mask, routing, mutable=collections)
     (stats,) = collected[moe.ROUTER_COLLECTION]["layers"]["mlp"][moe.ROUTER_NAME]
-    return hidden_btd, stats
+    if not record:
+        return hidden_btd, stats
+    (experts_lbtk,) = collected[moe.RECORD_COLLECTION]["layers"]["mlp"][moe.RECORD_NAME]
+    return hidden_btd, stats, jnp.moveaxis(experts_lbtk, 0, 2)
 
 
 def forward_logits(

@@ -79,12 +79,12 @@ def trim(tree, r: int, prompt_keys: Sequence[str] = PROMPT_KEYS):
             for k, v in tree.items()}
 
 
-def pad_columns(tree, response_length: int):
-    """Per-token outputs `[b, r, ...]` padded with zeros to `[b, R, ...]`."""
+def pad_columns(tree, response_length: int, value=0):
+    """Per-token outputs `[b, r, ...]` padded with `value` (zeros) to `[b, R, ...]`."""
     def pad(x):
         widths = [(0, 0)] * x.ndim
         widths[1] = (0, response_length - x.shape[1])
-        return jnp.pad(x, widths)
+        return jnp.pad(x, widths, constant_values=value)
 
     return jax.tree.map(pad, tree)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -333,19 +334,32 @@ def _even_lengths(prompt_ids, prompt_mask, responses, response_mask, group: int,
 
 
 def _forward(params, tokens, positions, mask, config: ModelConfig, with_router: bool,
-             routing=None):
+             routing=None, record: bool = False):
     """The training forward's hidden states, and an MoE model's router statistics when
-    `with_router` (else None); `routing`: the experts to replay (`transformer.forward`)."""
-    if with_router:
-        return transformer.forward_with_router(params, tokens, positions, mask, config=config,
-                                               routing=routing)
+    `with_router` (else None); `routing`: the experts to replay (`transformer.forward`);
+    with `record`, a third: each token's experts `[B, T, L, k]`."""
+    if with_router or record:
+        out = transformer.forward_with_router(params, tokens, positions, mask, config=config,
+                                              routing=routing, record=record)
+        return out if with_router else (out[0], None, *out[2:])
     return transformer.forward(params, tokens, positions, mask, config=config,
                                routing=routing)[0], None
 
 
+class Recorded(NamedTuple):
+    """A pass's per-token outputs with the experts its forward chose (`actor.router_replay`
+    = "old_log_prob"): `prompt_routing [B, P, L, k]`, `response_routing [B, R, L, k]`,
+    laid out as `Rollout`'s."""
+
+    outputs: Any
+    prompt_routing: jax.Array
+    response_routing: jax.Array
+
+
 def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
                     prompt_routing=None, response_routing=None, *,
-                    config: ModelConfig, group: int = 1, with_router: bool = False):
+                    config: ModelConfig, group: int = 1, with_router: bool = False,
+                    record: bool = False):
     """Hidden states `[B, R, D]` that predict each response token (one full forward).
 
     `group`: k > 1 when each run of k consecutive rows holds the same prompt (ids and
@@ -353,9 +367,10 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
     `with_router`: return `(hidden, router statistics)` of an MoE model
     (`transformer.forward_with_router`), each row's prompt counted once per row in either
     layout. `prompt_routing [B, P, L, k]`, `response_routing [B, R, L, k]`: an MoE model's
-    experts to replay (the rollout's), or None.
+    experts to replay (the rollout's), or None. `record`: also return the experts the
+    forward chose, `(prompt_routing, response_routing)` shaped as those, last.
     """
-    r_out = responses.shape[1]
+    p_in, r_out = prompt_ids.shape[1], responses.shape[1]
     recorded = () if prompt_routing is None else (prompt_routing, response_routing)
     prompt_ids, prompt_mask, responses, response_mask, recorded = _even_lengths(
         prompt_ids, prompt_mask, responses, response_mask, group, recorded)
@@ -363,11 +378,18 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
     routing = jnp.concatenate(recorded, axis=1) if recorded else None
     p = prompt_ids.shape[1]
     r = responses.shape[1]
+
+    def finish(hidden_brd, stats, chosen=()):
+        out = (hidden_brd, stats) if with_router else (hidden_brd,)
+        if record:  # the columns `_even_lengths` added dropped
+            (experts_btlk,) = chosen
+            out += ((experts_btlk[:, p - p_in:p], experts_btlk[:, p:p + r_out]),)
+        return out if len(out) > 1 else out[0]
+
     if group == 1:
-        hidden_btd, stats = _forward(params, tokens, positions, mask, config, with_router,
-                                     routing)
-        hidden_brd = hidden_btd[:, p - 1 : p + r - 1]
-        return (hidden_brd, stats) if with_router else hidden_brd
+        hidden_btd, stats, *chosen = _forward(params, tokens, positions, mask, config,
+                                              with_router, routing, record)
+        return finish(hidden_btd[:, p - 1 : p + r - 1], stats, chosen)
     b = tokens.shape[0]
     if b % group:
         raise ValueError(f"{b} rows do not split into groups of {group} sharing a prompt")
@@ -376,27 +398,36 @@ def response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
     grouped = lambda x: jnp.concatenate(
         [first(x[:, :p]), x[:, p:].reshape(g, group * r, *x.shape[2:])], 1)
     shared = transformer.SharedPrompt(first(mask[:, :p]), mask)
-    hidden_gtd, stats = _forward(params, grouped(tokens), grouped(positions), shared, config,
-                                 with_router, None if routing is None else grouped(routing))
+    hidden_gtd, stats, *chosen = _forward(
+        params, grouped(tokens), grouped(positions), shared, config, with_router,
+        None if routing is None else grouped(routing), record)
     # Response token 0 is predicted by the prompt's last position, token t by response t-1.
     last_prompt = jnp.repeat(hidden_gtd[:, p - 1 : p], group, axis=0)
     own = hidden_gtd[:, p:].reshape(b, r, hidden_gtd.shape[-1])[:, : max(r_out - 1, 0)]
     hidden_brd = jnp.concatenate([last_prompt, own], axis=1)[:, :r_out]  # R = 0: none
     hidden_brd = constrain(hidden_brd, ("batch", None, None))
-    return (hidden_brd, stats) if with_router else hidden_brd
+    # The plain layout's rows of the experts chosen: each group's prompt for its k rows.
+    chosen = [jnp.concatenate([jnp.repeat(x[:, :p], group, axis=0),
+                               x[:, p:].reshape(b, r, *x.shape[2:])], axis=1) for x in chosen]
+    return finish(hidden_brd, stats, chosen)
 
 
 def response_log_probs(params, prompt_ids, prompt_mask, responses, response_mask,
                        prompt_routing=None, response_routing=None, *,
                        config: ModelConfig, temperature: float = 1.0, chunk_size: int = 128,
-                       with_entropy: bool = False, group: int = 1):
+                       with_entropy: bool = False, group: int = 1, record: bool = False):
     """Log-probs `[B, R]` of the responses under `params` (and entropy `[B, R]`);
-    `group` and the routing to replay as in `response_hidden`."""
+    `group`, the routing to replay and `record` (then a `Recorded` of those outputs) as
+    in `response_hidden`."""
     hidden = response_hidden(params, prompt_ids, prompt_mask, responses, response_mask,
-                             prompt_routing, response_routing, config=config, group=group)
-    return token_log_probs(params, hidden, responses, temperature=temperature,
-                           chunk_size=chunk_size, with_entropy=with_entropy,
-                           impl=config.logprob_impl, softcap=config.final_logit_softcapping)
+                             prompt_routing, response_routing, config=config, group=group,
+                             record=record)
+    if record:
+        hidden, chosen = hidden
+    out = token_log_probs(params, hidden, responses, temperature=temperature,
+                          chunk_size=chunk_size, with_entropy=with_entropy,
+                          impl=config.logprob_impl, softcap=config.final_logit_softcapping)
+    return Recorded(out, *chosen) if record else out
 
 
 def response_values(critic_params, prompt_ids, prompt_mask, responses, response_mask, *,
@@ -439,6 +470,10 @@ def in_micro_batches(fn, micro_batch: int | None, bucket_sizes: Sequence[int] = 
                 out = fn(params, prompt_ids, prompt_mask, responses[:, :size],
                          attention_mask[:, :size], *prompt_routing,
                          *(x[:, :size] for x in response_routing))
+                if isinstance(out, Recorded):  # the prompts' experts are not cut
+                    return out._replace(outputs=buckets.pad_columns(out.outputs, r),
+                                        response_routing=buckets.pad_columns(
+                                            out.response_routing, r, moe.NOT_RECORDED))
                 return buckets.pad_columns(out, r)
             return run
 

@@ -259,21 +259,28 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, set
             return lambda params, *_: logprobs.packed_pass(packed_fn, params, plan, seq[3])
         return logprobs.in_micro_batches(padded_fn, settings.log_prob_micro_batch, sizes, group)
 
-    def log_probs(params, config, with_entropy, routing=()):
+    def log_probs(params, config, with_entropy, routing=(), record=False):
         kwargs = dict(config=config, temperature=settings.rollout.temperature,
                       chunk_size=settings.logprob_chunk_size, with_entropy=with_entropy)
-        return passes(functools.partial(logprobs.response_log_probs, **kwargs),
-                      functools.partial(logprobs.packed_log_probs, **kwargs))(
+        padded = functools.partial(logprobs.response_log_probs, **kwargs,
+                                   **({"record": True} if record else {}))
+        return passes(padded, functools.partial(logprobs.packed_log_probs, **kwargs))(
             params, *seq, *routing)
 
     runs = forward_passes(settings, ref_params is not None)
     old_log_probs, entropy = None, None
     if "old_log_probs" in runs:  # else the update's pass or the rollout gives them
-        # The actor's experts are the rollout's where it recorded them (routing replay);
-        # the reference routes for itself.
-        old_log_probs, entropy = log_probs(
-            compute_params(actor_params(state, frozen), model_config), model_config, True,
-            rollout.routing())
+        # The actor's experts are the rollout's where it recorded them (routing replay,
+        # "rollout"); with "old_log_prob" this pass routes for itself and its experts are
+        # the ones the update replays. The reference routes for itself.
+        record = settings.actor.router_replay == "old_log_prob"
+        out = log_probs(compute_params(actor_params(state, frozen), model_config),
+                        model_config, True, rollout.routing(), record)
+        if record:
+            rollout = rollout.replace(prompt_routing=out.prompt_routing,
+                                      response_routing=out.response_routing)
+            out = out.outputs
+        old_log_probs, entropy = out
     base_model = lora.without(model_config)
     ref_log_probs = None
     if "ref_log_probs" in runs:

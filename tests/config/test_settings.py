@@ -263,5 +263,19 @@ def test_router_replay_needs_an_moe_model_and_a_rollout_that_records():
                        "with actor.use_dynamic_bsz=True, rollout.log_prob_use_dynamic_bsz"):
         _settings(**moe, **{"actor.use_dynamic_bsz": True})
     with pytest.raises(ConfigError, match="^actor.router_replay: 'R3' is not valid; choose one "
-                       "of \\['disabled', 'rollout'\\]"):
+                       "of \\['disabled', 'rollout', 'old_log_prob'\\]"):
         _settings(**{"actor.router_replay": "R3"})
+
+
+def test_old_log_prob_replay_records_in_training_not_in_the_rollout():
+    """verl's R2: the old-log-prob pass records, so the rollout records nothing and
+    takes any layout (cache segments); token-budget passes do not record."""
+    r2 = {"model.preset": "tiny-moe", "actor.router_replay": "old_log_prob"}
+    s = _settings(**r2, **{"rollout.cache_segments": 2})
+    assert s.actor.router_replay == "old_log_prob" and not s.rollout.record_routing
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' is not "
+                       "supported with actor.use_dynamic_bsz=True.* old-log-prob pass"):
+        _settings(**r2, **{"actor.use_dynamic_bsz": True})
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' replays the "
+                       "experts of a mixture-of-experts model"):
+        _settings(**{"actor.router_replay": "old_log_prob"})

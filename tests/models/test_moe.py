@@ -271,6 +271,40 @@ def test_sampler_records_the_experts_the_training_forward_chooses():
     assert np.abs(np.asarray(moved) - np.asarray(plain))[valid].max() > 1e-2
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_old_log_prob_pass_records_the_experts_it_chooses(group):
+    """`actor.router_replay="old_log_prob"` (verl's R2): the log-prob pass over micro-batches
+    of response-length buckets (here with shared prompts and odd lengths, so the layouts
+    add columns) records each prompt and response token's own top k, the record the
+    layer-by-layer cached forward makes of the same sequences, and its log-probs are the
+    unrecorded pass's; replaying the record leaves them unchanged."""
+    config = dataclasses.replace(_CONFIG, vocab_size=40)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    batch = _grouped_batch(0, groups=2, k=2, p=5, r=7)
+    kwargs = dict(config=config, chunk_size=4, with_entropy=True)
+
+    def run(record, *routing):
+        fn = functools.partial(logprobs.response_log_probs, **kwargs,
+                               **({"record": True} if record else {}))
+        passes = logprobs.in_micro_batches(fn, 2, (4, 7), group)
+        return jax.jit(passes)(params, *batch, *routing)
+
+    out = run(True)
+    assert out.prompt_routing.shape == (4, 5, config.num_layers, 2)
+    assert out.response_routing.shape == (4, 7, config.num_layers, 2)
+    tokens, mask, positions = jax.jit(logprobs.sequence_inputs)(*batch)
+    _, _, own = jax.jit(transformer.forward_recording, static_argnames="config")(
+        params, tokens, positions, mask, init_cache(config, 4, 12), 0, config=config)
+    recorded = np.concatenate([out.prompt_routing, out.response_routing], axis=1)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_array_equal(recorded[valid], np.asarray(own)[valid])
+    plain = run(False)
+    replayed = run(False, out.prompt_routing, out.response_routing)
+    for got, again, want in zip(out.outputs, replayed, plain, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(again), np.asarray(want), atol=1e-5)
+
+
 _EXPERT_PARALLEL_SCRIPT = """
 import json
 import jax, jax.numpy as jnp, numpy as np

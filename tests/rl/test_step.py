@@ -391,3 +391,31 @@ def test_on_policy_critic_learns_what_the_value_pass_gives(over, layout):
     assert set(m1) == set(m0)
     for key in m0:
         np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_old_log_prob_replay_hands_the_pass_s_experts_to_the_update():
+    """`actor.router_replay="old_log_prob"` (verl's R2) with two mini-batches: `forward`
+    records the experts its old-log-prob pass chose, as that pass records them alone, in
+    the batch the update replays; disabled, the batch carries none."""
+    overrides = {"model.preset": "tiny-moe", "actor.router_replay": "old_log_prob"}
+    _, s, model, params = _setup(**overrides)
+    assert "old_log_probs" in step.forward_passes(s, False)
+    rollout = _rollout()
+    exp = jax.jit(lambda st, ro: step.forward(st, None, ro, settings=s, model_config=model))(
+        _state(s, params), rollout)
+    seq = (rollout.prompt_ids, rollout.prompt_mask, rollout.responses, rollout.response_mask)
+    want = logprobs.response_log_probs(params, *seq, config=model, chunk_size=s.logprob_chunk_size,
+                                       temperature=s.rollout.temperature, with_entropy=True,
+                                       record=True)
+    assert exp.prompt_routing.shape == (8, 4, model.num_layers, model.num_experts_per_tok)
+    np.testing.assert_array_equal(exp.prompt_routing, want.prompt_routing)
+    np.testing.assert_array_equal(exp.response_routing, want.response_routing)
+    chex.assert_trees_all_close((exp.old_log_probs, exp.entropy), want.outputs, atol=1e-6)
+    _, metrics = _learn(s, model, _state(s, params), _experience(rollout).replace(
+        prompt_routing=exp.prompt_routing, response_routing=exp.response_routing))
+    assert np.isfinite(metrics["actor/pg_loss"])
+
+    _, off, model, params = _setup(**{"model.preset": "tiny-moe"})
+    exp = jax.jit(lambda st, ro: step.forward(st, None, ro, settings=off, model_config=model))(
+        _state(off, params), rollout)
+    assert exp.prompt_routing is None and exp.response_routing is None

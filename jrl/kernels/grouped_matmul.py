@@ -117,11 +117,12 @@ def _kernels():
 # Each kernel call is its own jitted function, so that a program lowers a kernel once
 # per operand shape however often it calls it (the sampler's layers and decode steps):
 # lowering a Mosaic GPU kernel takes about half a second of Python.
-@functools.partial(jax.jit, static_argnames="transpose_rhs")
-def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False):
+# `tiles`: the kernel's settings (None: `for_widths`), for benchmarks that compare them.
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiles"))
+def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False, tiles: Tiles | None = None):
     ragged, _ = _kernels()
     k, n = w_gkn.shape[1:]
-    t = for_widths(k, k if transpose_rhs else n)
+    t = tiles or for_widths(k, k if transpose_rhs else n)
     return ragged.ragged_dot(x_md, w_gkn, group_sizes=group_sizes, block_m=t.block_m,
                              block_n=t.block_n, block_k=t.block_k,
                              max_concurrent_steps=t.max_concurrent_steps,
@@ -137,11 +138,11 @@ def _mosaic_fwd(x_md, w_gkn, group_sizes):
     return _forward(x_md, w_gkn, group_sizes), (x_md, w_gkn, group_sizes)
 
 
-@jax.jit
-def _weight_gradient(x_md, d_out, group_sizes):
+@functools.partial(jax.jit, static_argnames="tiles")
+def _weight_gradient(x_md, d_out, group_sizes, tiles: Tiles | None = None):
     """`[G, K, N]`: x_g^T dy_g over each group g's rows."""
     _, transposed = _kernels()
-    t = for_widths(x_md.shape[1], d_out.shape[1])
+    t = tiles or for_widths(x_md.shape[1], d_out.shape[1])
     return transposed.transposed_ragged_dot(
         x_md, d_out, group_sizes=group_sizes, block_m=t.block_m, block_n=t.block_n,
         block_k=t.block_k, max_concurrent_steps=t.max_concurrent_steps,

@@ -194,8 +194,9 @@ def base_config() -> ml_collections.ConfigDict:
     # router's), so rollout and training use the same experts; not with multi-turn
     # rollouts or rollout.cache_segments > 1. "old_log_prob" (R2) records them in the
     # actor's old-log-prob pass and replays them in every update mini-batch and epoch
-    # (where that pass runs; a single on-policy update is its own old pass). Neither
-    # with token-budget micro-batches. "disabled": each pass routes for itself.
+    # (where that pass runs; a single on-policy update is its own old pass; not with
+    # rollout_correction.bypass_mode, which has no such pass). Neither with token-budget
+    # micro-batches. "disabled": each pass routes for itself.
     c.actor.router_replay = "disabled"
     # Response tokens per chunk when computing log-probs (bounds the [B, chunk, V] logits).
     c.actor.logprob_chunk_size = 128

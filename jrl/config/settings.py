@@ -1183,6 +1183,9 @@ def _check_router_replay(config, settings: Settings) -> None:
         others = {"rollout.multi_turn.enable=True": settings.multi_turn is not None,
                   f"rollout.cache_segments={settings.rollout.cache_segments}":
                       settings.rollout.cache_segments > 1, **others}
+    else:  # bypass mode takes the rollout's log-probs: no old-log-prob pass records
+        others["algorithm.rollout_correction.bypass_mode=True"] = \
+            settings.actor.correction.bypass_mode
     clash = [name for name, on in others.items() if on]
     if clash:
         where = ("the rollout records its routing in one program, replayed on padded "

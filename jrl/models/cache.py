@@ -200,9 +200,12 @@ def take_rows(x: jax.Array, index_gr: jax.Array, axes, mode: str) -> jax.Array:
 
 def layer_slots(config: ModelConfig, max_len: int, ring: bool = False) -> tuple[int, ...]:
     """Each layer's cache slots: `max_len`, or with `ring` `min(sliding_window, max_len)`
-    for the sliding-window layers (`config.layer_types`)."""
+    for the sliding-window layers (`config.layer_types`) of a model that also has
+    global layers: the cache's length (`KVCache.max_len`) is its longest buffer's."""
     sliding = [ring and t == gemma.SLIDING for t in config.layer_types or ()]
     sliding += [False] * (config.num_layers - len(sliding))
+    if all(sliding):
+        sliding = [False] * len(sliding)
     return tuple(min(config.sliding_window, max_len) if s else max_len for s in sliding)
 
 

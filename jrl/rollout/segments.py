@@ -64,7 +64,13 @@ import jax
 import jax.numpy as jnp
 
 from jrl.kernels import decode_attention
-from jrl.models.cache import CACHE_LOGICAL_AXES, RowCache, inverse_rows, take_rows
+from jrl.models.cache import (
+    CACHE_LOGICAL_AXES,
+    RowCache,
+    inverse_rows,
+    layer_slots,
+    take_rows,
+)
 from jrl.models.config import ModelConfig
 from jrl.rollout import sampler
 from jrl.rollout.sampler import RolloutOutput, SamplingConfig
@@ -123,10 +129,12 @@ def segment_sizes(num_rows: int, groups: int, sampling: SamplingConfig) -> tuple
     return tuple(sorted(sizes, reverse=True))
 
 
-def cache_bytes(config: ModelConfig, rows: int, slots: int) -> int:
-    """Bytes of a KV cache of `rows x slots`: keys and values of every layer."""
-    per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    return rows * slots * per_slot * jnp.dtype(config.dtype).itemsize
+def cache_bytes(config: ModelConfig, rows: int, slots: int, ring: bool = False) -> int:
+    """Bytes of a KV cache of `rows x slots`: keys and values of every layer; with `ring`
+    the single program's, whose sliding-window layers keep rings (`layer_slots`)."""
+    per_slot = 2 * config.num_kv_heads * config.head_dim
+    return rows * sum(layer_slots(config, slots, ring)) * per_slot * \
+        jnp.dtype(config.dtype).itemsize
 
 
 @dataclasses.dataclass
@@ -140,7 +148,8 @@ class Report:
       cache_bytes: bytes of each stage's cache.
       peak_cache_bytes: the most cache bytes live at once, counting the moves between
         stages (the old cache less the buffers already moved, plus the new one's).
-      single_cache_bytes: the single program's cache, N x (P + R) slots.
+      single_cache_bytes: the single program's cache, N x (P + R) slots (its sliding-window
+        layers' rings of their window).
       programs: `(name, CompiledMemoryStats)` of every program run, in order.
     """
 
@@ -170,7 +179,7 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, *,
     _record(report, "prefill", first, args, kwargs)
     prompts, state, out, layer_params, _ = first(*args, **kwargs)
     if report is not None:
-        report.single_cache_bytes = cache_bytes(config, num_rows, slots[-1])
+        report.single_cache_bytes = cache_bytes(config, num_rows, slots[-1], ring=True)
         _add_stage(report, config, (num_rows, slots[0]), None)
     cache_sizes = segment_sizes(num_rows, groups, sampling)
     batch_sizes = sampler.decode_sizes(num_rows, groups, sampling)

@@ -276,6 +276,9 @@ def test_old_log_prob_replay_records_in_training_not_in_the_rollout():
     with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' is not "
                        "supported with actor.use_dynamic_bsz=True.* old-log-prob pass"):
         _settings(**r2, **{"actor.use_dynamic_bsz": True})
+    with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' is not "
+                       "supported with algorithm.rollout_correction.bypass_mode=True"):
+        _settings(**r2, **{"algorithm.rollout_correction.bypass_mode": True})
     with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' replays the "
                        "experts of a mixture-of-experts model"):
         _settings(**{"actor.router_replay": "old_log_prob"})

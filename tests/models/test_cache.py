@@ -118,6 +118,10 @@ def test_ring_buffer_holds_each_slot_at_its_index_mod_the_window():
     assert layer_slots(config, 12, ring=True) == (3, 12)
     assert layer_slots(config, 2, ring=True) == (2, 2)
     assert layer_slots(config, 12) == (12, 12)
+    # A model of sliding layers only keeps full buffers: the cache's length is its
+    # longest buffer's.
+    only_sliding = dataclasses.replace(config, layer_types=("sliding_attention",) * 2)
+    assert layer_slots(only_sliding, 12, ring=True) == (12, 12)
 
 
 def test_gemma3_ring_cache_is_a_fifth_of_a_full_one_at_long_responses():

@@ -399,6 +399,9 @@ def test_old_log_prob_replay_hands_the_pass_s_experts_to_the_update():
     the batch the update replays; disabled, the batch carries none."""
     overrides = {"model.preset": "tiny-moe", "actor.router_replay": "old_log_prob"}
     _, s, model, params = _setup(**overrides)
+    # Experts of a larger scale than the init's, so that which ones a token takes shows.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 8 if "mlp" in jax.tree_util.keystr(path) else x, params)
     assert "old_log_probs" in step.forward_passes(s, False)
     rollout = _rollout()
     exp = jax.jit(lambda st, ro: step.forward(st, None, ro, settings=s, model_config=model))(
@@ -411,9 +414,17 @@ def test_old_log_prob_replay_hands_the_pass_s_experts_to_the_update():
     np.testing.assert_array_equal(exp.prompt_routing, want.prompt_routing)
     np.testing.assert_array_equal(exp.response_routing, want.response_routing)
     chex.assert_trees_all_close((exp.old_log_probs, exp.entropy), want.outputs, atol=1e-6)
-    _, metrics = _learn(s, model, _state(s, params), _experience(rollout).replace(
-        prompt_routing=exp.prompt_routing, response_routing=exp.response_routing))
-    assert np.isfinite(metrics["actor/pg_loss"])
+    shifted = lambda x, shift: jnp.where(x >= 0, (x + shift) % model.num_experts, x)
+    replayed = lambda shift: _learn(s, model, _state(s, params), _experience(
+        rollout, old_log_probs=exp.old_log_probs).replace(
+        prompt_routing=shifted(exp.prompt_routing, shift),
+        response_routing=shifted(exp.response_routing, shift)))[1]
+    # The update routes as told: with its own experts the policy moves from the old one
+    # only by the first mini-batch's step (the second's KL); others make it another
+    # policy from the start.
+    own, other = replayed(0), replayed(1)
+    assert abs(other["actor/ppo_kl"]) > 3 * abs(own["actor/ppo_kl"])
+    assert abs(other["actor/pg_loss"] - own["actor/pg_loss"]) > 5e-3
 
     _, off, model, params = _setup(**{"model.preset": "tiny-moe"})
     exp = jax.jit(lambda st, ro: step.forward(st, None, ro, settings=off, model_config=model))(

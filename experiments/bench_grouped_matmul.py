@@ -5,7 +5,7 @@ input gradient (the weights read transposed) and the weight gradient
 
 The rows are N tokens x k choices sorted by expert, the experts' shares drawn from a
 uniform multinomial (the router of a trained model is about that even). Times are
-medians of `--repeats` calls after a warm-up; TFLOP/s count 2 M K N.
+medians of `--repeats` calls after two warm-ups (`bench_head_kernel.timed`); TFLOP/s count 2 M K N.
 
     python experiments/bench_grouped_matmul.py --preset qwen3-30b-a3b --tokens 12288 \\
         --tiles 128,128,64,4,1 64,128,64,4,1 128,256,64,4,1 --out gmm.json   # Hopper
@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_head_kernel import timed  # (this folder is on the path when a script here runs)
 
 from jrl.kernels import grouped_matmul as gm
 from jrl.models import ModelConfig
@@ -34,16 +33,6 @@ def parse_tiles(spec: str) -> gm.Tiles | None:
     m, n, k, steps, grid = (int(x) for x in spec.split(","))
     return gm.Tiles(block_m=m, block_n=n, block_k=k, max_concurrent_steps=steps,
                     grid_block_n=grid)
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -71,7 +60,7 @@ def main() -> None:
         flops = 2 * m * width_in * width_out
         dense = jax.jit(lambda a, b: a @ b)
         row = {"projection": name, "rows": m, "k": width_in, "n": width_out,
-               "dense_ms": median_ms(dense, x, w[0], repeats=args.repeats)}
+               "dense_ms": timed(dense, x, w[0], iters=args.repeats)}
         calls = {  # kernel -> (function of the tiles, operands)
             "forward": (lambda t: functools.partial(gm._forward, tiles=t), (x, w, sizes)),
             "input_gradient": (lambda t: functools.partial(gm._forward, transpose_rhs=True,
@@ -82,7 +71,7 @@ def main() -> None:
         for spec in args.tiles:
             for kind, (make, operands) in calls.items():
                 try:
-                    ms = median_ms(make(parse_tiles(spec)), *operands, repeats=args.repeats)
+                    ms = timed(make(parse_tiles(spec)), *operands, iters=args.repeats)
                 except Exception as error:  # a setting the kernel refuses (shared memory)
                     print(f"{name} {kind} {spec}: {type(error).__name__}: {error}"[:200])
                     continue

@@ -109,10 +109,10 @@ class KVCache:
         kept = min(num, slots)
 
         def put(buffer_bksh, new_btkh):
-            new_bksh = jnp.swapaxes(new_btkh[:, num - kept:], 1, 2).astype(buffer_bksh.dtype)
+            new_bksh = jnp.swapaxes(new_btkh[:, num - kept:], 1, 2)
             if kept == 1:  # a decode step: in place
-                return lax.dynamic_update_slice(buffer_bksh, new_bksh,
-                                                (0, 0, write_index % slots, 0))
+                return write_slots(buffer_bksh, new_bksh, write_index % slots)
+            new_bksh = new_bksh.astype(buffer_bksh.dtype)
             index = (write_index + num - kept + jnp.arange(kept)) % slots  # distinct
             return buffer_bksh.at[:, :, index].set(new_bksh)
 

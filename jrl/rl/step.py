@@ -262,8 +262,7 @@ def forward(state: TrainState, ref_params, rollout: Rollout, frozen=None, *, set
     def log_probs(params, config, with_entropy, routing=(), record=False):
         kwargs = dict(config=config, temperature=settings.rollout.temperature,
                       chunk_size=settings.logprob_chunk_size, with_entropy=with_entropy)
-        padded = functools.partial(logprobs.response_log_probs, **kwargs,
-                                   **({"record": True} if record else {}))
+        padded = functools.partial(logprobs.response_log_probs, **kwargs, record=record)
         return passes(padded, functools.partial(logprobs.packed_log_probs, **kwargs))(
             params, *seq, *routing)
 

@@ -107,20 +107,25 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model_cls(config).eval()
 
 
-@pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory):
-    """`get(name) -> (directory, torch model)`: a saved random checkpoint per case."""
+def saved_checkpoints(tmp_path_factory, build):
+    """`get(name) -> (directory, torch model)`: `build(name)` saved once per name."""
     built = {}
 
     def get(name):
         if name not in built:
-            model = build_hf_model(name)
+            model = build(name)
             path = tmp_path_factory.mktemp(name)
             model.save_pretrained(path)
             built[name] = (path, model)
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """`get(name) -> (directory, torch model)`: a saved random checkpoint per case."""
+    return saved_checkpoints(tmp_path_factory, build_hf_model)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from jrl.rl import logprobs, packing
 from jrl.rl.logprobs import token_log_probs
 from jrl.rollout import sampler
 from jrl.rollout.sampler import SamplingConfig
+from tests.models.conftest import saved_checkpoints
 from tests.rl.test_packing import make_batch
 from tests.rl.test_shared_prompts import _grouped_batch
 from tests.rollout.test_sampler import ragged_prompts
@@ -70,17 +71,7 @@ def _build(case: str, **changes) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def gemma_checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(case):
-        if case not in built:
-            model = _build(case)
-            path = tmp_path_factory.mktemp(case)
-            model.save_pretrained(path)
-            built[case] = (path, model)
-        return built[case]
-
-    return get
+    return saved_checkpoints(tmp_path_factory, _build)
 
 
 def _jrl_logits(params, config, batch):

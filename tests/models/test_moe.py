@@ -284,8 +284,7 @@ def test_old_log_prob_pass_records_the_experts_it_chooses(group):
     kwargs = dict(config=config, chunk_size=4, with_entropy=True)
 
     def run(record, *routing):
-        fn = functools.partial(logprobs.response_log_probs, **kwargs,
-                               **({"record": True} if record else {}))
+        fn = functools.partial(logprobs.response_log_probs, **kwargs, record=record)
         passes = logprobs.in_micro_batches(fn, 2, (4, 7), group)
         return jax.jit(passes)(params, *batch, *routing)
 

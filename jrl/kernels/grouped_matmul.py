@@ -36,7 +36,8 @@ IMPLS = ("auto", "xla", "tiles", "mosaic")
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The kernels' tiles (JAX's kernels' own parameters); `block_m` and `block_n` are
-    the largest of 128 and 64 that divide the widths they tile (`for_widths`)."""
+    the largest of 128 and 64 that divide the widths they tile, `grid_block_n` as
+    `for_widths` says."""
 
     block_m: int = 128
     block_n: int = 128
@@ -49,9 +50,21 @@ def _block(width: int) -> int:
     return 128 if width % 128 == 0 else 64
 
 
-def for_widths(m: int, n: int) -> Tiles:
-    """Tiles for output widths m (rows of the weight gradient: K) and n."""
-    return Tiles(block_m=_block(m), block_n=_block(n))
+# Rows a group has on average from which the forward kernel computes two column blocks
+# a grid step: it then reads each row block once for both, which pays where groups are
+# many blocks tall (an update's micro-batch: 1.13-1.28x at 768 rows a group on an H100,
+# `experiments/bench_grouped_matmul.py`), and halves the parallel steps, which does not
+# where groups are a block or less (a decode step).
+_WIDE_GRID_ROWS = 256
+
+
+def for_widths(m: int, n: int, rows_per_group: int = 0) -> Tiles:
+    """Tiles for output widths m (rows of the weight gradient: K) and n; two column
+    blocks a grid step (the forward kernel's) from `_WIDE_GRID_ROWS` rows a group where
+    n holds an even number of blocks."""
+    block_n = _block(n)
+    wide = rows_per_group >= _WIDE_GRID_ROWS and n % (2 * block_n) == 0
+    return Tiles(block_m=_block(m), block_n=block_n, grid_block_n=2 if wide else 1)
 
 
 def choose_impl(impl: str, x_md: jax.Array, w_gkn: jax.Array) -> str:
@@ -121,8 +134,8 @@ def _kernels():
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiles"))
 def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False, tiles: Tiles | None = None):
     ragged, _ = _kernels()
-    k, n = w_gkn.shape[1:]
-    t = tiles or for_widths(k, k if transpose_rhs else n)
+    g, k, n = w_gkn.shape
+    t = tiles or for_widths(k, k if transpose_rhs else n, x_md.shape[0] // g)
     return ragged.ragged_dot(x_md, w_gkn, group_sizes=group_sizes, block_m=t.block_m,
                              block_n=t.block_n, block_k=t.block_k,
                              max_concurrent_steps=t.max_concurrent_steps,

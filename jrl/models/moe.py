@@ -46,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from jrl import sharding
@@ -60,6 +61,14 @@ RECORD_COLLECTION, RECORD_NAME = "routing", "experts"
 NOT_RECORDED = -1
 # The mesh axis the experts are split over (expert parallelism).
 EXPERT_AXIS = "expert"
+# Names (`jax.ad_checkpoint.checkpoint_name`) of the block's values that the
+# `dots_saveable` remat policy keeps, as it keeps a dense projection's output: each
+# expert projection's output (LoRA included), each adapter's rank-r product, and the
+# dispatch (a permutation and E sizes). The backward then runs no grouped matmul of
+# the forward again; the rows' gather and the SwiGLU it recomputes are memory-bound.
+EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH = "experts_out", "experts_low", "experts_dispatch"
+SAVED_NAMES = (EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH)
+GATE_UP = ("gate_proj", "up_proj")
 
 
 class Routing(NamedTuple):
@@ -175,7 +184,8 @@ def dispatch(experts_nk: jax.Array, num_experts: int) -> Dispatch:
     flat = experts_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    return Dispatch(order, sizes)
+    return Dispatch(checkpoint_name(order, EXPERTS_DISPATCH),
+                    checkpoint_name(sizes, EXPERTS_DISPATCH))
 
 
 class _Kernel(nn.Module):
@@ -228,19 +238,30 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
     """Each row's expert's SwiGLU MLP, rows sorted by expert (`group_sizes` of them for
     each of the kernels' experts; rows past their sum come out as zeros or garbage and
     are the caller's to discard): `down(silu(gate(x)) * up(x))`, with LoRA adapters
-    `(x a_e) b_e * lora_scale` where `adapters` has them."""
+    `(x a_e) b_e * lora_scale` where `adapters` has them.
+
+    Each projection's output is named `EXPERTS_OUT` and each adapter's rank-r product
+    `EXPERTS_LOW`, for the remat policies to keep. With adapters on both gate and up,
+    their `a`s run as one grouped matmul of width 2r, which reads the rows once."""
     grouped = lambda rows, w: grouped_matmul.grouped_matmul(rows, w.astype(dtype), group_sizes)
+    rows = x_md.astype(dtype)
+    lows = {}
+    if all(name in adapters for name in GATE_UP):
+        a_gate, a_up = (adapters[name][0] for name in GATE_UP)
+        low = checkpoint_name(grouped(rows, jnp.concatenate([a_gate, a_up], axis=-1)),
+                              EXPERTS_LOW)
+        lows = dict(zip(GATE_UP, jnp.split(low, 2, axis=-1)))
 
     def project(name, rows):
-        rows = rows.astype(dtype)
         out = grouped(rows, kernels[name])
         if name in adapters:
             a, b = adapters[name]
-            out = out + grouped(grouped(rows, a), b) * jnp.asarray(lora_scale, dtype)
-        return out
+            low = lows[name] if name in lows else checkpoint_name(grouped(rows, a), EXPERTS_LOW)
+            out = out + grouped(low, b) * jnp.asarray(lora_scale, dtype)
+        return checkpoint_name(out, EXPERTS_OUT)
 
-    gate, up = project("gate_proj", x_md), project("up_proj", x_md)
-    return project("down_proj", nn.silu(gate) * up)
+    gate, up = (project(name, rows) for name in GATE_UP)
+    return project("down_proj", (nn.silu(gate) * up).astype(dtype))
 
 
 def _combine(out_md, order, weights_nk, family: str, dtype):

@@ -71,12 +71,16 @@ _HEADS = ("batch", "length", "heads", None)
 _KV_HEADS = ("batch", "length", "kv_heads", None)
 _MLP = ("batch", "length", "mlp")
 _GATE_UP = ("batch", "length", None, "mlp")
-_REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+# `dots_saveable` keeps every matmul's output; the MoE block's grouped matmuls are
+# kernels, not dots, and keep theirs by name (`moe.SAVED_NAMES`).
+_policies = jax.checkpoint_policies
+_REMAT_POLICIES = {"full": None, "dots_saveable": _policies.save_from_both_policies(
+    _policies.dots_saveable, _policies.save_only_these_names(*moe.SAVED_NAMES))}
 # With LoRA, `dots_saveable` would keep both halves of every adapted projection (`x W`
 # and `(x A) B`, each as wide as the output). Saving by name instead keeps what the
 # plain model keeps (each projection's output, here the sum) plus the rank-r `x A`.
 _PROJ_OUT, _LORA_LOW = "proj_out", "lora_low"
-_LORA_DOTS_SAVEABLE = jax.checkpoint_policies.save_only_these_names(_PROJ_OUT, _LORA_LOW)
+_LORA_DOTS_SAVEABLE = _policies.save_only_these_names(_PROJ_OUT, _LORA_LOW, *moe.SAVED_NAMES)
 
 
 class RMSNorm(nn.Module):

@@ -47,3 +47,15 @@ def test_off_hopper_auto_takes_the_tiles():
     assert gm.choose_impl("auto", x, w) == ("mosaic" if gm.mosaic_backend.on_hopper()
                                             else "tiles")
     assert gm.choose_impl("auto", x.astype(jnp.float32), w.astype(jnp.float32)) == "tiles"
+
+
+def test_two_column_blocks_a_grid_step_only_for_tall_groups_and_even_blocks():
+    """The forward kernel's `grid_block_n` is 2 where groups average 256 rows or more
+    and the output width holds an even number of blocks, else 1."""
+    tall, short = 768, 16  # an update's micro-batch, a decode step (rows a group)
+    assert gm.for_widths(2048, 768, tall) == gm.Tiles(128, 128, grid_block_n=2)
+    assert gm.for_widths(768, 2048, tall).grid_block_n == 2
+    assert gm.for_widths(2048, 768, short).grid_block_n == 1
+    assert gm.for_widths(2048, 128, tall).grid_block_n == 1  # one 128-block (a fused LoRA a)
+    assert gm.for_widths(2048, 192, tall) == gm.Tiles(128, 64, grid_block_n=1)  # 3 blocks
+    assert gm.for_widths(768, 2048).grid_block_n == 1  # the weight gradient's default

@@ -134,6 +134,53 @@ def test_block_gradients_equal_the_dense_computation():
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4), got, want)
 
 
+def _count_primitives(jaxpr, prefix: str) -> int:
+    """Equations whose primitive's name starts with `prefix`, in `jaxpr` and the
+    programs inside it (a scan's body counted once)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name.startswith(prefix)
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    count += _count_primitives(inner.jaxpr, prefix)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    count += _count_primitives(inner, prefix)
+    return count
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_dots_saveable_runs_no_grouped_matmul_of_the_forward_again(rank, monkeypatch):
+    """Under `model.remat=dots_saveable` the backward of an MoE layer recomputes none of
+    its grouped matmuls or its sort, as without remat; under `full` it runs the
+    forward's again: 3 projections, and with LoRA on all of them 5 more (gate's and
+    up's `a` as one, three `b`s, down's `a`). Counted as `lax.ragged_dot` equations in
+    the adapters' (with LoRA) or all parameters' gradient program."""
+    monkeypatch.setattr(moe.grouped_matmul, "choose_impl", lambda impl, x, w: "xla")
+    config = dataclasses.replace(_CONFIG, num_layers=2, lora_rank=rank)
+    params = init_params(config, jax.random.key(0))
+    base, trained = lora.split(params) if rank else ({}, params)
+    tokens = jnp.ones((2, 4), jnp.int32)
+
+    def counts(remat):
+        cfg = dataclasses.replace(config, remat=remat)
+
+        def loss(trained):
+            logits, _ = transformer.forward_logits(
+                lora.combine(base, trained) if rank else trained, tokens,
+                jnp.arange(4)[None].repeat(2, 0), jnp.ones_like(tokens), config=cfg)
+            return jnp.sum(logits)
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(trained).jaxpr
+        return _count_primitives(jaxpr, "ragged_dot"), _count_primitives(jaxpr, "sort")
+
+    forward_matmuls = 3 + (5 if rank else 0)
+    none, saved, full = counts("none"), counts("dots_saveable"), counts("full")
+    assert saved == none
+    assert full[0] == none[0] + forward_matmuls
+    assert full[1] > none[1]  # (the routing's top-k and the dispatch's sort again)
+
+
 def test_load_balancing_loss_equals_transformers(hf_checkpoint, ragged_batch):
     """`load_balancing_loss` over the layers' statistics of a left-padded batch equals the
     `aux_loss` transformers returns with `output_router_logits` (padding left out)."""

@@ -234,11 +234,13 @@ _PROJECTIONS = (("gate_proj", ("experts", "embed", "mlp")),
                 ("down_proj", ("experts", "mlp", "embed")))
 
 
-def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: float = 1.0):
+def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: float = 1.0,
+                row_weights_m=None):
     """Each row's expert's SwiGLU MLP, rows sorted by expert (`group_sizes` of them for
     each of the kernels' experts; rows past their sum come out as zeros or garbage and
-    are the caller's to discard): `down(silu(gate(x)) * up(x))`, with LoRA adapters
-    `(x a_e) b_e * lora_scale` where `adapters` has them.
+    are the caller's to discard): `down(silu(gate(x)) * up(x) * w)`, with LoRA adapters
+    `(x a_e) b_e * lora_scale` where `adapters` has them, and `w` each row's routing
+    weight (`row_weights_m [M]`, None: 1) applied in its dtype before the down projection.
 
     Each projection's output is named `EXPERTS_OUT` and each adapter's rank-r product
     `EXPERTS_LOW`, for the remat policies to keep. With adapters on both gate and up,
@@ -261,19 +263,29 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
         return checkpoint_name(out, EXPERTS_OUT)
 
     gate, up = (project(name, rows) for name in GATE_UP)
-    return project("down_proj", (nn.silu(gate) * up).astype(dtype))
+    hidden = nn.silu(gate) * up
+    if row_weights_m is not None:
+        hidden = hidden.astype(row_weights_m.dtype) * row_weights_m[:, None]
+    return project("down_proj", hidden.astype(dtype))
 
 
-def _combine(out_md, order, weights_nk, family: str, dtype):
-    """The experts' outputs `[N k, D]` (in expert order, `order`) back in (token, choice)
-    order, weighted and summed over each token's k choices: `[N, D]`. Qwen3-MoE casts the
-    weights to the compute dtype first; Mixtral keeps them in float32 until the sum (as
-    transformers does)."""
-    n, k = weights_nk.shape
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    out_nkd = jnp.take(out_md, inverse, axis=0).reshape(n, k, -1)
+def _row_weights(weights_nk, order, family: str, dtype):
+    """Each sorted row's routing weight `[N k]`: Qwen3-MoE's cast to the compute dtype,
+    Mixtral's float32 (as transformers weighs them)."""
     weights = weights_nk.astype(jnp.float32 if family == "mixtral" else dtype)
-    return jnp.einsum("nkd,nk->nd", out_nkd.astype(weights.dtype), weights).astype(dtype)
+    return jnp.take(weights.reshape(-1), order)
+
+
+def _combine(out_md, order, num_tokens: int, dtype):
+    """The experts' weighted outputs `[N k, D]` (in expert order, `order`) back in
+    (token, choice) order and summed in float32 over each token's k choices: `[N, D]`.
+
+    The weights are applied before the down projection (`experts_mlp`), the same sum as
+    weighting its outputs: the backward then needs no `[N k, D]` output kept for the
+    weights' gradient, only the `[N k, F]` hidden values."""
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    out_nkd = jnp.take(out_md, inverse, axis=0).reshape(num_tokens, -1, out_md.shape[-1])
+    return jnp.sum(out_nkd.astype(jnp.float32), axis=1).astype(dtype)
 
 
 def _route_tokens(x_nd, router_de, forced_nk, config) -> Routing:
@@ -291,8 +303,10 @@ def _block(x_nd, router_de, kernels, adapters, forced_nk, *, config):
     plan = dispatch(routing.experts_nk, c.num_experts)
     x_md = jnp.take(x_nd, plan.order // c.num_experts_per_tok, axis=0)
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes, dtype=c.dtype,
-                         lora_scale=_lora_scale(c))
-    return _combine(out_md, plan.order, routing.weights_nk, c.family, c.dtype), routing
+                         lora_scale=_lora_scale(c),
+                         row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
+                                                    c.dtype))
+    return _combine(out_md, plan.order, x_nd.shape[0], c.dtype), routing
 
 
 def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, config,
@@ -315,10 +329,12 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     plan = dispatch(jnp.where(mine, local, e_local), e_local + 1)
     x_md = jnp.take(x_all, plan.order // c.num_experts_per_tok, axis=0)
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes[:e_local], dtype=c.dtype,
-                         lora_scale=_lora_scale(c))
+                         lora_scale=_lora_scale(c),
+                         row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
+                                                    c.dtype))
     mine_m = jnp.take(mine.reshape(-1), plan.order)
     out_md = jnp.where(mine_m[:, None], out_md, 0)
-    out_nd = _combine(out_md, plan.order, routing.weights_nk, c.family, c.dtype)
+    out_nd = _combine(out_md, plan.order, x_all.shape[0], c.dtype)
     out_nd = lax.psum_scatter(out_nd.astype(jnp.float32), axis, scatter_dimension=0,
                               tiled=True).astype(c.dtype)
     return out_nd, routing

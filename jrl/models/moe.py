@@ -252,7 +252,7 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
         a_gate, a_up = (adapters[name][0] for name in GATE_UP)
         low = checkpoint_name(grouped(rows, jnp.concatenate([a_gate, a_up], axis=-1)),
                               EXPERTS_LOW)
-        lows = dict(zip(GATE_UP, jnp.split(low, 2, axis=-1)))
+        lows = dict(zip(GATE_UP, jnp.split(low, 2, axis=-1), strict=True))
 
     def project(name, rows):
         out = grouped(rows, kernels[name])

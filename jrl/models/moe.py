@@ -12,7 +12,10 @@ Dispatch is dropless: the N k (token, expert) pairs are sorted by expert, so tha
 expert's tokens are one contiguous group, and every projection is one grouped matmul
 over the groups (`jrl.kernels.grouped_matmul`). No token is dropped and no capacity is padded;
 the cost follows the tokens, not E times the tokens. The outputs go back to their tokens
-by the inverse permutation and are summed over each token's k pairs.
+by the inverse permutation and are summed over each token's k pairs (`spread` and
+`collect`, gathers both ways). The routing weights multiply each row's hidden values
+before the down projection, the same sum as weighting its outputs, so that the backward
+keeps no `[N k, D]` output for the weights' gradient.
 
 Parameter tree of one layer (`[L, ...]` stacked by the layer scan; E experts, F the
 experts' width, `moe_intermediate_size`):
@@ -173,19 +176,59 @@ class Dispatch(NamedTuple):
 
     Attributes:
       order: int32 `[N k]`, the pairs' flat indices (`n k + j`) in expert order.
+      inverse: int32 `[N k]`, each pair's row in that order (`inverse[order[r]] = r`).
       group_sizes: int32 `[E]`, pairs per expert (the grouped matmuls' groups).
     """
 
     order: jax.Array
+    inverse: jax.Array
     group_sizes: jax.Array
 
 
 def dispatch(experts_nk: jax.Array, num_experts: int) -> Dispatch:
     flat = experts_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    return Dispatch(checkpoint_name(order, EXPERTS_DISPATCH),
-                    checkpoint_name(sizes, EXPERTS_DISPATCH))
+    return Dispatch(*(checkpoint_name(x, EXPERTS_DISPATCH) for x in (order, inverse, sizes)))
+
+
+# The rows' moves between token order and expert order, each the other's transpose, as
+# gathers in both directions: autodiff would transpose a gather into a scatter-add of
+# `[N k, D]` rows, which a GPU runs with atomic adds.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def spread(x_nd, order, inverse, k: int):
+    """`[N k, D]`: row r is token `order[r] // k`'s (each token's row, k times, sorted
+    by expert)."""
+    return jnp.take(x_nd, order // k, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def collect(x_md, order, inverse, k: int):
+    """`[N, D]`: each token's k rows (in expert order) summed, in float32, returned in
+    the rows' dtype; the transpose of `spread`."""
+    x_nkd = jnp.take(x_md, inverse, axis=0).reshape(-1, k, x_md.shape[-1])
+    return jnp.sum(x_nkd.astype(jnp.float32), axis=1).astype(x_md.dtype)
+
+
+def _spread_fwd(x_nd, order, inverse, k):
+    return spread(x_nd, order, inverse, k), (order, inverse)
+
+
+def _spread_bwd(k, residuals, d_md):
+    return collect(d_md, *residuals, k), None, None
+
+
+def _collect_fwd(x_md, order, inverse, k):
+    return collect(x_md, order, inverse, k), (order, inverse)
+
+
+def _collect_bwd(k, residuals, d_nd):
+    return spread(d_nd, *residuals, k), None, None
+
+
+spread.defvjp(_spread_fwd, _spread_bwd)
+collect.defvjp(_collect_fwd, _collect_bwd)
 
 
 class _Kernel(nn.Module):
@@ -276,18 +319,6 @@ def _row_weights(weights_nk, order, family: str, dtype):
     return jnp.take(weights.reshape(-1), order)
 
 
-def _combine(out_md, order, num_tokens: int, dtype):
-    """The experts' weighted outputs `[N k, D]` (in expert order, `order`) back in
-    (token, choice) order and summed in float32 over each token's k choices: `[N, D]`.
-
-    The weights are applied before the down projection (`experts_mlp`), the same sum as
-    weighting its outputs: the backward then needs no `[N k, D]` output kept for the
-    weights' gradient, only the `[N k, F]` hidden values."""
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    out_nkd = jnp.take(out_md, inverse, axis=0).reshape(num_tokens, -1, out_md.shape[-1])
-    return jnp.sum(out_nkd.astype(jnp.float32), axis=1).astype(dtype)
-
-
 def _route_tokens(x_nd, router_de, forced_nk, config) -> Routing:
     """The router's logits `x W_r` in the compute dtype, then `route`."""
     c = config
@@ -301,12 +332,13 @@ def _block(x_nd, router_de, kernels, adapters, forced_nk, *, config):
     c = config
     routing = _route_tokens(x_nd, router_de, forced_nk, c)
     plan = dispatch(routing.experts_nk, c.num_experts)
-    x_md = jnp.take(x_nd, plan.order // c.num_experts_per_tok, axis=0)
+    k = c.num_experts_per_tok
+    x_md = spread(x_nd, plan.order, plan.inverse, k)
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes, dtype=c.dtype,
                          lora_scale=_lora_scale(c),
                          row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
                                                     c.dtype))
-    return _combine(out_md, plan.order, x_nd.shape[0], c.dtype), routing
+    return collect(out_md, plan.order, plan.inverse, k), routing
 
 
 def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, config,
@@ -327,14 +359,15 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     mine = (local >= 0) & (local < e_local)
     # Other devices' pairs sort after this device's (group e_local, which no kernel has).
     plan = dispatch(jnp.where(mine, local, e_local), e_local + 1)
-    x_md = jnp.take(x_all, plan.order // c.num_experts_per_tok, axis=0)
+    k = c.num_experts_per_tok
+    x_md = spread(x_all, plan.order, plan.inverse, k)
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes[:e_local], dtype=c.dtype,
                          lora_scale=_lora_scale(c),
                          row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
                                                     c.dtype))
     mine_m = jnp.take(mine.reshape(-1), plan.order)
     out_md = jnp.where(mine_m[:, None], out_md, 0)
-    out_nd = _combine(out_md, plan.order, x_all.shape[0], c.dtype)
+    out_nd = collect(out_md, plan.order, plan.inverse, k)
     out_nd = lax.psum_scatter(out_nd.astype(jnp.float32), axis, scatter_dimension=0,
                               tiled=True).astype(c.dtype)
     return out_nd, routing

@@ -149,6 +149,39 @@ def _count_primitives(jaxpr, prefix: str) -> int:
     return count
 
 
+def test_spread_and_collect_move_rows_both_ways_by_gathers():
+    """`spread` copies each token's row to its k pairs' places in expert order and
+    `collect` sums them back (numpy loops here); each one's gradient is the other (the
+    transposes autodiff gives the plain gathers), and neither gradient program holds a
+    scatter."""
+    n, k, d, e = 5, 3, 4, 6
+    rng = np.random.default_rng(0)
+    experts = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    plan = moe.dispatch(jnp.asarray(experts), e)
+    order, inverse = np.asarray(plan.order), np.asarray(plan.inverse)
+    assert sorted(experts.reshape(-1)[order]) == list(experts.reshape(-1)[order])
+    np.testing.assert_array_equal(order[inverse], np.arange(n * k))
+    x_nd = rng.normal(size=(n, d)).astype(np.float32)
+    x_md = rng.normal(size=(n * k, d)).astype(np.float32)
+    want_spread = np.stack([x_nd[order[r] // k] for r in range(n * k)])
+    want_collect = np.zeros((n, d), np.float32)
+    for r in range(n * k):
+        want_collect[order[r] // k] += x_md[r]
+    spread = functools.partial(moe.spread, order=plan.order, inverse=plan.inverse, k=k)
+    collect = functools.partial(moe.collect, order=plan.order, inverse=plan.inverse, k=k)
+    np.testing.assert_array_equal(spread(x_nd), want_spread)
+    np.testing.assert_allclose(collect(x_md), want_collect, rtol=1e-6)
+    cot_md, cot_nd = x_md[::-1].copy(), x_nd[::-1].copy()
+    plain_spread = lambda x: jnp.take(x, plan.order // k, axis=0)
+    plain_collect = lambda x: jnp.zeros((n, d)).at[plan.order // k].add(x)
+    for ours, plain, x, cot in ((spread, plain_spread, x_nd, cot_md),
+                                (collect, plain_collect, x_md, cot_nd)):
+        np.testing.assert_allclose(jax.vjp(ours, x)[1](cot)[0], jax.vjp(plain, x)[1](cot)[0],
+                                   rtol=1e-6)
+        grad = jax.make_jaxpr(jax.grad(lambda x, f=ours, c=cot: jnp.sum(f(x) * c)))(x).jaxpr
+        assert _count_primitives(grad, "scatter") == 0
+
+
 @pytest.mark.parametrize("rank", [0, 2])
 def test_dots_saveable_runs_no_grouped_matmul_of_the_forward_again(rank, monkeypatch):
     """Under `model.remat=dots_saveable` the backward of an MoE layer recomputes none of

@@ -61,10 +61,12 @@ def main() -> None:
         dense = jax.jit(lambda a, b: a @ b)
         row = {"projection": name, "rows": m, "k": width_in, "n": width_out,
                "dense_ms": timed(dense, x, w[0], iters=args.repeats)}
+        per_group = m // e  # "auto": the grid the layer's own call picks
         calls = {  # kernel -> (function of the tiles, operands)
-            "forward": (lambda t: functools.partial(gm._forward, tiles=t), (x, w, sizes)),
-            "input_gradient": (lambda t: functools.partial(gm._forward, transpose_rhs=True,
-                                                           tiles=t), (dy, w, sizes)),
+            "forward": (lambda t, g=per_group: functools.partial(
+                gm._forward, tiles=t, rows_per_group=g), (x, w, sizes)),
+            "input_gradient": (lambda t, g=per_group: functools.partial(
+                gm._forward, transpose_rhs=True, tiles=t, rows_per_group=g), (dy, w, sizes)),
             "weight_gradient": (lambda t: functools.partial(gm._weight_gradient, tiles=t),
                                 (x, dy, sizes)),
         }

@@ -79,16 +79,21 @@ def choose_impl(impl: str, x_md: jax.Array, w_gkn: jax.Array) -> str:
 
 
 def grouped_matmul(x_md: jax.Array, w_gkn: jax.Array, group_sizes: jax.Array,
-                   impl: str = "auto") -> jax.Array:
+                   impl: str = "auto", rows_per_group: int | None = None) -> jax.Array:
     """`[M, N]`: row i of `x_md [M, K]` times `w_gkn[g] [K, N]` for the group g it is in
-    (`group_sizes [G]` consecutive rows each), in the operands' dtype."""
+    (`group_sizes [G]` consecutive rows each), in the operands' dtype.
+
+    `rows_per_group`: the rows a group has on average, which picks the kernels' grid
+    (`for_widths`); None: M / G. A caller whose groups hold only some of the M rows
+    (expert parallelism: the others are other devices') says how many."""
     impl = choose_impl(impl, x_md, w_gkn)
     if impl == "xla":
         return lax.ragged_dot(x_md, w_gkn, group_sizes.astype(jnp.int32),
                               preferred_element_type=x_md.dtype)
     if impl == "tiles":
         return _tiles(x_md, w_gkn, group_sizes.astype(jnp.int32))
-    return _mosaic(x_md, w_gkn, group_sizes.astype(jnp.int32))
+    rows_per_group = x_md.shape[0] // w_gkn.shape[0] if rows_per_group is None else rows_per_group
+    return _mosaic(x_md, w_gkn, group_sizes.astype(jnp.int32), int(rows_per_group))
 
 
 def _tile_rows(m: int, g: int) -> int:
@@ -130,25 +135,27 @@ def _kernels():
 # Each kernel call is its own jitted function, so that a program lowers a kernel once
 # per operand shape however often it calls it (the sampler's layers and decode steps):
 # lowering a Mosaic GPU kernel takes about half a second of Python.
-# `tiles`: the kernel's settings (None: `for_widths`), for benchmarks that compare them.
-@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiles"))
-def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False, tiles: Tiles | None = None):
+# `tiles`: the kernel's settings (None: `for_widths` with `rows_per_group`), for
+# benchmarks that compare them.
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiles", "rows_per_group"))
+def _forward(x_md, w_gkn, group_sizes, transpose_rhs=False, tiles: Tiles | None = None,
+             rows_per_group: int = 0):
     ragged, _ = _kernels()
-    g, k, n = w_gkn.shape
-    t = tiles or for_widths(k, k if transpose_rhs else n, x_md.shape[0] // g)
+    _, k, n = w_gkn.shape
+    t = tiles or for_widths(k, k if transpose_rhs else n, rows_per_group)
     return ragged.ragged_dot(x_md, w_gkn, group_sizes=group_sizes, block_m=t.block_m,
                              block_n=t.block_n, block_k=t.block_k,
                              max_concurrent_steps=t.max_concurrent_steps,
                              grid_block_n=t.grid_block_n, transpose_rhs=transpose_rhs)
 
 
-@jax.custom_vjp
-def _mosaic(x_md, w_gkn, group_sizes):
-    return _forward(x_md, w_gkn, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mosaic(x_md, w_gkn, group_sizes, rows_per_group: int):
+    return _forward(x_md, w_gkn, group_sizes, rows_per_group=rows_per_group)
 
 
-def _mosaic_fwd(x_md, w_gkn, group_sizes):
-    return _forward(x_md, w_gkn, group_sizes), (x_md, w_gkn, group_sizes)
+def _mosaic_fwd(x_md, w_gkn, group_sizes, rows_per_group):
+    return _mosaic(x_md, w_gkn, group_sizes, rows_per_group), (x_md, w_gkn, group_sizes)
 
 
 @functools.partial(jax.jit, static_argnames="tiles")
@@ -162,11 +169,12 @@ def _weight_gradient(x_md, d_out, group_sizes, tiles: Tiles | None = None):
         grid_block_n=t.grid_block_n)
 
 
-def _mosaic_bwd(residuals, d_out):
+def _mosaic_bwd(rows_per_group, residuals, d_out):
     x_md, w_gkn, group_sizes = residuals
     d_out = d_out.astype(x_md.dtype)
     # dx = dy w_g^T (the weights read transposed); dw_g = x_g^T dy_g over group g's rows.
-    d_x = _forward(d_out, w_gkn, group_sizes, transpose_rhs=True)
+    d_x = _forward(d_out, w_gkn, group_sizes, transpose_rhs=True,
+                   rows_per_group=rows_per_group)
     d_w = _weight_gradient(x_md, d_out, group_sizes)
     # Rows past the groups carry no gradient (the kernel leaves theirs unwritten).
     rows = jnp.arange(x_md.shape[0]) < jnp.sum(group_sizes)

@@ -67,8 +67,9 @@ EXPERT_AXIS = "expert"
 # Names (`jax.ad_checkpoint.checkpoint_name`) of the block's values that the
 # `dots_saveable` remat policy keeps, as it keeps a dense projection's output: each
 # expert projection's output (LoRA included), each adapter's rank-r product, and the
-# dispatch (a permutation and E sizes). The backward then runs no grouped matmul of
-# the forward again; the rows' gather and the SwiGLU it recomputes are memory-bound.
+# dispatch (two permutations and E sizes). The backward then runs no grouped matmul
+# and no sort of the forward again; what it recomputes (the router's `[N, E]` logits
+# and top-k, the rows' gather, the SwiGLU) is small or memory-bound.
 EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH = "experts_out", "experts_low", "experts_dispatch"
 SAVED_NAMES = (EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH)
 GATE_UP = ("gate_proj", "up_proj")
@@ -278,17 +279,21 @@ _PROJECTIONS = (("gate_proj", ("experts", "embed", "mlp")),
 
 
 def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: float = 1.0,
-                row_weights_m=None):
+                row_weights_m=None, rows_per_group: int | None = None):
     """Each row's expert's SwiGLU MLP, rows sorted by expert (`group_sizes` of them for
     each of the kernels' experts; rows past their sum come out as zeros or garbage and
     are the caller's to discard): `down(silu(gate(x)) * up(x) * w)`, with LoRA adapters
     `(x a_e) b_e * lora_scale` where `adapters` has them, and `w` each row's routing
     weight (`row_weights_m [M]`, None: 1) applied in its dtype before the down projection.
+    The hidden values of rows past the groups are zeroed before it: the kernels leave
+    those rows unwritten, and whatever they hold (NaN) would reach the weights' gradient.
+    `rows_per_group`: as `grouped_matmul` takes it.
 
     Each projection's output is named `EXPERTS_OUT` and each adapter's rank-r product
     `EXPERTS_LOW`, for the remat policies to keep. With adapters on both gate and up,
     their `a`s run as one grouped matmul of width 2r, which reads the rows once."""
-    grouped = lambda rows, w: grouped_matmul.grouped_matmul(rows, w.astype(dtype), group_sizes)
+    grouped = lambda rows, w: grouped_matmul.grouped_matmul(
+        rows, w.astype(dtype), group_sizes, rows_per_group=rows_per_group)
     rows = x_md.astype(dtype)
     lows = {}
     if all(name in adapters for name in GATE_UP):
@@ -306,7 +311,8 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
         return checkpoint_name(out, EXPERTS_OUT)
 
     gate, up = (project(name, rows) for name in GATE_UP)
-    hidden = nn.silu(gate) * up
+    grouped_rows = jnp.arange(x_md.shape[0]) < jnp.sum(group_sizes)
+    hidden = jnp.where(grouped_rows[:, None], nn.silu(gate) * up, 0)
     if row_weights_m is not None:
         hidden = hidden.astype(row_weights_m.dtype) * row_weights_m[:, None]
     return project("down_proj", hidden.astype(dtype))
@@ -364,7 +370,8 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes[:e_local], dtype=c.dtype,
                          lora_scale=_lora_scale(c),
                          row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
-                                                    c.dtype))
+                                                    c.dtype),
+                         rows_per_group=x_md.shape[0] // c.num_experts)
     mine_m = jnp.take(mine.reshape(-1), plan.order)
     out_md = jnp.where(mine_m[:, None], out_md, 0)
     out_nd = collect(out_md, plan.order, plan.inverse, k)

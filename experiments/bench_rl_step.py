@@ -202,6 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_context", type=int, default=1,
                    help="the context (sequence) axis: each sequence split over this many "
                         "devices in the passes after the rollout")
+    p.add_argument("--mesh_expert", type=int, default=1,
+                   help="the expert axis (mixture-of-experts): each device holds 1/this of "
+                        "every MoE layer's experts and of the batch")
     p.add_argument("--rollout_devices", type=int, default=0,
                    help="rollout.devices: a sampling group of this many devices (one-step "
                         "asynchronous training); the mesh_* flags then describe the rest")
@@ -356,7 +359,7 @@ def make_config(args, algo: str):
     if "parallel_compile" in c.trainer:  # (older trees lack the key)
         c.trainer.parallel_compile = args.parallel_compile == "on"
     if "mesh" in c:
-        for axis in ("data", "fsdp", "tensor", "context"):
+        for axis in ("data", "fsdp", "tensor", "context", "expert"):
             if axis in c.mesh:
                 c.mesh[axis] = getattr(args, f"mesh_{axis}")
     return c

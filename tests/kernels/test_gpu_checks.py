@@ -335,12 +335,14 @@ def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window):
 
 # (rows M, groups G, K, N): a Qwen3-30B-A3B layer's gate (D 2048 -> F 768) and down
 # (768 -> 2048) projections for 512 tokens x 8 experts and for an update's 6,144 (groups
-# of ~384 rows: the forward kernels then take two column blocks a grid step), and a small
-# case with empty groups.
+# of ~384 rows: the forward kernels then take two column blocks a grid step), the
+# rank-64 expert LoRA's matmuls there, and a small case with empty groups.
 GROUPED_SHAPES = {"qwen3-30b-a3b gate": (4096, 128, 2048, 768),
                   "qwen3-30b-a3b down": (4096, 128, 768, 2048),
                   "qwen3-30b-a3b gate, tall groups": (49152, 128, 2048, 768),
                   "qwen3-30b-a3b down, tall groups": (49152, 128, 768, 2048),
+                  "rank-64 LoRA b, tall groups": (49152, 128, 64, 768),
+                  "gate's and up's LoRA a, tall groups": (49152, 128, 2048, 128),
                   "8 groups, 3 empty": (1000, 8, 256, 384)}
 
 

@@ -158,7 +158,7 @@ def test_spread_and_collect_move_rows_both_ways_by_gathers():
     n, k, d, e = 5, 3, 4, 6
     rng = np.random.default_rng(0)
     experts = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
-    plan = moe.dispatch(jnp.asarray(experts), e)
+    plan = jax.jit(moe.dispatch, static_argnums=1)(jnp.asarray(experts), e)
     order, inverse = np.asarray(plan.order), np.asarray(plan.inverse)
     assert sorted(experts.reshape(-1)[order]) == list(experts.reshape(-1)[order])
     np.testing.assert_array_equal(order[inverse], np.arange(n * k))
@@ -170,15 +170,23 @@ def test_spread_and_collect_move_rows_both_ways_by_gathers():
         want_collect[order[r] // k] += x_md[r]
     spread = functools.partial(moe.spread, order=plan.order, inverse=plan.inverse, k=k)
     collect = functools.partial(moe.collect, order=plan.order, inverse=plan.inverse, k=k)
-    np.testing.assert_array_equal(spread(x_nd), want_spread)
-    np.testing.assert_allclose(collect(x_md), want_collect, rtol=1e-6)
-    cot_md, cot_nd = x_md[::-1].copy(), x_nd[::-1].copy()
     plain_spread = lambda x: jnp.take(x, plan.order // k, axis=0)
     plain_collect = lambda x: jnp.zeros((n, d)).at[plan.order // k].add(x)
-    for ours, plain, x, cot in ((spread, plain_spread, x_nd, cot_md),
-                                (collect, plain_collect, x_md, cot_nd)):
-        np.testing.assert_allclose(jax.vjp(ours, x)[1](cot)[0], jax.vjp(plain, x)[1](cot)[0],
-                                   rtol=1e-6)
+    cot_md, cot_nd = x_md[::-1].copy(), x_nd[::-1].copy()
+    vjp = lambda f, x, cot: jax.vjp(f, x)[1](cot)[0]
+
+    @jax.jit  # (one program rather than one per operation)
+    def outputs(x_nd, x_md):
+        return (spread(x_nd), collect(x_md), vjp(spread, x_nd, cot_md),
+                vjp(plain_spread, x_nd, cot_md), vjp(collect, x_md, cot_nd),
+                vjp(plain_collect, x_md, cot_nd))
+
+    got_spread, got_collect, *vjps = outputs(x_nd, x_md)
+    np.testing.assert_array_equal(got_spread, want_spread)
+    np.testing.assert_allclose(got_collect, want_collect, rtol=1e-6)
+    np.testing.assert_allclose(vjps[0], vjps[1], rtol=1e-6)
+    np.testing.assert_allclose(vjps[2], vjps[3], rtol=1e-6)
+    for ours, x, cot in ((spread, x_nd, cot_md), (collect, x_md, cot_nd)):
         grad = jax.make_jaxpr(jax.grad(lambda x, f=ours, c=cot: jnp.sum(f(x) * c)))(x).jaxpr
         assert _count_primitives(grad, "scatter") == 0
 
@@ -210,8 +218,8 @@ def test_rows_past_the_groups_reach_no_gradient(rank, monkeypatch):
     (inputs, kernels, adapters, routing weights) sees it."""
     monkeypatch.setattr(moe.grouped_matmul, "grouped_matmul", _unwritten_past_the_groups)
     rng = np.random.default_rng(0)
-    e, d, f, m, sizes = 3, 4, 6, 9, jnp.array([2, 3, 1], jnp.int32)  # 6 of 9 rows grouped
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    e, d, f, m, sizes = 3, 4, 6, 9, np.array([2, 3, 1], np.int32)  # 6 of 9 rows grouped
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
     kernels = {"gate_proj": normal(e, d, f), "up_proj": normal(e, d, f),
                "down_proj": normal(e, f, d)}
     adapters = ({name: (normal(e, *w.shape[1:2], rank), normal(e, rank, w.shape[2]))
@@ -222,7 +230,8 @@ def test_rows_past_the_groups_reach_no_gradient(rank, monkeypatch):
                               row_weights_m=weights)
         return jnp.sum(out[:6] * jnp.arange(6 * d, dtype=jnp.float32).reshape(6, d))
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(normal(m, d), kernels, adapters, normal(m))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(normal(m, d), kernels, adapters,
+                                                          normal(m))
     leaves = jax.tree_util.tree_leaves_with_path(grads)
     assert not [jax.tree_util.keystr(p) for p, g in leaves if not np.isfinite(g).all()]
     assert not np.asarray(grads[3][6:]).any()  # the weights of rows past the groups
@@ -239,20 +248,22 @@ def test_dots_saveable_runs_no_grouped_matmul_of_the_forward_again(rank, monkeyp
     parameters' gradient program."""
     monkeypatch.setattr(moe.grouped_matmul, "choose_impl", lambda impl, x, w: "xla")
     config = dataclasses.replace(_CONFIG, num_layers=2, lora_rank=rank)
-    params = init_params(config, jax.random.key(0))
+    # (shapes only: the programs are traced, not built)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     base, trained = lora.split(params) if rank else ({}, params)
-    tokens = jnp.ones((2, 4), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((2, 4), jnp.int32)
 
     def counts(remat):
         cfg = dataclasses.replace(config, remat=remat)
 
-        def loss(trained):
+        def loss(trained, base, tokens):
             logits, _ = transformer.forward_logits(
                 lora.combine(base, trained) if rank else trained, tokens,
-                jnp.arange(4)[None].repeat(2, 0), jnp.ones_like(tokens), config=cfg)
+                jnp.broadcast_to(jnp.arange(4), (2, 4)), jnp.ones((2, 4), jnp.int32),
+                config=cfg)
             return jnp.sum(logits)
 
-        jaxpr = jax.make_jaxpr(jax.grad(loss))(trained).jaxpr
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(trained, base, tokens).jaxpr
         return tuple(_count_primitives(jaxpr, p) for p in ("ragged_dot", "sort"))
 
     recomputed = 2 + (4 if rank else 0)

@@ -338,13 +338,9 @@ def _block(x_nd, router_de, kernels, adapters, forced_nk, *, config):
     c = config
     routing = _route_tokens(x_nd, router_de, forced_nk, c)
     plan = dispatch(routing.experts_nk, c.num_experts)
-    k = c.num_experts_per_tok
-    x_md = spread(x_nd, plan.order, plan.inverse, k)
-    out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes, dtype=c.dtype,
-                         lora_scale=_lora_scale(c),
-                         row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
-                                                    c.dtype))
-    return collect(out_md, plan.order, plan.inverse, k), routing
+    out_nd = _experts(x_nd, routing.weights_nk, plan, kernels, adapters, plan.group_sizes,
+                      config=c)
+    return out_nd, routing
 
 
 def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, config,
@@ -365,19 +361,32 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     mine = (local >= 0) & (local < e_local)
     # Other devices' pairs sort after this device's (group e_local, which no kernel has).
     plan = dispatch(jnp.where(mine, local, e_local), e_local + 1)
-    k = c.num_experts_per_tok
-    x_md = spread(x_all, plan.order, plan.inverse, k)
-    out_md = experts_mlp(x_md, kernels, adapters, plan.group_sizes[:e_local], dtype=c.dtype,
-                         lora_scale=_lora_scale(c),
-                         row_weights_m=_row_weights(routing.weights_nk, plan.order, c.family,
-                                                    c.dtype),
-                         rows_per_group=x_md.shape[0] // c.num_experts)
-    mine_m = jnp.take(mine.reshape(-1), plan.order)
-    out_md = jnp.where(mine_m[:, None], out_md, 0)
-    out_nd = collect(out_md, plan.order, plan.inverse, k)
+    out_nd = _experts(x_all, routing.weights_nk, plan, kernels, adapters,
+                      plan.group_sizes[:e_local], config=c,
+                      kept_m=jnp.take(mine.reshape(-1), plan.order))
     out_nd = lax.psum_scatter(out_nd.astype(jnp.float32), axis, scatter_dimension=0,
                               tiled=True).astype(c.dtype)
     return out_nd, routing
+
+
+def _experts(x_nd, weights_nk, plan: Dispatch, kernels, adapters, group_sizes, *, config,
+             kept_m=None):
+    """`[N, D]`: each token's k experts' outputs, weighted and summed: its rows spread in
+    expert order (`plan`), through `experts_mlp` over `group_sizes`, and collected back.
+    `kept_m`: bool `[N k]` in expert order, the rows whose outputs count (expert
+    parallelism: this device's pairs; the others' are zeroed), None: all."""
+    c = config
+    k = c.num_experts_per_tok
+    x_md = spread(x_nd, plan.order, plan.inverse, k)
+    # The kernels' grid follows the rows an expert has on average over all E experts
+    # (under expert parallelism, `group_sizes` holds this device's E / P only).
+    out_md = experts_mlp(x_md, kernels, adapters, group_sizes, dtype=c.dtype,
+                         lora_scale=_lora_scale(c),
+                         row_weights_m=_row_weights(weights_nk, plan.order, c.family, c.dtype),
+                         rows_per_group=x_md.shape[0] // c.num_experts)
+    if kept_m is not None:
+        out_md = jnp.where(kept_m[:, None], out_md, 0)
+    return collect(out_md, plan.order, plan.inverse, k)
 
 
 def _lora_scale(config) -> float:

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
 def retrace(monkeypatch, module):
@@ -37,3 +38,14 @@ def decode_masks(monkeypatch, module) -> dict:
     monkeypatch.setattr(module, "forward", recording)
     retrace(monkeypatch, module)
     return masks
+
+
+def equations(jaxpr: Jaxpr):
+    """Every equation of `jaxpr` and of the programs inside it (a scan's body once)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+                if isinstance(sub, Jaxpr):
+                    yield from equations(sub)

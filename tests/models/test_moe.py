@@ -29,6 +29,7 @@ from jrl.rl import logprobs, update
 from jrl.rollout.sampler import SamplingConfig, generate
 from tests.rl.test_shared_prompts import _grouped_batch
 from tests.rl.test_update import _actor_settings
+from tests.tracing import equations
 
 # Jitted, so that each test builds a few programs rather than one per operation.
 _forward = jax.jit(forward, static_argnames="config")
@@ -138,16 +139,7 @@ def test_block_gradients_equal_the_dense_computation():
 def _count_primitives(jaxpr, prefix: str) -> int:
     """Equations whose primitive's name starts with `prefix`, in `jaxpr` and the
     programs inside it (a scan's body counted once)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name.startswith(prefix)
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(inner, jax.extend.core.ClosedJaxpr):
-                    count += _count_primitives(inner.jaxpr, prefix)
-                elif isinstance(inner, jax.extend.core.Jaxpr):
-                    count += _count_primitives(inner, prefix)
-    return count
+    return sum(eqn.primitive.name.startswith(prefix) for eqn in equations(jaxpr))
 
 
 def test_spread_and_collect_move_rows_both_ways_by_gathers():

@@ -113,22 +113,14 @@ def test_context_splits_tokens_in_training_and_rows_in_the_rollout():
 _TWO_GROUPS_SCRIPT = """
 import json
 import jax, jax.numpy as jnp, numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import Mesh
 from jrl import sharding
 from jrl.models import ModelConfig, forward, init_params, positions_from_mask, unembed
+from tests.tracing import equations
 
 def device_ids(jaxpr):
-    out = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sharding_constraint":
-            out.add(tuple(int(i) for i in eqn.params["sharding"].mesh.device_ids.flat))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-                if isinstance(sub, Jaxpr):
-                    out |= device_ids(sub)
-    return out
+    return {tuple(int(i) for i in eqn.params["sharding"].mesh.device_ids.flat)
+            for eqn in equations(jaxpr) if eqn.primitive.name == "sharding_constraint"}
 
 tokens, mask = jnp.zeros((4, 5), jnp.int32), jnp.ones((4, 5), jnp.int32)
 result = {}

@@ -7,7 +7,7 @@
 #   tests     the grouped-matmul kernels against XLA on the GPU
 #             (tests/kernels/test_gpu_checks.py -k grouped)
 #   step      C17: a GRPO step, LoRA r64 on every projection, 32 x 8, P128 / R256 forced,
-#             remat dots_saveable, MB-sequence micro-batches (MB, default 64); NL layers
+#             remat dots_saveable, MB-sequence micro-batches (MB, default 128); NL layers
 #             of 48 (default: 24 on a card of 120 GB or more, else 12: the frozen base
 #             and the merged rollout weights take 57 GiB at 24)
 #   trace     the same step with one more traced step, summarised by kernel
@@ -45,16 +45,16 @@ mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 layers=${NL:-$((mib >= 120000 ? 24 : 12))}
 c17=(python3 experiments/bench_rl_step.py --preset qwen3-30b-a3b --num_layers "$layers"
      --algo grpo --n 8 --prompt_len 128 --response_len 256 --warmup 1 --steps 2
-     --lora_rank 64 --remat dots_saveable --micro_batch "${MB:-64}" --logprob_chunk_size 64)
+     --lora_rank 64 --remat dots_saveable --micro_batch "${MB:-128}" --logprob_chunk_size 64)
 for run in "${@:-tests step}"; do
   for name in $run; do
     case $name in
       tests) JAX_PLATFORMS=cuda step tests 200 python3 -m pytest -q -p no:cacheprovider \
                tests/kernels/test_gpu_checks.py -k grouped ;;
-      step) step "step_${layers}l_mb${MB:-64}" 330 "${c17[@]}" --batch 32 \
-              --out "$OUT/step_${layers}l_mb${MB:-64}.json" ;;
-      trace) step "trace_${layers}l_mb${MB:-64}" 360 "${c17[@]}" --batch 32 \
-               --trace_dir "$OUT/trace" --out "$OUT/trace_${layers}l_mb${MB:-64}.json" ;;
+      step) step "step_${layers}l_mb${MB:-128}" 330 "${c17[@]}" --batch 32 \
+              --out "$OUT/step_${layers}l_mb${MB:-128}.json" ;;
+      trace) step "trace_${layers}l_mb${MB:-128}" 360 "${c17[@]}" --batch 32 \
+               --trace_dir "$OUT/trace" --out "$OUT/trace_${layers}l_mb${MB:-128}.json" ;;
       rollout) step rollout 200 python3 experiments/bench_rollout.py --preset qwen3-30b-a3b \
                  --num_layers "$layers" --batch-sizes 256 64 --no-hf --repeats 2 \
                  --out "$OUT/rollout_${layers}l.json" ;;

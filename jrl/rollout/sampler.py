@@ -219,6 +219,9 @@ class RolloutOutput:
         prompt and response token's experts in every layer, `[N, P, L, k]` and
         `[N, R, L, k]` (`moe.NOT_RECORDED` on padding and on each row's last response
         token, which is never fed back); else None.
+      finished: from `continue_rows`, bool `[N]`: the row has emitted a stop token or
+        holds R tokens (else it stopped at the call's step budget, to be continued);
+        else None.
     """
 
     prompt_ids: jax.Array
@@ -229,6 +232,7 @@ class RolloutOutput:
     response_lengths: jax.Array
     prompt_routing: jax.Array | None = None
     response_routing: jax.Array | None = None
+    finished: jax.Array | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array]:
         """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""
@@ -256,6 +260,9 @@ class _DecodeState:
     # each prompt token (`record_routing`), or None.
     routing: jax.Array | None = None
     prompt_routing: jax.Array | None = None
+    # int32 [N]: response index of each row's step 0, when continuing begun responses
+    # (`continue_rows`); None when every row starts at 0 with the step shared.
+    offsets: jax.Array | None = None
 
 
 def generate(
@@ -363,10 +370,164 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
         prompt_routing=prompt_routing, response_routing=response_routing)
 
 
+@flax.struct.dataclass
+class Prefix:
+    """Responses begun by earlier calls, to be continued (`continue_rows`); N rows.
+
+    Attributes:
+      responses: int32 `[N, W]` each row's tokens so far, right-padded (W <= R).
+      log_probs: float32 `[N, W]` their rollout log-probs.
+      lengths: int32 `[N]` tokens so far, in `[0, W]` (0: a row not begun).
+      finished: bool `[N]` the row is complete; it is returned as it is.
+      keys: `[N]` the rows' PRNG keys: a row's token i is drawn with
+        `fold_in(keys[r], i)` whichever call draws it, so a row continued over several
+        calls with the same parameters draws the tokens of one call (`row_keys` gives
+        the keys of `generate`'s rows).
+    """
+
+    responses: jax.Array
+    log_probs: jax.Array
+    lengths: jax.Array
+    finished: jax.Array
+    keys: jax.Array
+
+
+def new_rows(rng, num_rows: int, width: int = 0) -> Prefix:
+    """A `Prefix` of `num_rows` rows not begun, keyed as `generate`'s rows are."""
+    return Prefix(responses=np.zeros((num_rows, width), np.int32),
+                  log_probs=np.zeros((num_rows, width), np.float32),
+                  lengths=np.zeros((num_rows,), np.int32),
+                  finished=np.zeros((num_rows,), bool), keys=row_keys(rng, num_rows))
+
+
+def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                  prefix: Prefix, sampling: SamplingConfig, *, config: ModelConfig,
+                  max_steps: int) -> RolloutOutput:
+    """Continues begun responses by at most `max_steps` tokens each, in one program:
+    the partial rollout's step (`rollout.partial`).
+
+    Each row's prompt and its tokens so far are prefilled together (under `params`,
+    which may be newer than the ones that drew the tokens, as after an update), then
+    the rows decode as in `generate` until each has stopped, holds R tokens or has
+    drawn `max_steps` more. With the same parameters, a row continued over several
+    calls gets the tokens of one `generate` call (its key and token index pick each
+    draw) and their log-probs up to rounding (a prefilled token's keys and values are
+    computed in one pass rather than one step at a time).
+
+    Args:
+      params: causal-LM parameters.
+      prompt_ids, prompt_mask: `[N, P]` each row's LEFT-padded prompt (one row per
+        sample: `sampling.n` must be 1).
+      prefix: the rows' responses so far (`Prefix`; `new_rows` for rows not begun).
+      sampling: `SamplingConfig` (static); R = `max_new_tokens`.
+      config: the model architecture (static).
+      max_steps: the most tokens a row draws in this call (static).
+
+    Returns:
+      `RolloutOutput` with R columns: the prefix and the new tokens, `response_lengths`
+      the tokens so far, `finished` which rows are complete.
+
+    Raises:
+      ValueError: bad shapes, `sampling.n` > 1, a setting this path does not take
+        (`cache_segments` > 1, `record_routing`), or (on concrete inputs) lengths outside
+        `[0, W]` and prompts as `generate` checks them.
+    """
+    check_inputs(prompt_ids, prompt_mask, sampling, config)
+    _check_prefix(prompt_ids, prefix, sampling, max_steps)
+    operands = (params, prompt_ids, prompt_mask, prefix)
+    kwargs = dict(sampling=sampling, config=config, max_steps=max_steps)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
+        return continue_program(*operands, **kwargs)
+    program = jit_sampler(continue_program, sampling,
+                          static_argnames=("sampling", "config", "max_steps"))
+    return program(*operands, **kwargs)
+
+
+def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
+                     sampling: SamplingConfig, config: ModelConfig, max_steps: int
+                     ) -> RolloutOutput:
+    """The body of `continue_rows` (arguments already checked)."""
+    num_rows, prompt_len = prompt_ids.shape
+    num_new, width = sampling.max_new_tokens, prefix.responses.shape[1]
+    steps = min(max_steps, num_new)
+    lengths = prefix.lengths.astype(jnp.int32)
+    begun = jnp.arange(width)[None, :] < lengths[:, None]
+    begun_ids = jnp.where(begun, prefix.responses.astype(jnp.int32), sampling.pad_token_id)
+    ids = jnp.concatenate([prompt_ids.astype(jnp.int32), begun_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask.astype(jnp.int32), begun.astype(jnp.int32)], axis=1)
+    # Left-padded together: each row moved right by its prefix's unused columns.
+    total = prompt_len + width
+    source = (jnp.arange(total)[None, :] - (width - lengths)[:, None]) % total
+    ids = constrain(jnp.take_along_axis(ids, source, axis=1), ("batch", None))
+    mask = constrain(jnp.take_along_axis(mask, source, axis=1), ("batch", None))
+    params = per_layer(params, config)
+    logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
+    done = prefix.finished.astype(bool) | (lengths >= num_new)
+    widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - width)),
+                                    constant_values=fill)
+    state = _DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        last_tokens=jnp.zeros((num_rows,), jnp.int32),
+        done=done,
+        # Unless it stops, a row ends this call with `steps` more tokens (at most R).
+        lengths=jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)),
+        responses=widen(prefix.responses.astype(jnp.int32), sampling.pad_token_id),
+        log_probs=widen(prefix.log_probs.astype(jnp.float32), 0.0),
+        cache=cache,
+        key_mask=key_mask,
+        keys=prefix.keys,
+        prompt_lengths=jnp.sum(mask, axis=1),
+        rows=jnp.arange(num_rows, dtype=jnp.int32),
+        offsets=lengths,
+    )
+    state = _emit(state, logits_nv, sampling)
+    groups = _row_groups(num_rows)
+    sizes = decode_sizes(num_rows, groups, sampling)
+    out = _outputs(state)
+    state, out = decode_rows(params, state, out, steps, sizes, groups, prompt_len=total,
+                             sampling=sampling, config=config)
+    *out, finished = _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
+    return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
+                          *out).replace(finished=finished)
+
+
+def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_steps) -> None:
+    """`continue_rows`' checks of the prefix and its settings, before compiling."""
+    num_rows = prompt_ids.shape[0]
+    if sampling.n != 1:
+        raise ValueError(f"rollout.n={sampling.n}: continued rows are given one prompt "
+                         "row each (repeat the prompts n times and set n to 1)")
+    if sampling.cache_segments > 1 or sampling.record_routing:
+        raise ValueError("continuing begun responses runs one program without routing "
+                         "records: set rollout.cache_segments to 1 and "
+                         "actor.router_replay to none")
+    if not _is_int(max_steps) or max_steps < 1:
+        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    width = prefix.responses.shape[-1] if prefix.responses.ndim == 2 else None
+    shapes = {"responses": (num_rows, width), "log_probs": (num_rows, width),
+              "lengths": (num_rows,), "finished": (num_rows,), "keys": (num_rows,)}
+    for name, shape in shapes.items():
+        if tuple(getattr(prefix, name).shape) != shape or width is None:
+            raise ValueError(f"prefix.{name} must be {list(shape)} for {num_rows} prompt "
+                             f"rows; got {list(getattr(prefix, name).shape)}")
+    if width > sampling.max_new_tokens:
+        raise ValueError(f"prefix.responses has {width} columns, more than "
+                         f"max_new_tokens={sampling.max_new_tokens}")
+    lengths = _host_value(prefix.lengths)
+    if lengths is not None:
+        bad = (lengths < 0) | (lengths > width)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(f"prefix row {row} has length {int(lengths[row])}, outside "
+                             f"[0, {width}] (the prefix's columns)")
+
+
 def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:
-    """The state's per-row outputs: responses, log-probs, lengths (and the recorded
-    routing of the responses and the prompts)."""
+    """The state's per-row outputs: responses, log-probs, lengths (whether each row
+    finished, when continuing; the recorded routing of the responses and the prompts)."""
     out = (state.responses, state.log_probs, state.lengths)
+    if state.offsets is not None:
+        out = (*out, state.done)
     return out if state.routing is None else (*out, state.routing, state.prompt_routing)
 
 
@@ -629,20 +790,36 @@ def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
 
 
 def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:
-    """Samples response token `state.step` of every row and records it."""
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, state.step)
+    """Samples response token `state.step` of every row (`offsets + step` when
+    continuing) and records it."""
+    if state.offsets is None:
+        index = state.step
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, index)
+    else:
+        index = state.offsets + state.step
+        step_keys = jax.vmap(jax.random.fold_in)(state.keys, index)
     tokens, log_probs = sample_tokens(logits_nv, step_keys, sampling)
     tokens = jnp.where(state.done, sampling.pad_token_id, tokens)
     log_probs = jnp.where(state.done, 0.0, log_probs)
     stopped = ~state.done & _is_stop_token(tokens, sampling)
-    write = lambda buffer, column: lax.dynamic_update_slice_in_dim(
-        buffer, column[:, None], state.step, axis=1
-    )
+    ended = stopped
+    if state.offsets is None:
+        write = lambda buffer, column: lax.dynamic_update_slice_in_dim(
+            buffer, column[:, None], state.step, axis=1
+        )
+    else:
+        # Each row writes its own column; finished rows write none (an index past the
+        # end is dropped), and a row that reaches R tokens has finished.
+        num_new = state.responses.shape[1]
+        columns = jnp.where(state.done, num_new, index)
+        rows = jnp.arange(columns.shape[0])
+        write = lambda buffer, column: buffer.at[rows, columns].set(column, mode="drop")
+        ended = stopped | (~state.done & (index + 1 >= num_new))
     return state.replace(
         step=state.step + 1,
         last_tokens=tokens,
-        done=state.done | stopped,
-        lengths=jnp.where(stopped, state.step + 1, state.lengths),
+        done=state.done | ended,
+        lengths=jnp.where(stopped, index + 1, state.lengths),
         responses=write(state.responses, tokens),
         log_probs=write(state.log_probs, log_probs),
     )

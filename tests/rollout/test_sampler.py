@@ -408,7 +408,7 @@ def test_n_samples_are_adjacent_distinct_and_deterministic(small_params, prompts
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import dataclasses, json, sys
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     sys.path.insert(0, {tests_dir!r})
@@ -428,7 +428,22 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sharded = sampler.generate(
         jax.device_put(params, replicated), jax.device_put(ids, rows),
         jax.device_put(mask, rows), key, sampling, config=SMALL)
+    # Rows continued over two calls on the 8 devices, against one call on one.
+    row_ids, row_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
+    one_row = dataclasses.replace(sampling, n=1)
+    once = sampler.generate(params, row_ids, row_mask, key, one_row, config=SMALL)
+    prefix = jax.device_put(sampler.new_rows(key, 16, width=6), rows)
+    for _ in range(2):
+        out = sampler.continue_rows(params, jax.device_put(row_ids, rows),
+                                    jax.device_put(row_mask, rows), prefix, one_row,
+                                    config=SMALL, max_steps=3)
+        prefix = sampler.Prefix(out.responses, out.rollout_log_probs, out.response_lengths,
+                                out.finished, prefix.keys)
     print(json.dumps(dict(
+        continued_devices=len(out.responses.sharding.device_set),
+        continued_same=bool(np.array_equal(out.responses, once.responses)
+                            and np.array_equal(out.response_lengths, once.response_lengths)
+                            and np.asarray(out.finished).all()),
         single_devices=len(single.responses.sharding.device_set),
         sharded_devices=len(sharded.responses.sharding.device_set),
         same_responses=bool(np.array_equal(single.responses, sharded.responses)),
@@ -446,6 +461,7 @@ def test_sharded_over_8_devices_matches_one_device():
     assert result["same_responses"] and result["same_lengths"], result
     assert result["log_prob_diff"] < 1e-5, result
     assert result["some_stopped"], result
+    assert result["continued_devices"] == 8 and result["continued_same"], result
 
 
 def test_decode_compaction_gives_the_same_rollout(small_params, buckets=3):
@@ -541,3 +557,54 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                  static_argnames=("sampling", "config"))
     assert jitted is sampler.jit_sampler(sampler.generate_program, cublas,
                                          static_argnames=("sampling", "config"))
+
+
+def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params):
+    """The partial rollout's primitive: rows generated four tokens a call, each call
+    prefilling the tokens so far, end as one `generate` call's rows (same keys and
+    parameters): the same tokens and lengths, log-probs to float32 rounding. Between
+    calls a row's length is its tokens so far and it is `finished` only once it has
+    stopped; a finished row comes back unchanged."""
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
+    sampling = SamplingConfig(n=1, max_new_tokens=12, temperature=1.2,
+                              stop_token_ids=(2, 3, 4), decode_buckets=2)
+    rng = jax.random.key(1)
+    whole = sampler.generate(small_params, ids, mask, rng, sampling, config=SMALL)
+    final = np.asarray(whole.response_lengths)
+    # Rows stop in each of the three calls, and some run to R.
+    assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == 12
+
+    prefix = sampler.new_rows(rng, 6, width=12)
+    for call in range(1, 4):
+        out = sampler.continue_rows(small_params, ids, mask, prefix, sampling, config=SMALL,
+                                    max_steps=4)
+        lengths, finished = np.asarray(out.response_lengths), np.asarray(out.finished)
+        np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
+        np.testing.assert_array_equal(finished, final <= 4 * call)
+        was_finished = np.asarray(prefix.finished)
+        chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished],
+                                    np.asarray(prefix.responses)[was_finished])
+        prefix = sampler.Prefix(out.responses, out.rollout_log_probs, out.response_lengths,
+                                out.finished, prefix.keys)
+    assert finished.all()
+    chex.assert_trees_all_equal(out.replace(rollout_log_probs=None, finished=None),
+                                whole.replace(rollout_log_probs=None))
+    np.testing.assert_allclose(out.rollout_log_probs, whole.rollout_log_probs, atol=1e-5)
+
+
+def test_continuing_rows_checks_its_inputs_before_compiling(small_params, prompts):
+    ids, mask = prompts
+    sampling = SamplingConfig(n=1, max_new_tokens=8)
+    prefix = sampler.new_rows(jax.random.key(0), 6, width=4)
+    go = lambda prefix=prefix, sampling=sampling, max_steps=2: sampler.continue_rows(
+        small_params, ids, mask, prefix, sampling, config=SMALL, max_steps=max_steps)
+    with pytest.raises(ValueError, match="rollout.n=2"):
+        go(sampling=dataclasses.replace(sampling, n=2))
+    with pytest.raises(ValueError, match="max_steps must be an integer >= 1"):
+        go(max_steps=0)
+    with pytest.raises(ValueError, match=r"prefix.lengths must be \[6\]"):
+        go(prefix=prefix.replace(lengths=np.zeros(5, np.int32)))
+    with pytest.raises(ValueError, match="12 columns, more than max_new_tokens=8"):
+        go(prefix=sampler.new_rows(jax.random.key(0), 6, width=12))
+    with pytest.raises(ValueError, match=r"prefix row 2 has length 5, outside \[0, 4\]"):
+        go(prefix=prefix.replace(lengths=np.array([0, 1, 5, 0, 0, 0], np.int32)))

@@ -287,6 +287,20 @@ def base_config() -> ml_collections.ConfigDict:
     # Costs a host sync per segment and a program per (batch, cache rows, slots) shape.
     # From 1 to response_length; not with multi_turn.
     c.rollout.cache_segments = 1
+    # Partial rollouts: each generation round draws at most partial_max_tokens tokens a
+    # row; rows still running keep their tokens and log-probs and go on in the next round
+    # or step, under the weights of then (prefilled again), and a finished row's slot
+    # takes the next prompt's samples. A step trains on the first
+    # data.train_batch_size groups whose samples have all finished (rounds run until
+    # there are that many); the rollout-correction keys weigh the tokens drawn under
+    # earlier weights. Logged: rollout/partial_rounds, rollout/partial_in_flight_rows,
+    # rollout/partial_waiting_groups, rollout/partial_continued_fraction (trained rows
+    # begun in an earlier step), rollout/partial_staleness/{mean,max} (steps since a
+    # trained row's first token). Single-turn, on the training devices, host rewards.
+    c.rollout.partial = False
+    # The most tokens a row draws in one round of partial rollouts (from 1 to
+    # response_length - 1).
+    c.rollout.partial_max_tokens = 1024
     # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
     # cuBLAS call: faster for a decode step's one token per row, and quicker to
     # compile) or "xla" (XLA's choice, Triton GEMM fusions included). No effect off a GPU.

@@ -763,6 +763,10 @@ class Settings:
     # (`rollout.log_prob_max_token_len_per_gpu`, `jrl.rl.packing`); None: micro-batches of
     # `log_prob_micro_batch` padded sequences.
     log_prob_max_token_len: int | None = None
+    # Partial rollouts (`rollout.partial`): the most response tokens a row draws in one
+    # generation round (`rollout.partial_max_tokens`); None: off, each step's rollout
+    # runs its rows to the end.
+    partial_tokens: int | None = None
 
     def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
         """The passes' bucket lengths for responses of `response_length` columns."""
@@ -819,6 +823,8 @@ class Settings:
             self._check_filter_groups()
         if self.rollout.cache_segments > 1:
             self._check_cache_segments()
+        if self.partial_tokens is not None:
+            self._check_partial()
         if self.reward.in_graph_fn is not None:
             self._check_in_graph()
         elif self.trainer.multi_run:
@@ -909,6 +915,28 @@ class Settings:
         if self.reward.in_graph_fn is not None:
             _fail_in_graph(self.reward.in_graph_fn, "rollout.cache_segments",
                            f"={segments}, whose segments return to the host; set it to 1")
+
+    def _check_partial(self) -> None:
+        """Partial rollouts: a token budget below the response length, and a rollout of
+        one program per round with the host between rounds."""
+        budget, length = self.partial_tokens, self.rollout.max_new_tokens
+        if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget < length:
+            _fail("rollout.partial_max_tokens", f"must be an integer from 1 to "
+                  f"rollout.response_length - 1 = {length - 1} (the most tokens a row draws "
+                  f"in one generation round) with rollout.partial=True, got {budget!r}")
+        others = {"rollout.multi_turn.enable=True": self.multi_turn is not None,
+                  f"rollout.devices={self.sampling_devices}": bool(self.sampling_devices),
+                  "algorithm.filter_groups.enable=True": self.filter_groups is not None,
+                  f"rollout.cache_segments={self.rollout.cache_segments}":
+                      self.rollout.cache_segments > 1}
+        clash = [name for name, on in others.items() if on]
+        if clash:
+            _fail("rollout.partial", f"=True is not supported with {', '.join(clash)} (its "
+                  "rounds continue single-turn rows in one program each, on the training "
+                  "devices); set rollout.partial=False or change those keys")
+        if self.reward.in_graph_fn is not None:
+            _fail_in_graph(self.reward.in_graph_fn, "rollout.partial",
+                           "=True, whose rounds return to the host to refill the batch")
 
     def _check_in_graph(self) -> None:
         """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
@@ -1005,6 +1033,13 @@ def _log_prob_max_token_len(config) -> int | None:
     if not _flag("rollout.log_prob_use_dynamic_bsz", dynamic):
         return None
     return _get(config, "rollout.log_prob_max_token_len_per_gpu")
+
+
+def _partial_tokens(config) -> int | None:
+    """`rollout.partial_max_tokens` with `rollout.partial` on (None: off)."""
+    if not _flag("rollout.partial", _get(config, "rollout.partial")):
+        return None
+    return _get(config, "rollout.partial_max_tokens")
 
 
 def _decode_buckets(config):
@@ -1182,7 +1217,8 @@ def _check_router_replay(config, settings: Settings) -> None:
     if mode == "rollout":
         others = {"rollout.multi_turn.enable=True": settings.multi_turn is not None,
                   f"rollout.cache_segments={settings.rollout.cache_segments}":
-                      settings.rollout.cache_segments > 1, **others}
+                      settings.rollout.cache_segments > 1,
+                  "rollout.partial=True": settings.partial_tokens is not None, **others}
     else:  # bypass mode takes the rollout's log-probs: no old-log-prob pass records
         others["algorithm.rollout_correction.bypass_mode=True"] = \
             settings.actor.correction.bypass_mode
@@ -1457,7 +1493,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids=None, pad_t
         staleness=_get(config, "rollout.staleness"),
         response_buckets=_get(config, "actor.response_buckets"),
         share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")),
-        log_prob_max_token_len=_log_prob_max_token_len(config))
+        log_prob_max_token_len=_log_prob_max_token_len(config),
+        partial_tokens=_partial_tokens(config))
     settings = _reuse_update_passes(config, settings)
     _check_multi_run(config, settings)
     _check_router_replay(config, settings)

@@ -133,7 +133,7 @@ class Programs:
                               critic_warmup=settings.trainer.critic_warmup),
             in_shardings=(states, batch, replicated, frozen), out_shardings=(states, replicated),
             donate_argnums=0)
-        self._generators: dict[tuple[SamplingConfig, bool], Callable] = {}
+        self._generators: dict[tuple, Callable] = {}
         self.rollout_params = jax.jit(
             functools.partial(step_lib.rollout_params, model_config=model_config,
                               param_shardings=self.rollout_shardings),
@@ -147,6 +147,22 @@ class Programs:
         key = (sampling, group)
         if key not in self._generators:
             self._generators[key] = self._jit_generator(sampling, group)
+        return self._generators[key]
+
+    def continuer(self, sampling: SamplingConfig, max_steps: int) -> Callable:
+        """`step.continue_rows` for `sampling` (n 1) and `max_steps`, jitted as the
+        rollout is (partial rollouts' rounds, on the training devices). One program a
+        setting and prefix width."""
+        key = ("continue", sampling, max_steps)
+        if key not in self._generators:
+            batch = self.sharder.batch()
+            self._generators[key] = jax.jit(
+                functools.partial(step_lib.continue_rows, sampling=sampling,
+                                  model_config=self.model_config, max_steps=max_steps,
+                                  param_shardings=self.rollout_shardings),
+                in_shardings=(self.state_shardings, batch, batch, batch,
+                              self.frozen_shardings),
+                out_shardings=batch, compiler_options=compiler_options(sampling))
         return self._generators[key]
 
     def _jit_generator(self, sampling: SamplingConfig, group: bool) -> Callable:

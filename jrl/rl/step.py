@@ -37,7 +37,13 @@ from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
 from jrl.rl import logprobs, packing, update
 from jrl.rl.types import Experience, Rollout, TrainState
-from jrl.rollout.sampler import RolloutOutput, SamplingConfig, generate_program
+from jrl.rollout.sampler import (
+    Prefix,
+    RolloutOutput,
+    SamplingConfig,
+    continue_program,
+    generate_program,
+)
 
 # The batch fields each model's update reads: the sequences, then each model's own
 # (an on-policy critic's update values the batch itself, from the token rewards).
@@ -185,6 +191,21 @@ def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingCon
     out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
                            config=sampling_model(model_config))
     return rollout_of(out, sampling)
+
+
+def continue_rows(state: TrainState, prompt_ids, prompt_mask, prefix: Prefix, frozen=None, *,
+                  sampling: SamplingConfig, model_config: ModelConfig, max_steps: int,
+                  param_shardings=None) -> RolloutOutput:
+    """A round of partial rollouts: the actor's rows of `[N, P]` prompts continued from
+    their `prefix` by at most `max_steps` tokens each (`sampler.continue_rows`; `sampling.n`
+    1); `frozen` and `param_shardings` as in `generate`. The prefix's keys may come as
+    key data (`jax.random.key_data`), as the host keeps them."""
+    if not jax.dtypes.issubdtype(prefix.keys.dtype, jax.dtypes.prng_key):
+        prefix = prefix.replace(keys=jax.random.wrap_key_data(prefix.keys))
+    params = rollout_params(state, frozen, model_config=model_config,
+                            param_shardings=param_shardings)
+    return continue_program(params, prompt_ids, prompt_mask, prefix, sampling=sampling,
+                            config=sampling_model(model_config), max_steps=max_steps)
 
 
 def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:

@@ -40,7 +40,7 @@ from jrl.config.settings import Settings
 from jrl.data.dataset import BatchIterator, IteratorState
 from jrl.models import lora, moe
 from jrl.models.config import ModelConfig
-from jrl.rl import evaluate, experience, types
+from jrl.rl import evaluate, experience, partial, types
 from jrl.rl import programs as programs_lib
 from jrl.rl import step as step_lib
 from jrl.rl.checkpoint import Checkpointer
@@ -153,9 +153,11 @@ class RLTrainer:
         self.rollouts = experience.Rollouts(
             settings, model_config, tokenizer, scorer, self.programs, self.frozen,
             chat=apply_chat_template, turns=turns, needs_baseline=estimator.needs_baseline)
-        self.experience: experience.ExperienceSource = \
-            experience.SyncExperience(self.rollouts) if rollout_sharder is None else \
+        self.experience: experience.ExperienceSource = (
             experience.AsyncExperience(self.rollouts, self.root_key)
+            if rollout_sharder is not None else
+            partial.PartialExperience(self.rollouts) if settings.partial_tokens else
+            experience.SyncExperience(self.rollouts))
         self.step, self.data = 0, IteratorState()  # the host's part of the state
         self._saved_step = 0  # the step of the latest checkpoint (saved or restored)
         self._programs_compiled = False  # `compile_programs` has run

@@ -6,6 +6,10 @@
 # Runs (each one bench_rl_step.py process, its JSON and log written to $OUT):
 #   forced          token-budget micro-batches (--dynamic_bsz), every response 8192 tokens
 #   natural         the same, rows stopping at lengths uniform in [512, 8192] (seeded)
+#   long_tail       token-budget micro-batches, 90% of the rows stopping uniformly in
+#                   [256, 1024] and 10% running to 8192 (picked by each row's key)
+#   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
+#                   a round; warm-up steps until every prefix width has compiled: 9)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
 #                   (`--decode_attention mosaic`, MOSAIC_TILES' default tiles)
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with
@@ -45,6 +49,7 @@ LONG=(--preset qwen2.5-0.5b --algo grpo --batch 16 --n 8 --prompt_len 512 --resp
 SHORT=(--preset qwen2.5-0.5b --algo grpo --batch 64 --n 8 --prompt_len 128 --response_len 256
   --warmup 1 --steps 2)
 NATURAL=(--natural_stops --uniform_lengths 512,8192)
+LONG_TAIL=(--natural_stops --long_tail 256,1024,0.1)
 
 run() {  # run NAME TREE ARGS...
   local name=$1 tree=$2
@@ -97,6 +102,9 @@ for name in "$@"; do
         | tee "$OUT/head_tests.log" ;;
     forced) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz ;;
     natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
+    long_tail) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" ;;
+    partial) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" \
+               --partial_max_tokens 1024 --warmup 9 --steps 3 ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;
     natural_mosaic) run natural_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
                       --decode_attention mosaic ;;

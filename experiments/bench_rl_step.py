@@ -67,6 +67,9 @@ from jrl.rollout import sampler  # noqa: E402
 # With a sampling group (one-step asynchronous), `gen` runs beside the other phases and
 # `wait_rollout` is the part of it the step waits for.
 PHASES = ("gen", "sync_rollout_weights", "wait_rollout", "forward", "reward", "learn", "step")
+# Partial rollouts' metrics in each step's line.
+PARTIAL_METRICS = ("rollout/partial_rounds", "rollout/partial_in_flight_rows",
+                   "rollout/partial_staleness/mean")
 
 
 class CompileLog:
@@ -133,6 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uniform_lengths", default=None, metavar="LO,HI",
                    help="rows stop at lengths drawn uniformly from [LO, HI] (seeded), "
                         "decoded as natural stops (needs --natural_stops)")
+    p.add_argument("--long_tail", default=None, metavar="LO,HI,FRAC",
+                   help="rows stop at lengths uniform in [LO, HI], except a FRAC share that "
+                        "runs to --response_len, each row's length picked by its sampling "
+                        "key (so a row carried over by partial rollouts keeps it); needs "
+                        "--natural_stops")
+    p.add_argument("--partial_max_tokens", type=int, default=0,
+                   help="partial rollouts (rollout.partial) with this many tokens a row a "
+                        "round; 0: off")
     p.add_argument("--micro_batch", type=int, default=32,
                    help="actor.ppo_micro_batch_size: sequences per forward/backward (global)")
     p.add_argument("--critic_micro_batch", type=int, default=None,
@@ -331,6 +342,9 @@ def make_config(args, algo: str):
         c.rollout.log_prob_max_token_len_per_gpu = args.max_token_len
     # verl's rollout `ignore_eos`: every response runs to response_len.
     c.rollout.ignore_eos = not args.natural_stops
+    if args.partial_max_tokens:
+        c.rollout.partial = True
+        c.rollout.partial_max_tokens = args.partial_max_tokens
     c.actor.entropy_coeff = 0.0
     if algo == "grpo":
         c.algorithm.adv_estimator = "grpo"
@@ -389,6 +403,31 @@ def stop_at_target_lengths(targets: np.ndarray) -> None:
         reached = ~new.done & (new.step >= jax.numpy.asarray(targets)[new.rows])
         return new.replace(done=new.done | reached,
                            lengths=jax.numpy.where(reached, new.step, new.lengths))
+
+    sampler._emit = emit
+
+
+def stop_at_key_lengths(spec: str, response_len: int) -> None:
+    """`--long_tail LO,HI,FRAC`: each row stops at a length picked by its sampling key's
+    bits (the same in whichever call or round draws it): `response_len` for a FRAC share
+    of the rows, else uniform in [LO, HI]."""
+    lo, hi, frac = spec.split(",")
+    lo, hi, frac = int(lo), int(hi), float(frac)
+    if not (1 <= lo <= hi <= response_len and 0 <= frac <= 1):
+        raise SystemExit("--long_tail LO,HI,FRAC needs 1 <= LO <= HI <= --response_len "
+                         "and 0 <= FRAC <= 1")
+    original = sampler._emit
+    jnp = jax.numpy
+
+    def emit(state, logits_nv, sampling):
+        new = original(state, logits_nv, sampling)
+        bits = jax.random.key_data(state.keys).reshape(state.keys.shape[0], -1)
+        long = bits[:, 0].astype(jnp.float32) / 2.0 ** 32 < frac
+        target = jnp.where(long, response_len, lo + bits[:, -1] % (hi - lo + 1))
+        drawn = new.step if new.offsets is None else new.offsets + new.step
+        reached = ~new.done & (drawn >= target)
+        return new.replace(done=new.done | reached,
+                           lengths=jnp.where(reached, drawn, new.lengths))
 
     sampler._emit = emit
 
@@ -471,8 +510,10 @@ def run_algo(args, algo: str) -> dict:
             timed = "timed" if i >= args.warmup else "warm-up"
             phases = ", ".join(f"{k} {m[f'timing_s/{k}']:.2f}" for k in PHASES
                                if f"timing_s/{k}" in m)
+            partial = "".join(f", {k.removeprefix('rollout/partial_')} {m[k]:.2f}"
+                              for k in PARTIAL_METRICS if k in m)
             print(f"[{algo}] step {i + 1} ({timed}): {m['wall_s']:.3f} s ({phases}), "
-                  f"response_length/mean {m['response_length/mean']:.1f}", flush=True)
+                  f"response_length/mean {m['response_length/mean']:.1f}{partial}", flush=True)
         if args.trace_dir:
             trace_dir = os.path.join(args.trace_dir, algo)
             with trace_summary.maybe_trace(trace_dir):
@@ -630,6 +671,10 @@ def main(argv=None) -> None:
     if targets is not None:
         stop_at_target_lengths(targets)
         info["target_length_mean"] = float(np.mean(targets))
+    if args.long_tail:
+        if not args.natural_stops:
+            raise SystemExit("--long_tail needs --natural_stops")
+        stop_at_key_lengths(args.long_tail, args.response_len)
     results = []
     for algo in algos:
         results.append(run_algo(args, algo))

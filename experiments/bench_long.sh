@@ -9,7 +9,7 @@
 #   long_tail       token-budget micro-batches, 90% of the rows stopping uniformly in
 #                   [256, 1024] and 10% running to 8192 (picked by each row's key)
 #   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
-#                   a round; warm-up steps until every prefix width has compiled: 9)
+#                   a round; 9 warm-up steps, one more than the prefix widths it compiles)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
 #                   (`--decode_attention mosaic`, MOSAIC_TILES' default tiles)
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with

@@ -299,8 +299,8 @@ def base_config() -> ml_collections.ConfigDict:
     # trained row's first token). Single-turn, on the training devices, host rewards.
     c.rollout.partial = False
     # The most tokens a row draws in one round of partial rollouts (from 1 to
-    # response_length - 1).
-    c.rollout.partial_max_tokens = 1024
+    # response_length - 1); needed with partial=True.
+    c.rollout.partial_max_tokens = config_dict.placeholder(int)
     # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
     # cuBLAS call: faster for a decode step's one token per row, and quicker to
     # compile) or "xla" (XLA's choice, Triton GEMM fusions included). No effect off a GPU.

@@ -1039,7 +1039,12 @@ def _partial_tokens(config) -> int | None:
     """`rollout.partial_max_tokens` with `rollout.partial` on (None: off)."""
     if not _flag("rollout.partial", _get(config, "rollout.partial")):
         return None
-    return _get(config, "rollout.partial_max_tokens")
+    budget = _get(config, "rollout.partial_max_tokens")
+    if budget is None:
+        _fail("rollout.partial_max_tokens", "must be set with rollout.partial=True: the most "
+              "tokens a row draws in one generation round (from 1 to "
+              "rollout.response_length - 1)")
+    return budget
 
 
 def _decode_buckets(config):

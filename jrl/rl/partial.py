@@ -11,7 +11,8 @@ the host
   prompt) and frees its decode row;
 - marks a group complete once all n of its samples have finished;
 - fills free decode rows with the next prompts' samples, n rows a prompt (rows left
-  over stay empty: finished rows of length 0, which the decode loop does not run);
+  over stay empty: finished rows of length 0 on a live row's prompt, prefilled with the
+  rest but drawing nothing, and dropped by the decode loop's compaction);
 - leaves unfinished rows where they are, to go on in the next round.
 
 Rounds run until `data.train_batch_size` groups are complete; the step trains on the
@@ -150,6 +151,7 @@ class PartialExperience(SyncExperience):
             prompt_ids, prompt_mask = encode_prompts(
                 rollouts.tokenizer, new_rows, settings.max_prompt_length, rollouts.chat,
                 rollouts.turns.prompt_schemas)
+            sampler.check_inputs(prompt_ids, prompt_mask, self.sampling, rollouts.model_config)
             keys = np.asarray(_group_keys(key, self.groups_per_step, n))
             if self.keys is None:
                 self.keys = np.zeros((len(self.group), *keys.shape[1:]), keys.dtype)
@@ -176,7 +178,7 @@ class PartialExperience(SyncExperience):
 
     def _continue(self, state) -> sampler.RolloutOutput:
         """One round on the devices: every decode row continued (free rows as finished
-        rows of length 0 on a live row's prompt, which the decode loop does not run)."""
+        rows of length 0 on a live row's prompt: prefilled, drawing nothing)."""
         rollouts = self.rollouts
         live = self.group >= 0
         stand_in = self.groups[int(self.group[np.argmax(live)])]

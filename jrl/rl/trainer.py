@@ -248,8 +248,8 @@ class RLTrainer:
         jit's cache (small ones, such as a reward model's, still compile in the step).
         Returns the names of the programs compiled; none (and nothing done) after the
         first call, with the setting off, or for a step of another shape: one-step
-        asynchronous, multi-turn or a segmented cache, whose programs compile when first
-        called. The first step's metrics carry the seconds this took as
+        asynchronous, multi-turn, a segmented cache or partial rollouts, whose programs
+        compile when first called. The first step's metrics carry the seconds this took as
         `timing_s/compile`."""
         if self._programs_compiled or not self._compiles_ahead():
             return []
@@ -277,7 +277,8 @@ class RLTrainer:
         if enabled is None:
             enabled = jax.default_backend() != "cpu"
         return bool(enabled) and self.programs.rollout_sharder is None and \
-            settings.multi_turn is None and settings.rollout.cache_segments <= 1
+            settings.multi_turn is None and settings.rollout.cache_segments <= 1 and \
+            settings.partial_tokens is None
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step (the module docstring's data path); returns its metrics."""

@@ -378,8 +378,9 @@ class Prefix:
       responses: int32 `[N, W]` each row's tokens so far, right-padded (W <= R).
       log_probs: float32 `[N, W]` their rollout log-probs.
       lengths: int32 `[N]` tokens so far, in `[0, W]` (0: a row not begun).
-      finished: bool `[N]` the row is complete; it is returned as it is.
-      keys: `[N]` the rows' PRNG keys: a row's token i is drawn with
+      finished: bool `[N]` the row is complete; it keeps its tokens and draws none.
+      keys: `[N]` the rows' PRNG keys (typed, or their key data `[N, ...]`): a row's
+        token i is drawn with
         `fold_in(keys[r], i)` whichever call draws it, so a row continued over several
         calls with the same parameters draws the tokens of one call (`row_keys` gives
         the keys of `generate`'s rows).
@@ -433,6 +434,8 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
         `[0, W]` and prompts as `generate` checks them.
     """
     check_inputs(prompt_ids, prompt_mask, sampling, config)
+    if not jax.dtypes.issubdtype(prefix.keys.dtype, jax.dtypes.prng_key):
+        prefix = prefix.replace(keys=jax.random.wrap_key_data(prefix.keys))
     _check_prefix(prompt_ids, prefix, sampling, max_steps)
     operands = (params, prompt_ids, prompt_mask, prefix)
     kwargs = dict(sampling=sampling, config=config, max_steps=max_steps)
@@ -503,11 +506,11 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
                          "actor.router_replay to none")
     if not _is_int(max_steps) or max_steps < 1:
         raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
-    width = prefix.responses.shape[-1] if prefix.responses.ndim == 2 else None
+    width = prefix.responses.shape[-1] if prefix.responses.ndim == 2 else "W"
     shapes = {"responses": (num_rows, width), "log_probs": (num_rows, width),
               "lengths": (num_rows,), "finished": (num_rows,), "keys": (num_rows,)}
     for name, shape in shapes.items():
-        if tuple(getattr(prefix, name).shape) != shape or width is None:
+        if tuple(getattr(prefix, name).shape) != shape:
             raise ValueError(f"prefix.{name} must be {list(shape)} for {num_rows} prompt "
                              f"rows; got {list(getattr(prefix, name).shape)}")
     if width > sampling.max_new_tokens:
@@ -808,12 +811,13 @@ def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeSt
             buffer, column[:, None], state.step, axis=1
         )
     else:
-        # Each row writes its own column; finished rows write none (an index past the
-        # end is dropped), and a row that reaches R tokens has finished.
+        # Each row writes its own column, finished rows none (R: no column), by a select
+        # rather than a scatter, which under a batch-sharded mesh gathers its indices and
+        # updates from every device at each step; a row that reaches R tokens has finished.
         num_new = state.responses.shape[1]
         columns = jnp.where(state.done, num_new, index)
-        rows = jnp.arange(columns.shape[0])
-        write = lambda buffer, column: buffer.at[rows, columns].set(column, mode="drop")
+        at = jnp.arange(num_new)[None, :] == columns[:, None]
+        write = lambda buffer, column: jnp.where(at, column[:, None], buffer)
         ended = stopped | (~state.done & (index + 1 >= num_new))
     return state.replace(
         step=state.step + 1,

@@ -101,9 +101,14 @@ def test_rounds_refill_free_rows_and_carry_running_ones_across_steps(tmp_path):
     source, rollouts = trainer.experience, trainer.rollouts
     assert isinstance(source, partial.PartialExperience)
 
+    keys = {}  # (prompt, tokens so far) -> the row's key data, per live row and round
+
     def continuer(state, prompt_ids, prompt_mask, prefix, frozen):
         ids, lengths = np.asarray(prompt_ids), np.asarray(prefix.lengths)
         finished = np.asarray(prefix.finished)
+        for r in np.flatnonzero(~finished):
+            keys.setdefault(ids[r].tobytes(), []).append(
+                (int(lengths[r]), tuple(np.asarray(prefix.keys)[r].ravel())))
         responses = np.zeros((len(ids), R), np.int32)
         responses[:, :prefix.responses.shape[1]] = np.asarray(prefix.responses)
         new, stops = lengths.copy(), np.array([_script(i)[0] for i in ids])
@@ -141,18 +146,27 @@ def test_rounds_refill_free_rows_and_carry_running_ones_across_steps(tmp_path):
             np.testing.assert_array_equal(rollout.rollout_log_probs[r, :stop], -0.5)
             np.testing.assert_array_equal(rollout.prompt_ids[r], ids[groups[r // N]])
         lag = step - np.repeat(began, N)
+        # A row keeps its key from its first round to its last; rows' keys differ.
+        for prompt in map(np.ndarray.tobytes, ids[groups]):
+            seen = keys[prompt]
+            assert len({k for _, k in seen}) == N, seen  # one key a sample, N samples
+            assert sorted(n for n, _ in seen)[:N] == [0] * N  # each began at 0
         assert sampled.metrics == {
             "rollout/partial_rounds": rounds, "rollout/partial_in_flight_rows": in_flight,
             "rollout/partial_waiting_groups": waiting,
             "rollout/partial_continued_fraction": pytest.approx(np.mean(lag > 0)),
             "rollout/partial_staleness/mean": pytest.approx(np.mean(lag)),
             "rollout/partial_staleness/max": np.max(lag)}
+    every = [k for seen in keys.values() for _, k in seen]
+    assert len(set(every)) == N * len(keys)  # no two samples share a key
 
 
 @pytest.mark.parametrize("overrides, match", [
     ({"rollout.partial_max_tokens": 3}, r"^rollout.partial_max_tokens: must be an integer "
      r"from 1 to rollout.response_length - 1 = 2 .*got 3$"),
     ({"rollout.partial_max_tokens": 0}, r"^rollout.partial_max_tokens: must be an integer"),
+    ({"rollout.partial_max_tokens": None}, r"^rollout.partial_max_tokens: must be set with "
+     r"rollout.partial=True"),
     ({"rollout.cache_segments": 3}, r"^rollout.partial: =True is not supported with "
      r"rollout.cache_segments=3"),
     ({"algorithm.filter_groups.enable": True}, r"^rollout.partial: =True is not supported "

@@ -561,10 +561,11 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
 
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params):
     """The partial rollout's primitive: rows generated four tokens a call, each call
-    prefilling the tokens so far, end as one `generate` call's rows (same keys and
-    parameters): the same tokens and lengths, log-probs to float32 rounding. Between
-    calls a row's length is its tokens so far and it is `finished` only once it has
-    stopped; a finished row comes back unchanged."""
+    prefilling the tokens so far (a prefix of 4 x calls columns, as the trainer passes
+    them; its keys as key data in the last), end as one `generate` call's rows (same
+    keys and parameters): the same tokens and lengths, log-probs to float32 rounding.
+    Between calls a row's length is its tokens so far and it is `finished` only once it
+    has stopped; a finished row keeps its tokens."""
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
     sampling = SamplingConfig(n=1, max_new_tokens=12, temperature=1.2,
                               stop_token_ids=(2, 3, 4), decode_buckets=2)
@@ -574,7 +575,7 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params):
     # Rows stop in each of the three calls, and some run to R.
     assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == 12
 
-    prefix = sampler.new_rows(rng, 6, width=12)
+    prefix = sampler.new_rows(rng, 6)
     for call in range(1, 4):
         out = sampler.continue_rows(small_params, ids, mask, prefix, sampling, config=SMALL,
                                     max_steps=4)
@@ -582,10 +583,11 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params):
         np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
         np.testing.assert_array_equal(finished, final <= 4 * call)
         was_finished = np.asarray(prefix.finished)
-        chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished],
+        chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished, :4 * call - 4],
                                     np.asarray(prefix.responses)[was_finished])
-        prefix = sampler.Prefix(out.responses, out.rollout_log_probs, out.response_lengths,
-                                out.finished, prefix.keys)
+        keys = jax.random.key_data(prefix.keys) if call == 2 else prefix.keys
+        prefix = sampler.Prefix(out.responses[:, :4 * call], out.rollout_log_probs[:, :4 * call],
+                                out.response_lengths, out.finished, keys)
     assert finished.all()
     chex.assert_trees_all_equal(out.replace(rollout_log_probs=None, finished=None),
                                 whole.replace(rollout_log_probs=None))

@@ -413,6 +413,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     sys.path.insert(0, {tests_dir!r})
     from test_sampler import SMALL, ragged_prompts, random_params
+    from jrl import sharding
     from jrl.rollout import sampler
 
     assert jax.device_count() == 8, jax.devices()
@@ -428,17 +429,22 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sharded = sampler.generate(
         jax.device_put(params, replicated), jax.device_put(ids, rows),
         jax.device_put(mask, rows), key, sampling, config=SMALL)
-    # Rows continued over two calls on the 8 devices, against one call on one.
+    # Rows continued over two calls on the 8 devices (the mesh's rules active, so the
+    # decode loop compacts within each device's rows), against one call on one.
     row_ids, row_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
-    one_row = dataclasses.replace(sampling, n=1)
+    one_row = dataclasses.replace(sampling, n=1, decode_buckets=2)
     once = sampler.generate(params, row_ids, row_mask, key, one_row, config=SMALL)
-    prefix = jax.device_put(sampler.new_rows(key, 16, width=6), rows)
-    for _ in range(2):
-        out = sampler.continue_rows(params, jax.device_put(row_ids, rows),
-                                    jax.device_put(row_mask, rows), prefix, one_row,
-                                    config=SMALL, max_steps=3)
-        prefix = sampler.Prefix(out.responses, out.rollout_log_probs, out.response_lengths,
-                                out.finished, prefix.keys)
+    sharder = sharding.Sharder(sharding.make_mesh(
+        sharding.MeshSettings(data=8, fsdp=1, tensor=1), jax.devices()))
+    prefix = sampler.new_rows(key, 16)
+    with sharder.active():
+        put = lambda x: jax.device_put(x, sharder.batch())
+        for call in range(2):
+            out = sampler.continue_rows(jax.device_put(params, sharder.replicated),
+                                        put(row_ids), put(row_mask), put(prefix), one_row,
+                                        config=SMALL, max_steps=3)
+            prefix = sampler.Prefix(out.responses[:, :3], out.rollout_log_probs[:, :3],
+                                    out.response_lengths, out.finished, prefix.keys)
     print(json.dumps(dict(
         continued_devices=len(out.responses.sharding.device_set),
         continued_same=bool(np.array_equal(out.responses, once.responses)

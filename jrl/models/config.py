@@ -423,10 +423,17 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> ModelConfig:
-        """A named preset (see `PRESETS`), with optional field overrides."""
+        """A named preset (see `PRESETS`), with optional field overrides. A Gemma preset
+        given another `num_layers` (and no `layer_types`) keeps its local/global pattern
+        over the new depth."""
         if name not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; presets are {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        preset = PRESETS[name]
+        types = preset.layer_types
+        if "num_layers" in overrides and "layer_types" not in overrides and gemma.FULL in types:
+            overrides["layer_types"] = gemma.layer_types(overrides["num_layers"],
+                                                         types.index(gemma.FULL) + 1)
+        return dataclasses.replace(preset, **overrides)
 
 
 def hf_family_and_head(hf_config: Mapping[str, Any]) -> tuple[str, str]:

@@ -19,6 +19,7 @@ from jrl.models import (
     PRESETS,
     ModelConfig,
     forward_logits,
+    gemma,
     init_cache,
     init_params,
     load_pretrained,
@@ -354,3 +355,16 @@ def test_packed_rows_give_the_padded_forward_and_gradients(layout_params, impl):
         p_used)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     chex.assert_trees_all_close(got_grads, want_grads, atol=2e-4, rtol=2e-4)
+
+
+def test_a_preset_at_another_depth_keeps_its_local_global_pattern():
+    """`model.num_layers` on a Gemma preset: the preset's every-k-th-layer-global pattern
+    over the new depth (Gemma 3: five local to one global; Gemma 2: alternating)."""
+    local, full = gemma.SLIDING, gemma.FULL
+    assert ModelConfig.preset("gemma-3-1b", num_layers=8).layer_types == (
+        (local,) * 5 + (full,) + (local,) * 2)
+    assert ModelConfig.preset("gemma-2-2b", num_layers=3).layer_types == (local, full, local)
+    explicit = (full,) * 4
+    assert ModelConfig.preset("gemma-3-1b", num_layers=4,
+                              layer_types=explicit).layer_types == explicit
+    assert ModelConfig.preset("gemma-3-1b").layer_types == gemma.layer_types(26, 6)

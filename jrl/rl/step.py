@@ -200,8 +200,6 @@ def continue_rows(state: TrainState, prompt_ids, prompt_mask, prefix: Prefix, fr
     their `prefix` by at most `max_steps` tokens each (`sampler.continue_rows`; `sampling.n`
     1); `frozen` and `param_shardings` as in `generate`. The prefix's keys may come as
     key data (`jax.random.key_data`), as the host keeps them."""
-    if not jax.dtypes.issubdtype(prefix.keys.dtype, jax.dtypes.prng_key):
-        prefix = prefix.replace(keys=jax.random.wrap_key_data(prefix.keys))
     params = rollout_params(state, frozen, model_config=model_config,
                             param_shardings=param_shardings)
     return continue_program(params, prompt_ids, prompt_mask, prefix, sampling=sampling,

@@ -356,13 +356,8 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     with its own shardings; shapes as in `generate`."""
     row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
                                                            rng, sampling, config)
-    num_rows, num_new = state.responses.shape
-    groups = _row_groups(num_rows)
-    sizes = decode_sizes(num_rows, groups, sampling)
-    out = _outputs(state)
-    state, out = decode_rows(params, state, out, num_new, sizes, groups,
-                             prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
-    out = _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
+    out = _decode_to(params, state, state.responses.shape[1], prompt_len=prompt_ids.shape[1],
+                     sampling=sampling, config=config)
     if not sampling.record_routing:
         return rollout_output(row_prompt_ids, row_prompt_mask, *out)
     *out, response_routing, prompt_routing = out
@@ -380,10 +375,9 @@ class Prefix:
       lengths: int32 `[N]` tokens so far, in `[0, W]` (0: a row not begun).
       finished: bool `[N]` the row is complete; it keeps its tokens and draws none.
       keys: `[N]` the rows' PRNG keys (typed, or their key data `[N, ...]`): a row's
-        token i is drawn with
-        `fold_in(keys[r], i)` whichever call draws it, so a row continued over several
-        calls with the same parameters draws the tokens of one call (`row_keys` gives
-        the keys of `generate`'s rows).
+        token i is drawn with `fold_in(keys[r], i)` whichever call draws it, so a row
+        continued over several calls with the same parameters draws the tokens of one
+        call (`row_keys` gives the keys of `generate`'s rows).
     """
 
     responses: jax.Array
@@ -434,8 +428,7 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
         `[0, W]` and prompts as `generate` checks them.
     """
     check_inputs(prompt_ids, prompt_mask, sampling, config)
-    if not jax.dtypes.issubdtype(prefix.keys.dtype, jax.dtypes.prng_key):
-        prefix = prefix.replace(keys=jax.random.wrap_key_data(prefix.keys))
+    prefix = _with_typed_keys(prefix)
     _check_prefix(prompt_ids, prefix, sampling, max_steps)
     operands = (params, prompt_ids, prompt_mask, prefix)
     kwargs = dict(sampling=sampling, config=config, max_steps=max_steps)
@@ -449,7 +442,9 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
 def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
                      sampling: SamplingConfig, config: ModelConfig, max_steps: int
                      ) -> RolloutOutput:
-    """The body of `continue_rows` (arguments already checked)."""
+    """The body of `continue_rows` (arguments already checked; the prefix's keys typed or
+    as key data), to be jitted by the caller with its own shardings."""
+    prefix = _with_typed_keys(prefix)
     num_rows, prompt_len = prompt_ids.shape
     num_new, width = sampling.max_new_tokens, prefix.responses.shape[1]
     steps = min(max_steps, num_new)
@@ -484,14 +479,17 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
         offsets=lengths,
     )
     state = _emit(state, logits_nv, sampling)
-    groups = _row_groups(num_rows)
-    sizes = decode_sizes(num_rows, groups, sampling)
-    out = _outputs(state)
-    state, out = decode_rows(params, state, out, steps, sizes, groups, prompt_len=total,
-                             sampling=sampling, config=config)
-    *out, finished = _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
+    *out, finished = _decode_to(params, state, steps, prompt_len=total, sampling=sampling,
+                                config=config)
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                           *out).replace(finished=finished)
+
+
+def _with_typed_keys(prefix: Prefix) -> Prefix:
+    """The prefix with typed keys (from key data, as a host keeps them)."""
+    if jax.dtypes.issubdtype(prefix.keys.dtype, jax.dtypes.prng_key):
+        return prefix
+    return prefix.replace(keys=jax.random.wrap_key_data(prefix.keys))
 
 
 def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_steps) -> None:
@@ -523,6 +521,18 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
             row = int(np.argmax(bad))
             raise ValueError(f"prefix row {row} has length {int(lengths[row])}, outside "
                              f"[0, {width}] (the prefix's columns)")
+
+
+def _decode_to(params, state: _DecodeState, end: int, *, prompt_len: int,
+               sampling: SamplingConfig, config: ModelConfig) -> tuple[jax.Array, ...]:
+    """Decodes from `state` until step `end` or until every row has stopped, at the decode
+    loop's batch sizes (`decode_sizes`); the rows' outputs (`_outputs`) in their order."""
+    num_rows = state.responses.shape[0]
+    groups = _row_groups(num_rows)
+    sizes = decode_sizes(num_rows, groups, sampling)
+    state, out = decode_rows(params, state, _outputs(state), end, sizes, groups,
+                             prompt_len=prompt_len, sampling=sampling, config=config)
+    return _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
 
 
 def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:

@@ -391,20 +391,28 @@ def target_lengths(args) -> np.ndarray | None:
     return np.random.default_rng(args.seed).integers(lo, hi + 1, args.batch * args.n)
 
 
-def stop_at_target_lengths(targets: np.ndarray) -> None:
-    """Makes the sampler stop each row at its target length, as if it had emitted a stop
-    token there: a random model cannot be made to, and the lengths of a reasoning batch
-    are what the passes after the rollout are measured on. The decode loop sees the
-    rows end (its batch compaction follows them) exactly as with real stops."""
+def stop_at_lengths(target_fn) -> None:
+    """Makes the sampler stop each row at its target length `target_fn(state)` (`[N]`,
+    from the decode state), as if it had emitted a stop token there: a random model
+    cannot be made to, and the lengths of a reasoning batch are what the passes after
+    the rollout are measured on. The decode loop sees the rows end (its batch compaction
+    follows them) exactly as with real stops; a continued row (partial rollouts) counts
+    its tokens from its first call."""
     original = sampler._emit
 
     def emit(state, logits_nv, sampling):
         new = original(state, logits_nv, sampling)
-        reached = ~new.done & (new.step >= jax.numpy.asarray(targets)[new.rows])
+        drawn = new.step if new.offsets is None else new.offsets + new.step
+        reached = ~new.done & (drawn >= target_fn(new))
         return new.replace(done=new.done | reached,
-                           lengths=jax.numpy.where(reached, new.step, new.lengths))
+                           lengths=jax.numpy.where(reached, drawn, new.lengths))
 
     sampler._emit = emit
+
+
+def stop_at_target_lengths(targets: np.ndarray) -> None:
+    """`--uniform_lengths`: each output row at its length in `targets`."""
+    stop_at_lengths(lambda state: jax.numpy.asarray(targets)[state.rows])
 
 
 def stop_at_key_lengths(spec: str, response_len: int) -> None:
@@ -416,20 +424,14 @@ def stop_at_key_lengths(spec: str, response_len: int) -> None:
     if not (1 <= lo <= hi <= response_len and 0 <= frac <= 1):
         raise SystemExit("--long_tail LO,HI,FRAC needs 1 <= LO <= HI <= --response_len "
                          "and 0 <= FRAC <= 1")
-    original = sampler._emit
     jnp = jax.numpy
 
-    def emit(state, logits_nv, sampling):
-        new = original(state, logits_nv, sampling)
+    def target(state):
         bits = jax.random.key_data(state.keys).reshape(state.keys.shape[0], -1)
         long = bits[:, 0].astype(jnp.float32) / 2.0 ** 32 < frac
-        target = jnp.where(long, response_len, lo + bits[:, -1] % (hi - lo + 1))
-        drawn = new.step if new.offsets is None else new.offsets + new.step
-        reached = ~new.done & (drawn >= target)
-        return new.replace(done=new.done | reached,
-                           lengths=jnp.where(reached, drawn, new.lengths))
+        return jnp.where(long, response_len, lo + bits[:, -1] % (hi - lo + 1))
 
-    sampler._emit = emit
+    stop_at_lengths(target)
 
 
 def attention_flops(args, targets: np.ndarray | None) -> float | None:

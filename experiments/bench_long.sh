@@ -8,6 +8,11 @@
 #   natural         the same, rows stopping at lengths uniform in [512, 8192] (seeded)
 #   long_tail       token-budget micro-batches, 90% of the rows stopping uniformly in
 #                   [256, 1024] and 10% running to 8192 (picked by each row's key)
+#   third           token-budget micro-batches, rows stopping uniformly in [512, 4949]
+#                   (a third of the maximum on average)
+#   paged_third     third with the paged KV cache (rollout.kv_cache=paged), its pool
+#                   half of the contiguous cache's pages (PAGES, default 34,817 of 16
+#                   slots: 128 rows x 544 pages / 2, and the trash page)
 #   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
 #                   a round; 9 warm-up steps, one more than the prefix widths it compiles)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
@@ -50,6 +55,7 @@ SHORT=(--preset qwen2.5-0.5b --algo grpo --batch 64 --n 8 --prompt_len 128 --res
   --warmup 1 --steps 2)
 NATURAL=(--natural_stops --uniform_lengths 512,8192)
 LONG_TAIL=(--natural_stops --long_tail 256,1024,0.1)
+THIRD=(--natural_stops --uniform_lengths 512,4949)
 
 run() {  # run NAME TREE ARGS...
   local name=$1 tree=$2
@@ -103,6 +109,9 @@ for name in "$@"; do
     forced) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz ;;
     natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" ;;
     long_tail) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" ;;
+    third) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${THIRD[@]}" ;;
+    paged_third) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${THIRD[@]}" \
+                   --kv_cache paged --num_pages "${PAGES:-34817}" ;;
     partial) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" \
                --partial_max_tokens 1024 --warmup 9 --steps 3 ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;

@@ -58,7 +58,7 @@ from jrl.config.defaults import base_config  # noqa: E402
 from jrl.data.dataset import BatchIterator  # noqa: E402
 from jrl.models import ModelConfig  # noqa: E402
 from jrl.rl.trainer import RLTrainer  # noqa: E402
-from jrl.rollout import sampler  # noqa: E402
+from jrl.rollout import paged, sampler  # noqa: E402
 
 # The trainer's phases: the rollout, `step.forward` (old and reference log-probs,
 # values), waiting for the rewards, `step.learn` (advantages, critic and actor updates).
@@ -144,6 +144,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--partial_max_tokens", type=int, default=0,
                    help="partial rollouts (rollout.partial) with this many tokens a row a "
                         "round; 0: off")
+    p.add_argument("--kv_cache", default="contiguous", choices=sampler.KV_CACHES,
+                   help="rollout.kv_cache; paged: --page_size, --num_pages, --max_num_seqs")
+    p.add_argument("--page_size", type=int, default=16, help="rollout.page_size")
+    p.add_argument("--num_pages", type=int, default=0,
+                   help="rollout.num_pages (0: every decode slot at full length)")
+    p.add_argument("--max_num_seqs", type=int, default=0, help="rollout.max_num_seqs (0: all)")
     p.add_argument("--micro_batch", type=int, default=32,
                    help="actor.ppo_micro_batch_size: sequences per forward/backward (global)")
     p.add_argument("--critic_micro_batch", type=int, default=None,
@@ -331,6 +337,10 @@ def make_config(args, algo: str):
     if args.decode_buckets is not None:
         c.rollout.decode_buckets = args.decode_buckets
     c.rollout.gemm = args.rollout_gemm
+    c.rollout.kv_cache = args.kv_cache
+    c.rollout.page_size = args.page_size
+    c.rollout.num_pages = args.num_pages
+    c.rollout.max_num_seqs = args.max_num_seqs
     c.actor.share_prompts = args.share_prompts == "on"
     batch_sequences = args.batch * args.n
     if args.log_prob_micro_batch and batch_sequences % args.log_prob_micro_batch == 0:
@@ -392,27 +402,35 @@ def target_lengths(args) -> np.ndarray | None:
 
 
 def stop_at_lengths(target_fn) -> None:
-    """Makes the sampler stop each row at its target length `target_fn(state)` (`[N]`,
-    from the decode state), as if it had emitted a stop token there: a random model
-    cannot be made to, and the lengths of a reasoning batch are what the passes after
-    the rollout are measured on. The decode loop sees the rows end (its batch compaction
-    follows them) exactly as with real stops; a continued row (partial rollouts) counts
-    its tokens from its first call."""
+    """Makes the sampler stop each row at its target length `target_fn(rows, keys)` (`[M]`
+    for the decode rows' output rows and sampling keys), as if it had emitted a stop
+    token there: a random model cannot be made to, and the lengths of a reasoning batch
+    are what the passes after the rollout are measured on. The decode loop sees the rows
+    end (its batch compaction, or the paged cache's refill, follows them) exactly as
+    with real stops; a continued row (partial rollouts) counts its tokens from its first
+    call."""
     original = sampler._emit
 
     def emit(state, logits_nv, sampling):
         new = original(state, logits_nv, sampling)
         drawn = new.step if new.offsets is None else new.offsets + new.step
-        reached = ~new.done & (drawn >= target_fn(new))
+        reached = ~new.done & (drawn >= target_fn(new.rows, new.keys))
         return new.replace(done=new.done | reached,
                            lengths=jax.numpy.where(reached, drawn, new.lengths))
 
+    stops = paged._stops
+
+    def paged_stops(ctx, state, tokens):
+        rows = jax.numpy.minimum(state.rows, ctx.num_rows - 1)
+        return stops(ctx, state, tokens) | (state.lengths + 1 >= target_fn(rows, ctx.keys[rows]))
+
     sampler._emit = emit
+    paged._stops = paged_stops
 
 
 def stop_at_target_lengths(targets: np.ndarray) -> None:
     """`--uniform_lengths`: each output row at its length in `targets`."""
-    stop_at_lengths(lambda state: jax.numpy.asarray(targets)[state.rows])
+    stop_at_lengths(lambda rows, keys: jax.numpy.asarray(targets)[rows])
 
 
 def stop_at_key_lengths(spec: str, response_len: int) -> None:
@@ -426,8 +444,8 @@ def stop_at_key_lengths(spec: str, response_len: int) -> None:
                          "and 0 <= FRAC <= 1")
     jnp = jax.numpy
 
-    def target(state):
-        bits = jax.random.key_data(state.keys).reshape(state.keys.shape[0], -1)
+    def target(rows, keys):
+        bits = jax.random.key_data(keys).reshape(keys.shape[0], -1)
         long = bits[:, 0].astype(jnp.float32) / 2.0 ** 32 < frac
         return jnp.where(long, response_len, lo + bits[:, -1] % (hi - lo + 1))
 

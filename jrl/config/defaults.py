@@ -301,6 +301,25 @@ def base_config() -> ml_collections.ConfigDict:
     # The most tokens a row draws in one round of partial rollouts (from 1 to
     # response_length - 1); needed with partial=True.
     c.rollout.partial_max_tokens = config_dict.placeholder(int)
+    # The rollout's KV cache: "contiguous" (every row P + response_length slots for the
+    # whole program) or "paged" (a pool of page_size-slot pages that rows take as their
+    # tokens need them and give back when they stop, over max_num_seqs decode slots that
+    # are refilled from the step's waiting rows inside the decode loop; the contiguous
+    # cache's tokens and log-probs, bit for bit on XLA:CPU). Single-turn rollouts, not
+    # with cache_segments > 1, partial or routing replay from the rollout.
+    c.rollout.kv_cache = "contiguous"
+    # Slots per page of the paged cache.
+    c.rollout.page_size = 16
+    # Pages in the paged cache's pool, one of them a trash page (0: every decode slot at
+    # full length). Fewer pages than the rows could fill send the row admitted last back
+    # to wait when the pool runs out (it starts over and draws the same tokens); at
+    # least one row at full length must fit.
+    c.rollout.num_pages = 0
+    # Decode slots of the paged cache: rows decoded at once (0: every row of the step).
+    c.rollout.max_num_seqs = 0
+    # Rows prefilled into freed decode slots at once (0: an eighth of max_num_seqs, at
+    # least 2).
+    c.rollout.refill_rows = 0
     # On a GPU, how the sampler's programs compile their matmuls: "cublas" (each a
     # cuBLAS call: faster for a decode step's one token per row, and quicker to
     # compile) or "xla" (XLA's choice, Triton GEMM fusions included). No effect off a GPU.

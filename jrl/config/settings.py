@@ -31,7 +31,7 @@ from jrl.models import config as model_config
 from jrl.models import hf
 from jrl.rewards import custom, in_graph, reward_model, scoring
 from jrl.rl import buckets
-from jrl.rollout import multi_turn, sampler
+from jrl.rollout import multi_turn, paged, sampler
 from jrl.rollout.sampler import SamplingConfig
 
 # The lists of valid values below are the ones this module owns; every other choice key
@@ -825,6 +825,8 @@ class Settings:
             self._check_cache_segments()
         if self.partial_tokens is not None:
             self._check_partial()
+        if self.rollout.kv_cache == "paged":
+            self._check_paged()
         if self.reward.in_graph_fn is not None:
             self._check_in_graph()
         elif self.trainer.multi_run:
@@ -928,7 +930,8 @@ class Settings:
                   f"rollout.devices={self.sampling_devices}": bool(self.sampling_devices),
                   "algorithm.filter_groups.enable=True": self.filter_groups is not None,
                   f"rollout.cache_segments={self.rollout.cache_segments}":
-                      self.rollout.cache_segments > 1}
+                      self.rollout.cache_segments > 1,
+                  "rollout.kv_cache='paged'": self.rollout.kv_cache == "paged"}
         clash = [name for name, on in others.items() if on]
         if clash:
             _fail("rollout.partial", f"=True is not supported with {', '.join(clash)} (its "
@@ -937,6 +940,18 @@ class Settings:
         if self.reward.in_graph_fn is not None:
             _fail_in_graph(self.reward.in_graph_fn, "rollout.partial",
                            "=True, whose rounds return to the host to refill the batch")
+
+    def _check_paged(self) -> None:
+        """The paged cache: single-turn rollouts, and a pool that holds one row at full
+        length (`paged.check_pages`)."""
+        if self.multi_turn is not None:
+            _fail("rollout.kv_cache", "='paged' cannot be combined with "
+                  "rollout.multi_turn.enable=True (its turns keep the contiguous cache); set "
+                  "rollout.kv_cache='contiguous'")
+        try:
+            paged.check_pages(self.rollout, self.max_prompt_length)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def _check_in_graph(self) -> None:
         """The features beyond `reward.*` that need host scores (see `RewardSettings`)."""
@@ -1069,6 +1084,8 @@ def _sampling(config, key: str) -> SamplingConfig:
         decode_buckets=_decode_buckets(config),
         cache_segments=_get(config, "rollout.cache_segments"),
         gemm=_get(config, "rollout.gemm"),
+        **{key: _get(config, f"rollout.{key}") for key in (
+            "kv_cache", "page_size", "num_pages", "max_num_seqs", "refill_rows")},
         record_routing=key == "rollout" and config.actor.get("router_replay") == "rollout",
     ), key)
 

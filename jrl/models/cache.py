@@ -176,6 +176,71 @@ class RowCache(KVCache):
                             batch_rows=inverse_rows(cache_rows, self.batch_rows.shape[1]))
 
 
+# The page every unused block-table entry names: written by rows that hold no page
+# there (padding, slots with no sequence), never attended (their key mask is 0).
+TRASH_PAGE = 0
+
+
+@flax.struct.dataclass
+class PagedCache(KVCache):
+    """A cache of fixed-size pages shared by B rows through a block table (the paged
+    sampler's, `jrl.rollout.paged`): row b's slot s lives at offset `s mod page` of page
+    `block_table[b, s // page]`, so a row holds pages only for the slots it has filled
+    and the pool is sized to the live tokens, not to B full rows.
+
+    The slots keep the contiguous cache's layout (left-padded prompt, then the response),
+    and attention reads a row's pages gathered into that layout (`view`), so a row's
+    keys, values and scores are those of the contiguous cache at the same slots.
+    `write_index` is per row, `[B]` (rows written at different slots in one step).
+
+    Attributes:
+      k, v: L pools `[num_pages, K, page, H]`.
+      block_table: int32 `[B, pages_per_row]`; `TRASH_PAGE` where the row holds none.
+      num_slots: S, the slots of a row (`max_len`); `pages_per_row * page >= S`.
+    """
+
+    block_table: jax.Array = None
+    num_slots: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def max_len(self) -> int:
+        return self.num_slots
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    def write(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> PagedCache:
+        """Writes one layer's new keys/values `[B, T, K, H]` of row b at its slots
+        `write_index[b] + t`."""
+        num = k_btkh.shape[1]
+        slots_bt = jnp.asarray(write_index, jnp.int32).reshape(-1, 1) + jnp.arange(num)
+        pages_bt = jnp.take_along_axis(self.block_table, slots_bt // self.page_size, axis=1)
+        offsets_bt = slots_bt % self.page_size
+        put = lambda pool, new: pool.at[pages_bt, :, offsets_bt].set(new.astype(pool.dtype))
+        return self.replace_layer(layer, put(self.k[layer], k_btkh), put(self.v[layer], v_btkh))
+
+    def view(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s keys and values as the contiguous cache holds them, `[B, K, S, H]`
+        each: every row's pages gathered in slot order."""
+        def gather(pool):
+            pages = pool[self.block_table]  # [B, pages_per_row, K, page, H]
+            b, n, k, page, h = pages.shape
+            return pages.transpose(0, 2, 1, 3, 4).reshape(b, k, n * page, h)[:, :, :self.num_slots]
+
+        return gather(self.k[layer]), gather(self.v[layer])
+
+
+def init_pool(config: ModelConfig, num_pages: int, page_size: int,
+              dtype: str | None = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The zero pools `(k, v)` of a `PagedCache`: L buffers `[num_pages, K, page_size, H]`
+    each."""
+    shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype or config.dtype)
+                          for _ in range(config.num_layers))
+    return zeros(), zeros()
+
+
 def inverse_rows(rows_gb: jax.Array, size: int) -> jax.Array:
     """int32 `[G, size]`: for each index i of a group, the position of i in that group's
     `rows_gb` (`[G, B]`, distinct values, those >= `size` ignored); B where none."""
@@ -266,18 +331,21 @@ def attention_mask(
     Args:
       key_mask_bs: `[B, S]` validity of keys (1 = real token).
       num_queries: T.
-      write_index: slot of the first query; None when there is no cache, in which
-        case S == T and query t sits at slot t.
+      write_index: slot of the first query (a scalar, or `[B]` one per row); None when
+        there is no cache, in which case S == T and query t sits at slot t.
 
     Returns:
       bool `[B, 1, T, S]` (broadcast over heads): causal, valid keys only, plus
       each query's own slot.
     """
     first = 0 if write_index is None else write_index
-    query_slot_t1 = (first + jnp.arange(num_queries))[:, None]
-    slot_1s = jnp.arange(key_mask_bs.shape[1])[None, :]
-    allowed_bts = (slot_1s <= query_slot_t1)[None] & key_mask_bs.astype(bool)[:, None, :]
+    if jnp.ndim(first):  # a write index per row (a `PagedCache`'s): [B, 1]
+        first = jnp.reshape(first, (-1, 1))
+    # [1 or B, T, 1]
+    query_slot_bt1 = jnp.reshape(first + jnp.arange(num_queries), (-1, num_queries, 1))
+    slot_11s = jnp.arange(key_mask_bs.shape[1])[None, None, :]
+    allowed_bts = (slot_11s <= query_slot_bt1) & key_mask_bs.astype(bool)[:, None, :]
     # Every query may also see its own slot, so a padding query never has an all-masked
     # row: cuDNN's backward pass returns garbage gradients for such rows. Real queries
     # are unaffected (their own slot is valid anyway).
-    return (allowed_bts | (slot_1s == query_slot_t1)[None])[:, None]
+    return (allowed_bts | (slot_11s == query_slot_bt1))[:, None]

@@ -58,7 +58,7 @@ from jrl.kernels import packed_attention
 from jrl.models import cache as cache_lib
 from jrl.models import context_attention, gemma, moe, rope
 from jrl.models import heads as heads_lib
-from jrl.models.cache import KVCache, RowCache, attention_mask
+from jrl.models.cache import KVCache, PagedCache, RowCache, attention_mask
 from jrl.models.config import ModelConfig
 from jrl.sharding import constrain
 
@@ -331,6 +331,11 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
         return _packed_attention(c, q_btnh, k_btkh, v_btkh, mask_b1ts, local), cache
     if cache is None:
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
+    if isinstance(cache, PagedCache):  # each row at its own slots, read through its pages
+        cache = cache.write(layer, write_index, k_btkh, v_btkh)
+        k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.view(layer))
+        return _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
+                       mask_b1ts), cache
     if cache.layer(layer)[0].shape[2] < mask_b1ts.shape[-1]:  # a ring buffer
         return _ring_attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts, cache, layer, write_index)
     rows = isinstance(cache, RowCache)
@@ -828,7 +833,7 @@ def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
     Pallas kernel (on its Mosaic GPU backend), each row's first filled slot (`DecodeStep`;
     the row's slots are contiguous by the cache contract: left padding, then tokens up
     to the one being written)."""
-    if cache is not None and num_queries == 1:
+    if cache is not None and num_queries == 1 and not isinstance(cache, PagedCache):
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len, config.dtype)
         if impl == "mosaic":
@@ -891,8 +896,8 @@ def forward(
         (several sequences end to end, `jrl.rl.packing`); with a cache, `[B, S]` slot
         validity including the slots written by this call (1 = valid).
       cache: `KVCache` of S slots, or None.
-      write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows); required
-        with a cache, must be None without one.
+      write_index: slot of `tokens_bt[:, 0]` (scalar, shared by all rows; with a
+        `PagedCache`, `[B]`, one per row); required with a cache, must be None without one.
       config: the architecture (static under jit).
       routing: an MoE model's replayed experts, int `[B, T, L, k]` in the layout of
         `tokens_bt` (`moe.NOT_RECORDED` where a token routes itself), for a forward

@@ -31,7 +31,7 @@ from jrl.optim import make_optimizer
 from jrl.rl import logprobs, packing, types
 from jrl.rl import step as step_lib
 from jrl.rl.update import ModelState
-from jrl.rollout import segments
+from jrl.rollout import paged, segments
 from jrl.rollout.sampler import SamplingConfig, cache_slots, compiler_options
 
 
@@ -353,6 +353,19 @@ def memory_report(programs: Programs, state: types.TrainState, frozen, ref_param
     return "\n".join(lines)
 
 
+def _page_pool(programs: Programs, rows: int) -> tuple[str, object, object]:
+    """`memory_report`'s part for the paged cache's pool (`jrl.rollout.paged`)."""
+    settings, model_config = programs.settings, programs.model_config
+    sizes = paged.shape(settings.rollout, rows, settings.max_prompt_length)
+    shape = (sizes["pages"], model_config.num_kv_heads, settings.rollout.page_size,
+             model_config.head_dim)
+    name = (f"KV cache, {sizes['pages']} pages x {settings.rollout.page_size} slots "
+            f"({sizes['seqs']} decode slots for {rows} rows)")
+    pools = [jax.ShapeDtypeStruct(shape, jnp.dtype(model_config.dtype))] * (
+        2 * model_config.num_layers)
+    return name, pools, [programs.sampling_sharder.named((None,) * 4, shape)] * len(pools)
+
+
 def _kv_cache_parts(programs: Programs) -> list[tuple[str, object, object]]:
     """`memory_report`'s (name, shapes, shardings) of the rollout's KV cache, and of the
     sampling group's weights and cache."""
@@ -365,6 +378,8 @@ def _kv_cache_parts(programs: Programs) -> list[tuple[str, object, object]]:
         settings.multi_turn.config.max_tool_response_tokens + 1
     slots = cache_slots(model_config, settings.max_sequence_length + block)
     name = f"KV cache, {rows} rows x {slots} slots"
+    if settings.rollout.kv_cache == "paged":
+        return [_page_pool(programs, rows)]
     if settings.rollout.cache_segments > 1:  # the first segment's; later ones follow the tokens
         first = segments.segment_slots(model_config, settings.max_prompt_length,
                                        settings.rollout)[0]

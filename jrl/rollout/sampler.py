@@ -72,6 +72,8 @@ VAL_KWARGS = ("do_sample", "temperature", "top_p", "top_k", "n")
 _PROBES_PER_PASS = 7
 # `SamplingConfig.gemm`'s values.
 GEMMS = ("cublas", "xla")
+# `SamplingConfig.kv_cache`'s values.
+KV_CACHES = ("contiguous", "paged")
 # Bit pattern of float32 1.0: weights exp(z - max z) lie in [0, 1].
 _FLOAT32_ONE_BITS = 0x3F800000
 
@@ -109,6 +111,15 @@ class SamplingConfig:
       record_routing: an MoE model's rollout records each token's experts in every
         layer (`RolloutOutput.prompt_routing`, `.response_routing`) for routing replay
         in the training passes. One program only (`cache_segments` 1).
+      kv_cache: "contiguous" (every row a cache of `P + R` slots for the whole program)
+        or "paged" (`jrl.rollout.paged`: a pool of pages, `max_num_seqs` decode slots
+        refilled from the waiting rows as rows stop). The same tokens either way.
+      page_size: slots per page of the paged cache.
+      num_pages: pages in the paged cache's pool, one of them the trash page; 0: enough
+        for every decode slot at full length.
+      max_num_seqs: decode slots of the paged cache (rows decoded at once); 0: all rows.
+      refill_rows: rows prefilled into freed slots at once (fewer when fewer wait); 0:
+        an eighth of the decode slots.
     """
 
     n: int = 1
@@ -124,6 +135,11 @@ class SamplingConfig:
     cache_segments: int = 1
     gemm: str = "cublas"
     record_routing: bool = False
+    kv_cache: str = "contiguous"
+    page_size: int = 16
+    num_pages: int = 0
+    max_num_seqs: int = 0
+    refill_rows: int = 0
 
     def __post_init__(self):
         # A list (from a ConfigDict or JSON) would make the config unhashable.
@@ -179,6 +195,19 @@ class SamplingConfig:
             fail("record_routing", "True or False")
         if self.record_routing and self.cache_segments > 1:
             fail("cache_segments", "1 when the rollout records its routing (routing replay)")
+        if self.kv_cache not in KV_CACHES:
+            fail("kv_cache", f"one of {', '.join(map(repr, KV_CACHES))}")
+        for key in ("page_size",):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+                fail(key, "an integer >= 1")
+        for key, zero in (("num_pages", "enough for every decode slot at full length"),
+                          ("max_num_seqs", "every row at once"),
+                          ("refill_rows", "an eighth of max_num_seqs")):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                fail(key, f"an integer >= 0 (0: {zero})")
+        if self.kv_cache == "paged" and (self.cache_segments > 1 or self.record_routing):
+            fail("kv_cache", "'contiguous' with rollout.cache_segments > 1 or routing "
+                 "records (actor.router_replay=rollout)")
         return self
 
     def for_validation(self, **val_kwargs) -> SamplingConfig:
@@ -348,12 +377,19 @@ def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: Mode
     """The checks `generate` makes before compiling (for callers that jit `generate_program`)."""
     sampling.validate(config.vocab_size)
     _check_prompts(prompt_ids, prompt_mask, config)
+    if sampling.kv_cache == "paged":
+        from jrl.rollout import paged
+        paged.check_pages(sampling, prompt_ids.shape[1])
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
                      ) -> RolloutOutput:
     """The body of `generate` (arguments already checked), to be jitted by the caller
     with its own shardings; shapes as in `generate`."""
+    if sampling.kv_cache == "paged":
+        from jrl.rollout import paged  # it builds on this module
+        return paged.generate_program(params, prompt_ids, prompt_mask, rng, sampling=sampling,
+                                      config=config)
     row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
                                                            rng, sampling, config)
     out = _decode_to(params, state, state.responses.shape[1], prompt_len=prompt_ids.shape[1],

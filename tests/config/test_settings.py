@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import os
 
 import pytest
 
@@ -18,7 +19,9 @@ from jrl.rewards import reward_model, scoring
 from jrl.rollout import sampler
 from tests.tiny import tiny_config
 
-_GAE = {"algorithm.adv_estimator": "gae"}  # critic keys are checked only with a critic
+_GAE = {"algorithm.adv_estimator": "gae"}
+_CALCULATOR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tools",
+                           "calculator.yaml")  # critic keys are checked only with a critic
 
 # Config key -> (the owning module's list, overrides under which the key is checked).
 _CHOICES = {
@@ -119,6 +122,9 @@ def test_sampling_keys_are_the_rollouts():
     ({"rollout.val_kwargs.top_k": -5}, "rollout.val_kwargs.top_k"),
     ({"rollout.decode_buckets": 0}, "rollout.decode_buckets"),
     ({"rollout.gemm": "triton"}, "rollout.gemm"),
+    ({"rollout.kv_cache": "ring"}, "rollout.kv_cache"),
+    ({"rollout.kv_cache": "paged", "rollout.page_size": 0}, "rollout.page_size"),
+    ({"rollout.kv_cache": "paged", "rollout.max_num_seqs": -1}, "rollout.max_num_seqs"),
     ({"actor.response_buckets": 0}, "actor.response_buckets"),
 ])
 def test_library_checks_are_config_errors(overrides, key):
@@ -282,3 +288,26 @@ def test_old_log_prob_replay_records_in_training_not_in_the_rollout():
     with pytest.raises(ConfigError, match="^actor.router_replay: 'old_log_prob' replays the "
                        "experts of a mixture-of-experts model"):
         _settings(**{"actor.router_replay": "old_log_prob"})
+
+
+def test_paged_cache_settings():
+    """The paged cache's keys reach the sampler; a pool too small for one row at full
+    length, or a multi-turn or partial rollout, stops with the keys to change."""
+    keys = {"rollout.kv_cache": "paged", "rollout.page_size": 4, "rollout.num_pages": 30,
+            "rollout.max_num_seqs": 8, "rollout.refill_rows": 2}
+    s = _settings(**keys)
+    assert (s.rollout.kv_cache, s.rollout.page_size, s.rollout.num_pages,
+            s.rollout.max_num_seqs, s.rollout.refill_rows) == ("paged", 4, 30, 8, 2)
+    # The tiny config's prompt + response slots, in pages of 4, and the trash page.
+    pages = -(-(s.max_prompt_length + s.rollout.max_new_tokens) // 4) + 1
+    _settings(**{**keys, "rollout.num_pages": pages})
+    with pytest.raises(ConfigError, match=rf"^rollout.num_pages={pages - 1} is too few for one "
+                                          rf"sequence.*rollout.num_pages >= {pages}"):
+        _settings(**{**keys, "rollout.num_pages": pages - 1})
+    with pytest.raises(ConfigError, match=r"^rollout.kv_cache: ='paged' cannot be combined "
+                                          r"with rollout.multi_turn.enable=True"):
+        _settings(**keys, **{"rollout.multi_turn.enable": True,
+                             "rollout.multi_turn.tool_config_path": _CALCULATOR})
+    with pytest.raises(ConfigError, match=r"^rollout.partial: =True is not supported with "
+                                          r"rollout.kv_cache='paged'"):
+        _settings(**keys, **{"rollout.partial": True, "rollout.partial_max_tokens": 2})

@@ -1,0 +1,365 @@
+"""Sampling over a paged KV cache with in-flight refill (`rollout.kv_cache=paged`).
+
+The contiguous sampler (`jrl.rollout.sampler.generate`) gives each of the step's `N = B·n`
+rows a cache of `S = P + R` slots for the whole program, and a row that stops keeps its
+slot until the batch ends. Here, as in vLLM's and SGLang's engines:
+
+- **Pages.** The cache is a pool of `rollout.num_pages` pages of `rollout.page_size` slots
+  per layer (`cache.PagedCache`). A row holds a block table of the pages of its slots:
+  pages for its prompt when it is admitted (none for all-padding pages), one more each
+  time its tokens cross into a new page, all of them returned when it stops. The pool is
+  sized to the live tokens, not to `N` full rows.
+- **Decode slots.** The decode loop runs over `M = rollout.max_num_seqs` slots. The step's
+  rows wait in order; when slots free up (rows that stopped), the next waiting rows are
+  prefilled into them inside the same `lax.while_loop` (`refill_rows` at a time, fewer
+  at the end), so the batch stays full until no row waits.
+- **Preemption.** When a step's rows need more pages than are free, the row admitted last
+  gives its pages back and waits again, to start over (vLLM's recompute preemption). Its
+  tokens come out the same: a row's token i is drawn with `fold_in(key_row, i)` from the
+  same weights, whenever and wherever it runs. A new row is admitted only while a page
+  stays free for each other running row, so preemption is rare.
+
+Every row's slots keep the contiguous cache's layout (left-padded prompt, then the
+response) and attention reads its pages gathered into that layout, so a row's tokens and
+log-probs are those of `sampler.generate` with the same key: the same per-row keys,
+prompts, positions, masks and operations. On XLA:CPU they are the same bits where the
+attention's softmax runs at a size on the same side of XLA's small/large reduction split
+as the contiguous program's (`decode_attention.grouped_attention`).
+
+Single-turn rollouts on one program; not with `cache_segments` > 1 or routing records.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jrl.models import transformer
+from jrl.models.cache import TRASH_PAGE, PagedCache, init_pool, positions_from_mask
+from jrl.models.config import ModelConfig
+from jrl.models.heads import unembed
+from jrl.rollout import sampler
+from jrl.sharding import constrain
+
+
+def shape(sampling, num_rows: int, prompt_len: int) -> dict[str, int]:
+    """The paged program's sizes for `num_rows` rows of prompts `P = prompt_len`:
+    slots per row (`P + R`), pages per row, decode slots, pool pages (the trash page
+    included) and rows per refill."""
+    slots = prompt_len + sampling.max_new_tokens
+    per_row = -(-slots // sampling.page_size)
+    seqs = min(sampling.max_num_seqs or num_rows, num_rows)
+    pages = sampling.num_pages or seqs * per_row + 1
+    # At least two rows a refill: each refill is a prefill program of its own, and on
+    # XLA:CPU a one-row matmul rounds otherwise than the same row among others.
+    refill = min(sampling.refill_rows or max(2, seqs // 8), seqs)
+    return dict(slots=slots, pages_per_row=per_row, seqs=seqs, pages=pages, refill=refill)
+
+
+def check_pages(sampling, prompt_len: int, prefix: str = "rollout") -> None:
+    """A pool too small for one row at full length would leave a row no way to finish:
+    stops with the keys that size it."""
+    if sampling.kv_cache != "paged" or not sampling.num_pages:
+        return
+    sizes = shape(sampling, 1, prompt_len)
+    if sampling.num_pages - 1 < sizes["pages_per_row"]:
+        raise ValueError(
+            f"{prefix}.num_pages={sampling.num_pages} is too few for one sequence: a row of "
+            f"{prompt_len} prompt + {sampling.max_new_tokens} response slots "
+            f"(rollout.response_length) needs {sizes['pages_per_row']} pages of "
+            f"{prefix}.page_size={sampling.page_size}, plus the trash page: set "
+            f"{prefix}.num_pages >= {sizes['pages_per_row'] + 1} (or 0: every decode slot "
+            "at full length)")
+
+
+@flax.struct.dataclass
+class _State:
+    """The loop's carry: M decode slots over N rows, a pool of pages."""
+
+    rows: jax.Array  # int32 [M]: the row in each slot; N where none
+    lengths: jax.Array  # int32 [M]: the slot's row's tokens so far (index of the next)
+    last_tokens: jax.Array  # int32 [M]: the token fed next
+    prompt_lengths: jax.Array  # int32 [M]
+    key_mask: jax.Array  # int32 [M, S]
+    admitted: jax.Array  # int32 [M]: admission order (the last admitted is preempted first)
+    cache: PagedCache  # pools and the slots' block tables [M, pages_per_row]
+    free: jax.Array  # int32 [pages]: a stack of free pages, its first num_free entries
+    num_free: jax.Array  # int32 []
+    admissions: jax.Array  # int32 []
+    pending: jax.Array  # bool [N]: rows waiting for a slot
+    responses: jax.Array  # int32 [N, R]
+    log_probs: jax.Array  # float32 [N, R]
+    out_lengths: jax.Array  # int32 [N]
+    peak_pages: jax.Array  # int32 []: the most pages held at once (the trash page aside)
+    preemptions: jax.Array  # int32 []: rows sent back to wait
+
+
+def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig
+                     ) -> sampler.RolloutOutput:
+    """`sampler.generate_program` over a paged cache (arguments checked by the caller):
+    the same rows, keys and outputs."""
+    row_ids, row_mask, state = run(params, prompt_ids, prompt_mask, rng, sampling=sampling,
+                                   config=config)
+    return sampler.rollout_output(row_ids, row_mask, state.responses, state.log_probs,
+                                  state.out_lengths)
+
+
+def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
+    """The paged program: `(row prompt ids [N, P], row prompt mask, final state)`; the
+    state's outputs, its page stack (every page returned) and its counts
+    (`peak_pages`, `preemptions`)."""
+    num_prompts, prompt_len = prompt_ids.shape
+    num_rows, num_new = num_prompts * sampling.n, sampling.max_new_tokens
+    sizes = shape(sampling, num_rows, prompt_len)
+    repeat = lambda x: constrain(jnp.repeat(x.astype(jnp.int32), sampling.n, axis=0),
+                                 ("batch", None))
+    row_ids, row_mask = repeat(prompt_ids), repeat(prompt_mask)
+    keys = sampler.row_keys(rng, num_rows)
+    params = sampler.per_layer(params, config)
+    seqs, per_row, slots = sizes["seqs"], sizes["pages_per_row"], sizes["slots"]
+    pool_k, pool_v = init_pool(config, sizes["pages"], sampling.page_size)
+    state = _State(
+        rows=jnp.full((seqs,), num_rows, jnp.int32),
+        lengths=jnp.zeros((seqs,), jnp.int32),
+        last_tokens=jnp.zeros((seqs,), jnp.int32),
+        prompt_lengths=jnp.ones((seqs,), jnp.int32),
+        key_mask=jnp.zeros((seqs, slots), jnp.int32),
+        admitted=jnp.zeros((seqs,), jnp.int32),
+        cache=PagedCache(k=pool_k, v=pool_v, num_slots=slots,
+                         block_table=jnp.full((seqs, per_row), TRASH_PAGE, jnp.int32)),
+        # Popped from the end: pages 1, 2, ... go out first.
+        free=jnp.arange(sizes["pages"] - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.int32(sizes["pages"] - 1),
+        admissions=jnp.int32(0),
+        pending=jnp.ones((num_rows,), bool),
+        responses=jnp.full((num_rows, num_new), sampling.pad_token_id, jnp.int32),
+        log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
+        out_lengths=jnp.full((num_rows,), num_new, jnp.int32),
+        peak_pages=jnp.int32(0),
+        preemptions=jnp.int32(0),
+    )
+    ctx = _Context(params, row_ids, row_mask, keys, sampling, config)
+    state = _admit(ctx, state, seqs)
+    refill = sizes["refill"]
+    # With the whole pool (num_pages 0) the first admission takes every row.
+    all_at_once = seqs >= num_rows and not sampling.num_pages
+
+    def body(state: _State) -> _State:
+        state = _decode(ctx, state)
+        if all_at_once:
+            return state
+        ready = _admissible(ctx, state, refill)
+        running = jnp.sum(state.rows < num_rows)
+        waiting = jnp.sum(state.pending)
+        # Refill a whole batch of rows at once (a prefill each), fewer at the end or when
+        # the batch would otherwise run empty.
+        go = (ready > 0) & ((ready >= jnp.minimum(refill, waiting)) | (running == 0))
+        return lax.cond(go, lambda s: _admit(ctx, s, refill), lambda s: s, state)
+
+    def running(state: _State) -> jax.Array:
+        busy = jnp.any(state.rows < num_rows)
+        if all_at_once:
+            return busy
+        return busy | (jnp.any(state.pending) & (_admissible(ctx, state, refill) > 0))
+
+    state = lax.while_loop(running, body, state)
+    return row_ids, row_mask, state
+
+
+class _Context:
+    """What every part of the program reads and none changes."""
+
+    def __init__(self, params, row_ids, row_mask, keys, sampling, config):
+        self.params, self.row_ids, self.row_mask, self.keys = params, row_ids, row_mask, keys
+        self.sampling, self.config = sampling, config
+        self.num_rows, self.prompt_len = row_ids.shape
+        self.page = sampling.page_size
+        self.prompt_pages = -(-self.prompt_len // self.page)
+
+
+def _candidates(ctx: _Context, state: _State, width: int):
+    """The next `width` admissions: `(slots, rows, pages needed, admitted?)`, each
+    `[width]`: empty slots and waiting rows in order, as many as the free pages allow
+    while one page stays free for each other running row."""
+    empty = state.rows >= ctx.num_rows
+    slots = jnp.argsort(~empty, stable=True)[:width]
+    rows = jnp.argsort(~state.pending, stable=True)[:width]
+    k = jnp.arange(width)
+    fill = (k < jnp.sum(empty)) & (k < jnp.sum(state.pending))
+    prompt_lengths = jnp.sum(ctx.row_mask[rows], axis=1)
+    need = jnp.where(fill, ctx.prompt_pages - _first_page(ctx, prompt_lengths), 0)
+    others = jnp.sum(~empty) + k  # running rows besides this one, once it is admitted
+    ok = fill & (jnp.cumsum(need) + others <= state.num_free)
+    return slots, rows, jnp.where(ok, need, 0), ok
+
+
+def _admissible(ctx: _Context, state: _State, width: int) -> jax.Array:
+    return jnp.sum(_candidates(ctx, state, width)[3])
+
+
+def _first_page(ctx: _Context, prompt_lengths):
+    """The first page holding a prompt token of a row of `prompt_lengths` (left-padded)."""
+    return (ctx.prompt_len - prompt_lengths) // ctx.page
+
+
+def _admit(ctx: _Context, state: _State, width: int) -> _State:
+    """Prefills up to `width` waiting rows into empty slots (pages for their prompts) and
+    draws their first tokens."""
+    slots, rows, need, ok = _candidates(ctx, state, width)
+    ids, mask = ctx.row_ids[rows], ctx.row_mask[rows]
+    first = _first_page(ctx, jnp.sum(mask, axis=1))
+    # Row k takes free[start_k : start_k + need_k], popped from the stack's top.
+    start = state.num_free - jnp.cumsum(need)
+    j = jnp.arange(state.cache.block_table.shape[1])[None, :]
+    holds = ok[:, None] & (j >= first[:, None]) & (j < ctx.prompt_pages)
+    taken = state.free[jnp.clip(start[:, None] + j - first[:, None], 0)]
+    table = jnp.where(holds, taken, TRASH_PAGE)
+    slots_total = state.key_mask.shape[1]
+    key_mask = jnp.pad(mask, ((0, 0), (0, slots_total - ctx.prompt_len)))
+    cache = state.cache.replace(block_table=table)
+    hidden, cache = transformer.forward(ctx.params, ids, positions_from_mask(mask), key_mask,
+                                        cache, jnp.zeros((width,), jnp.int32),
+                                        config=ctx.config)
+    logits = unembed(ctx.params, hidden[:, -1], softcap=ctx.config.final_logit_softcapping)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(ctx.keys[rows], 0)
+    tokens, log_probs = sampler.sample_tokens(logits, keys, ctx.sampling)
+    put = lambda old, new: old.at[slots].set(
+        jnp.where(ok.reshape(-1, *(1,) * (new.ndim - 1)), new, old[slots]))
+    state = state.replace(
+        rows=put(state.rows, rows),
+        lengths=put(state.lengths, jnp.zeros_like(rows)),
+        prompt_lengths=put(state.prompt_lengths, jnp.sum(mask, axis=1)),
+        key_mask=put(state.key_mask, key_mask),
+        admitted=put(state.admitted, state.admissions + jnp.arange(width, dtype=jnp.int32)),
+        cache=cache.replace(block_table=put(state.cache.block_table, table)),
+        num_free=state.num_free - jnp.sum(need),
+        admissions=state.admissions + width,
+        pending=state.pending.at[rows].set(state.pending[rows] & ~ok),
+    )
+    seqs = state.rows.shape[0]
+    spread = lambda x: jnp.zeros((seqs,), x.dtype).at[slots].set(x)
+    return _take(ctx, _held(state), spread(tokens), spread(log_probs), spread(ok))
+
+
+def _decode(ctx: _Context, state: _State) -> _State:
+    """One token for every running slot: a page for rows whose token starts one (after
+    preempting if there are too few), the forward, the draw."""
+    state = lax.while_loop(lambda s: _short_of_pages(ctx, s), lambda s: _preempt(ctx, s),
+                           state)
+    running = state.rows < ctx.num_rows
+    slot = _write_slots(ctx, state)
+    need = _needs_page(ctx, state)
+    # Row m's new page: the stack's top entries, one per needing row in slot order.
+    top = state.num_free - jnp.cumsum(need)
+    page_index = slot // ctx.page
+    table = state.cache.block_table
+    new_page = jnp.where(need, state.free[jnp.clip(top, 0)], TRASH_PAGE)
+    table = jnp.where(need[:, None] & (jnp.arange(table.shape[1]) == page_index[:, None]),
+                      new_page[:, None], table)
+    seqs, slots_total = state.key_mask.shape
+    at_slot = jnp.arange(slots_total)[None, :] == slot[:, None]
+    key_mask = jnp.where(at_slot & running[:, None], 1, state.key_mask)
+    attended = jnp.where(running[:, None], key_mask, at_slot.astype(key_mask.dtype))
+    positions = state.prompt_lengths + state.lengths - 1
+    cache = state.cache.replace(block_table=table)
+    hidden, cache = transformer.forward(ctx.params, state.last_tokens[:, None],
+                                        positions[:, None], attended, cache, slot,
+                                        config=ctx.config)
+    logits = unembed(ctx.params, hidden[:, 0], softcap=ctx.config.final_logit_softcapping)
+    keys = ctx.keys[jnp.minimum(state.rows, ctx.num_rows - 1)]
+    keys = jax.vmap(jax.random.fold_in)(keys, state.lengths)
+    tokens, log_probs = sampler.sample_tokens(logits, keys, ctx.sampling)
+    state = _held(state.replace(cache=cache, key_mask=key_mask,
+                                num_free=state.num_free - jnp.sum(need)))
+    return _take(ctx, state, tokens, log_probs, running)
+
+
+def _held(state: _State) -> _State:
+    """The state with its peak page count updated after an allocation."""
+    held = state.free.shape[0] - 1 - state.num_free
+    return state.replace(peak_pages=jnp.maximum(state.peak_pages, held))
+
+
+def _write_slots(ctx: _Context, state: _State) -> jax.Array:
+    """int32 `[M]`: the slot each running row feeds its last token into (`P` for empty
+    slots, whose block table is all trash)."""
+    running = state.rows < ctx.num_rows
+    return jnp.where(running, ctx.prompt_len + state.lengths - 1, ctx.prompt_len)
+
+
+def _needs_page(ctx: _Context, state: _State) -> jax.Array:
+    """bool `[M]`: the running rows whose next slot lies in a page they do not hold."""
+    running = state.rows < ctx.num_rows
+    held = jnp.take_along_axis(state.cache.block_table,
+                               (_write_slots(ctx, state) // ctx.page)[:, None], axis=1)[:, 0]
+    return running & (held == TRASH_PAGE)
+
+
+def _short_of_pages(ctx: _Context, state: _State) -> jax.Array:
+    return (jnp.sum(_needs_page(ctx, state)) > state.num_free) & (
+        jnp.sum(state.rows < ctx.num_rows) > 1)
+
+
+def _preempt(ctx: _Context, state: _State) -> _State:
+    """The running row admitted last gives its pages back and waits again (its outputs
+    cleared: it starts over, drawing the same tokens)."""
+    running = state.rows < ctx.num_rows
+    victim = jnp.argmax(jnp.where(running, state.admitted, -1))
+    row = state.rows[victim]
+    state = state.replace(
+        preemptions=state.preemptions + 1,
+        pending=state.pending.at[row].set(True),
+        responses=state.responses.at[row].set(ctx.sampling.pad_token_id),
+        log_probs=state.log_probs.at[row].set(0.0))
+    return _release(state, jnp.arange(running.shape[0]) == victim, ctx.num_rows)
+
+
+def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
+    """The slots `leaving` (bool `[M]`) emptied, their pages pushed back on the stack."""
+    table = state.cache.block_table
+    returned = (leaving[:, None] & (table != TRASH_PAGE)).reshape(-1)
+    at = state.num_free + jnp.cumsum(returned) - 1
+    free = state.free.at[jnp.where(returned, at, state.free.shape[0])].set(
+        table.reshape(-1), mode="drop")
+    return state.replace(
+        rows=jnp.where(leaving, empty_row, state.rows),
+        key_mask=jnp.where(leaving[:, None], 0, state.key_mask),
+        cache=state.cache.replace(block_table=jnp.where(leaving[:, None], TRASH_PAGE, table)),
+        free=free,
+        num_free=state.num_free + jnp.sum(returned),
+    )
+
+
+def _take(ctx: _Context, state: _State, tokens, log_probs, active) -> _State:
+    """Records the `active` slots' drawn tokens (`[M]` each) at their rows' next index;
+    rows that stop (a stop token, or R tokens) leave their slots."""
+    sampling, num_rows = ctx.sampling, ctx.num_rows
+    num_new = state.responses.shape[1]
+    index = state.lengths
+    row = jnp.where(active, state.rows, num_rows)
+    responses = state.responses.at[row, index].set(tokens, mode="drop")
+    log_probs_out = state.log_probs.at[row, index].set(log_probs, mode="drop")
+    stopped = active & (_stops(ctx, state, tokens) | (index + 1 >= num_new))
+    out_lengths = state.out_lengths.at[jnp.where(stopped, row, num_rows)].set(
+        index + 1, mode="drop")
+    state = state.replace(
+        lengths=jnp.where(active, index + 1, state.lengths),
+        last_tokens=jnp.where(active, tokens, state.last_tokens),
+        responses=responses, log_probs=log_probs_out, out_lengths=out_lengths)
+    return _release(state, stopped, num_rows)
+
+
+def _stops(ctx: _Context, state: _State, tokens) -> jax.Array:
+    """bool `[M]`: the slots' tokens, drawn at index `state.lengths`, end their rows (stop
+    tokens). The benchmarks replace it to stop rows at lengths of their own."""
+    del state
+    return sampler._is_stop_token(tokens, ctx.sampling)
+
+
+def pool_bytes(sampling, config: ModelConfig, num_rows: int, prompt_len: int) -> int:
+    """Bytes of the page pool (keys and values of every layer)."""
+    pages = shape(sampling, num_rows, prompt_len)["pages"]
+    per_page = config.num_kv_heads * sampling.page_size * config.head_dim
+    return 2 * config.num_layers * pages * per_page * jnp.dtype(config.dtype).itemsize

@@ -1,0 +1,145 @@
+"""The paged sampler (`rollout.kv_cache=paged`): the contiguous sampler's rollouts bit for
+bit on XLA:CPU with refill and preemption, its page bookkeeping by hand, and its
+settings checked before compiling."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.models.cache import TRASH_PAGE
+from jrl.rollout import paged, sampler
+from jrl.rollout.sampler import SamplingConfig
+from tests.models.test_lora import _randomise_b
+from tests.rollout.test_sampler import SMALL, ragged_prompts, random_params
+
+# Three prompts of 7 columns, two samples each: six rows. At these shapes every
+# program's attention softmax is below XLA:CPU's small/large reduction split, on both
+# samplers (`decode_attention.grouped_attention`), so the two must agree bit for bit.
+PROMPT_LEN, NUM_NEW = 7, 12
+BASE = SamplingConfig(n=2, max_new_tokens=NUM_NEW, stop_token_ids=(3, 5), pad_token_id=0)
+LORA = dataclasses.replace(SMALL, lora_rank=4, lora_alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return ragged_prompts([5, 2, 7], prompt_len=PROMPT_LEN, vocab_size=SMALL.vocab_size, seed=3)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {"small": random_params(SMALL, 0), "lora": _randomise_b(random_params(LORA, 1), 2)}
+
+
+def _run(params, prompts, sampling, config):
+    program = jax.jit(paged.run, static_argnames=("sampling", "config"))
+    return program(params, *prompts, jax.random.key(7), sampling=sampling, config=config)[2]
+
+
+# (name, sampling, model): the stop lengths of the natural rows are 1-12 tokens.
+CASES = [
+    # Every row at once, the whole pool: pages as rows need them.
+    ("natural", dict(page_size=4), "small"),
+    # Four slots for six rows: the last two refill freed slots, two at a time.
+    ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4), "small"),
+    # A pool for little more than one full row: rows wait for pages and are preempted.
+    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=12), "small"),
+    # Every row to R tokens (benchmarks' forced lengths), pages of 3 slots.
+    ("forced", dict(max_num_seqs=4, page_size=3, ignore_stop=True), "small"),
+    ("greedy", dict(max_num_seqs=2, page_size=5, do_sample=False), "small"),
+    # Adapters applied at every decode step (LoRA, `model.lora_rollout=unmerged`).
+    ("lora", dict(max_num_seqs=4, page_size=4), "lora"),
+]
+
+
+@pytest.mark.parametrize("name,settings,model", CASES, ids=[c[0] for c in CASES])
+def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, settings, model):
+    config = LORA if model == "lora" else SMALL
+    contiguous = dataclasses.replace(BASE, **{k: v for k, v in settings.items()
+                                              if k in ("ignore_stop", "do_sample")})
+    pages = dataclasses.replace(contiguous, kv_cache="paged", **settings)
+    want = sampler.generate(params[model], *prompts, jax.random.key(7), contiguous, config=config)
+    got = sampler.generate(params[model], *prompts, jax.random.key(7), pages, config=config)
+    for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                  "rollout_log_probs", "response_lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                      np.asarray(getattr(want, field)), err_msg=field)
+    lengths = np.asarray(want.response_lengths)
+    if name == "natural":  # the rows stop at several lengths, some at R
+        assert len(set(lengths.tolist())) >= 3 and lengths.max() == NUM_NEW
+    state = _run(params[model], prompts, pages, config)
+    # Every page is back on the stack, each once; no row waits or holds a slot.
+    num_pages = int(state.free.shape[0])
+    np.testing.assert_array_equal(np.sort(np.asarray(state.free[:int(state.num_free)])),
+                                  np.arange(1, num_pages))
+    assert not np.asarray(state.pending).any()
+    assert (np.asarray(state.rows) == 6).all()
+    assert (np.asarray(state.cache.block_table) == TRASH_PAGE).all()
+    # The most pages held at once: at least the biggest row's, at most the pool.
+    slots = PROMPT_LEN + lengths - 1  # the slots a row writes: prompt, tokens fed back
+    first = (PROMPT_LEN - np.asarray(prompts[1]).sum(1).repeat(2)) // pages.page_size
+    row_pages = -(-slots // pages.page_size) - first
+    assert row_pages.max() <= int(state.peak_pages) <= num_pages - 1
+    if name == "preempt":
+        assert int(state.preemptions) >= 1
+    else:
+        assert int(state.preemptions) == 0
+
+
+def test_rows_admitted_in_order_while_a_page_stays_free_for_each_running_row():
+    """`_candidates` on a state set by hand: P = 7, pages of 4 slots (two per prompt), four
+    slots, slot 1 running row 3, rows 1 and 2 waiting, four pages free."""
+    num_rows = 4
+    row_mask = ragged_prompts([5, 2, 7, 1], prompt_len=7, vocab_size=8, seed=0)[1]
+    ctx = paged._Context(params=None, row_ids=jnp.zeros((num_rows, 7), jnp.int32),
+                         row_mask=jnp.asarray(row_mask), keys=None,
+                         sampling=dataclasses.replace(BASE, page_size=4), config=SMALL)
+    state = paged._State(
+        rows=jnp.array([num_rows, 3, num_rows, num_rows]), lengths=None, last_tokens=None,
+        prompt_lengths=None, key_mask=None, admitted=None, cache=None, free=None,
+        num_free=jnp.int32(4), admissions=None,
+        pending=jnp.array([False, True, True, False]), responses=None, log_probs=None,
+        out_lengths=None, peak_pages=None, preemptions=None)
+    slots, rows, need, ok = (np.asarray(x) for x in paged._candidates(ctx, state, 3))
+    # Empty slots in order; waiting rows in order (then others, never admitted).
+    np.testing.assert_array_equal(slots, [0, 2, 3])
+    np.testing.assert_array_equal(rows[:2], [1, 2])
+    # Row 1 (2 tokens: slots 5-6, page 1) needs one page and leaves 3 free, one for row 3:
+    # admitted. Row 2 (7 tokens: pages 0-1) needs two more, which would leave 1 free for
+    # two other running rows: not admitted. The third candidate has no waiting row.
+    np.testing.assert_array_equal(ok, [True, False, False])
+    np.testing.assert_array_equal(need, [1, 0, 0])
+
+
+def test_paged_settings_are_checked_before_compiling(params, prompts, monkeypatch):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled before checking")
+
+    monkeypatch.setattr(sampler, "jit_sampler", no_compile)
+    # Seven prompt + twelve response slots in pages of 4: five pages and the trash page.
+    few = dataclasses.replace(BASE, kv_cache="paged", page_size=4, num_pages=5)
+    with pytest.raises(ValueError, match=r"rollout.num_pages=5 is too few for one sequence.*"
+                                         r"needs 5 pages of rollout.page_size=4.*>= 6"):
+        sampler.generate(params["small"], *prompts, jax.random.key(0), few, config=SMALL)
+    bad = {"kv_cache": ("ring", "rollout.kv_cache must be one of 'contiguous', 'paged'"),
+           "page_size": (0, "rollout.page_size must be an integer >= 1"),
+           "max_num_seqs": (-1, r"rollout.max_num_seqs must be an integer >= 0 \(0: every"),
+           "num_pages": (2.5, "rollout.num_pages must be an integer >= 0")}
+    for key, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(BASE, **{key: value}).validate()
+    with pytest.raises(ValueError, match="rollout.kv_cache must be 'contiguous' with "
+                                         "rollout.cache_segments > 1"):
+        dataclasses.replace(BASE, kv_cache="paged", cache_segments=2).validate()
+
+
+def test_pool_bytes_count_the_pages():
+    """A pool of 9 pages of 4 slots: 2 (k, v) x 2 layers x 9 x 2 heads x 4 x 8 x 4 bytes."""
+    config = dataclasses.replace(SMALL, dtype="float32")
+    sampling = dataclasses.replace(BASE, kv_cache="paged", page_size=4, num_pages=9)
+    assert paged.pool_bytes(sampling, config, num_rows=6, prompt_len=7) == 2 * 2 * 9 * 2 * 4 * 8 * 4
+    # The default pool: every decode slot at full length (5 pages a row) and the trash page.
+    full = dataclasses.replace(sampling, num_pages=0, max_num_seqs=4)
+    assert paged.shape(full, 6, 7)["pages"] == 4 * 5 + 1

@@ -61,15 +61,21 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
                                               if k in ("ignore_stop", "do_sample")})
     pages = dataclasses.replace(contiguous, kv_cache="paged", **settings)
     want = sampler.generate(params[model], *prompts, jax.random.key(7), contiguous, config=config)
-    got = sampler.generate(params[model], *prompts, jax.random.key(7), pages, config=config)
-    for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
-                  "rollout_log_probs", "response_lengths"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, field)),
-                                      np.asarray(getattr(want, field)), err_msg=field)
-    lengths = np.asarray(want.response_lengths)
-    if name == "natural":  # the rows stop at several lengths, some at R
+    if name == "natural":  # through `generate`, as the trainer calls it
+        got = sampler.generate(params[model], *prompts, jax.random.key(7), pages, config=config)
+        for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                      "rollout_log_probs", "response_lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                          np.asarray(getattr(want, field)), err_msg=field)
+        lengths = np.asarray(want.response_lengths)  # several stop lengths, some at R
         assert len(set(lengths.tolist())) >= 3 and lengths.max() == NUM_NEW
+    # The program itself, for its final state (one compile per case).
     state = _run(params[model], prompts, pages, config)
+    for got, field in ((state.responses, "responses"), (state.log_probs, "rollout_log_probs"),
+                       (state.out_lengths, "response_lengths")):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(getattr(want, field)),
+                                      err_msg=field)
+    lengths = np.asarray(want.response_lengths)
     # Every page is back on the stack, each once; no row waits or holds a slot.
     num_pages = int(state.free.shape[0])
     np.testing.assert_array_equal(np.sort(np.asarray(state.free[:int(state.num_free)])),

@@ -445,7 +445,16 @@ _SHARDED_SCRIPT = textwrap.dedent("""
                                         config=SMALL, max_steps=3)
             prefix = sampler.Prefix(out.responses[:, :3], out.rollout_log_probs[:, :3],
                                     out.response_lengths, out.finished, prefix.keys)
+        # The paged cache over the 8 devices' rows: 8 decode slots for the 16 rows.
+        paged = sampler.generate(
+            jax.device_put(params, sharder.replicated), put(ids), put(mask), key,
+            dataclasses.replace(sampling, kv_cache="paged", max_num_seqs=8, page_size=4),
+            config=SMALL)
     print(json.dumps(dict(
+        paged_same=bool(np.array_equal(paged.responses, single.responses)
+                        and np.array_equal(paged.response_lengths, single.response_lengths)),
+        paged_log_prob_diff=float(np.abs(paged.rollout_log_probs
+                                         - single.rollout_log_probs).max()),
         continued_devices=len(out.responses.sharding.device_set),
         continued_same=bool(np.array_equal(out.responses, once.responses)
                             and np.array_equal(out.response_lengths, once.response_lengths)
@@ -468,6 +477,7 @@ def test_sharded_over_8_devices_matches_one_device():
     assert result["log_prob_diff"] < 1e-5, result
     assert result["some_stopped"], result
     assert result["continued_devices"] == 8 and result["continued_same"], result
+    assert result["paged_same"] and result["paged_log_prob_diff"] < 1e-5, result
 
 
 def test_decode_compaction_gives_the_same_rollout(small_params, buckets=3):

@@ -113,7 +113,7 @@ for name in "$@"; do
     paged_third) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${THIRD[@]}" \
                    --kv_cache paged --num_pages "${PAGES:-34817}" ;;
     partial) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" \
-               --partial_max_tokens 1024 --warmup 9 --steps 3 ;;
+               --partial_max_tokens 1024 --warmup 9 --steps 2 ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;
     natural_mosaic) run natural_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
                       --decode_attention mosaic ;;

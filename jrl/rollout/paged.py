@@ -335,7 +335,7 @@ def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
 def _take(ctx: _Context, state: _State, tokens, log_probs, active) -> _State:
     """Records the `active` slots' drawn tokens (`[M]` each) at their rows' next index;
     rows that stop (a stop token, or R tokens) leave their slots."""
-    sampling, num_rows = ctx.sampling, ctx.num_rows
+    num_rows = ctx.num_rows
     num_new = state.responses.shape[1]
     index = state.lengths
     row = jnp.where(active, state.rows, num_rows)

@@ -31,6 +31,8 @@ Single-turn rollouts on one program; not with `cache_segments` > 1 or routing re
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -158,14 +160,37 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
         go = (ready > 0) & ((ready >= jnp.minimum(refill, waiting)) | (running == 0))
         return lax.cond(go, lambda s: _admit(ctx, s, refill), lambda s: s, state)
 
-    def running(state: _State) -> jax.Array:
-        busy = jnp.any(state.rows < num_rows)
-        if all_at_once:
-            return busy
-        return busy | (jnp.any(state.pending) & (_admissible(ctx, state, refill) > 0))
+    # Once no row waits, the running rows drain at the decode loop's smaller batch sizes
+    # (`rollout.decode_buckets`), as the contiguous sampler's do: slots compacted, the
+    # pool as it is.
+    sizes = sampler.decode_sizes(seqs, sampler._row_groups(seqs), sampling)
+    for smaller in (*sizes[1:], 0):
+        def going(state: _State, smaller=smaller) -> jax.Array:
+            running = jnp.sum(state.rows < num_rows)
+            if all_at_once or state.rows.shape[0] < seqs:  # every row admitted
+                return running > smaller
+            # Rows wait: go on while some run (they free pages) or one can be admitted.
+            waiting = jnp.any(state.pending) & (
+                (running > 0) | (_admissible(ctx, state, refill) > 0))
+            return (running > smaller) | waiting
 
-    state = lax.while_loop(running, body, state)
+        step = body if state.rows.shape[0] == seqs else functools.partial(_decode, ctx)
+        state = lax.while_loop(going, step, state)
+        if smaller:
+            state = _compact(state, smaller, num_rows)
     return row_ids, row_mask, state
+
+
+def _compact(state: _State, size: int, num_rows: int) -> _State:
+    """The state over `size` decode slots: the running ones first, in order (the others
+    are empty: no pages, no row)."""
+    order = jnp.argsort(state.rows >= num_rows, stable=True)[:size]
+    take = lambda x: x[order]
+    return state.replace(
+        rows=take(state.rows), lengths=take(state.lengths),
+        last_tokens=take(state.last_tokens), prompt_lengths=take(state.prompt_lengths),
+        key_mask=take(state.key_mask), admitted=take(state.admitted),
+        cache=state.cache.replace(block_table=take(state.cache.block_table)))
 
 
 class _Context:

@@ -40,10 +40,12 @@ def _run(params, prompts, sampling, config):
 
 # (name, sampling, model): the stop lengths of the natural rows are 1-12 tokens.
 CASES = [
-    # Every row at once, the whole pool: pages as rows need them.
-    ("natural", dict(page_size=4), "small"),
-    # Four slots for six rows: the last two refill freed slots, two at a time.
-    ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4), "small"),
+    # Every row at once, the whole pool: pages as rows need them; the rows left drain at
+    # 4 and then 2 slots (decode buckets).
+    ("natural", dict(page_size=4, decode_buckets=3), "small"),
+    # Four slots for six rows: the last two refill freed slots, two at a time; then the
+    # rows drain at 2 slots.
+    ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4, decode_buckets=2), "small"),
     # A pool for little more than one full row: rows wait for pages and are preempted.
     ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=12), "small"),
     # Every row to R tokens (benchmarks' forced lengths), pages of 3 slots.

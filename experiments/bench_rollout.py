@@ -46,7 +46,7 @@ import trace_summary  # noqa: E402  (this folder is on the path when a script he
 from jrl.kernels import decode_attention as decode_lib  # noqa: E402
 from jrl.models import ModelConfig, init_params  # noqa: E402
 from jrl.rl import step  # noqa: E402
-from jrl.rollout import sampler  # noqa: E402
+from jrl.rollout import paged, sampler  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -145,7 +145,8 @@ def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
     """(compile s, steady s) of one jitted `generate`."""
     def generate(params, ids, mask, key):
         sampler_config, params = step.sampling_params(params, config)
-        return sampler.generate(params, ids, mask, key, sampling=sampling, config=sampler_config)
+        generate = paged.generate if sampling.kv_cache == "paged" else sampler.generate
+        return generate(params, ids, mask, key, sampling=sampling, config=sampler_config)
 
     key = jax.random.key(0)
     start = time.perf_counter()

@@ -50,6 +50,10 @@ ring holds every key it needs only where a row's tokens fill contiguous slots: t
 single-turn sampler's cache, not a multi-turn one (whose rows wait) nor one moved
 between segments; those keep full buffers.
 
+A `PagedCache` (the paged sampler's, `jrl.rollout.paged`) keeps the same slots in
+fixed-size pages of a shared pool, found through each row's block table, with a write
+index per row; attention reads a row's pages gathered back into its `[K, S, H]` slots.
+
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.
 """

@@ -37,6 +37,7 @@ from jrl.models.config import ModelConfig
 from jrl.optim import learning_rate_schedule
 from jrl.rl import logprobs, packing, update
 from jrl.rl.types import Experience, Rollout, TrainState
+from jrl.rollout import paged
 from jrl.rollout.sampler import (
     Prefix,
     RolloutOutput,
@@ -188,8 +189,9 @@ def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingCon
                   model_config: ModelConfig) -> Rollout:
     """`generate` from the sampler's weights (`rollout_params`: e.g. a copy on another
     group of devices, one-step asynchronous training)."""
-    out = generate_program(params, prompt_ids, prompt_mask, key, sampling=sampling,
-                           config=sampling_model(model_config))
+    program = paged.generate_program if sampling.kv_cache == "paged" else generate_program
+    out = program(params, prompt_ids, prompt_mask, key, sampling=sampling,
+                  config=sampling_model(model_config))
     return rollout_of(out, sampling)
 
 

@@ -76,6 +76,28 @@ def check_pages(sampling, prompt_len: int, prefix: str = "rollout") -> None:
             "at full length)")
 
 
+def generate(params, prompt_ids, prompt_mask, rng, sampling, *, config: ModelConfig
+             ) -> sampler.RolloutOutput:
+    """`sampler.generate` over a paged cache (`sampling.kv_cache` "paged"): the same
+    arguments, checks (and the pool's, `check_pages`) and outputs, in one program."""
+    check_inputs(prompt_ids, prompt_mask, sampling, config)
+    operands = (params, prompt_ids, prompt_mask, rng)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
+        return generate_program(*operands, sampling=sampling, config=config)
+    program = sampler.jit_sampler(generate_program, sampling,
+                                  static_argnames=("sampling", "config"))
+    return program(*operands, sampling=sampling, config=config)
+
+
+def check_inputs(prompt_ids, prompt_mask, sampling, config: ModelConfig) -> None:
+    """`sampler.check_inputs`, and the pool against the prompts (`check_pages`)."""
+    sampler.check_inputs(prompt_ids, prompt_mask, sampling, config)
+    if sampling.kv_cache != "paged":
+        raise ValueError(f"rollout.kv_cache={sampling.kv_cache!r}: the paged program needs "
+                         "'paged'")
+    check_pages(sampling, prompt_ids.shape[1])
+
+
 @flax.struct.dataclass
 class _State:
     """The loop's carry: M decode slots over N rows, a pool of pages."""
@@ -163,8 +185,8 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
     # Once no row waits, the running rows drain at the decode loop's smaller batch sizes
     # (`rollout.decode_buckets`), as the contiguous sampler's do: slots compacted, the
     # pool as it is.
-    sizes = sampler.decode_sizes(seqs, sampler._row_groups(seqs), sampling)
-    for smaller in (*sizes[1:], 0):
+    batch_sizes = sampler.decode_sizes(seqs, sampler._row_groups(seqs), sampling)
+    for smaller in (*batch_sizes[1:], 0):
         def going(state: _State, smaller=smaller) -> jax.Array:
             running = jnp.sum(state.rows < num_rows)
             if all_at_once or state.rows.shape[0] < seqs:  # every row admitted

@@ -335,6 +335,9 @@ def generate(
         raise ValueError(f"rollout.cache_segments={sampling.cache_segments}: decoding in "
                          "segments runs several programs with the host between them; call "
                          "jrl.rollout.segments.generate (outside a jit), or set it to 1")
+    if sampling.kv_cache == "paged":
+        raise ValueError("rollout.kv_cache='paged': call jrl.rollout.paged.generate, or set "
+                         "it to 'contiguous'")
     operands = (params, prompt_ids, prompt_mask, rng)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
         # Inside the caller's jit, whose compiler options apply (JAX takes them only on
@@ -377,9 +380,6 @@ def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: Mode
     """The checks `generate` makes before compiling (for callers that jit `generate_program`)."""
     sampling.validate(config.vocab_size)
     _check_prompts(prompt_ids, prompt_mask, config)
-    if sampling.kv_cache == "paged":
-        from jrl.rollout import paged
-        paged.check_pages(sampling, prompt_ids.shape[1])
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
@@ -387,9 +387,8 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
     """The body of `generate` (arguments already checked), to be jitted by the caller
     with its own shardings; shapes as in `generate`."""
     if sampling.kv_cache == "paged":
-        from jrl.rollout import paged  # it builds on this module
-        return paged.generate_program(params, prompt_ids, prompt_mask, rng, sampling=sampling,
-                                      config=config)
+        raise ValueError("rollout.kv_cache='paged' is the program of jrl.rollout.paged "
+                         "(paged.generate, paged.generate_program)")
     row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
                                                            rng, sampling, config)
     out = _decode_to(params, state, state.responses.shape[1], prompt_len=prompt_ids.shape[1],

@@ -48,9 +48,9 @@ CASES = [
     ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4, decode_buckets=2), "small"),
     # A pool for little more than one full row: rows wait for pages and are preempted.
     ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=12), "small"),
-    # Every row to R tokens (benchmarks' forced lengths), pages of 3 slots.
-    ("forced", dict(max_num_seqs=4, page_size=3, ignore_stop=True), "small"),
-    ("greedy", dict(max_num_seqs=2, page_size=5, do_sample=False), "small"),
+    # Every row to R tokens (benchmarks' forced lengths), pages of 3 slots, greedy.
+    ("forced_greedy", dict(max_num_seqs=2, page_size=3, ignore_stop=True, do_sample=False),
+     "small"),
     # Adapters applied at every decode step (LoRA, `model.lora_rollout=unmerged`).
     ("lora", dict(max_num_seqs=4, page_size=4), "lora"),
 ]
@@ -63,8 +63,8 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
                                               if k in ("ignore_stop", "do_sample")})
     pages = dataclasses.replace(contiguous, kv_cache="paged", **settings)
     want = sampler.generate(params[model], *prompts, jax.random.key(7), contiguous, config=config)
-    if name == "natural":  # through `generate`, as the trainer calls it
-        got = sampler.generate(params[model], *prompts, jax.random.key(7), pages, config=config)
+    if name == "natural":  # through the public `generate`
+        got = paged.generate(params[model], *prompts, jax.random.key(7), pages, config=config)
         for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
                       "rollout_log_probs", "response_lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(got, field)),
@@ -130,6 +130,9 @@ def test_paged_settings_are_checked_before_compiling(params, prompts, monkeypatc
     few = dataclasses.replace(BASE, kv_cache="paged", page_size=4, num_pages=5)
     with pytest.raises(ValueError, match=r"rollout.num_pages=5 is too few for one sequence.*"
                                          r"needs 5 pages of rollout.page_size=4.*>= 6"):
+        paged.generate(params["small"], *prompts, jax.random.key(0), few, config=SMALL)
+    with pytest.raises(ValueError, match="rollout.kv_cache='paged': call "
+                                         "jrl.rollout.paged.generate"):
         sampler.generate(params["small"], *prompts, jax.random.key(0), few, config=SMALL)
     bad = {"kv_cache": ("ring", "rollout.kv_cache must be one of 'contiguous', 'paged'"),
            "page_size": (0, "rollout.page_size must be an integer >= 1"),

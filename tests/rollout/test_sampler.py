@@ -414,7 +414,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests_dir!r})
     from test_sampler import SMALL, ragged_prompts, random_params
     from jrl import sharding
-    from jrl.rollout import sampler
+    from jrl.rollout import paged, sampler
 
     assert jax.device_count() == 8, jax.devices()
     params = random_params(SMALL, 0)
@@ -446,14 +446,15 @@ _SHARDED_SCRIPT = textwrap.dedent("""
             prefix = sampler.Prefix(out.responses[:, :3], out.rollout_log_probs[:, :3],
                                     out.response_lengths, out.finished, prefix.keys)
         # The paged cache over the 8 devices' rows: 8 decode slots for the 16 rows.
-        paged = sampler.generate(
+        paged_out = paged.generate(
             jax.device_put(params, sharder.replicated), put(ids), put(mask), key,
             dataclasses.replace(sampling, kv_cache="paged", max_num_seqs=8, page_size=4),
             config=SMALL)
     print(json.dumps(dict(
-        paged_same=bool(np.array_equal(paged.responses, single.responses)
-                        and np.array_equal(paged.response_lengths, single.response_lengths)),
-        paged_log_prob_diff=float(np.abs(paged.rollout_log_probs
+        paged_same=bool(np.array_equal(paged_out.responses, single.responses)
+                        and np.array_equal(paged_out.response_lengths,
+                                           single.response_lengths)),
+        paged_log_prob_diff=float(np.abs(paged_out.rollout_log_probs
                                          - single.rollout_log_probs).max()),
         continued_devices=len(out.responses.sharding.device_set),
         continued_same=bool(np.array_equal(out.responses, once.responses)

@@ -3,7 +3,7 @@
 Rows stop at target lengths drawn uniformly in [LO, HI] (`--lengths`; the default
 averages a third of the maximum), as a reasoning batch's do: a random model cannot be
 made to stop there, so each row stops when it reaches its target, as the benchmarks'
-forced lengths do (`experiments/bench_rl_step.py`). For each pool size (`--pool`, a
+forced lengths do (`bench_rl_step.stop_at_lengths`). For each pool size (`--pool`, a
 fraction of the contiguous cache's slots) the paged program (`jrl.rollout.paged`) runs
 the batch and reports the most pages its rows held at once, the rows it preempted, and
 its compiled memory beside the contiguous program's; the responses are checked equal to
@@ -26,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_rl_step import stop_at_lengths  # this folder is on the path for its scripts
 
 from jrl.models import ModelConfig, init_params
 from jrl.rollout import paged, sampler
@@ -48,24 +49,6 @@ def parse_args():
     return p.parse_args()
 
 
-def stop_at(targets: np.ndarray) -> None:
-    """Rows stop at their target lengths in both samplers (a stop token's effect)."""
-    targets = jnp.asarray(targets)
-    emit, stops = sampler._emit, paged._stops
-
-    def emit_at_targets(state, logits, sampling):
-        new = emit(state, logits, sampling)
-        reached = ~new.done & (new.step >= targets[new.rows])
-        return new.replace(done=new.done | reached,
-                           lengths=jnp.where(reached, new.step, new.lengths))
-
-    def stops_at_targets(ctx, state, tokens):
-        rows = jnp.minimum(state.rows, ctx.num_rows - 1)
-        return stops(ctx, state, tokens) | (state.lengths + 1 >= targets[rows])
-
-    sampler._emit, paged._stops = emit_at_targets, stops_at_targets
-
-
 def compiled_bytes(compiled) -> int:
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes
@@ -80,7 +63,7 @@ def main() -> None:
     lo, hi = (map(int, args.lengths.split(",")) if args.lengths else
               (args.response_len // 16, 5 * args.response_len // 8))
     targets = rng.integers(lo, hi + 1, size=args.rows)
-    stop_at(targets)
+    stop_at_lengths(lambda rows, keys: jnp.asarray(targets)[rows])
     ids = jnp.asarray(rng.integers(1, config.vocab_size, (args.rows, args.prompt_len)),
                       jnp.int32)
     mask = jnp.ones_like(ids)

@@ -107,7 +107,7 @@ def main() -> None:
                    pool_over_contiguous=pool_bytes / cache_bytes,
                    peak_pages=int(state.peak_pages),
                    peak_over_contiguous=int(state.peak_pages) / full_pages,
-                   preemptions=int(state.preemptions), program_bytes=program_bytes,
+                   preemptions=int(np.sum(state.preemptions)), program_bytes=program_bytes,
                    program_over_contiguous=program_bytes / contiguous_bytes,
                    seconds=seconds, same_responses=same)
         results.append(row)

@@ -312,8 +312,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.page_size = 16
     # Pages in the paged cache's pool, one of them a trash page (0: every decode slot at
     # full length). Fewer pages than the rows could fill send the row admitted last back
-    # to wait when the pool runs out (it starts over and draws the same tokens); at
-    # least one row at full length must fit.
+    # to wait when the pool runs out (it starts over and draws the same tokens; logged as
+    # rollout/preemptions); at least one row at full length must fit.
     c.rollout.num_pages = 0
     # Decode slots of the paged cache: rows decoded at once (0: every row of the step).
     c.rollout.max_num_seqs = 0

@@ -271,6 +271,9 @@ class Rollouts:
             host["reward_baselines"] = np.repeat(self.score(rows, baseline, 1)()[0], n)
         out = {**sampled.metrics,
                **{f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}}
+        if sampled.rollout.preemptions is not None:  # the paged cache's, of the rows trained
+            out["rollout/preemptions"] = float(np.sum(
+                sharding_lib.host_array(sampled.rollout.preemptions)))
         if settings.reward.on_error == "score":
             out["reward/num_errors"] = float(num_errors)
         return exp.replace(**self.sharder.put_batch(host)), out

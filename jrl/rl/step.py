@@ -213,7 +213,8 @@ def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:
     return Rollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    responses=out.responses, response_mask=out.response_mask,
                    rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None,
-                   prompt_routing=out.prompt_routing, response_routing=out.response_routing)
+                   prompt_routing=out.prompt_routing, response_routing=out.response_routing,
+                   preemptions=out.preemptions)
 
 
 def rollout_params(state: TrainState, frozen=None, *, model_config: ModelConfig,

@@ -42,6 +42,9 @@ class Rollout:
     # else None.
     prompt_routing: Array | None = None
     response_routing: Array | None = None
+    # [N] int32, the paged cache's preemptions of each row (`rollout/preemptions`); else
+    # None.
+    preemptions: Array | None = None
 
     def attention_mask(self) -> Array:
         return self.response_mask if self.response_attention_mask is None else \

@@ -117,7 +117,7 @@ class _State:
     log_probs: jax.Array  # float32 [N, R]
     out_lengths: jax.Array  # int32 [N]
     peak_pages: jax.Array  # int32 []: the most pages held at once (the trash page aside)
-    preemptions: jax.Array  # int32 []: rows sent back to wait
+    preemptions: jax.Array  # int32 [N]: each row's times sent back to wait
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig
@@ -127,13 +127,13 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: 
     row_ids, row_mask, state = run(params, prompt_ids, prompt_mask, rng, sampling=sampling,
                                    config=config)
     return sampler.rollout_output(row_ids, row_mask, state.responses, state.log_probs,
-                                  state.out_lengths)
+                                  state.out_lengths).replace(preemptions=state.preemptions)
 
 
 def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
     """The paged program: `(row prompt ids [N, P], row prompt mask, final state)`; the
-    state's outputs, its page stack (every page returned) and its counts
-    (`peak_pages`, `preemptions`)."""
+    state's outputs, its page stack (every page returned), the most pages held at once
+    (`peak_pages`) and each row's preemptions."""
     num_prompts, prompt_len = prompt_ids.shape
     num_rows, num_new = num_prompts * sampling.n, sampling.max_new_tokens
     sizes = shape(sampling, num_rows, prompt_len)
@@ -162,7 +162,7 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
         log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
         out_lengths=jnp.full((num_rows,), num_new, jnp.int32),
         peak_pages=jnp.int32(0),
-        preemptions=jnp.int32(0),
+        preemptions=jnp.zeros((num_rows,), jnp.int32),
     )
     ctx = _Context(params, row_ids, row_mask, keys, sampling, config)
     state = _admit(ctx, state, seqs)
@@ -356,7 +356,7 @@ def _preempt(ctx: _Context, state: _State) -> _State:
     victim = jnp.argmax(jnp.where(running, state.admitted, -1))
     row = state.rows[victim]
     state = state.replace(
-        preemptions=state.preemptions + 1,
+        preemptions=state.preemptions.at[row].add(1),
         pending=state.pending.at[row].set(True),
         responses=state.responses.at[row].set(ctx.sampling.pad_token_id),
         log_probs=state.log_probs.at[row].set(0.0))

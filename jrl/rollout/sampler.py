@@ -251,6 +251,8 @@ class RolloutOutput:
       finished: from `continue_rows`, bool `[N]`: the row has emitted a stop token or
         holds R tokens (else it stopped at the call's step budget, to be continued);
         else None.
+      preemptions: from the paged cache (`jrl.rollout.paged`), int32 `[N]`: how many times
+        each row gave its pages back and started over; else None.
     """
 
     prompt_ids: jax.Array
@@ -262,6 +264,7 @@ class RolloutOutput:
     prompt_routing: jax.Array | None = None
     response_routing: jax.Array | None = None
     finished: jax.Array | None = None
+    preemptions: jax.Array | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array]:
         """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""

@@ -1084,7 +1084,7 @@ def _sampling(config, key: str) -> SamplingConfig:
         decode_buckets=_decode_buckets(config),
         cache_segments=_get(config, "rollout.cache_segments"),
         gemm=_get(config, "rollout.gemm"),
-        **{key: _get(config, f"rollout.{key}") for key in (
+        **{name: _get(config, f"rollout.{name}") for name in (
             "kv_cache", "page_size", "num_pages", "max_num_seqs", "refill_rows")},
         record_routing=key == "rollout" and config.actor.get("router_replay") == "rollout",
     ), key)

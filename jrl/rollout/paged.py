@@ -81,12 +81,8 @@ def generate(params, prompt_ids, prompt_mask, rng, sampling, *, config: ModelCon
     """`sampler.generate` over a paged cache (`sampling.kv_cache` "paged"): the same
     arguments, checks (and the pool's, `check_pages`) and outputs, in one program."""
     check_inputs(prompt_ids, prompt_mask, sampling, config)
-    operands = (params, prompt_ids, prompt_mask, rng)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
-        return generate_program(*operands, sampling=sampling, config=config)
-    program = sampler.jit_sampler(generate_program, sampling,
-                                  static_argnames=("sampling", "config"))
-    return program(*operands, sampling=sampling, config=config)
+    return sampler.call_program(generate_program, (params, prompt_ids, prompt_mask, rng),
+                                sampling=sampling, config=config)
 
 
 def check_inputs(prompt_ids, prompt_mask, sampling, config: ModelConfig) -> None:
@@ -305,10 +301,9 @@ def _decode(ctx: _Context, state: _State) -> _State:
     new_page = jnp.where(need, state.free[jnp.clip(top, 0)], TRASH_PAGE)
     table = jnp.where(need[:, None] & (jnp.arange(table.shape[1]) == page_index[:, None]),
                       new_page[:, None], table)
-    seqs, slots_total = state.key_mask.shape
-    at_slot = jnp.arange(slots_total)[None, :] == slot[:, None]
+    at_slot = jnp.arange(state.key_mask.shape[1])[None, :] == slot[:, None]
     key_mask = jnp.where(at_slot & running[:, None], 1, state.key_mask)
-    attended = jnp.where(running[:, None], key_mask, at_slot.astype(key_mask.dtype))
+    attended = sampler.decoding_mask(key_mask, slot, running)
     positions = state.prompt_lengths + state.lengths - 1
     cache = state.cache.replace(block_table=table)
     hidden, cache = transformer.forward(ctx.params, state.last_tokens[:, None],

@@ -197,9 +197,8 @@ class SamplingConfig:
             fail("cache_segments", "1 when the rollout records its routing (routing replay)")
         if self.kv_cache not in KV_CACHES:
             fail("kv_cache", f"one of {', '.join(map(repr, KV_CACHES))}")
-        for key in ("page_size",):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
-                fail(key, "an integer >= 1")
+        if not _is_int(self.page_size) or self.page_size < 1:
+            fail("page_size", "an integer >= 1")
         for key, zero in (("num_pages", "enough for every decode slot at full length"),
                           ("max_num_seqs", "every row at once"),
                           ("refill_rows", "an eighth of max_num_seqs")):
@@ -341,13 +340,18 @@ def generate(
     if sampling.kv_cache == "paged":
         raise ValueError("rollout.kv_cache='paged': call jrl.rollout.paged.generate, or set "
                          "it to 'contiguous'")
-    operands = (params, prompt_ids, prompt_mask, rng)
+    return call_program(generate_program, (params, prompt_ids, prompt_mask, rng),
+                        sampling=sampling, config=config)
+
+
+def call_program(program, operands, *, sampling: SamplingConfig, **static):
+    """`program(*operands, sampling=sampling, **static)`, the keyword arguments static:
+    traced in place inside the caller's jit (whose compiler options apply: JAX takes them
+    only on the outermost jit), else compiled by `jit_sampler`."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
-        # Inside the caller's jit, whose compiler options apply (JAX takes them only on
-        # the outermost jit).
-        return generate_program(*operands, sampling=sampling, config=config)
-    program = jit_sampler(generate_program, sampling, static_argnames=("sampling", "config"))
-    return program(*operands, sampling=sampling, config=config)
+        return program(*operands, sampling=sampling, **static)
+    jitted = jit_sampler(program, sampling, static_argnames=("sampling", *static))
+    return jitted(*operands, sampling=sampling, **static)
 
 
 def compiler_options(sampling: SamplingConfig, backend: str | None = None) -> dict[str, Any]:
@@ -468,13 +472,8 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
     check_inputs(prompt_ids, prompt_mask, sampling, config)
     prefix = _with_typed_keys(prefix)
     _check_prefix(prompt_ids, prefix, sampling, max_steps)
-    operands = (params, prompt_ids, prompt_mask, prefix)
-    kwargs = dict(sampling=sampling, config=config, max_steps=max_steps)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(operands)):
-        return continue_program(*operands, **kwargs)
-    program = jit_sampler(continue_program, sampling,
-                          static_argnames=("sampling", "config", "max_steps"))
-    return program(*operands, **kwargs)
+    return call_program(continue_program, (params, prompt_ids, prompt_mask, prefix),
+                        sampling=sampling, config=config, max_steps=max_steps)
 
 
 def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
@@ -833,11 +832,15 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
 
 def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
     """The mask `[N, S]` a decode step attends with: `key_mask` for the `running` rows,
-    the new `slot` alone for the others, whose outputs are discarded; the decode kernel
-    (but for `MosaicTiles.row_group`) then reads one block of such a row's cache instead
-    of all its filled ones (XLA's path reads every slot anyway)."""
-    only_new = (jnp.arange(key_mask.shape[1]) == slot).astype(key_mask.dtype)
-    return jnp.where(running[:, None], key_mask, only_new[None, :])
+    the new `slot` (shared, or `[N]` one per row) alone for the others, whose outputs are
+    discarded; the decode kernel (but for `MosaicTiles.row_group`) then reads one block
+    of such a row's cache instead of all its filled ones (XLA's path reads every slot
+    anyway)."""
+    slots = jnp.arange(key_mask.shape[1])
+    per_row = jnp.ndim(slot) > 0
+    only_new = (slots[None, :] == slot[:, None] if per_row else slots == slot)
+    only_new = only_new.astype(key_mask.dtype)
+    return jnp.where(running[:, None], key_mask, only_new if per_row else only_new[None, :])
 
 
 def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:

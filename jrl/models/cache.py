@@ -343,13 +343,15 @@ def attention_mask(
       each query's own slot.
     """
     first = 0 if write_index is None else write_index
-    if jnp.ndim(first):  # a write index per row (a `PagedCache`'s): [B, 1]
-        first = jnp.reshape(first, (-1, 1))
-    # [1 or B, T, 1]
-    query_slot_bt1 = jnp.reshape(first + jnp.arange(num_queries), (-1, num_queries, 1))
-    slot_11s = jnp.arange(key_mask_bs.shape[1])[None, None, :]
-    allowed_bts = (slot_11s <= query_slot_bt1) & key_mask_bs.astype(bool)[:, None, :]
+    per_row = jnp.ndim(first) > 0  # a write index per row (a `PagedCache`'s)
+    # [B, T, 1] per row, else [T, 1] for every row.
+    query_slot_t1 = (first[:, None] + jnp.arange(num_queries))[:, :, None] if per_row else \
+        (first + jnp.arange(num_queries))[:, None]
+    slot_1s = jnp.arange(key_mask_bs.shape[1])[None, :]
+    causal = slot_1s <= query_slot_t1
+    allowed_bts = (causal if per_row else causal[None]) & key_mask_bs.astype(bool)[:, None, :]
     # Every query may also see its own slot, so a padding query never has an all-masked
     # row: cuDNN's backward pass returns garbage gradients for such rows. Real queries
     # are unaffected (their own slot is valid anyway).
-    return (allowed_bts | (slot_11s == query_slot_bt1))[:, None]
+    own = slot_1s == query_slot_t1
+    return (allowed_bts | (own if per_row else own[None]))[:, None]

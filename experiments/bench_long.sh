@@ -12,7 +12,8 @@
 #                   (a third of the maximum on average)
 #   paged_third     third with the paged KV cache (rollout.kv_cache=paged), its pool
 #                   half of the contiguous cache's pages (PAGES, default 34,817 of 16
-#                   slots: 128 rows x 544 pages / 2, and the trash page)
+#                   slots: 128 rows x 544 pages / 2, and the trash page; by "+pageN"'s size)
+#   paged_natural   natural with the paged KV cache, its pool every row at full length
 #   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
 #                   a round; 9 warm-up steps, one more than the prefix widths it compiles)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
@@ -34,7 +35,8 @@
 #                   tests/kernels/test_logprob_head.py compiled on the GPU
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
 # "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
-# or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+hbxla"
+# or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+xla" (--decode_attention
+# xla), "+pageN" (--page_size N, the paged cache's pages), "+hbxla"
 # (--head_backward xla: the log-prob head's backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
 # natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
@@ -75,6 +77,7 @@ run() {  # run NAME TREE ARGS...
 for name in "$@"; do
   base=${name%%+*}
   extra=()
+  PAGE=
   IFS=+ read -ra opts <<< "${name#"$base"}"
   for o in "${opts[@]}"; do
     case "$o" in
@@ -84,6 +87,8 @@ for name in "$@"; do
       tok*) extra+=(--max_token_len "${o#tok}") ;;
       hbxla) extra+=(--head_backward xla) ;;
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
+      page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
+      xla) extra+=(--decode_attention xla) ;;
       mosaic) extra+=(--decode_attention mosaic) ;;
       mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;
       *) echo "unknown setting $o in $name" >&2; exit 2 ;;
@@ -111,7 +116,9 @@ for name in "$@"; do
     long_tail) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" ;;
     third) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${THIRD[@]}" ;;
     paged_third) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${THIRD[@]}" \
-                   --kv_cache paged --num_pages "${PAGES:-34817}" ;;
+                   --kv_cache paged --num_pages "${PAGES:-$((128 * (8704 / ${PAGE:-16}) / 2 + 1))}" ;;
+    paged_natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
+                     --kv_cache paged ;;
     partial) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" \
                --partial_max_tokens 1024 --warmup 9 --steps 2 ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jrl import sharding
 from jrl.kernels import mosaic_backend
 from jrl.models import rope
-from jrl.models.cache import write_slots
+from jrl.models.cache import TRASH_PAGE, write_slots
 
 mgpu = mosaic_backend.plgpu  # None where jax has no Mosaic GPU backend (`_mosaic` says so)
 
@@ -318,6 +318,69 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
 
 
+# The paged decode's settings (`paged_attention` without tiles): unfused (the cache write
+# is the paged cache's scatter) and split over slots where the rows are too few to keep
+# the GPU busy (the decode loop compacts to fewer rows as they stop).
+PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
+
+
+def paged_applies(page_size: int, head_dim: int) -> bool:
+    """Whether the kernel reads pages of `page_size` slots in place (`paged_attention`):
+    whole shared-memory tiles (a multiple of 8 slots), a power of two that divides or
+    fills a block (at most 128 slots, 64 at a head_dim above 128)."""
+    most = 64 if head_dim > 128 else 128
+    return 8 <= page_size <= most and page_size & (page_size - 1) == 0
+
+
+def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
+                    interpret: bool = False, tiles: MosaicTiles | None = None):
+    """Decode attention over a paged cache, read in place: row b's query heads attend to
+    its slots `[start_b[b], slot_b[b]]`, slot s held at offset `s mod page` of page
+    `block_table[b, s // page]` (`cache.PagedCache`); no `[B, K, S, H]` copy of the
+    cache is made. The Mosaic GPU kernel (`_mosaic_kernel` with `page`): each block of
+    slots is filled by one TMA copy per page, only the blocks holding `[start, slot]`
+    are read.
+
+    Args:
+      q_bnh: `[B, N, H]` the rotated queries of the new tokens.
+      k_pool, v_pool: `[pages, K, page, H]` this layer's pools, the new tokens' keys and
+        values already written; 16-bit.
+      block_table: int32 `[B, pages_per_row]`.
+      start_b, slot_b: int32 `[B]`, each row's first real slot and the slot of its new
+        token.
+      interpret: run in Pallas' GPU interpret mode (always off a GPU).
+      tiles: the kernel's settings (`block`, `stages`, `compact`, `splits`); None:
+        `PAGED_TILES`.
+
+    Returns:
+      `[B, N, H]` in the queries' dtype.
+    """
+    tiles = tiles or PAGED_TILES
+    page, h = k_pool.shape[2], k_pool.shape[3]
+    if tiles.fused or tiles.row_group != 1 or not paged_applies(page, h):
+        raise ValueError(f"the paged decode attention takes unfused tiles of one row a "
+                         f"program, and pages of 8 to {64 if h > 128 else 128} slots (a "
+                         f"power of two); got {tiles} and pages of {page}")
+    kernel = functools.partial(_mosaic, interpret=interpret, tiles=tiles)
+
+    def run(q_bnh, k_pool, v_pool, block_table, start_b, slot_b):
+        return kernel(q_bnh, k_pool, v_pool, start_b.astype(jnp.int32),
+                      slot_b.astype(jnp.int32), block_table=block_table)
+
+    def specs(sharder):  # rows over the batch axes, every row reading the whole pool
+        batch = sharder.spec(("batch",), start_b.shape)[0]
+        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+        kv_heads = sharder.spec((None, "kv_heads", None, None), k_pool.shape)[1]
+        if heads != kv_heads:
+            heads = kv_heads = None
+        pool = P(None, kv_heads, None, None)
+        return ((P(batch, heads, None), pool, pool, P(batch, None), P(batch), P(batch)),
+                P(batch, heads, None))
+
+    return sharding.per_shard(run, specs, q_bnh, k_pool, v_pool, block_table, start_b,
+                              slot_b)
+
+
 def _check_slot(slot, k_bksh):
     """A Python-int `slot` inside the cache (a traced one is not checked)."""
     if isinstance(slot, int) and not 0 <= slot < k_bksh.shape[2]:
@@ -415,8 +478,8 @@ def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start
                               start_b, slot)
 
 
-def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block, stages,
-                   scale, interpreted, splits=1):
+def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, *refs, block, stages,
+                   scale, interpreted, splits=1, page=0):
     """One (row, key/value head) of the Mosaic GPU kernel: its query group, padded to
     `rows` (a multiple of 64, wgmma's M) in `q_smem`, from and to the first rows of
     `q_ref`/`o_ref [B, K, <= rows, H]` (`MosaicTiles.compact`), against the cache
@@ -431,13 +494,20 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     values and the slot ids are then left to it) and its wgmma takes neither a
     transposed operand nor one from registers (both matmuls are then dots of the
     tiles loaded from SMEM): the differences from the GPU's code, all behind this
-    flag; the TMA copies, barriers and buffer rotation run as on the GPU."""
+    flag; the TMA copies, barriers and buffer rotation run as on the GPU.
+    `page` (a paged cache, `paged_attention`): `k_ref`/`v_ref` are the pools
+    `[pages, K, page, H]`, a `table_ref [B, blocks * block / page]` follows `slot_ref`
+    (then `[B]`, each row's own slot), and a block's buffer is filled by one copy per
+    page of it, each page read where the row's table points."""
+    table_ref = None
+    if page:
+        table_ref, *refs = refs
     if splits > 1:
-        lse_ref, q_smem, k_smem, v_smem, barriers, q_barrier, lse_smem = refs
+        o_ref, lse_ref, q_smem, k_smem, v_smem, barriers, q_barrier, lse_smem = refs
     else:
-        q_smem, k_smem, v_smem, barriers, q_barrier = refs
+        o_ref, q_smem, k_smem, v_smem, barriers, q_barrier = refs
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
-    start, slot = start_ref[b], slot_ref[0]
+    start, slot = start_ref[b], slot_ref[b if page else 0]
     first, end = start // block, slot // block + 1  # the blocks holding [start, slot]
     if splits > 1:  # this part's share of the blocks
         part = lax.axis_index("parts")
@@ -451,6 +521,14 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, o_ref, *refs, block
     dtype = q_smem.dtype
 
     def fetch(j, buffer):
+        if page:  # the block's pages, each from where the row's table points
+            for i in range(block // page):
+                index = table_ref[b, j * (block // page) + i]
+                into = pl.ds(i * page, page)
+                for pool, tiles in ((k_ref, k_smem), (v_ref, v_smem)):
+                    mgpu.copy_gmem_to_smem(pool.at[index, kv], tiles.at[buffer, into],
+                                           barriers.at[buffer])
+            return
         blk = pl.ds(j * block, block)
         mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
         mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
@@ -639,8 +717,10 @@ class _Layout(NamedTuple):
     transforms: tuple
 
 
-def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
-    """`_Layout` of a cache and `tiles`; a ValueError for a cache that is not 16-bit."""
+def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles, page: int = 0) -> _Layout:
+    """`_Layout` of a cache and `tiles`; a ValueError for a cache that is not 16-bit.
+    `page`: the buffers are pools of pages of that many slots (`paged_attention`), their
+    rows' slots `[B, K, S, H]`'s own; a block holds whole pages."""
     mosaic_backend.require("model.decode_attention_impl")
     kv, s, h = k_bksh.shape[1:]
     dtype = k_bksh.dtype
@@ -651,7 +731,7 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
     # shared memory: such heads keep 64-slot blocks.)
     block = tiles.block or (128 if (tiles.split_like or (0, s))[1] >= LONG_CACHE and h <= 128
                             else 64)
-    block = block if s % block == 0 else _BLOCK
+    block = max(block, page) if page else block if s % block == 0 else _BLOCK
     group = num_heads // kv
     rows = -(-group // 64) * 64
     swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes
@@ -662,31 +742,45 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles) -> _Layout:
                    transforms=transforms)
 
 
-def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles):
+def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles,
+            block_table=None):
     """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
     cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
-    dtype."""
+    dtype. With a `block_table` (`paged_attention`), the buffers are pools
+    `[pages, K, page, H]` and `slot` is each row's, `[B]`."""
     b, n, h = q_bnh.shape
-    kv, s, dtype = k_bksh.shape[1], k_bksh.shape[2], k_bksh.dtype
-    layout = _mosaic_layout(n, k_bksh, v_bksh, tiles)
+    kv, dtype = k_bksh.shape[1], k_bksh.dtype
+    page = 0 if block_table is None else k_bksh.shape[2]
+    s = k_bksh.shape[2] if block_table is None else block_table.shape[1] * page
+    rows_cache = jax.ShapeDtypeStruct((b, kv, s, h), dtype)
+    layout = _mosaic_layout(n, rows_cache, v_bksh, tiles, page)
     block, stages, group, rows, moved, transforms = layout
+    operands = (start_b, slot if page else slot.reshape(1))
+    if page:  # whole blocks of pages: the table's last block padded with the trash page
+        per_block = block // page
+        blocks = -(-block_table.shape[1] // per_block)
+        block_table = jnp.pad(block_table, ((0, 0), (0, blocks * per_block - s // page)),
+                              constant_values=TRASH_PAGE)
+        s = blocks * block
+        operands = (start_b, slot, block_table)
     rows_like, slots_like = tiles.split_like or (b, s)
     splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
                      ((0, 0), (0, 0), (0, moved - group), (0, 0)))
     interpreted = mosaic_backend.interpret(interpret)
-    if tiles.row_group > 1 and b % tiles.row_group == 0:
+    if tiles.row_group > 1 and b % tiles.row_group == 0 and not page:
         out_bkrh = _mosaic_rows(q_bkrh, k_bksh, v_bksh, start_b, slot,
                                 layout=layout,
                                 group_rows=tiles.row_group, interpreted=interpreted)
         return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
     kernel = functools.partial(_mosaic_kernel, block=block, stages=stages,
                                scale=1.0 / math.sqrt(h), interpreted=bool(interpreted),
-                               splits=splits)
+                               splits=splits, page=page)
+    copies = 2 * (block // page if page else 1)  # a buffer's key and value copies
     scratch = [mgpu.SMEM((rows, h), dtype, transforms=transforms),
                mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
                mgpu.SMEM((stages, block, h), dtype, transforms=transforms),
-               mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+               mgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                mgpu.Barrier(num_arrivals=1)]
     if splits == 1:
         out_type, grid = jax.ShapeDtypeStruct((b, kv, moved, h), dtype), (b, kv)
@@ -703,7 +797,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         grid_names=("rows", "heads", "parts")[:len(grid)],
         compiler_params=mosaic_backend.compiler_params(regions=8 + 3 * (s // block)),
         interpret=interpreted,
-    )(q_bkrh, k_bksh, v_bksh, start_b, slot.reshape(1))
+    )(q_bkrh, k_bksh, v_bksh, *operands)
     out_bkrh = out if splits == 1 else _merge_parts(*out)
     return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
 

@@ -193,8 +193,9 @@ class PagedCache(KVCache):
     and the pool is sized to the live tokens, not to B full rows.
 
     The slots keep the contiguous cache's layout (left-padded prompt, then the response),
-    and attention reads a row's pages gathered into that layout (`view`), so a row's
-    keys, values and scores are those of the contiguous cache at the same slots.
+    and attention reads a row's pages gathered into that layout (`view`), or in place
+    (the decode kernel, `decode_attention.paged_attention`), so a row's keys, values and
+    scores are those of the contiguous cache at the same slots.
     `write_index` is per row, `[B]` (rows written at different slots in one step).
 
     Attributes:

@@ -333,6 +333,11 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if isinstance(cache, PagedCache):  # each row at its own slots, read through its pages
         cache = cache.write(layer, write_index, k_btkh, v_btkh)
+        if isinstance(mask_b1ts, DecodeStep):  # the kernel reads the pages in place
+            out_bnh = decode_lib.paged_attention(
+                q_btnh[:, 0], *cache.layer(layer), cache.block_table, mask_b1ts.start_b,
+                write_index)
+            return out_bnh[:, None], cache
         k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.view(layer))
         return _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
                        mask_b1ts), cache
@@ -392,7 +397,8 @@ class Attention(nn.Module):
         kv_heads = (c.num_kv_heads, c.head_dim)
         fused_layout = self.has_variable("params", FUSED_QKV)  # the sampler's
         fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        if fused_layout and isinstance(mask_b1ts, DecodeStep) and not c.qk_norm:
+        kernel_step = isinstance(mask_b1ts, DecodeStep) and not isinstance(cache, PagedCache)
+        if fused_layout and kernel_step and not c.qk_norm:
             # The kernel takes the projection's output as it is and adds the bias itself.
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
@@ -421,7 +427,7 @@ class Attention(nn.Module):
         if c.qk_norm:
             q_btnh = _norm(c, "head_dim", "q_norm")(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm")(k_btkh)
-        if isinstance(mask_b1ts, DecodeStep):  # one kernel: RoPE, the cache write, attention
+        if kernel_step:  # one kernel: RoPE, the cache write, attention
             q_btnh, k_btkh, v_btkh = (constrain(x, axes) for x, axes in (
                 (q_btnh, _HEADS), (k_btkh, _KV_HEADS), (v_btkh, _KV_HEADS)))
             operands = _to_cache_rows(cache, *((x, (axes[0], *axes[2:])) for x, axes in (
@@ -828,12 +834,24 @@ def _decode_tiles(cache):
     return dataclasses.replace(decode_lib.MOSAIC_TILES, split_like=like)
 
 
+def paged_kernel(config: ModelConfig, page_size: int) -> bool:
+    """Whether a paged cache's decode steps read its pages in place with the Mosaic GPU
+    kernel (`decode_attention.paged_attention`): where `choose_impl` takes the kernel and
+    it takes pages of `page_size` slots; else they attend a gathered copy in XLA."""
+    impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
+                                  dtype=config.dtype)
+    return impl == "mosaic" and decode_lib.paged_applies(page_size, config.head_dim)
+
+
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):
     """The layers' attention mask: bool `[B, 1, T, S]`, or for a decode step run by a
     Pallas kernel (on its Mosaic GPU backend), each row's first filled slot (`DecodeStep`;
     the row's slots are contiguous by the cache contract: left padding, then tokens up
     to the one being written)."""
-    if cache is not None and num_queries == 1 and not isinstance(cache, PagedCache):
+    if isinstance(cache, PagedCache) and num_queries == 1:
+        if paged_kernel(config, cache.page_size):  # the rows' own slots, read in place
+            return DecodeStep(jnp.argmax(mask.astype(bool), axis=1).astype(jnp.int32))
+    elif cache is not None and num_queries == 1:
         impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                       cache.max_len, config.dtype)
         if impl == "mosaic":

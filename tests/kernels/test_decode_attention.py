@@ -4,6 +4,7 @@ and in GPU interpret mode elsewhere, against the XLA reference (the cache write 
 attention), and the sampler run through it against the sampler on the XLA path."""
 
 import dataclasses
+import functools
 import re
 import textwrap
 from unittest import mock
@@ -19,7 +20,7 @@ from jrl.kernels import decode_attention as da
 from jrl.kernels import mosaic_backend
 from jrl.models import ModelConfig, init_params
 from jrl.models.config import RopeScaling
-from jrl.rollout import sampler
+from jrl.rollout import paged, sampler
 from jrl.rollout.sampler import SamplingConfig
 from tests.eight_devices import run_script
 from tests.markers import NEEDS_MOSAIC
@@ -61,6 +62,7 @@ def kernel_args(kernel, tiles=None):
 _STATIC = ("impl", "interpret", "tiles")
 _attend = jax.jit(da.append_and_attend, static_argnames=_STATIC)
 _attend_qkv = jax.jit(da.append_and_attend_qkv, static_argnames=("num_heads", *_STATIC))
+_MOSAIC = da._mosaic  # the kernel's call, for tests that count it
 
 
 def attend(*args, impl, interpret=False, tiles=None):
@@ -835,3 +837,106 @@ def test_rope_table_rotates_as_rope(swap_matmul):
         cos, sin = table[:, None, 0], table[:, None, 1]
         got = np.concatenate([low * cos - high * sin, high * cos + low * sin], axis=-1)
     np.testing.assert_allclose(got, naive_rope(x, angles), rtol=1e-6, atol=1e-6)
+
+
+def _paged(k_bksh, v_bksh, page, seed):
+    """The cache `[B, K, S, H]` as pools of pages of `page` slots in a shuffled order (page
+    0, the trash page, filled with junk that no row may read) and the rows' block tables."""
+    b, kv, s, h = k_bksh.shape
+    per_row = s // page
+    table = np.random.default_rng(seed).permutation(b * per_row).reshape(b, per_row) + 1
+    pool = lambda x, junk: jnp.concatenate([
+        jnp.full((1, kv, page, h), junk, x.dtype),
+        jnp.zeros((b * per_row, kv, page, h), x.dtype).at[table - 1].set(
+            x.reshape(b, kv, per_row, page, h).transpose(0, 2, 1, 3, 4))])
+    return pool(k_bksh, 1e3), pool(v_bksh, -1e3), jnp.asarray(table, jnp.int32)
+
+
+@pytest.mark.parametrize("page,tiles", [
+    (16, da.MosaicTiles(64, 2, compact=True)),            # four pages a block
+    (8, da.MosaicTiles(128, 3, compact=True, splits=3)),  # 16 pages a block, in 3 parts
+    (64, da.MosaicTiles(0, 2, compact=True, splits=0)),   # a page a block, `PAGED_TILES`
+], ids=["page16_block64", "page8_splits3", "page64"])
+def test_paged_kernel_reads_each_rows_pages_in_place(page, tiles):
+    """The paged kernel (`paged_attention`) against a float64 reference over each row's
+    slots `[start, slot]`, every row at its own slot, its pages shuffled through the pool:
+    rows starting mid-page, on a block edge and at their slot, and a row whose table ends
+    in trash pages past its slot."""
+    b, n, kv, h, slots = 4, 14, 2, 64, 320
+    keys = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[1:])
+    k_pool, v_pool, table = _paged(k, v, page, seed=page)
+    slot = np.array([slots - 1, 200, 37, 64], np.int32)
+    start = np.array([5, 128, 37, 0], np.int32)
+    table = table.at[2, 37 // page + 1:].set(0)  # the trash page past row 2's slot
+    want = np.stack([naive_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], start[r:r + 1],
+                                     slot[r] + 1)[0] for r in range(b)])
+    got = jax.jit(functools.partial(da.paged_attention, interpret=INTERPRET, tiles=tiles))(
+        q, k_pool, v_pool, table, jnp.asarray(start), jnp.asarray(slot))
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
+    """The paged kernel's compiled path lowers for CUDA to one Mosaic GPU call (pages of 16
+    slots, eight copies a 128-slot block, in parts); pages it cannot copy as whole tiles,
+    and a forced kernel with such pages, stop with the keys to change."""
+    sds = jax.ShapeDtypeStruct
+    shapes = (sds((8, 14, 64), jnp.bfloat16), *[sds((100, 2, 16, 64), jnp.bfloat16)] * 2,
+              sds((8, 40), jnp.int32), sds((8,), jnp.int32), sds((8,), jnp.int32))
+    tiles = da.MosaicTiles.from_spec("128,2,compact,splits2")
+    with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
+        text = _lower_for_cuda(lambda *a: da.paged_attention(*a, tiles=tiles), shapes)
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert [da.paged_applies(p, 64) for p in (4, 8, 16, 24, 128, 256)] == [
+        False, True, True, False, True, False]
+    assert not da.paged_applies(128, 256)
+    pool = jnp.zeros((4, 1, 4, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pages of 8 to 128 slots"):
+        da.paged_attention(jnp.zeros((1, 2, 32), jnp.bfloat16), pool, pool,
+                           jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
+                           jnp.zeros((1,), jnp.int32))
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                         decode_attention_impl="mosaic", dtype="bfloat16")
+    sampling = SamplingConfig(max_new_tokens=4, stop_token_ids=(), pad_token_id=0,
+                              kv_cache="paged", page_size=4)
+    with pytest.raises(ValueError, match=r"rollout.page_size a power of two from 8 to 128, "
+                                         r"got 4; set rollout.page_size=16"):
+        paged.check_inputs(np.ones((2, 3), np.int32), np.ones((2, 3), np.int32), sampling,
+                           config)
+
+
+def test_bf16_paged_sampler_through_the_kernel_matches_the_xla_path():
+    """The paged sampler with its decode steps on the kernel (`paged_attention`), through
+    refill, preemption and drain: the tokens of its XLA path (gathered pages) and of the
+    contiguous sampler for the same key, log-probs within bf16 rounding."""
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                         initializer_range=0.05, dtype="bfloat16", qkv_bias=True)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
+    ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
+    # Four slots for eight rows, pages of 8 slots, a pool of 5 pages beside the trash page:
+    # rows refill two at a time and some are preempted.
+    sampling = SamplingConfig(max_new_tokens=14, n=2, stop_token_ids=(3,), pad_token_id=0,
+                              kv_cache="paged", page_size=8, max_num_seqs=4, refill_rows=2,
+                              num_pages=6)
+    run = lambda impl: paged.generate(params, ids, mask, jax.random.key(3), sampling,
+                                      config=dataclasses.replace(config,
+                                                                 decode_attention_impl=impl))
+    xla = run("xla")
+    calls = []
+    with mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw)):
+        kernel = run("mosaic")
+    assert calls and all(kw["block_table"] is not None for kw in calls)
+    contiguous = sampler.generate(params, ids, mask, jax.random.key(3),
+                                  dataclasses.replace(sampling, kv_cache="contiguous"),
+                                  config=config)
+    lengths = np.asarray(xla.response_lengths)
+    assert np.asarray(kernel.preemptions).sum() > 0 and lengths.min() < lengths.max()
+    np.testing.assert_array_equal(kernel.responses, xla.responses)
+    np.testing.assert_array_equal(kernel.responses, contiguous.responses)
+    chex.assert_trees_all_close(kernel.rollout_log_probs, xla.rollout_log_probs,
+                                rtol=2e-2, atol=2e-2)

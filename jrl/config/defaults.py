@@ -308,12 +308,15 @@ def base_config() -> ml_collections.ConfigDict:
     # cache's tokens and log-probs, bit for bit on XLA:CPU). Single-turn rollouts, not
     # with cache_segments > 1, partial or routing replay from the rollout.
     c.rollout.kv_cache = "contiguous"
-    # Slots per page of the paged cache.
+    # Slots per page of the paged cache. On a Hopper GPU its decode steps read the pages
+    # in place (the decode kernel) for a power of two from 8 to 128 (64 at head_dim 256);
+    # other sizes attend a gathered copy of the pages, several times slower.
     c.rollout.page_size = 16
     # Pages in the paged cache's pool, one of them a trash page (0: every decode slot at
     # full length). Fewer pages than the rows could fill send the row admitted last back
     # to wait when the pool runs out (it starts over and draws the same tokens; logged as
-    # rollout/preemptions); at least one row at full length must fit.
+    # rollout/preemptions); at least one row at full length must fit. The most pages
+    # held at once, as a fraction of the pool, is logged as rollout/page_usage.
     c.rollout.num_pages = 0
     # Decode slots of the paged cache: rows decoded at once (0: every row of the step).
     c.rollout.max_num_seqs = 0

@@ -335,15 +335,15 @@ def paged_applies(page_size: int, head_dim: int) -> bool:
 def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
                     interpret: bool = False, tiles: MosaicTiles | None = None):
     """Decode attention over a paged cache, read in place: row b's query heads attend to
-    its slots `[start_b[b], slot_b[b]]`, slot s held at offset `s mod page` of page
-    `block_table[b, s // page]` (`cache.PagedCache`); no `[B, K, S, H]` copy of the
-    cache is made. The Mosaic GPU kernel (`_mosaic_kernel` with `page`): each block of
+    its (physical) slots `[start_b[b], slot_b[b]]`, slot s held at offset `s mod page`
+    of page `block_table[b, s // page]` (`cache.PagedCache`); no `[B, K, S, H]` copy of
+    the cache is made. The Mosaic GPU kernel (`_mosaic_kernel` with `page`): each block of
     slots is filled by one TMA copy per page, only the blocks holding `[start, slot]`
     are read.
 
     Args:
       q_bnh: `[B, N, H]` the rotated queries of the new tokens.
-      k_pool, v_pool: `[pages, K, page, H]` this layer's pools, the new tokens' keys and
+      k_pool, v_pool: `[K, pages, page, H]` this layer's pools, the new tokens' keys and
         values already written; 16-bit.
       block_table: int32 `[B, pages_per_row]`.
       start_b, slot_b: int32 `[B]`, each row's first real slot and the slot of its new
@@ -370,15 +370,69 @@ def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
     def specs(sharder):  # rows over the batch axes, every row reading the whole pool
         batch = sharder.spec(("batch",), start_b.shape)[0]
         heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-        kv_heads = sharder.spec((None, "kv_heads", None, None), k_pool.shape)[1]
+        kv_heads = sharder.spec(("kv_heads", None, None, None), k_pool.shape)[0]
         if heads != kv_heads:
             heads = kv_heads = None
-        pool = P(None, kv_heads, None, None)
+        pool = P(kv_heads, None, None, None)
         return ((P(batch, heads, None), pool, pool, P(batch, None), P(batch), P(batch)),
                 P(batch, heads, None))
 
     return sharding.per_shard(run, specs, q_bnh, k_pool, v_pool, block_table, start_b,
                               slot_b)
+
+
+def on_tpu() -> bool:
+    """Whether JAX runs on a TPU (where the paged cache's decode steps take Pallas' TPU
+    paged attention)."""
+    return jax.default_backend() == "tpu"
+
+
+def tpu_paged_attention(q_bnh, k_pool, v_pool, block_table, lengths_b, *, scale=None,
+                        softcap=None):
+    """Decode attention over a paged cache on a TPU, read in place by Pallas' paged
+    attention kernel (`jax.experimental.pallas.ops.tpu.paged_attention`): row b's query
+    heads attend to its physical slots `[0, lengths_b[b])` (`cache.PagedCache` keeps each
+    row's tokens from physical slot 0), through its block table.
+
+    Args:
+      q_bnh: `[B, N, H]` the rotated queries of the new tokens.
+      k_pool, v_pool: `[K, pages, page, H]` this layer's pools, the new tokens written.
+      block_table: int32 `[B, pages_per_row]`.
+      lengths_b: int32 `[B]`, each row's tokens (the new one included).
+      scale: the scores' scale (None: `H ** -0.5`); the kernel takes it on the queries.
+      softcap: soft-capping of the scaled scores (Gemma 2), or None.
+
+    Returns:
+      `[B, N, H]` in the queries' dtype.
+    """
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    page, h = k_pool.shape[2], k_pool.shape[3]
+    scale = h ** -0.5 if scale is None else scale
+    per_row = block_table.shape[1]
+    # Pages a step of the kernel's loop: up to 512 slots' worth, dividing the row's.
+    per_block = max(d for d in range(1, per_row + 1)
+                    if per_row % d == 0 and d * page <= max(page, 512))
+
+    def run(q_bnh, k_pool, v_pool, block_table, lengths_b):
+        q_bnh = (q_bnh.astype(jnp.float32) * scale).astype(k_pool.dtype)
+        out = paged_attention(q_bnh, k_pool, v_pool, lengths_b.astype(jnp.int32),
+                              block_table, pages_per_compute_block=per_block,
+                              attn_logits_soft_cap=softcap)
+        return out
+
+    def specs(sharder):  # rows over the batch axes, every row reading the whole pool
+        batch = sharder.spec(("batch",), lengths_b.shape)[0]
+        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+        kv_heads = sharder.spec(("kv_heads", None, None, None), k_pool.shape)[0]
+        if heads != kv_heads:
+            heads = kv_heads = None
+        pool = P(kv_heads, None, None, None)
+        return ((P(batch, heads, None), pool, pool, P(batch, None), P(batch)),
+                P(batch, heads, None))
+
+    out = sharding.per_shard(run, specs, q_bnh, k_pool, v_pool, block_table, lengths_b)
+    return out.astype(q_bnh.dtype)
 
 
 def _check_slot(slot, k_bksh):
@@ -496,7 +550,7 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, *refs, block, stage
     tiles loaded from SMEM): the differences from the GPU's code, all behind this
     flag; the TMA copies, barriers and buffer rotation run as on the GPU.
     `page` (a paged cache, `paged_attention`): `k_ref`/`v_ref` are the pools
-    `[pages, K, page, H]`, a `table_ref [B, blocks * block / page]` follows `slot_ref`
+    `[K, pages, page, H]`, a `table_ref [B, blocks * block / page]` follows `slot_ref`
     (then `[B]`, each row's own slot), and a block's buffer is filled by one copy per
     page of it, each page read where the row's table points."""
     table_ref = None
@@ -526,7 +580,7 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, *refs, block, stage
                 index = table_ref[b, j * (block // page) + i]
                 into = pl.ds(i * page, page)
                 for pool, tiles in ((k_ref, k_smem), (v_ref, v_smem)):
-                    mgpu.copy_gmem_to_smem(pool.at[index, kv], tiles.at[buffer, into],
+                    mgpu.copy_gmem_to_smem(pool.at[kv, index], tiles.at[buffer, into],
                                            barriers.at[buffer])
             return
         blk = pl.ds(j * block, block)
@@ -747,9 +801,9 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     """The Mosaic GPU kernel's attention of the rotated queries `[B, N, H]` over the
     cache (the new token already written) `[start, slot]`; `[B, N, H]` in the queries'
     dtype. With a `block_table` (`paged_attention`), the buffers are pools
-    `[pages, K, page, H]` and `slot` is each row's, `[B]`."""
+    `[K, pages, page, H]` and `slot` is each row's, `[B]`."""
     b, n, h = q_bnh.shape
-    kv, dtype = k_bksh.shape[1], k_bksh.dtype
+    kv, dtype = k_bksh.shape[0 if block_table is not None else 1], k_bksh.dtype
     page = 0 if block_table is None else k_bksh.shape[2]
     s = k_bksh.shape[2] if block_table is None else block_table.shape[1] * page
     rows_cache = jax.ShapeDtypeStruct((b, kv, s, h), dtype)

@@ -188,23 +188,29 @@ TRASH_PAGE = 0
 @flax.struct.dataclass
 class PagedCache(KVCache):
     """A cache of fixed-size pages shared by B rows through a block table (the paged
-    sampler's, `jrl.rollout.paged`): row b's slot s lives at offset `s mod page` of page
-    `block_table[b, s // page]`, so a row holds pages only for the slots it has filled
-    and the pool is sized to the live tokens, not to B full rows.
+    sampler's, `jrl.rollout.paged`).
 
-    The slots keep the contiguous cache's layout (left-padded prompt, then the response),
-    and attention reads a row's pages gathered into that layout (`view`), or in place
-    (the decode kernel, `decode_attention.paged_attention`), so a row's keys, values and
-    scores are those of the contiguous cache at the same slots.
+    Attention sees the contiguous cache's slots (the "logical" layout: left-padded
+    prompt, then the response), so a row's keys, values and scores are those of the
+    contiguous cache at the same slots. The pages hold each row compactly: logical slot
+    s of row b is the row's physical slot `s - shift[b]` (its first real token at
+    physical slot 0, padding nowhere), at offset `p mod page` of page
+    `block_table[b, p // page]`. A row thus holds pages only for its real tokens, and a
+    kernel reads them as a sequence that starts at its first page (`lengths`, with no
+    padding to mask). `view` gathers a row's pages back into the logical layout;
+    the decode kernels read them in place (`decode_attention.paged_attention`).
     `write_index` is per row, `[B]` (rows written at different slots in one step).
 
     Attributes:
-      k, v: L pools `[num_pages, K, page, H]`.
+      k, v: L pools `[K, num_pages, page, H]` (the pages of each key/value head
+        together, as Pallas' TPU paged attention takes them).
       block_table: int32 `[B, pages_per_row]`; `TRASH_PAGE` where the row holds none.
+      shift: int32 `[B]`, each row's left padding: logical slot of its physical slot 0.
       num_slots: S, the slots of a row (`max_len`); `pages_per_row * page >= S`.
     """
 
     block_table: jax.Array = None
+    shift: jax.Array = None
     num_slots: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
@@ -215,32 +221,42 @@ class PagedCache(KVCache):
     def page_size(self) -> int:
         return self.k[0].shape[2]
 
+    def _pages(self, slots_bt):
+        """The pages and offsets `[B, T]` of the rows' logical slots `slots_bt`; the trash
+        page for padding (physical slots below 0)."""
+        physical = slots_bt - self.shift[:, None]
+        pages = jnp.take_along_axis(self.block_table,
+                                    jnp.maximum(physical, 0) // self.page_size, axis=1)
+        return jnp.where(physical >= 0, pages, TRASH_PAGE), physical % self.page_size
+
     def write(self, layer: int, write_index: jax.Array, k_btkh, v_btkh) -> PagedCache:
-        """Writes one layer's new keys/values `[B, T, K, H]` of row b at its slots
-        `write_index[b] + t`."""
+        """Writes one layer's new keys/values `[B, T, K, H]` of row b at its logical slots
+        `write_index[b] + t` (padding into the trash page)."""
         num = k_btkh.shape[1]
         slots_bt = jnp.asarray(write_index, jnp.int32).reshape(-1, 1) + jnp.arange(num)
-        pages_bt = jnp.take_along_axis(self.block_table, slots_bt // self.page_size, axis=1)
-        offsets_bt = slots_bt % self.page_size
-        put = lambda pool, new: pool.at[pages_bt, :, offsets_bt].set(new.astype(pool.dtype))
+        pages_bt, offsets_bt = self._pages(slots_bt)
+        put = lambda pool, new: pool.at[:, pages_bt, offsets_bt].set(
+            jnp.moveaxis(new, 2, 0).astype(pool.dtype))
         return self.replace_layer(layer, put(self.k[layer], k_btkh), put(self.v[layer], v_btkh))
 
     def view(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s keys and values as the contiguous cache holds them, `[B, K, S, H]`
-        each: every row's pages gathered in slot order."""
-        def gather(pool):
-            pages = pool[self.block_table]  # [B, pages_per_row, K, page, H]
-            b, n, k, page, h = pages.shape
-            return pages.transpose(0, 2, 1, 3, 4).reshape(b, k, n * page, h)[:, :, :self.num_slots]
-
-        return gather(self.k[layer]), gather(self.v[layer])
+        """Layer `layer`'s keys and values in the logical layout, `[B, K, S, H]` each:
+        every row's slots gathered from its pages (padding slots from the trash page)."""
+        slots_bs = jnp.broadcast_to(jnp.arange(self.num_slots, dtype=jnp.int32),
+                                    (self.block_table.shape[0], self.num_slots))
+        pages_bs, offsets_bs = self._pages(slots_bs)
+        gather = lambda pool: jnp.moveaxis(pool[:, pages_bs, offsets_bs], 0, 1)
+        # Materialised, as the contiguous cache is: fused into the attention's matmuls as
+        # their operand, a gather makes XLA:CPU emit them as its own loops, which sum in
+        # another order than the matmul of a materialised cache (other bits).
+        return lax.optimization_barrier((gather(self.k[layer]), gather(self.v[layer])))
 
 
 def init_pool(config: ModelConfig, num_pages: int, page_size: int,
               dtype: str | None = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """The zero pools `(k, v)` of a `PagedCache`: L buffers `[num_pages, K, page_size, H]`
+    """The zero pools `(k, v)` of a `PagedCache`: L buffers `[K, num_pages, page_size, H]`
     each."""
-    shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype or config.dtype)
                           for _ in range(config.num_layers))
     return zeros(), zeros()

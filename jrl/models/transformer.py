@@ -333,10 +333,16 @@ def _rotate_and_attend(c: ModelConfig, q_btnh, k_btkh, v_btkh, sin_btk, cos_btk,
         return _attend(c, q_btnh, k_btkh, v_btkh, mask_b1ts), cache
     if isinstance(cache, PagedCache):  # each row at its own slots, read through its pages
         cache = cache.write(layer, write_index, k_btkh, v_btkh)
-        if isinstance(mask_b1ts, DecodeStep):  # the kernel reads the pages in place
-            out_bnh = decode_lib.paged_attention(
-                q_btnh[:, 0], *cache.layer(layer), cache.block_table, mask_b1ts.start_b,
-                write_index)
+        if isinstance(mask_b1ts, DecodeStep):  # a kernel reads the rows' pages in place
+            q_bnh, slot_b = q_btnh[:, 0], write_index - cache.shift  # physical slots
+            if paged_kernel(c, cache.page_size) == "tpu":
+                out_bnh = decode_lib.tpu_paged_attention(
+                    q_bnh, *cache.layer(layer), cache.block_table, slot_b + 1,
+                    scale=gemma.query_scale(c), softcap=c.attn_logit_softcapping)
+            else:
+                out_bnh = decode_lib.paged_attention(
+                    q_bnh, *cache.layer(layer), cache.block_table,
+                    mask_b1ts.start_b - cache.shift, slot_b)
             return out_bnh[:, None], cache
         k_bksh, v_bksh = (t.astype(c.dtype) for t in cache.view(layer))
         return _attend(c, q_btnh, jnp.swapaxes(k_bksh, 1, 2), jnp.swapaxes(v_bksh, 1, 2),
@@ -834,13 +840,21 @@ def _decode_tiles(cache):
     return dataclasses.replace(decode_lib.MOSAIC_TILES, split_like=like)
 
 
-def paged_kernel(config: ModelConfig, page_size: int) -> bool:
-    """Whether a paged cache's decode steps read its pages in place with the Mosaic GPU
-    kernel (`decode_attention.paged_attention`): where `choose_impl` takes the kernel and
-    it takes pages of `page_size` slots; else they attend a gathered copy in XLA."""
+def paged_kernel(config: ModelConfig, page_size: int) -> str | None:
+    """The kernel a paged cache's decode steps read its pages in place with: "tpu" on a
+    TPU (Pallas' paged attention, `decode_attention.tpu_paged_attention`), "mosaic" where
+    `choose_impl` takes the Mosaic GPU kernel and it takes pages of `page_size` slots
+    (`decode_attention.paged_attention`); None (a gathered copy attended in XLA)
+    elsewhere, with `decode_attention_impl="xla"` and for sliding-window layers."""
+    if config.decode_attention_impl == "xla" or gemma.SLIDING in (config.layer_types or ()):
+        return None
+    if decode_lib.on_tpu():
+        return "tpu"
     impl = decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
                                   dtype=config.dtype)
-    return impl == "mosaic" and decode_lib.paged_applies(page_size, config.head_dim)
+    mosaic = (impl == "mosaic" and decode_lib.paged_applies(page_size, config.head_dim)
+              and config.attn_logit_softcapping is None and gemma.query_scale(config) is None)
+    return "mosaic" if mosaic else None
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

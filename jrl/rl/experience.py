@@ -274,6 +274,8 @@ class Rollouts:
         if sampled.rollout.preemptions is not None:  # the paged cache's, of the rows trained
             out["rollout/preemptions"] = float(np.sum(
                 sharding_lib.host_array(sampled.rollout.preemptions)))
+            out["rollout/page_usage"] = float(np.max(
+                sharding_lib.host_array(sampled.rollout.page_usage)))
         if settings.reward.on_error == "score":
             out["reward/num_errors"] = float(num_errors)
         return exp.replace(**self.sharder.put_batch(host)), out

@@ -214,7 +214,7 @@ def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:
                    responses=out.responses, response_mask=out.response_mask,
                    rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None,
                    prompt_routing=out.prompt_routing, response_routing=out.response_routing,
-                   preemptions=out.preemptions)
+                   preemptions=out.preemptions, page_usage=out.page_usage)
 
 
 def rollout_params(state: TrainState, frozen=None, *, model_config: ModelConfig,

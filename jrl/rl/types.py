@@ -45,6 +45,9 @@ class Rollout:
     # [N] int32, the paged cache's preemptions of each row (`rollout/preemptions`); else
     # None.
     preemptions: Array | None = None
+    # [N] float32, the most pages the paged cache's rows held at once, as a fraction of
+    # its pool, the same for every row of a rollout call (`rollout/page_usage`); else None.
+    page_usage: Array | None = None
 
     def attention_mask(self) -> Array:
         return self.response_mask if self.response_attention_mask is None else \

@@ -5,10 +5,11 @@ rows a cache of `S = P + R` slots for the whole program, and a row that stops ke
 slot until the batch ends. Here, as in vLLM's and SGLang's engines:
 
 - **Pages.** The cache is a pool of `rollout.num_pages` pages of `rollout.page_size` slots
-  per layer (`cache.PagedCache`). A row holds a block table of the pages of its slots:
-  pages for its prompt when it is admitted (none for all-padding pages), one more each
-  time its tokens cross into a new page, all of them returned when it stops. The pool is
-  sized to the live tokens, not to `N` full rows.
+  per layer (`cache.PagedCache`). A row holds a block table of the pages of its tokens,
+  kept compactly from its first real token (its left padding in no page): pages for its
+  prompt when it is admitted, one more each time its tokens cross into a new page, all
+  of them returned when it stops. The pool is sized to the live tokens, not to `N` full
+  rows.
 - **Decode slots.** The decode loop runs over `M = rollout.max_num_seqs` slots. The step's
   rows wait in order; when slots free up (rows that stopped), the next waiting rows are
   prefilled into them inside the same `lax.while_loop` (`refill_rows` at a time, fewer
@@ -133,8 +134,11 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: 
     the same rows, keys and outputs."""
     row_ids, row_mask, state = run(params, prompt_ids, prompt_mask, rng, sampling=sampling,
                                    config=config)
+    usage = state.peak_pages / (state.free.shape[0] - 1)  # the trash page aside
     return sampler.rollout_output(row_ids, row_mask, state.responses, state.log_probs,
-                                  state.out_lengths).replace(preemptions=state.preemptions)
+                                  state.out_lengths).replace(
+        preemptions=state.preemptions,
+        page_usage=jnp.full(state.preemptions.shape, usage, jnp.float32))
 
 
 def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
@@ -159,7 +163,8 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
         key_mask=jnp.zeros((seqs, slots), jnp.int32),
         admitted=jnp.zeros((seqs,), jnp.int32),
         cache=PagedCache(k=pool_k, v=pool_v, num_slots=slots,
-                         block_table=jnp.full((seqs, per_row), TRASH_PAGE, jnp.int32)),
+                         block_table=jnp.full((seqs, per_row), TRASH_PAGE, jnp.int32),
+                         shift=jnp.zeros((seqs,), jnp.int32)),
         # Popped from the end: pages 1, 2, ... go out first.
         free=jnp.arange(sizes["pages"] - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.int32(sizes["pages"] - 1),
@@ -219,7 +224,8 @@ def _compact(state: _State, size: int, num_rows: int) -> _State:
         rows=take(state.rows), lengths=take(state.lengths),
         last_tokens=take(state.last_tokens), prompt_lengths=take(state.prompt_lengths),
         key_mask=take(state.key_mask), admitted=take(state.admitted),
-        cache=state.cache.replace(block_table=take(state.cache.block_table)))
+        cache=state.cache.replace(block_table=take(state.cache.block_table),
+                                  shift=take(state.cache.shift)))
 
 
 class _Context:
@@ -230,7 +236,6 @@ class _Context:
         self.sampling, self.config = sampling, config
         self.num_rows, self.prompt_len = row_ids.shape
         self.page = sampling.page_size
-        self.prompt_pages = -(-self.prompt_len // self.page)
 
 
 def _candidates(ctx: _Context, state: _State, width: int):
@@ -242,8 +247,7 @@ def _candidates(ctx: _Context, state: _State, width: int):
     rows = jnp.argsort(~state.pending, stable=True)[:width]
     k = jnp.arange(width)
     fill = (k < jnp.sum(empty)) & (k < jnp.sum(state.pending))
-    prompt_lengths = jnp.sum(ctx.row_mask[rows], axis=1)
-    need = jnp.where(fill, ctx.prompt_pages - _first_page(ctx, prompt_lengths), 0)
+    need = jnp.where(fill, _prompt_pages(ctx, jnp.sum(ctx.row_mask[rows], axis=1)), 0)
     others = jnp.sum(~empty) + k  # running rows besides this one, once it is admitted
     ok = fill & (jnp.cumsum(need) + others <= state.num_free)
     return slots, rows, jnp.where(ok, need, 0), ok
@@ -253,9 +257,9 @@ def _admissible(ctx: _Context, state: _State, width: int) -> jax.Array:
     return jnp.sum(_candidates(ctx, state, width)[3])
 
 
-def _first_page(ctx: _Context, prompt_lengths):
-    """The first page holding a prompt token of a row of `prompt_lengths` (left-padded)."""
-    return (ctx.prompt_len - prompt_lengths) // ctx.page
+def _prompt_pages(ctx: _Context, prompt_lengths):
+    """The pages of a row of `prompt_lengths` tokens (held from physical slot 0)."""
+    return -(-prompt_lengths // ctx.page)
 
 
 def _admit(ctx: _Context, state: _State, width: int) -> _State:
@@ -263,16 +267,16 @@ def _admit(ctx: _Context, state: _State, width: int) -> _State:
     draws their first tokens."""
     slots, rows, need, ok = _candidates(ctx, state, width)
     ids, mask = ctx.row_ids[rows], ctx.row_mask[rows]
-    first = _first_page(ctx, jnp.sum(mask, axis=1))
-    # Row k takes free[start_k : start_k + need_k], popped from the stack's top.
+    # Row k takes free[start_k : start_k + need_k], popped from the stack's top, for its
+    # physical pages 0 .. need_k - 1.
     start = state.num_free - jnp.cumsum(need)
     j = jnp.arange(state.cache.block_table.shape[1])[None, :]
-    holds = ok[:, None] & (j >= first[:, None]) & (j < ctx.prompt_pages)
-    taken = state.free[jnp.clip(start[:, None] + j - first[:, None], 0)]
-    table = jnp.where(holds, taken, TRASH_PAGE)
+    table = jnp.where(j < need[:, None], state.free[jnp.clip(start[:, None] + j, 0)],
+                      TRASH_PAGE)
+    shift = ctx.prompt_len - jnp.sum(mask, axis=1)  # the left padding
     slots_total = state.key_mask.shape[1]
     key_mask = jnp.pad(mask, ((0, 0), (0, slots_total - ctx.prompt_len)))
-    cache = state.cache.replace(block_table=table)
+    cache = state.cache.replace(block_table=table, shift=shift)
     hidden, cache = transformer.forward(ctx.params, ids, positions_from_mask(mask), key_mask,
                                         cache, jnp.zeros((width,), jnp.int32),
                                         config=ctx.config)
@@ -287,7 +291,8 @@ def _admit(ctx: _Context, state: _State, width: int) -> _State:
         prompt_lengths=put(state.prompt_lengths, jnp.sum(mask, axis=1)),
         key_mask=put(state.key_mask, key_mask),
         admitted=put(state.admitted, state.admissions + jnp.arange(width, dtype=jnp.int32)),
-        cache=cache.replace(block_table=put(state.cache.block_table, table)),
+        cache=cache.replace(block_table=put(state.cache.block_table, table),
+                            shift=put(state.cache.shift, shift)),
         num_free=state.num_free - jnp.sum(need),
         admissions=state.admissions + width,
         pending=state.pending.at[rows].set(state.pending[rows] & ~ok),
@@ -307,7 +312,7 @@ def _decode(ctx: _Context, state: _State) -> _State:
     need = _needs_page(ctx, state)
     # Row m's new page: the stack's top entries, one per needing row in slot order.
     top = state.num_free - jnp.cumsum(need)
-    page_index = slot // ctx.page
+    page_index = (slot - state.cache.shift) // ctx.page  # the physical slot's
     table = state.cache.block_table
     new_page = jnp.where(need, state.free[jnp.clip(top, 0)], TRASH_PAGE)
     table = jnp.where(need[:, None] & (jnp.arange(table.shape[1]) == page_index[:, None]),
@@ -345,8 +350,9 @@ def _write_slots(ctx: _Context, state: _State) -> jax.Array:
 def _needs_page(ctx: _Context, state: _State) -> jax.Array:
     """bool `[M]`: the running rows whose next slot lies in a page they do not hold."""
     running = state.rows < ctx.num_rows
-    held = jnp.take_along_axis(state.cache.block_table,
-                               (_write_slots(ctx, state) // ctx.page)[:, None], axis=1)[:, 0]
+    physical = _write_slots(ctx, state) - state.cache.shift
+    held = jnp.take_along_axis(state.cache.block_table, (physical // ctx.page)[:, None],
+                               axis=1)[:, 0]
     return running & (held == TRASH_PAGE)
 
 
@@ -379,7 +385,8 @@ def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
     return state.replace(
         rows=jnp.where(leaving, empty_row, state.rows),
         key_mask=jnp.where(leaving[:, None], 0, state.key_mask),
-        cache=state.cache.replace(block_table=jnp.where(leaving[:, None], TRASH_PAGE, table)),
+        cache=state.cache.replace(block_table=jnp.where(leaving[:, None], TRASH_PAGE, table),
+                                  shift=jnp.where(leaving, 0, state.cache.shift)),
         free=free,
         num_free=state.num_free + jnp.sum(returned),
     )

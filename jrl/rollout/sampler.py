@@ -252,6 +252,9 @@ class RolloutOutput:
         else None.
       preemptions: from the paged cache (`jrl.rollout.paged`), int32 `[N]`: how many times
         each row gave its pages back and started over; else None.
+      page_usage: from the paged cache, float32 `[N]`: the most pages its rows held at
+        once, as a fraction of the pool (the trash page aside), the same for every row
+        of the call; else None.
     """
 
     prompt_ids: jax.Array
@@ -264,6 +267,7 @@ class RolloutOutput:
     response_routing: jax.Array | None = None
     finished: jax.Array | None = None
     preemptions: jax.Array | None = None
+    page_usage: jax.Array | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array]:
         """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jrl.errors import ConfigError
 from jrl.kernels import decode_attention as da
@@ -840,15 +841,15 @@ def test_rope_table_rotates_as_rope(swap_matmul):
 
 
 def _paged(k_bksh, v_bksh, page, seed):
-    """The cache `[B, K, S, H]` as pools of pages of `page` slots in a shuffled order (page
-    0, the trash page, filled with junk that no row may read) and the rows' block tables."""
+    """The cache `[B, K, S, H]` as pools `[K, pages, page, H]` of pages of `page` slots in
+    a shuffled order (page 0, the trash page, filled with junk that no row may read) and
+    the rows' block tables."""
     b, kv, s, h = k_bksh.shape
     per_row = s // page
     table = np.random.default_rng(seed).permutation(b * per_row).reshape(b, per_row) + 1
-    pool = lambda x, junk: jnp.concatenate([
-        jnp.full((1, kv, page, h), junk, x.dtype),
-        jnp.zeros((b * per_row, kv, page, h), x.dtype).at[table - 1].set(
-            x.reshape(b, kv, per_row, page, h).transpose(0, 2, 1, 3, 4))])
+    pool = lambda x, junk: jnp.full((kv, 1 + b * per_row, page, h), junk, x.dtype).at[
+        :, table.reshape(-1)].set(x.reshape(b, kv, per_row, page, h).transpose(
+            1, 0, 2, 3, 4).reshape(kv, b * per_row, page, h))
     return pool(k_bksh, 1e3), pool(v_bksh, -1e3), jnp.asarray(table, jnp.int32)
 
 
@@ -883,7 +884,7 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
     slots, eight copies a 128-slot block, in parts); pages it cannot copy as whole tiles,
     and a forced kernel with such pages, stop with the keys to change."""
     sds = jax.ShapeDtypeStruct
-    shapes = (sds((8, 14, 64), jnp.bfloat16), *[sds((100, 2, 16, 64), jnp.bfloat16)] * 2,
+    shapes = (sds((8, 14, 64), jnp.bfloat16), *[sds((2, 100, 16, 64), jnp.bfloat16)] * 2,
               sds((8, 40), jnp.int32), sds((8,), jnp.int32), sds((8,), jnp.int32))
     tiles = da.MosaicTiles.from_spec("128,2,compact,splits2")
     with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
@@ -892,7 +893,7 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
     assert [da.paged_applies(p, 64) for p in (4, 8, 16, 24, 128, 256)] == [
         False, True, True, False, True, False]
     assert not da.paged_applies(128, 256)
-    pool = jnp.zeros((4, 1, 4, 32), jnp.bfloat16)
+    pool = jnp.zeros((1, 4, 4, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="pages of 8 to 128 slots"):
         da.paged_attention(jnp.zeros((1, 2, 32), jnp.bfloat16), pool, pool,
                            jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
@@ -908,35 +909,72 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
                            config)
 
 
-def test_bf16_paged_sampler_through_the_kernel_matches_the_xla_path():
-    """The paged sampler with its decode steps on the kernel (`paged_attention`), through
-    refill, preemption and drain: the tokens of its XLA path (gathered pages) and of the
-    contiguous sampler for the same key, log-probs within bf16 rounding."""
+def test_tpu_paged_kernel_reads_each_rows_pages_in_place():
+    """Pallas' TPU paged attention (`tpu_paged_attention`, in TPU interpret mode) against a
+    float64 reference: each row's physical slots `[0, length)` through its shuffled pages,
+    with a scale and Gemma 2's soft-cap; a row whose table ends in trash pages."""
+    b, n, kv, h, slots, page = 4, 8, 2, 128, 128, 16
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.float32)
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.float32) for key in keys[1:])
+    k_pool, v_pool, table = _paged(k, v, page, seed=1)
+    lengths = np.array([slots, 1, 37, 64], np.int32)
+    table = table.at[2, 3:].set(0)  # the trash page past row 2's tokens
+    scale, cap = 0.05, 3.0
+    logits = np.einsum("bkgh,bksh->bkgs", np.asarray(q, np.float64).reshape(b, kv, n // kv, h),
+                       np.asarray(k, np.float64)) * scale
+    logits = cap * np.tanh(logits / cap)
+    logits = np.where(np.arange(slots) < lengths[:, None, None, None], logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bkgs,bksh->bkgh", weights / weights.sum(-1, keepdims=True),
+                     np.asarray(v, np.float64)).reshape(b, n, h)
+    with pltpu.force_tpu_interpret_mode():
+        got = jax.jit(functools.partial(da.tpu_paged_attention, scale=scale, softcap=cap))(
+            q, k_pool, v_pool, table, jnp.asarray(lengths))
+    # (The kernel's matmuls run at the default precision: bfloat16 operands.)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
+    """The paged sampler with its decode steps on a kernel that reads the pages in place
+    (the Mosaic GPU kernel, `paged_attention`, and Pallas' TPU paged attention, each in
+    its interpret mode), through refill, preemption and drain: the tokens of its XLA
+    path (gathered pages) and of the contiguous sampler for the same key, log-probs
+    within bf16 rounding."""
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          initializer_range=0.05, dtype="bfloat16", qkv_bias=True)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     mask = (np.arange(9)[None] >= 9 - np.array([5, 1, 9, 3])[:, None]).astype(np.int32)
     ids = np.where(mask, np.random.default_rng(0).integers(1, 48, size=(4, 9)), 0)
-    # Four slots for eight rows, pages of 8 slots, a pool of 5 pages beside the trash page:
+    # Four slots for eight rows, pages of 8 slots, a pool of 4 pages beside the trash page:
     # rows refill two at a time and some are preempted.
     sampling = SamplingConfig(max_new_tokens=14, n=2, stop_token_ids=(3,), pad_token_id=0,
                               kv_cache="paged", page_size=8, max_num_seqs=4, refill_rows=2,
-                              num_pages=6)
+                              num_pages=5)
     run = lambda impl: paged.generate(params, ids, mask, jax.random.key(3), sampling,
                                       config=dataclasses.replace(config,
                                                                  decode_attention_impl=impl))
     xla = run("xla")
-    calls = []
-    with mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw)):
-        kernel = run("mosaic")
-    assert calls and all(kw["block_table"] is not None for kw in calls)
     contiguous = sampler.generate(params, ids, mask, jax.random.key(3),
                                   dataclasses.replace(sampling, kv_cache="contiguous"),
                                   config=config)
     lengths = np.asarray(xla.response_lengths)
-    assert np.asarray(kernel.preemptions).sum() > 0 and lengths.min() < lengths.max()
-    np.testing.assert_array_equal(kernel.responses, xla.responses)
-    np.testing.assert_array_equal(kernel.responses, contiguous.responses)
-    chex.assert_trees_all_close(kernel.rollout_log_probs, xla.rollout_log_probs,
-                                rtol=2e-2, atol=2e-2)
+    assert np.asarray(xla.preemptions).sum() > 0 and lengths.min() < lengths.max()
+    np.testing.assert_array_equal(xla.responses, contiguous.responses)
+    calls = []
+    with mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw)):
+        mosaic = run("mosaic")
+    assert calls and all(kw["block_table"] is not None for kw in calls)
+    tpu_calls, tpu_kernel = [], da.tpu_paged_attention
+    with (mock.patch.object(da, "on_tpu", lambda: True),
+          mock.patch.object(da, "tpu_paged_attention",
+                            lambda *a, **kw: tpu_calls.append(1) or tpu_kernel(*a, **kw)),
+          pltpu.force_tpu_interpret_mode()):
+        tpu = run("auto")
+    assert tpu_calls
+    for name, out in (("mosaic", mosaic), ("tpu", tpu)):
+        np.testing.assert_array_equal(out.responses, xla.responses, err_msg=name)
+        np.testing.assert_array_equal(out.preemptions, xla.preemptions, err_msg=name)
+        chex.assert_trees_all_close(out.rollout_log_probs, xla.rollout_log_probs,
+                                    rtol=2e-2, atol=2e-2)

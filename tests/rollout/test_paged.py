@@ -72,6 +72,7 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
         lengths = np.asarray(want.response_lengths)  # several stop lengths, some at R
         assert len(set(lengths.tolist())) >= 3 and lengths.max() == NUM_NEW
         np.testing.assert_array_equal(np.asarray(got.preemptions), np.zeros(6))
+        usage = np.asarray(got.page_usage)  # `rollout/page_usage`, checked below
     # The program itself, for its final state (one compile per case).
     state = _run(params[model], prompts, pages, config)
     for got, field in ((state.responses, "responses"), (state.log_probs, "rollout_log_probs"),
@@ -87,10 +88,13 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
     assert (np.asarray(state.rows) == 6).all()
     assert (np.asarray(state.cache.block_table) == TRASH_PAGE).all()
     # The most pages held at once: at least the biggest row's, at most the pool.
-    slots = PROMPT_LEN + lengths - 1  # the slots a row writes: prompt, tokens fed back
-    first = (PROMPT_LEN - np.asarray(prompts[1]).sum(1).repeat(2)) // pages.page_size
-    row_pages = -(-slots // pages.page_size) - first
+    # The tokens a row writes, from its first page: its prompt and the tokens fed back.
+    written = np.asarray(prompts[1]).sum(1).repeat(2) + lengths - 1
+    row_pages = -(-written // pages.page_size)
     assert row_pages.max() <= int(state.peak_pages) <= num_pages - 1
+    if name == "natural":  # the peak as a fraction of the pool, the trash page aside
+        np.testing.assert_array_equal(usage, np.full(6, int(state.peak_pages) / (num_pages - 1),
+                                                     np.float32))
     preemptions = np.asarray(state.preemptions)
     if name == "preempt":
         assert preemptions.sum() >= 1
@@ -116,8 +120,8 @@ def test_rows_admitted_in_order_while_a_page_stays_free_for_each_running_row():
     # Empty slots in order; waiting rows in order (then others, never admitted).
     np.testing.assert_array_equal(slots, [0, 2, 3])
     np.testing.assert_array_equal(rows[:2], [1, 2])
-    # Row 1 (2 tokens: slots 5-6, page 1) needs one page and leaves 3 free, one for row 3:
-    # admitted. Row 2 (7 tokens: pages 0-1) needs two more, which would leave 1 free for
+    # Row 1 (2 tokens: one page) needs one page and leaves 3 free, one for row 3:
+    # admitted. Row 2 (7 tokens: two pages) needs two more, which would leave 1 free for
     # two other running rows: not admitted. The third candidate has no waiting row.
     np.testing.assert_array_equal(ok, [True, False, False])
     np.testing.assert_array_equal(need, [1, 0, 0])

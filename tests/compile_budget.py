@@ -22,7 +22,10 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 4,898 when it was last raised (4,883
+# Distinct programs of the full suite on the CPU: 4,986 when it was last raised (4,928
+# before the paged cache's decode kernels, the Mosaic GPU one and Pallas' TPU paged
+# attention, each run in its interpret mode, alone and in the paged sampler); 4,898
+# before that (4,883
 # before partial rollouts, whose sampler and trainer tests compile the continuation
 # program at each prefix width they pass; 4,722 before Gemma's windowed and soft-capped
 # packed attention, whose splash, context and model tests compile both layer variants,
@@ -30,7 +33,7 @@ from jax._src import compiler as _compiler
 # experts; 4,561 before the mixture-of-experts and Gemma families), and room for a few
 # more. Raise it in the change that adds programs, saying why. (The variable is for the
 # budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 4950))
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5050))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

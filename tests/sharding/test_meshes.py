@@ -32,7 +32,9 @@ def _env(devices_per_process: int) -> dict:
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-MESHES = ("8,1,1", "1,8,1", "2,2,2")
+# (fsdp alone over 8 devices is left out: every mesh compiles every program of the step
+# again, and (data=2, fsdp=2, tensor=2) and the MoE job's (fsdp=2, expert=4) split fsdp.)
+MESHES = ("8,1,1", "2,2,2")
 
 
 def _run(tmp_path, algo: str, meshes: str, steps: int = 3, *flags) -> dict[str, list[dict]]:
@@ -90,8 +92,7 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_meshes_match_one_device(mesh_runs, algo):
     """3 steps vs one device: GRPO with decode compaction (which gathers each batch
-    shard's rows on its own devices) on (data=8), (fsdp=8) and (data=2, fsdp=2,
-    tensor=2); PPO, actor and critic, on (data=2, fsdp=2, tensor=2)."""
+    shard's rows on its own devices) on (data=8) and (data=2, fsdp=2, tensor=2); PPO, actor and critic, on (data=2, fsdp=2, tensor=2)."""
     runs = mesh_runs[algo]
     expected = runs["1,1,1"]
     # The runs must have learned something for the comparison to mean anything.

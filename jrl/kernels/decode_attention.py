@@ -367,18 +367,24 @@ def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
         return kernel(q_bnh, k_pool, v_pool, start_b.astype(jnp.int32),
                       slot_b.astype(jnp.int32), block_table=block_table)
 
-    def specs(sharder):  # rows over the batch axes, every row reading the whole pool
-        batch = sharder.spec(("batch",), start_b.shape)[0]
-        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-        kv_heads = sharder.spec(("kv_heads", None, None, None), k_pool.shape)[0]
-        if heads != kv_heads:
-            heads = kv_heads = None
-        pool = P(kv_heads, None, None, None)
-        return ((P(batch, heads, None), pool, pool, P(batch, None), P(batch), P(batch)),
-                P(batch, heads, None))
-
+    specs = functools.partial(_paged_specs, q_bnh=q_bnh, k_pool=k_pool, rows=2)
     return sharding.per_shard(run, specs, q_bnh, k_pool, v_pool, block_table, start_b,
                               slot_b)
+
+
+def _paged_specs(sharder, *, q_bnh, k_pool, rows: int):
+    """`sharding.per_shard`'s specs of the paged kernels' operands (queries, the two pools,
+    the block table, then `rows` int `[B]` operands): the rows over the batch axes, each
+    reading the whole pool; heads over `tensor` where query and key/value heads both
+    divide (as `_specs`)."""
+    batch = sharder.spec(("batch",), q_bnh.shape[:1])[0]
+    heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
+    kv_heads = sharder.spec(("kv_heads", None, None, None), k_pool.shape)[0]
+    if heads != kv_heads:
+        heads = kv_heads = None
+    pool = P(kv_heads, None, None, None)
+    return ((P(batch, heads, None), pool, pool, P(batch, None), *(P(batch),) * rows),
+            P(batch, heads, None))
 
 
 def on_tpu() -> bool:
@@ -416,21 +422,11 @@ def tpu_paged_attention(q_bnh, k_pool, v_pool, block_table, lengths_b, *, scale=
 
     def run(q_bnh, k_pool, v_pool, block_table, lengths_b):
         q_bnh = (q_bnh.astype(jnp.float32) * scale).astype(k_pool.dtype)
-        out = paged_attention(q_bnh, k_pool, v_pool, lengths_b.astype(jnp.int32),
-                              block_table, pages_per_compute_block=per_block,
-                              attn_logits_soft_cap=softcap)
-        return out
+        return paged_attention(q_bnh, k_pool, v_pool, lengths_b.astype(jnp.int32),
+                               block_table, pages_per_compute_block=per_block,
+                               attn_logits_soft_cap=softcap)
 
-    def specs(sharder):  # rows over the batch axes, every row reading the whole pool
-        batch = sharder.spec(("batch",), lengths_b.shape)[0]
-        heads = sharder.spec((None, "heads", None), q_bnh.shape)[1]
-        kv_heads = sharder.spec(("kv_heads", None, None, None), k_pool.shape)[0]
-        if heads != kv_heads:
-            heads = kv_heads = None
-        pool = P(kv_heads, None, None, None)
-        return ((P(batch, heads, None), pool, pool, P(batch, None), P(batch)),
-                P(batch, heads, None))
-
+    specs = functools.partial(_paged_specs, q_bnh=q_bnh, k_pool=k_pool, rows=1)
     out = sharding.per_shard(run, specs, q_bnh, k_pool, v_pool, block_table, lengths_b)
     return out.astype(q_bnh.dtype)
 

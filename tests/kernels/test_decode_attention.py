@@ -428,7 +428,16 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
                                         num_heads=num_heads, impl="xla")
 
-    def unfused(q, k, v, start, slot, *, interpret, tiles):
+    def unfused(q, k, v, start, slot, *, interpret, tiles, block_table=None):
+        if block_table is not None:  # pools [K, pages, page, H]: the shard's rows' pages
+            shapes.append(("paged", q.shape, k.shape))
+            kv, _, page, h = k.shape
+            view = lambda pool: jnp.moveaxis(pool[:, block_table], 0, 1).reshape(
+                q.shape[0], kv, -1, h)
+            ids = jnp.arange(block_table.shape[1] * page)
+            mask = (ids >= start[:, None]) & (ids <= slot[:, None])
+            return da.grouped_attention(q[:, None], view(k), view(v),
+                                        mask[:, None, None])[:, 0]
         shapes.append(("unfused", q.shape, k.shape))
         return da.decode_attention(q, k.astype(q.dtype), v.astype(q.dtype), start, slot + 1)
 
@@ -470,6 +479,29 @@ _SHARDED_SCRIPT = textwrap.dedent("""
             kind = "fused" if tiles.fused else "unfused"
             out[f"{name} {kind}"] = [max_diff(got, want), [list(x[1]) for x in shapes],
                                      [x[0] for x in shapes]]
+    # The paged cache's kernel: each row at its own slot, its pages spread over one pool
+    # (every shard reads the whole pool, its rows' block tables only).
+    table = jnp.asarray(np.random.default_rng(0).permutation(8 * 8).reshape(8, 8) + 1,
+                        jnp.int32)
+    pool = lambda x: jnp.zeros((2, 65, 8, 32)).at[:, table.reshape(-1)].set(
+        x.reshape(8, 2, 8, 8, 32).transpose(1, 0, 2, 3, 4).reshape(2, 64, 8, 32))
+    slots = jnp.array([41, 3, 63, 20, 5, 0, 30, 50], jnp.int32)
+    starts = jnp.minimum(start, slots)
+    ids = jnp.arange(64)
+    mask = (ids >= starts[:, None]) & (ids <= slots[:, None])
+    want = da.grouped_attention(q[:, None], k, v, mask[:, None, None])[:, 0]
+    for name, sizes in (("paged_data", dict(data=8, fsdp=1, tensor=1)),
+                        ("paged_data_tensor", dict(data=4, fsdp=1, tensor=2))):
+        sharder = sharding.Sharder(
+            sharding.make_mesh(sharding.MeshSettings(**sizes))).for_rollout()
+        def fn(q, k_pool, v_pool, sharder=sharder):
+            with sharder.active():
+                return da.paged_attention(q, k_pool, v_pool, table, starts, slots,
+                                          interpret=True)
+        shapes.clear()
+        got = jax.jit(fn)(q, pool(k), pool(v))
+        out[name] = [max_diff([got], [want]), [list(x[1]) for x in shapes],
+                     [x[0] for x in shapes]]
     # The fused operand with its bias (the sampler's Qwen2 layout), over the batch.
     bias = jax.random.normal(jax.random.key(7), (8, 32))
     qkv = jnp.concatenate([q, k_new, v_new], axis=1)
@@ -492,7 +524,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     """Under a `Sharder` the kernel (fused or not) runs in a shard_map: over the batch,
     over heads when query and key/value heads both divide over `tensor`, and on
-    replicated heads when not; from the fused operand and its bias, over the batch. The
+    replicated heads when not; from the fused operand and its bias, over the batch; the
+    paged kernel over the batch (and heads), each shard reading the whole pool. The
     shards' outputs and caches make the XLA path's."""
     result = run_script(_SHARDED_SCRIPT)
     # Each shard's rows (over the batch axes) and query heads (over `tensor` where the 4
@@ -504,12 +537,15 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     for name, (rows, heads) in rows_heads.items():
         want[f"{name} fused"] = [[rows, 2 * heads]]
         want[f"{name} unfused"] = [[rows, heads]]
-    want.update(qkv_data=[[1, 8]], qkv_data_fsdp=[[1, 8]])
+    want.update(qkv_data=[[1, 8]], qkv_data_fsdp=[[1, 8]], paged_data=[[1, 4]],
+                paged_data_tensor=[[2, 2]])
     assert result.keys() == want.keys()
     for name, (diff, shapes, kinds) in result.items():
         assert diff < 1e-5, (name, diff)  # False for NaN
         assert [shape[:2] for shape in shapes] == want[name], (name, shapes)
-        assert kinds == ["unfused" if name.endswith("unfused") else "fused"], (name, kinds)
+        kind = "paged" if name.startswith("paged") else (
+            "unfused" if name.endswith("unfused") else "fused")
+        assert kinds == [kind], (name, kinds)
 
 
 def test_mosaic_tiles_from_the_benches_spec():

@@ -92,7 +92,8 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_meshes_match_one_device(mesh_runs, algo):
     """3 steps vs one device: GRPO with decode compaction (which gathers each batch
-    shard's rows on its own devices) on (data=8) and (data=2, fsdp=2, tensor=2); PPO, actor and critic, on (data=2, fsdp=2, tensor=2)."""
+    shard's rows on its own devices) on (data=8) and (data=2, fsdp=2, tensor=2); PPO,
+    actor and critic, on (data=2, fsdp=2, tensor=2)."""
     runs = mesh_runs[algo]
     expected = runs["1,1,1"]
     # The runs must have learned something for the comparison to mean anything.

@@ -305,7 +305,7 @@ def base_config() -> ml_collections.ConfigDict:
     # whole program) or "paged" (a pool of page_size-slot pages that rows take as their
     # tokens need them and give back when they stop, over max_num_seqs decode slots that
     # are refilled from the step's waiting rows inside the decode loop; the contiguous
-    # cache's tokens and log-probs, bit for bit on XLA:CPU). Single-turn rollouts, not
+    # cache's tokens and log-probs up to float32 rounding). Single-turn rollouts, not
     # with cache_segments > 1, partial or routing replay from the rollout.
     c.rollout.kv_cache = "contiguous"
     # Slots per page of the paged cache. On a Hopper GPU its decode steps read the pages

@@ -781,7 +781,10 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles, page: int = 0)
     # shared memory: such heads keep 64-slot blocks.)
     block = tiles.block or (128 if (tiles.split_like or (0, s))[1] >= LONG_CACHE and h <= 128
                             else 64)
-    block = max(block, page) if page else block if s % block == 0 else _BLOCK
+    if page:  # whole pages a block
+        block = -(-max(block, page) // page) * page
+    else:
+        block = block if s % block == 0 else _BLOCK
     group = num_heads // kv
     rows = -(-group // 64) * 64
     swizzle = min(128, h * jnp.dtype(dtype).itemsize)  # bytes

@@ -52,7 +52,8 @@ between segments; those keep full buffers.
 
 A `PagedCache` (the paged sampler's, `jrl.rollout.paged`) keeps the same slots in
 fixed-size pages of a shared pool, found through each row's block table, with a write
-index per row; attention reads a row's pages gathered back into its `[K, S, H]` slots.
+index per row; attention reads a row's pages gathered back into its `[K, S, H]` slots,
+or in place (the paged decode kernels).
 
 Without a cache (training, scoring) `forward` takes `mask [B, T]` over the tokens
 themselves and applies the same causal + padding rule within the T tokens.

@@ -21,10 +21,10 @@ slot until the batch ends. Here, as in vLLM's and SGLang's engines:
   stays free for each other running row, so preemption is rare.
 
 Every row's slots keep the contiguous cache's layout (left-padded prompt, then the
-response). Where the decode kernel applies (a Hopper GPU, `transformer.paged_kernel`),
-a decode step reads each row's pages in place through its block table
-(`decode_attention.paged_attention`: only the blocks holding the row's slots); elsewhere,
-and in the prefills, attention reads the pages gathered into that layout. Either way a
+response). Where a decode kernel applies (`transformer.paged_kernel`: on a Hopper GPU
+`decode_attention.paged_attention`, on a TPU `decode_attention.tpu_paged_attention`), a
+decode step reads each row's pages in place through its block table; elsewhere, and in
+the prefills, attention reads the pages gathered into that layout. Either way a
 row's tokens and log-probs are those of `sampler.generate` with the same key: the same
 per-row keys, prompts, positions, masks and operations. On XLA:CPU they are the same bits
 where the attention's softmax runs at a size on the same side of XLA's small/large
@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jrl.kernels import decode_attention
 from jrl.models import transformer
 from jrl.models.cache import TRASH_PAGE, PagedCache, init_pool, positions_from_mask
 from jrl.models.config import ModelConfig
@@ -97,13 +96,6 @@ def check_inputs(prompt_ids, prompt_mask, sampling, config: ModelConfig) -> None
         raise ValueError(f"rollout.kv_cache={sampling.kv_cache!r}: the paged program needs "
                          "'paged'")
     check_pages(sampling, prompt_ids.shape[1])
-    if (config.decode_attention_impl == "mosaic"
-            and not decode_attention.paged_applies(sampling.page_size, config.head_dim)):
-        raise ValueError(
-            f"model.decode_attention_impl='mosaic' reads the paged cache's pages in place, "
-            f"which needs rollout.page_size a power of two from 8 to "
-            f"{64 if config.head_dim > 128 else 128}, got {sampling.page_size}; set "
-            "rollout.page_size=16 (or decode_attention_impl='auto')")
 
 
 @flax.struct.dataclass

@@ -391,6 +391,14 @@ def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: Mode
     """The checks `generate` makes before compiling (for callers that jit `generate_program`)."""
     sampling.validate(config.vocab_size)
     _check_prompts(prompt_ids, prompt_mask, config)
+    if (sampling.kv_cache == "paged" and config.decode_attention_impl == "mosaic"
+            and not decode_attention.on_tpu()
+            and not decode_attention.paged_applies(sampling.page_size, config.head_dim)):
+        raise ValueError(
+            f"model.decode_attention_impl='mosaic' reads the paged cache's pages in place, "
+            f"which needs rollout.page_size a power of two from 8 to "
+            f"{64 if config.head_dim > 128 else 128}, got {sampling.page_size}; set "
+            "rollout.page_size=16 (or decode_attention_impl='auto')")
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config

@@ -929,6 +929,10 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
     assert [da.paged_applies(p, 64) for p in (4, 8, 16, 24, 128, 256)] == [
         False, True, True, False, True, False]
     assert not da.paged_applies(128, 256)
+    # A block holds whole pages: a 192-slot block of 128-slot pages is rounded up to two.
+    cache = sds((8, 2, 1024, 64), jnp.bfloat16)
+    assert da._mosaic_layout(14, cache, cache, da.MosaicTiles(192, 2), page=128).block == 256
+    assert da._mosaic_layout(14, cache, cache, da.MosaicTiles(0, 2), page=16).block == 64
     pool = jnp.zeros((1, 4, 4, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="pages of 8 to 128 slots"):
         da.paged_attention(jnp.zeros((1, 2, 32), jnp.bfloat16), pool, pool,
@@ -943,6 +947,9 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
                                          r"got 4; set rollout.page_size=16"):
         paged.check_inputs(np.ones((2, 3), np.int32), np.ones((2, 3), np.int32), sampling,
                            config)
+    with pytest.raises(ValueError, match=r"rollout.page_size a power of two"):  # the trainer's
+        sampler.check_inputs(np.ones((2, 3), np.int32), np.ones((2, 3), np.int32), sampling,
+                             config)
 
 
 def test_tpu_paged_kernel_reads_each_rows_pages_in_place():

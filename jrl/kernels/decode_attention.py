@@ -324,12 +324,17 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
 PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
 
 
+def max_page(head_dim: int) -> int:
+    """The largest page the paged kernel reads in place: a 128-slot block (64 at a
+    head_dim above 128, `_mosaic_layout`'s)."""
+    return 64 if head_dim > 128 else 128
+
+
 def paged_applies(page_size: int, head_dim: int) -> bool:
     """Whether the kernel reads pages of `page_size` slots in place (`paged_attention`):
     whole shared-memory tiles (a multiple of 8 slots), a power of two that divides or
-    fills a block (at most 128 slots, 64 at a head_dim above 128)."""
-    most = 64 if head_dim > 128 else 128
-    return 8 <= page_size <= most and page_size & (page_size - 1) == 0
+    fills a block (at most `max_page`)."""
+    return 8 <= page_size <= max_page(head_dim) and page_size & (page_size - 1) == 0
 
 
 def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
@@ -359,7 +364,7 @@ def paged_attention(q_bnh, k_pool, v_pool, block_table, start_b, slot_b, *,
     page, h = k_pool.shape[2], k_pool.shape[3]
     if tiles.fused or tiles.row_group != 1 or not paged_applies(page, h):
         raise ValueError(f"the paged decode attention takes unfused tiles of one row a "
-                         f"program, and pages of 8 to {64 if h > 128 else 128} slots (a "
+                         f"program, and pages of 8 to {max_page(h)} slots (a "
                          f"power of two); got {tiles} and pages of {page}")
     kernel = functools.partial(_mosaic, interpret=interpret, tiles=tiles)
 
@@ -802,13 +807,15 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     dtype. With a `block_table` (`paged_attention`), the buffers are pools
     `[K, pages, page, H]` and `slot` is each row's, `[B]`."""
     b, n, h = q_bnh.shape
-    kv, dtype = k_bksh.shape[0 if block_table is not None else 1], k_bksh.dtype
-    page = 0 if block_table is None else k_bksh.shape[2]
-    s = k_bksh.shape[2] if block_table is None else block_table.shape[1] * page
+    dtype = k_bksh.dtype
+    if block_table is None:
+        (kv, s), page = k_bksh.shape[1:3], 0
+    else:  # pools [K, pages, page, H]; a row's slots are its table's pages
+        kv, page = k_bksh.shape[0], k_bksh.shape[2]
+        s = block_table.shape[1] * page
     rows_cache = jax.ShapeDtypeStruct((b, kv, s, h), dtype)
     layout = _mosaic_layout(n, rows_cache, v_bksh, tiles, page)
     block, stages, group, rows, moved, transforms = layout
-    operands = (start_b, slot if page else slot.reshape(1))
     if page:  # whole blocks of pages: the table's last block padded with the trash page
         per_block = block // page
         blocks = -(-block_table.shape[1] // per_block)
@@ -816,6 +823,8 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
                               constant_values=TRASH_PAGE)
         s = blocks * block
         operands = (start_b, slot, block_table)
+    else:
+        operands = (start_b, slot.reshape(1))
     rows_like, slots_like = tiles.split_like or (b, s)
     splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),

@@ -265,7 +265,8 @@ def _admit(ctx: _Context, state: _State, width: int) -> _State:
     j = jnp.arange(state.cache.block_table.shape[1])[None, :]
     table = jnp.where(j < need[:, None], state.free[jnp.clip(start[:, None] + j, 0)],
                       TRASH_PAGE)
-    shift = ctx.prompt_len - jnp.sum(mask, axis=1)  # the left padding
+    lengths = jnp.sum(mask, axis=1)
+    shift = ctx.prompt_len - lengths  # the left padding
     slots_total = state.key_mask.shape[1]
     key_mask = jnp.pad(mask, ((0, 0), (0, slots_total - ctx.prompt_len)))
     cache = state.cache.replace(block_table=table, shift=shift)
@@ -280,7 +281,7 @@ def _admit(ctx: _Context, state: _State, width: int) -> _State:
     state = state.replace(
         rows=put(state.rows, rows),
         lengths=put(state.lengths, jnp.zeros_like(rows)),
-        prompt_lengths=put(state.prompt_lengths, jnp.sum(mask, axis=1)),
+        prompt_lengths=put(state.prompt_lengths, lengths),
         key_mask=put(state.key_mask, key_mask),
         admitted=put(state.admitted, state.admissions + jnp.arange(width, dtype=jnp.int32)),
         cache=cache.replace(block_table=put(state.cache.block_table, table),
@@ -304,7 +305,7 @@ def _decode(ctx: _Context, state: _State) -> _State:
     need = _needs_page(ctx, state)
     # Row m's new page: the stack's top entries, one per needing row in slot order.
     top = state.num_free - jnp.cumsum(need)
-    page_index = (slot - state.cache.shift) // ctx.page  # the physical slot's
+    page_index = _write_page_index(ctx, state)
     table = state.cache.block_table
     new_page = jnp.where(need, state.free[jnp.clip(top, 0)], TRASH_PAGE)
     table = jnp.where(need[:, None] & (jnp.arange(table.shape[1]) == page_index[:, None]),
@@ -339,12 +340,17 @@ def _write_slots(ctx: _Context, state: _State) -> jax.Array:
     return jnp.where(running, ctx.prompt_len + state.lengths - 1, ctx.prompt_len)
 
 
+def _write_page_index(ctx: _Context, state: _State) -> jax.Array:
+    """int32 `[M]`: the block-table entry of each slot's write slot (its physical slot's
+    page; the row's pages start at its first real token)."""
+    return (_write_slots(ctx, state) - state.cache.shift) // ctx.page
+
+
 def _needs_page(ctx: _Context, state: _State) -> jax.Array:
     """bool `[M]`: the running rows whose next slot lies in a page they do not hold."""
     running = state.rows < ctx.num_rows
-    physical = _write_slots(ctx, state) - state.cache.shift
-    held = jnp.take_along_axis(state.cache.block_table, (physical // ctx.page)[:, None],
-                               axis=1)[:, 0]
+    held = jnp.take_along_axis(state.cache.block_table,
+                               _write_page_index(ctx, state)[:, None], axis=1)[:, 0]
     return running & (held == TRASH_PAGE)
 
 

@@ -397,7 +397,7 @@ def check_inputs(prompt_ids, prompt_mask, sampling: SamplingConfig, config: Mode
         raise ValueError(
             f"model.decode_attention_impl='mosaic' reads the paged cache's pages in place, "
             f"which needs rollout.page_size a power of two from 8 to "
-            f"{64 if config.head_dim > 128 else 128}, got {sampling.page_size}; set "
+            f"{decode_attention.max_page(config.head_dim)}, got {sampling.page_size}; set "
             "rollout.page_size=16 (or decode_attention_impl='auto')")
 
 

@@ -822,9 +822,6 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         block_table = jnp.pad(block_table, ((0, 0), (0, blocks * per_block - s // page)),
                               constant_values=TRASH_PAGE)
         s = blocks * block
-        operands = (start_b, slot, block_table)
-    else:
-        operands = (start_b, slot.reshape(1))
     rows_like, slots_like = tiles.split_like or (b, s)
     splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
@@ -859,7 +856,7 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
         grid_names=("rows", "heads", "parts")[:len(grid)],
         compiler_params=mosaic_backend.compiler_params(regions=8 + 3 * (s // block)),
         interpret=interpreted,
-    )(q_bkrh, k_bksh, v_bksh, *operands)
+    )(q_bkrh, k_bksh, v_bksh, start_b, *((slot, block_table) if page else (slot.reshape(1),)))
     out_bkrh = out if splits == 1 else _merge_parts(*out)
     return out_bkrh[:, :, :group].reshape(b, n, h).astype(q_bnh.dtype)
 

@@ -74,6 +74,10 @@ _PROBES_PER_PASS = 7
 GEMMS = ("cublas", "xla")
 # `SamplingConfig.kv_cache`'s values.
 KV_CACHES = ("contiguous", "paged")
+# Continued rows' prefill (`_prefill_by_length`): slices of each batch shard's rows, and
+# the columns one forward takes.
+PREFILL_ROW_CHUNKS = 8
+PREFILL_COLUMNS = 512
 # Bit pattern of float32 1.0: weights exp(z - max z) lie in [0, 1].
 _FLOAT32_ONE_BITS = 0x3F800000
 
@@ -508,8 +512,19 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
     ids = constrain(jnp.take_along_axis(ids, source, axis=1), ("batch", None))
     mask = constrain(jnp.take_along_axis(mask, source, axis=1), ("batch", None))
     params = per_layer(params, config)
-    logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
     done = prefix.finished.astype(bool) | (lengths >= num_new)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    responses, log_probs, keys = prefix.responses, prefix.log_probs, prefix.keys
+    if width:  # rows of unlike lengths: each prefilled over its own columns, longest first
+        groups = _row_groups(num_rows)
+        order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(_grouped(lengths, groups))
+        take = functools.partial(_take_rows, order=order, groups=groups)
+        ids, mask, lengths, begun, done, rows, responses, log_probs, keys = map(
+            take, (ids, mask, lengths, begun, done, rows, responses, log_probs, keys))
+        logits_nv, cache, key_mask, total = _prefill_by_length(params, ids, mask, steps,
+                                                               config, groups)
+    else:
+        logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
     widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - width)),
                                     constant_values=fill)
     state = _DecodeState(
@@ -518,18 +533,18 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
         done=done,
         # Unless it stops, a row ends this call with `steps` more tokens (at most R).
         lengths=jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)),
-        responses=widen(prefix.responses.astype(jnp.int32), sampling.pad_token_id),
-        log_probs=widen(prefix.log_probs.astype(jnp.float32), 0.0),
+        responses=widen(responses.astype(jnp.int32), sampling.pad_token_id),
+        log_probs=widen(log_probs.astype(jnp.float32), 0.0),
         cache=cache,
         key_mask=key_mask,
-        keys=prefix.keys,
+        keys=keys,
         prompt_lengths=jnp.sum(mask, axis=1),
-        rows=jnp.arange(num_rows, dtype=jnp.int32),
+        rows=rows,
         offsets=lengths,
     )
     state = _emit(state, logits_nv, sampling)
     *out, finished = _decode_to(params, state, steps, prompt_len=total, sampling=sampling,
-                                config=config)
+                                config=config, in_order=not width)
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                           *out).replace(finished=finished)
 
@@ -573,15 +588,18 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
 
 
 def _decode_to(params, state: _DecodeState, end: int, *, prompt_len: int,
-               sampling: SamplingConfig, config: ModelConfig) -> tuple[jax.Array, ...]:
+               sampling: SamplingConfig, config: ModelConfig, in_order: bool = True
+               ) -> tuple[jax.Array, ...]:
     """Decodes from `state` until step `end` or until every row has stopped, at the decode
-    loop's batch sizes (`decode_sizes`); the rows' outputs (`_outputs`) in their order."""
+    loop's batch sizes (`decode_sizes`); the rows' outputs (`_outputs`) in the order of
+    `state.rows` (`in_order`: the state's own)."""
     num_rows = state.responses.shape[0]
     groups = _row_groups(num_rows)
     sizes = decode_sizes(num_rows, groups, sampling)
     state, out = decode_rows(params, state, _outputs(state), end, sizes, groups,
                              prompt_len=prompt_len, sampling=sampling, config=config)
-    return _write_rows(out, state, groups) if len(sizes) > 1 else _outputs(state)
+    return _write_rows(out, state, groups) if len(sizes) > 1 or not in_order else \
+        _outputs(state)
 
 
 def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:
@@ -742,17 +760,20 @@ def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:
     then finished ones to fill the group's share."""
     order = jax.vmap(lambda done: jnp.argsort(done, stable=True))(_grouped(state.done, groups))
     order = order[:, :size // groups]
-
-    def take(x, axes=None):
-        return _ungrouped(jax.vmap(lambda x, i: x[i])(_grouped(x, groups, axes), order), axes)
-
+    take = functools.partial(_take_rows, order=order, groups=groups)
     rows = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
             if f.name not in ("step", "cache") and getattr(state, f.name) is not None}
     if isinstance(state.cache, RowCache):  # its rows stay; they map to the new batch
         cache = state.cache.with_batch(order)
     else:
-        cache = jax.tree.map(lambda x: take(x, CACHE_LOGICAL_AXES), state.cache)
+        cache = jax.tree.map(lambda x: take(x, axes=CACHE_LOGICAL_AXES), state.cache)
     return state.replace(cache=cache, **{k: take(v) for k, v in rows.items()})
+
+
+def _take_rows(x: jax.Array, *, order: jax.Array, groups: int, axes=None) -> jax.Array:
+    """Rows of `x` `[N, ...]` picked within each group: `order` `[groups, M]` holds each
+    group's row indices (local to the group); `[groups M, ...]` on the groups' shards."""
+    return _ungrouped(jax.vmap(lambda x, i: x[i])(_grouped(x, groups, axes), order), axes)
 
 
 def row_keys(rng, num_rows: int) -> jax.Array:
@@ -803,6 +824,62 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
     # that position avoids a [N, P, V] logits buffer. Sampling wants whole rows.
     logits_bv = unembed(params, hidden_bpd[:, -1], softcap=config.final_logit_softcapping)
     return (constrain(logits_bv, ("batch", None)), cache, key_mask, *recorded)
+
+
+def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
+    """`_prefill` of rows whose real tokens (left-padded) end together but start at unlike
+    columns, as continued rows do, each slice of rows over its own columns only: `(logits
+    [N, V], cache, key_mask [N, S], T)`, T the prefill's columns (left padding added for
+    whole chunks, so the decode's first slot).
+
+    One forward over `[N, T]` costs every row the longest row's columns. Here the rows,
+    sorted longest first within each of the `groups` batch shards, are prefilled in
+    `PREFILL_ROW_CHUNKS` slices of each group's rows, each slice in chunks of
+    `PREFILL_COLUMNS` columns from the first chunk holding a token of its longest row,
+    every chunk attending to the slice's cache so far. Both are loops (`lax.fori_loop`
+    over the slices, `lax.while_loop` over a slice's chunks), so the program holds one
+    forward and serves any spread of lengths."""
+    num_rows, total = ids.shape
+    per_group = num_rows // groups
+    chunks = max(d for d in range(1, min(PREFILL_ROW_CHUNKS, per_group) + 1)
+                 if per_group % d == 0)
+    size = per_group // chunks
+    columns = min(PREFILL_COLUMNS, total)
+    padded = -(-total // columns) * columns
+    ids, mask = (jnp.pad(x, ((0, 0), (padded - total, 0))) for x in (ids, mask))
+    slots = cache_slots(config, padded + num_new)
+    key_mask = jnp.pad(mask, ((0, 0), (0, slots - padded)))
+    by_group = functools.partial(_grouped, groups=groups)
+    inputs = tuple(map(by_group, (ids, positions_from_mask(mask), key_mask,
+                                  jnp.argmax(mask, axis=1))))  # every row has a real token
+    cache_axes = functools.partial(jax.tree.map, lambda x: by_group(x, axes=CACHE_LOGICAL_AXES))
+
+    def fill(i, carry):
+        cache, hidden = carry
+        ids, positions, keys, first = (
+            _ungrouped(lax.dynamic_slice_in_dim(x, i * size, size, axis=1)) for x in inputs)
+
+        def chunk(carry):
+            j, cache, _ = carry
+            cut = lambda x: lax.dynamic_slice_in_dim(x, j * columns, columns, axis=1)
+            out, cache = forward(params, cut(ids), cut(positions), keys, cache, j * columns,
+                                 config=config)
+            return j + 1, cache, out[:, -1]
+
+        start = (jnp.min(first) // columns).astype(jnp.int32)
+        _, piece, last = lax.while_loop(
+            lambda carry: carry[0] < padded // columns, chunk,
+            (start, init_cache(config, groups * size, slots, ring=True),
+             jnp.zeros((groups * size, config.hidden_size), config.dtype)))
+        put = lambda whole, x: lax.dynamic_update_slice_in_dim(whole, x, i * size, axis=1)
+        return jax.tree.map(put, cache, cache_axes(piece)), put(hidden, by_group(last))
+
+    cache = cache_axes(init_cache(config, num_rows, slots, ring=True))
+    hidden = by_group(jnp.zeros((num_rows, config.hidden_size), config.dtype))
+    cache, hidden = lax.fori_loop(0, chunks, fill, (cache, hidden))
+    cache = jax.tree.map(lambda x: _ungrouped(x, CACHE_LOGICAL_AXES), cache)
+    logits_nv = unembed(params, _ungrouped(hidden), softcap=config.final_logit_softcapping)
+    return constrain(logits_nv, ("batch", None)), cache, key_mask, padded
 
 
 def cache_slots(config: ModelConfig, needed: int) -> int:

@@ -576,25 +576,44 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                          static_argnames=("sampling", "config"))
 
 
-def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params):
+@pytest.mark.parametrize("model, columns, row_chunks", [
+    ("small", None, None),
+    ("small", 3, 2),  # the prefix prefilled 3 columns at a time, in slices of 3 rows
+    ("gemma", 3, 2),  # and with sliding-window layers (rings of 3 slots)
+])
+def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
+                                                               request, model, columns,
+                                                               row_chunks):
     """The partial rollout's primitive: rows generated four tokens a call, each call
     prefilling the tokens so far (a prefix of 4 x calls columns, as the trainer passes
     them; its keys as key data in the last), end as one `generate` call's rows (same
     keys and parameters): the same tokens and lengths, log-probs to float32 rounding.
     Between calls a row's length is its tokens so far and it is `finished` only once it
-    has stopped; a finished row keeps its tokens."""
-    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
+    has stopped; a finished row keeps its tokens. Rows with tokens so far are prefilled
+    longest first, slices of rows each over its own columns (`PREFILL_ROW_CHUNKS`,
+    `PREFILL_COLUMNS`), so the rows' unlike lengths decide which chunks run."""
+    config, params = SMALL, small_params
+    if model == "gemma":
+        config = dataclasses.replace(SMALL, family="gemma2", sliding_window=3,
+                                     layer_types=("sliding_attention", "full_attention"))
+        params = random_params(config, 0)
+    if columns:  # read when the program is traced: traced afresh, and not kept after
+        monkeypatch.setattr(sampler, "PREFILL_COLUMNS", columns)
+        monkeypatch.setattr(sampler, "PREFILL_ROW_CHUNKS", row_chunks)
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
     sampling = SamplingConfig(n=1, max_new_tokens=12, temperature=1.2,
                               stop_token_ids=(2, 3, 4), decode_buckets=2)
     rng = jax.random.key(1)
-    whole = sampler.generate(small_params, ids, mask, rng, sampling, config=SMALL)
+    whole = sampler.generate(params, ids, mask, rng, sampling, config=config)
     final = np.asarray(whole.response_lengths)
     # Rows stop in each of the three calls, and some run to R.
     assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == 12
 
     prefix = sampler.new_rows(rng, 6)
     for call in range(1, 4):
-        out = sampler.continue_rows(small_params, ids, mask, prefix, sampling, config=SMALL,
+        out = sampler.continue_rows(params, ids, mask, prefix, sampling, config=config,
                                     max_steps=4)
         lengths, finished = np.asarray(out.response_lengths), np.asarray(out.finished)
         np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))

@@ -15,7 +15,8 @@
 #                   slots: 128 rows x 544 pages / 2, and the trash page; by "+pageN"'s size)
 #   paged_natural   natural with the paged KV cache, its pool every row at full length
 #   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
-#                   a round; 9 warm-up steps, one more than the prefix widths it compiles)
+#                   a round; 9 warm-up steps, by which the rows running to 8192 hold
+#                   their steady share of the decode rows)
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
 #                   (`--decode_attention mosaic`, MOSAIC_TILES' default tiles)
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with

@@ -185,11 +185,11 @@ class PartialExperience(SyncExperience):
         prompts = [self.groups[int(g)] if g >= 0 else stand_in for g in self.group]
         prompt_ids = np.stack([g.prompt_ids for g in prompts])
         prompt_mask = np.stack([g.prompt_mask for g in prompts])
-        # The prefix's columns: the longest row's, in whole rounds (a program a width).
-        longest = int(np.max(np.where(live, self.lengths, 0)))
-        width = min(-(-longest // self.budget) * self.budget, self.sampling.max_new_tokens)
+        # The prefix takes every round the whole response's columns, so one program
+        # serves every round: the prefill skips each slice of rows' empty columns
+        # (`sampler.continue_rows`) and the decode kernel reads only a row's own slots.
         prefix = sampler.Prefix(
-            responses=self.tokens[:, :width], log_probs=self.log_probs[:, :width],
+            responses=self.tokens, log_probs=self.log_probs,
             lengths=np.where(live, self.lengths, 0).astype(np.int32), finished=~live,
             keys=self.keys)
         put = rollouts.sharder.put_batch

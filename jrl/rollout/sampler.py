@@ -76,7 +76,7 @@ GEMMS = ("cublas", "xla")
 KV_CACHES = ("contiguous", "paged")
 # Continued rows' prefill (`_prefill_by_length`): slices of each batch shard's rows, and
 # the columns one forward takes.
-PREFILL_ROW_CHUNKS = 8
+PREFILL_SLICES = 8
 PREFILL_COLUMNS = 512
 # Bit pattern of float32 1.0: weights exp(z - max z) lie in [0, 1].
 _FLOAT32_ONE_BITS = 0x3F800000
@@ -517,7 +517,8 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
     responses, log_probs, keys = prefix.responses, prefix.log_probs, prefix.keys
     if width:  # rows of unlike lengths: each prefilled over its own columns, longest first
         groups = _row_groups(num_rows)
-        order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(_grouped(lengths, groups))
+        order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(
+            _grouped(jnp.sum(mask, axis=1), groups))
         take = functools.partial(_take_rows, order=order, groups=groups)
         ids, mask, lengths, begun, done, rows, responses, log_probs, keys = map(
             take, (ids, mask, lengths, begun, done, rows, responses, log_probs, keys))
@@ -834,16 +835,16 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
 
     One forward over `[N, T]` costs every row the longest row's columns. Here the rows,
     sorted longest first within each of the `groups` batch shards, are prefilled in
-    `PREFILL_ROW_CHUNKS` slices of each group's rows, each slice in chunks of
+    `PREFILL_SLICES` slices of each group's rows, each slice in chunks of
     `PREFILL_COLUMNS` columns from the first chunk holding a token of its longest row,
     every chunk attending to the slice's cache so far. Both are loops (`lax.fori_loop`
     over the slices, `lax.while_loop` over a slice's chunks), so the program holds one
     forward and serves any spread of lengths."""
     num_rows, total = ids.shape
     per_group = num_rows // groups
-    chunks = max(d for d in range(1, min(PREFILL_ROW_CHUNKS, per_group) + 1)
+    slices = max(d for d in range(1, min(PREFILL_SLICES, per_group) + 1)
                  if per_group % d == 0)
-    size = per_group // chunks
+    size = per_group // slices
     columns = min(PREFILL_COLUMNS, total)
     padded = -(-total // columns) * columns
     ids, mask = (jnp.pad(x, ((0, 0), (padded - total, 0))) for x in (ids, mask))
@@ -876,7 +877,7 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
 
     cache = cache_axes(init_cache(config, num_rows, slots, ring=True))
     hidden = by_group(jnp.zeros((num_rows, config.hidden_size), config.dtype))
-    cache, hidden = lax.fori_loop(0, chunks, fill, (cache, hidden))
+    cache, hidden = lax.fori_loop(0, slices, fill, (cache, hidden))
     cache = jax.tree.map(lambda x: _ungrouped(x, CACHE_LOGICAL_AXES), cache)
     logits_nv = unembed(params, _ungrouped(hidden), softcap=config.final_logit_softcapping)
     return constrain(logits_nv, ("batch", None)), cache, key_mask, padded

@@ -576,21 +576,21 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                          static_argnames=("sampling", "config"))
 
 
-@pytest.mark.parametrize("model, columns, row_chunks", [
+@pytest.mark.parametrize("model, columns, slices", [
     ("small", None, None),
     ("small", 3, 2),  # the prefix prefilled 3 columns at a time, in slices of 3 rows
     ("gemma", 3, 2),  # and with sliding-window layers (rings of 3 slots)
 ])
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
                                                                request, model, columns,
-                                                               row_chunks):
+                                                               slices):
     """The partial rollout's primitive: rows generated four tokens a call, each call
     prefilling the tokens so far (a prefix of 4 x calls columns, as the trainer passes
     them; its keys as key data in the last), end as one `generate` call's rows (same
     keys and parameters): the same tokens and lengths, log-probs to float32 rounding.
     Between calls a row's length is its tokens so far and it is `finished` only once it
     has stopped; a finished row keeps its tokens. Rows with tokens so far are prefilled
-    longest first, slices of rows each over its own columns (`PREFILL_ROW_CHUNKS`,
+    longest first, slices of rows each over its own columns (`PREFILL_SLICES`,
     `PREFILL_COLUMNS`), so the rows' unlike lengths decide which chunks run."""
     config, params = SMALL, small_params
     if model == "gemma":
@@ -599,7 +599,7 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
         params = random_params(config, 0)
     if columns:  # read when the program is traced: traced afresh, and not kept after
         monkeypatch.setattr(sampler, "PREFILL_COLUMNS", columns)
-        monkeypatch.setattr(sampler, "PREFILL_ROW_CHUNKS", row_chunks)
+        monkeypatch.setattr(sampler, "PREFILL_SLICES", slices)
         jax.clear_caches()
         request.addfinalizer(jax.clear_caches)
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)

@@ -487,7 +487,7 @@ def _joins_gate_up(module: nn.Module, config: ModelConfig) -> bool:
     equal-shaped ones, which XLA fills once and copies into each: the docs workload's
     update at the default settings 4.6% faster and 5.6 GiB lighter on an H200. Unrolled,
     the joined form made the update 3.7% slower, so the two matmuls stay
-    (`experiments/results/swiglu/`)."""
+    (`experiments/results/grpo_defaults/unrolled_h200/`)."""
     if module.is_initializing() or config.scan_unroll:
         return False
     return all(module.has_variable("params", n) and n not in config.lora_targets

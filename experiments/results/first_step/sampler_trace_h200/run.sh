@@ -2,7 +2,7 @@
 # The jitted cached-forward layer on a GPU (see README.md here): the sampler's trace and
 # lower in both trees, then the long natural run and the docs workload in both trees,
 # each with a compilation cache of its own (no run reads another's programs).
-#   OUT=dir bash experiments/results/first_step/2026-12-02-gpu/run.sh
+#   OUT=dir bash experiments/results/first_step/sampler_trace_h200/run.sh
 set -u
 R=${OUT:?}
 source experiments/wheels.sh

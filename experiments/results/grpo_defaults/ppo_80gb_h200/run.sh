@@ -4,8 +4,8 @@
 # export of 2e11d36): the rolled backbone's fwd+bwd alone (profile_update.py, one
 # micro-batch of the trainer's defaults, traced), then the docs workload (Qwen2.5-0.5B
 # shape, 64 x 8, P128 / R256 forced, GRPO) at the bench's defaults, sides alternating.
-#   OUT=dir RUNS="profile defaults" bash experiments/results/swiglu_bwd/run.sh
-# (experiments/results/norm_recompute/run.sh calls this with before/ an export of 369cdc4.)
+#   OUT=dir RUNS="profile defaults" bash experiments/results/grpo_defaults/ppo_80gb_h200/run.sh
+# (experiments/results/grpo_defaults/step_h200/run.sh calls this with before/ an export of 369cdc4.)
 set -u
 R=${OUT:?}
 ROOT=$PWD

@@ -5,7 +5,7 @@
 # defaults (remat none, micro-batch 32, the update's layers rolled) and at the docs
 # command's settings (remat dots_saveable, micro-batch 64, layers unrolled), sides
 # alternating, each run with a compilation cache of its own.
-#   OUT=dir RUNS="defaults docs" bash experiments/results/swiglu/run.sh
+#   OUT=dir RUNS="defaults docs" bash experiments/results/grpo_defaults/unrolled_h200/run.sh
 set -u
 R=${OUT:?}
 source experiments/wheels.sh

@@ -100,6 +100,13 @@ class PartialExperience(SyncExperience):
         self.lengths = np.zeros(rows, np.int32)
         self.keys: np.ndarray | None = None  # [rows, ...] key data, once known
         self.began = np.zeros(rows, np.int64)
+        # The last round's cache (`sampler.Carried`) and the rows it holds, running on
+        # under the same weights: the next round of the step prefills only their last
+        # token. Not across steps (new weights), nor with the heads split over the mesh
+        # (the cache would leave the program gathered).
+        self.carried = None
+        self.cached = np.zeros(rows, bool)
+        self.keep_cache = rollouts.sharder.mesh.shape.get("tensor", 1) == 1
         self.groups: dict[int, _Group] = {}
         self.complete: collections.deque[int] = collections.deque()
         self.drawn: collections.deque[Row] = collections.deque()  # drawn, not started
@@ -118,6 +125,7 @@ class PartialExperience(SyncExperience):
         # least train_batch_size.
         most = math.ceil(self.sampling.max_new_tokens / self.budget) + 1
         rounds = 0
+        self.carried, self.cached[:] = None, False  # the weights changed since
         while len(self.complete) < self.groups_per_step:
             if rounds == most:
                 raise RuntimeError(f"partial rollouts: {len(self.complete)} groups complete "
@@ -125,6 +133,7 @@ class PartialExperience(SyncExperience):
                                    f"{self.groups_per_step}")
             self._round(state, iterator, jax.random.fold_in(key, rounds), step)
             rounds += 1
+        self.carried = None  # its memory back before the update
         ids = [self.complete.popleft() for _ in range(self.groups_per_step)]
         groups = [self.groups.pop(i) for i in ids]
         rollout, began = self._batch(groups)
@@ -161,8 +170,10 @@ class PartialExperience(SyncExperience):
                 self.group[slots], self.member[slots] = self.next_group, np.arange(n)
                 self.tokens[slots], self.log_probs[slots], self.lengths[slots] = 0, 0.0, 0
                 self.keys[slots], self.began[slots] = np.asarray(keys[j * n:(j + 1) * n]), step
+                self.cached[slots] = False
                 self.next_group += 1
         out = self._continue(state)
+        self.carried = out.carried
         finished = np.asarray(sharding_lib.host_array(out.finished)).astype(bool)
         self.tokens = np.array(sharding_lib.host_array(out.responses))
         self.log_probs = np.array(sharding_lib.host_array(out.rollout_log_probs))
@@ -175,6 +186,7 @@ class PartialExperience(SyncExperience):
             if len(group.done) == n:
                 self.complete.append(int(self.group[slot]))
             self.group[slot] = -1
+        self.cached = (self.group >= 0) & (self.carried is not None)
 
     def _continue(self, state) -> sampler.RolloutOutput:
         """One round on the devices: every decode row continued (free rows as finished
@@ -191,13 +203,14 @@ class PartialExperience(SyncExperience):
         prefix = sampler.Prefix(
             responses=self.tokens, log_probs=self.log_probs,
             lengths=np.where(live, self.lengths, 0).astype(np.int32), finished=~live,
-            keys=self.keys)
+            keys=self.keys, cached=self.cached & live)
         put = rollouts.sharder.put_batch
         prompt_ids, prompt_mask = put((prompt_ids, prompt_mask))
         prefix = put(prefix)
         with rollouts.sampling_sharder.active():  # traced with the rollout's layout
-            program = rollouts.programs.continuer(self.sampling, self.budget)
-            return program(state, prompt_ids, prompt_mask, prefix, rollouts.frozen)
+            program = rollouts.programs.continuer(self.sampling, self.budget, self.keep_cache)
+            carried, self.carried = self.carried, None  # donated to the round
+            return program(state, prompt_ids, prompt_mask, prefix, rollouts.frozen, carried)
 
     def _draw(self, iterator: BatchIterator, count: int) -> list[Row]:
         """The next `count` prompt rows (the iterator's batches, taken in order)."""

@@ -149,20 +149,25 @@ class Programs:
             self._generators[key] = self._jit_generator(sampling, group)
         return self._generators[key]
 
-    def continuer(self, sampling: SamplingConfig, max_steps: int) -> Callable:
+    def continuer(self, sampling: SamplingConfig, max_steps: int,
+                  keep_cache: bool = False) -> Callable:
         """`step.continue_rows` for `sampling` (n 1) and `max_steps`, jitted as the
-        rollout is (partial rollouts' rounds, on the training devices). One program a
-        setting and prefix width."""
-        key = ("continue", sampling, max_steps)
+        rollout is (partial rollouts' rounds, on the training devices), the previous
+        round's cache (`sampler.Carried`, or None) its last argument, donated; with
+        `keep_cache`, its own returned. A program a setting and prefix width, and for
+        rounds with a cache and without."""
+        key = ("continue", sampling, max_steps, keep_cache)
         if key not in self._generators:
             batch = self.sharder.batch()
             self._generators[key] = jax.jit(
                 functools.partial(step_lib.continue_rows, sampling=sampling,
                                   model_config=self.model_config, max_steps=max_steps,
+                                  keep_cache=keep_cache,
                                   param_shardings=self.rollout_shardings),
                 in_shardings=(self.state_shardings, batch, batch, batch,
-                              self.frozen_shardings),
-                out_shardings=batch, compiler_options=compiler_options(sampling))
+                              self.frozen_shardings, batch),
+                out_shardings=batch, donate_argnums=(5,),
+                compiler_options=compiler_options(sampling))
         return self._generators[key]
 
     def _jit_generator(self, sampling: SamplingConfig, group: bool) -> Callable:

@@ -195,17 +195,20 @@ def generate_from(params, prompt_ids, prompt_mask, key, *, sampling: SamplingCon
     return rollout_of(out, sampling)
 
 
-def continue_rows(state: TrainState, prompt_ids, prompt_mask, prefix: Prefix, frozen=None, *,
-                  sampling: SamplingConfig, model_config: ModelConfig, max_steps: int,
+def continue_rows(state: TrainState, prompt_ids, prompt_mask, prefix: Prefix, frozen=None,
+                  carried=None, *, sampling: SamplingConfig, model_config: ModelConfig,
+                  max_steps: int, keep_cache: bool = False,
                   param_shardings=None) -> RolloutOutput:
     """A round of partial rollouts: the actor's rows of `[N, P]` prompts continued from
     their `prefix` by at most `max_steps` tokens each (`sampler.continue_rows`; `sampling.n`
-    1); `frozen` and `param_shardings` as in `generate`. The prefix's keys may come as
-    key data (`jax.random.key_data`), as the host keeps them."""
+    1), with the previous round's `carried` cache and `keep_cache` as there; `frozen` and
+    `param_shardings` as in `generate`. The prefix's keys may come as key data
+    (`jax.random.key_data`), as the host keeps them."""
     params = rollout_params(state, frozen, model_config=model_config,
                             param_shardings=param_shardings)
-    return continue_program(params, prompt_ids, prompt_mask, prefix, sampling=sampling,
-                            config=sampling_model(model_config), max_steps=max_steps)
+    return continue_program(params, prompt_ids, prompt_mask, prefix, carried,
+                            sampling=sampling, config=sampling_model(model_config),
+                            max_steps=max_steps, keep_cache=keep_cache)
 
 
 def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:

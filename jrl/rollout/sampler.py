@@ -46,13 +46,15 @@ from jax import lax
 
 from jrl import sharding
 from jrl.kernels import decode_attention
-from jrl.models import moe, transformer
+from jrl.models import gemma, moe, transformer
 from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
     KVCache,
     RowCache,
     init_cache,
+    inverse_rows,
     positions_from_mask,
+    take_rows,
 )
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
@@ -259,6 +261,8 @@ class RolloutOutput:
       page_usage: from the paged cache, float32 `[N]`: the most pages its rows held at
         once, as a fraction of the pool (the trash page aside), the same for every row
         of the call; else None.
+      carried: from `continue_rows(keep_cache=True)`, its cache for the next call
+        (`Carried`); else None.
     """
 
     prompt_ids: jax.Array
@@ -272,6 +276,7 @@ class RolloutOutput:
     finished: jax.Array | None = None
     preemptions: jax.Array | None = None
     page_usage: jax.Array | None = None
+    carried: Carried | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array]:
         """Prompt and response side by side: `(ids [N, P+R], mask [N, P+R])`."""
@@ -414,8 +419,8 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
                          "(paged.generate, paged.generate_program)")
     row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
                                                            rng, sampling, config)
-    out = _decode_to(params, state, state.responses.shape[1], prompt_len=prompt_ids.shape[1],
-                     sampling=sampling, config=config)
+    out, _ = _decode_to(params, state, state.responses.shape[1],
+                        prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
     if not sampling.record_routing:
         return rollout_output(row_prompt_ids, row_prompt_mask, *out)
     *out, response_routing, prompt_routing = out
@@ -436,6 +441,9 @@ class Prefix:
         token i is drawn with `fold_in(keys[r], i)` whichever call draws it, so a row
         continued over several calls with the same parameters draws the tokens of one
         call (`row_keys` gives the keys of `generate`'s rows).
+      cached: bool `[N]` or None: rows the previous call left in its cache (`Carried`),
+        each with every token so far but the last, under the parameters of this call;
+        they are prefilled from their last token (None: every row from its first).
     """
 
     responses: jax.Array
@@ -443,6 +451,24 @@ class Prefix:
     lengths: jax.Array
     finished: jax.Array
     keys: jax.Array
+    cached: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class Carried:
+    """A `continue_rows` call's cache, left for the next call under the same parameters
+    (`keep_cache`), so that its rows still running are not prefilled again.
+
+    Attributes:
+      cache: the call's last decode batch's cache, M rows.
+      rows: int32 `[M]` the call's row each cache row holds.
+      next_slot: the slot of the last token drawn (not yet fed) of a row that drew the
+        call's whole `max_steps`: such a row's tokens so far but that one end just below.
+    """
+
+    cache: KVCache
+    rows: jax.Array
+    next_slot: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def new_rows(rng, num_rows: int, width: int = 0) -> Prefix:
@@ -455,7 +481,8 @@ def new_rows(rng, num_rows: int, width: int = 0) -> Prefix:
 
 def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                   prefix: Prefix, sampling: SamplingConfig, *, config: ModelConfig,
-                  max_steps: int) -> RolloutOutput:
+                  max_steps: int, carried: Carried | None = None,
+                  keep_cache: bool = False) -> RolloutOutput:
     """Continues begun responses by at most `max_steps` tokens each, in one program:
     the partial rollout's step (`rollout.partial`).
 
@@ -475,10 +502,14 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
       sampling: `SamplingConfig` (static); R = `max_new_tokens`.
       config: the model architecture (static).
       max_steps: the most tokens a row draws in this call (static).
+      carried: the previous call's `Carried` cache (`keep_cache`), under the same
+        parameters: the rows `prefix.cached` marks (and it holds) are prefilled from
+        their last token only. Not used for models with sliding-window layers.
+      keep_cache: return this call's cache (`RolloutOutput.carried`) for the next.
 
     Returns:
       `RolloutOutput` with R columns: the prefix and the new tokens, `response_lengths`
-      the tokens so far, `finished` which rows are complete.
+      the tokens so far, `finished` which rows are complete (and `carried`).
 
     Raises:
       ValueError: bad shapes, `sampling.n` > 1, a setting this path does not take
@@ -488,12 +519,14 @@ def continue_rows(params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
     check_inputs(prompt_ids, prompt_mask, sampling, config)
     prefix = _with_typed_keys(prefix)
     _check_prefix(prompt_ids, prefix, sampling, max_steps)
-    return call_program(continue_program, (params, prompt_ids, prompt_mask, prefix),
-                        sampling=sampling, config=config, max_steps=max_steps)
+    return call_program(continue_program, (params, prompt_ids, prompt_mask, prefix, carried),
+                        sampling=sampling, config=config, max_steps=max_steps,
+                        keep_cache=keep_cache)
 
 
-def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
-                     sampling: SamplingConfig, config: ModelConfig, max_steps: int
+def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
+                     carried: Carried | None = None, *, sampling: SamplingConfig,
+                     config: ModelConfig, max_steps: int, keep_cache: bool = False
                      ) -> RolloutOutput:
     """The body of `continue_rows` (arguments already checked; the prefix's keys typed or
     as key data), to be jitted by the caller with its own shardings."""
@@ -517,13 +550,21 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
     responses, log_probs, keys = prefix.responses, prefix.log_probs, prefix.keys
     if width:  # rows of unlike lengths: each prefilled over its own columns, longest first
         groups = _row_groups(num_rows)
-        order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(
-            _grouped(jnp.sum(mask, axis=1), groups))
+        held = _held_rows(carried, prefix.cached, done, num_rows, groups, config)
+        work = jnp.sum(mask, axis=1) if held is None else jnp.where(
+            held[0], 1, jnp.sum(mask, axis=1))
+        order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(_grouped(work, groups))
         take = functools.partial(_take_rows, order=order, groups=groups)
         ids, mask, lengths, begun, done, rows, responses, log_probs, keys = map(
             take, (ids, mask, lengths, begun, done, rows, responses, log_probs, keys))
+        reuse = None
+        if held is not None:  # each row's cache row in `carried`, in the rows' new order
+            where = _take_rows(held[1], order=order, groups=groups)
+            reuse = (take(held[0]), jax.tree.map(functools.partial(
+                take_rows, index_gr=_grouped(where, groups), axes=CACHE_LOGICAL_AXES,
+                mode="fill"), carried.cache), carried.next_slot)
         logits_nv, cache, key_mask, total = _prefill_by_length(params, ids, mask, steps,
-                                                               config, groups)
+                                                               config, groups, reuse)
     else:
         logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
     widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - width)),
@@ -544,10 +585,28 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix, *,
         offsets=lengths,
     )
     state = _emit(state, logits_nv, sampling)
-    *out, finished = _decode_to(params, state, steps, prompt_len=total, sampling=sampling,
-                                config=config, in_order=not width)
+    (*out, finished), state = _decode_to(params, state, steps, prompt_len=total,
+                                         sampling=sampling, config=config,
+                                         in_order=not width)
+    kept = Carried(state.cache, state.rows, total + steps - 1) if keep_cache else None
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
-                          *out).replace(finished=finished)
+                          *out).replace(finished=finished, carried=kept)
+
+
+def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int,
+               config: ModelConfig):
+    """`(held [N], where [N])`: which rows are prefilled from the `carried` cache (marked
+    `cached`, still running, and among its rows) and each one's row there; None when no
+    row is (no cache, or a model with sliding-window layers, whose rings hold slots by
+    index and are not moved)."""
+    if carried is None or cached is None or gemma.SLIDING in (config.layer_types or ()):
+        return None
+    per_group = num_rows // groups
+    there = _grouped(carried.rows, groups)
+    local = jnp.where(there < num_rows, there % per_group, per_group)
+    where = _ungrouped(inverse_rows(local, per_group))
+    held = cached.astype(bool) & ~done & (where < there.shape[1])
+    return held, where
 
 
 def _with_typed_keys(prefix: Prefix) -> Prefix:
@@ -572,6 +631,8 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
     width = prefix.responses.shape[-1] if prefix.responses.ndim == 2 else "W"
     shapes = {"responses": (num_rows, width), "log_probs": (num_rows, width),
               "lengths": (num_rows,), "finished": (num_rows,), "keys": (num_rows,)}
+    if prefix.cached is not None:
+        shapes["cached"] = (num_rows,)
     for name, shape in shapes.items():
         if tuple(getattr(prefix, name).shape) != shape:
             raise ValueError(f"prefix.{name} must be {list(shape)} for {num_rows} prompt "
@@ -589,18 +650,18 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
 
 
 def _decode_to(params, state: _DecodeState, end: int, *, prompt_len: int,
-               sampling: SamplingConfig, config: ModelConfig, in_order: bool = True
-               ) -> tuple[jax.Array, ...]:
+               sampling: SamplingConfig, config: ModelConfig, in_order: bool = True):
     """Decodes from `state` until step `end` or until every row has stopped, at the decode
-    loop's batch sizes (`decode_sizes`); the rows' outputs (`_outputs`) in the order of
-    `state.rows` (`in_order`: the state's own)."""
+    loop's batch sizes (`decode_sizes`): `(outputs, final state)`, the rows' outputs
+    (`_outputs`) in the order of `state.rows` (`in_order`: the state's own)."""
     num_rows = state.responses.shape[0]
     groups = _row_groups(num_rows)
     sizes = decode_sizes(num_rows, groups, sampling)
     state, out = decode_rows(params, state, _outputs(state), end, sizes, groups,
                              prompt_len=prompt_len, sampling=sampling, config=config)
-    return _write_rows(out, state, groups) if len(sizes) > 1 or not in_order else \
-        _outputs(state)
+    if len(sizes) > 1 or not in_order:
+        return _write_rows(out, state, groups), state
+    return _outputs(state), state
 
 
 def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:
@@ -827,7 +888,7 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
     return (constrain(logits_bv, ("batch", None)), cache, key_mask, *recorded)
 
 
-def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
+def _prefill_by_length(params, ids, mask, num_new, config, groups: int, reuse=None):
     """`_prefill` of rows whose real tokens (left-padded) end together but start at unlike
     columns, as continued rows do, each slice of rows over its own columns only: `(logits
     [N, V], cache, key_mask [N, S], T)`, T the prefill's columns (left padding added for
@@ -839,7 +900,12 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
     `PREFILL_COLUMNS` columns from the first chunk holding a token of its longest row,
     every chunk attending to the slice's cache so far. Both are loops (`lax.fori_loop`
     over the slices, `lax.while_loop` over a slice's chunks), so the program holds one
-    forward and serves any spread of lengths."""
+    forward and serves any spread of lengths.
+
+    `reuse`: `(held [N], cache, next_slot)`, rows whose tokens but the last a previous
+    call's cache holds (`Carried`, its rows already in this order), its last token to be
+    at `next_slot`: that cache, moved to this layout, starts the rows' caches, and a held
+    row needs only the chunk of its last token."""
     num_rows, total = ids.shape
     per_group = num_rows // groups
     slices = max(d for d in range(1, min(PREFILL_SLICES, per_group) + 1)
@@ -851,8 +917,19 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
     slots = cache_slots(config, padded + num_new)
     key_mask = jnp.pad(mask, ((0, 0), (0, slots - padded)))
     by_group = functools.partial(_grouped, groups=groups)
-    inputs = tuple(map(by_group, (ids, positions_from_mask(mask), key_mask,
-                                  jnp.argmax(mask, axis=1))))  # every row has a real token
+    first = jnp.argmax(mask, axis=1)  # every row has a real token
+    cache = init_cache(config, num_rows, slots, ring=True)
+    if reuse is not None:
+        held, carried, next_slot = reuse
+        first = jnp.where(held, padded - 1, first)
+        move = next_slot - (padded - 1)  # the held rows' last token: from next_slot to T - 1
+
+        def moved(x):
+            x = jnp.roll(x, -move, axis=2)[:, :, :slots]
+            return jnp.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))
+
+        cache = jax.tree.map(moved, carried)
+    inputs = tuple(map(by_group, (ids, positions_from_mask(mask), key_mask, first)))
     cache_axes = functools.partial(jax.tree.map, lambda x: by_group(x, axes=CACHE_LOGICAL_AXES))
 
     def fill(i, carry):
@@ -868,14 +945,15 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int):
             return j + 1, cache, out[:, -1]
 
         start = (jnp.min(first) // columns).astype(jnp.int32)
+        own = jax.tree.map(lambda x: _ungrouped(lax.dynamic_slice_in_dim(
+            x, i * size, size, axis=1), CACHE_LOGICAL_AXES), cache)
         _, piece, last = lax.while_loop(
             lambda carry: carry[0] < padded // columns, chunk,
-            (start, init_cache(config, groups * size, slots, ring=True),
-             jnp.zeros((groups * size, config.hidden_size), config.dtype)))
+            (start, own, jnp.zeros((groups * size, config.hidden_size), config.dtype)))
         put = lambda whole, x: lax.dynamic_update_slice_in_dim(whole, x, i * size, axis=1)
         return jax.tree.map(put, cache, cache_axes(piece)), put(hidden, by_group(last))
 
-    cache = cache_axes(init_cache(config, num_rows, slots, ring=True))
+    cache = cache_axes(cache)
     hidden = by_group(jnp.zeros((num_rows, config.hidden_size), config.dtype))
     cache, hidden = lax.fori_loop(0, slices, fill, (cache, hidden))
     cache = jax.tree.map(lambda x: _ungrouped(x, CACHE_LOGICAL_AXES), cache)

@@ -103,7 +103,7 @@ def test_rounds_refill_free_rows_and_carry_running_ones_across_steps(tmp_path):
 
     keys = {}  # (prompt, tokens so far) -> the row's key data, per live row and round
 
-    def continuer(state, prompt_ids, prompt_mask, prefix, frozen):
+    def continuer(state, prompt_ids, prompt_mask, prefix, frozen, carried):
         ids, lengths = np.asarray(prompt_ids), np.asarray(prefix.lengths)
         finished = np.asarray(prefix.finished)
         for r in np.flatnonzero(~finished):
@@ -121,7 +121,7 @@ def test_rounds_refill_free_rows_and_carry_running_ones_across_steps(tmp_path):
                              np.where(columns, -0.5, 0.0).astype(np.float32), new,
                              finished=finished | (new == stops))
 
-    trainer.programs.continuer = lambda sampling, max_steps: continuer
+    trainer.programs.continuer = lambda sampling, max_steps, keep_cache: continuer
     order = BatchIterator(trainer.train_rows, BATCH, seed=0)
     drawn = [row for _ in range(12) for row in order.next_batch()]
     ids = encode_prompts(rollouts.tokenizer, drawn, trainer.settings.max_prompt_length,

@@ -436,15 +436,19 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     once = sampler.generate(params, row_ids, row_mask, key, one_row, config=SMALL)
     sharder = sharding.Sharder(sharding.make_mesh(
         sharding.MeshSettings(data=8, fsdp=1, tensor=1), jax.devices()))
-    prefix = sampler.new_rows(key, 16)
+    prefix, carried = sampler.new_rows(key, 16), None
+    sampler.PREFILL_COLUMNS = 2  # chunks of 2 columns: the carried rows start late
     with sharder.active():
         put = lambda x: jax.device_put(x, sharder.batch())
-        for call in range(2):
+        for call in range(2):  # the first call's cache carried into the second
             out = sampler.continue_rows(jax.device_put(params, sharder.replicated),
                                         put(row_ids), put(row_mask), put(prefix), one_row,
-                                        config=SMALL, max_steps=3)
+                                        config=SMALL, max_steps=3, carried=carried,
+                                        keep_cache=True)
             prefix = sampler.Prefix(out.responses[:, :3], out.rollout_log_probs[:, :3],
-                                    out.response_lengths, out.finished, prefix.keys)
+                                    out.response_lengths, out.finished, prefix.keys,
+                                    ~out.finished)
+            carried = out.carried
         # The paged cache over the 8 devices' rows: 8 decode slots for the 16 rows.
         paged_out = paged.generate(
             jax.device_put(params, sharder.replicated), put(ids), put(mask), key,
@@ -576,14 +580,16 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                          static_argnames=("sampling", "config"))
 
 
-@pytest.mark.parametrize("model, columns, slices", [
-    ("small", None, None),
-    ("small", 3, 2),  # the prefix prefilled 3 columns at a time, in slices of 3 rows
-    ("gemma", 3, 2),  # and with sliding-window layers (rings of 3 slots)
+@pytest.mark.parametrize("model, columns, slices, carry", [
+    ("small", None, None, False),
+    ("small", 3, 2, False),  # the prefix prefilled 3 columns at a time, in slices of 3 rows
+    ("gemma", 3, 2, False),  # and with sliding-window layers (rings of 3 slots)
+    ("small", 3, 2, True),  # each call's cache carried into the next
+    ("gemma", 3, 2, True),  # (not used with sliding-window layers)
 ])
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
                                                                request, model, columns,
-                                                               slices):
+                                                               slices, carry):
     """The partial rollout's primitive: rows generated four tokens a call, each call
     prefilling the tokens so far (a prefix of 4 x calls columns, as the trainer passes
     them; its keys as key data in the last), end as one `generate` call's rows (same
@@ -591,7 +597,9 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
     Between calls a row's length is its tokens so far and it is `finished` only once it
     has stopped; a finished row keeps its tokens. Rows with tokens so far are prefilled
     longest first, slices of rows each over its own columns (`PREFILL_SLICES`,
-    `PREFILL_COLUMNS`), so the rows' unlike lengths decide which chunks run."""
+    `PREFILL_COLUMNS`), so the rows' unlike lengths decide which chunks run. With `carry`
+    each call keeps its cache for the next (`keep_cache`), whose rows still running
+    start from it (`Prefix.cached`), but for one row each call prefilled in full."""
     config, params = SMALL, small_params
     if model == "gemma":
         config = dataclasses.replace(SMALL, family="gemma2", sliding_window=3,
@@ -611,10 +619,11 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
     # Rows stop in each of the three calls, and some run to R.
     assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == 12
 
-    prefix = sampler.new_rows(rng, 6)
+    prefix, carried = sampler.new_rows(rng, 6), None
     for call in range(1, 4):
         out = sampler.continue_rows(params, ids, mask, prefix, sampling, config=config,
-                                    max_steps=4)
+                                    max_steps=4, carried=carried, keep_cache=carry)
+        assert (out.carried is not None) == carry
         lengths, finished = np.asarray(out.response_lengths), np.asarray(out.finished)
         np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
         np.testing.assert_array_equal(finished, final <= 4 * call)
@@ -622,10 +631,14 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
         chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished, :4 * call - 4],
                                     np.asarray(prefix.responses)[was_finished])
         keys = jax.random.key_data(prefix.keys) if call == 2 else prefix.keys
+        # A running row not marked cached is prefilled in full beside the cached ones.
+        cached = ~finished & (np.arange(6) != np.argmax(~finished)) if carry else None
         prefix = sampler.Prefix(out.responses[:, :4 * call], out.rollout_log_probs[:, :4 * call],
-                                out.response_lengths, out.finished, keys)
+                                out.response_lengths, out.finished, keys, cached)
+        carried = out.carried
     assert finished.all()
-    chex.assert_trees_all_equal(out.replace(rollout_log_probs=None, finished=None),
+    chex.assert_trees_all_equal(out.replace(rollout_log_probs=None, finished=None,
+                                            carried=None),
                                 whole.replace(rollout_log_probs=None))
     np.testing.assert_allclose(out.rollout_log_probs, whole.rollout_log_probs, atol=1e-5)
 

@@ -197,11 +197,16 @@ class PartialExperience(SyncExperience):
         prompts = [self.groups[int(g)] if g >= 0 else stand_in for g in self.group]
         prompt_ids = np.stack([g.prompt_ids for g in prompts])
         prompt_mask = np.stack([g.prompt_mask for g in prompts])
-        # The prefix takes every round the whole response's columns, so one program
-        # serves every round: the prefill skips each slice of rows' empty columns
-        # (`sampler.continue_rows`) and the decode kernel reads only a row's own slots.
+        # The prefix's columns: the longest row's in a power of two of rounds, so a few
+        # programs serve every round (each prefills a row over about its own tokens,
+        # `sampler.continue_rows`) while the cache, which every prefill chunk attends
+        # over, grows with the rows.
+        longest = int(np.max(np.where(live, self.lengths, 0)))
+        rounds = -(-longest // self.budget)
+        width = min(self.budget * (1 << (rounds - 1).bit_length()) if rounds else 0,
+                    self.sampling.max_new_tokens)
         prefix = sampler.Prefix(
-            responses=self.tokens, log_probs=self.log_probs,
+            responses=self.tokens[:, :width], log_probs=self.log_probs[:, :width],
             lengths=np.where(live, self.lengths, 0).astype(np.int32), finished=~live,
             keys=self.keys, cached=self.cached & live)
         put = rollouts.sharder.put_batch
@@ -209,7 +214,7 @@ class PartialExperience(SyncExperience):
         prefix = put(prefix)
         with rollouts.sampling_sharder.active():  # traced with the rollout's layout
             program = rollouts.programs.continuer(self.sampling, self.budget, self.keep_cache)
-            carried, self.carried = self.carried, None  # donated to the round
+            carried, self.carried = self.carried, None  # freed once the round has read it
             return program(state, prompt_ids, prompt_mask, prefix, rollouts.frozen, carried)
 
     def _draw(self, iterator: BatchIterator, count: int) -> list[Row]:

@@ -153,9 +153,10 @@ class Programs:
                   keep_cache: bool = False) -> Callable:
         """`step.continue_rows` for `sampling` (n 1) and `max_steps`, jitted as the
         rollout is (partial rollouts' rounds, on the training devices), the previous
-        round's cache (`sampler.Carried`, or None) its last argument, donated; with
-        `keep_cache`, its own returned. A program a setting and prefix width, and for
-        rounds with a cache and without."""
+        round's cache (`sampler.Carried`, or None) its last argument (not donated: its
+        shape is the previous round's prefix width's); with `keep_cache`, its own
+        returned. A program a setting, prefix width, and for rounds
+        with a cache and without."""
         key = ("continue", sampling, max_steps, keep_cache)
         if key not in self._generators:
             batch = self.sharder.batch()
@@ -166,8 +167,7 @@ class Programs:
                                   param_shardings=self.rollout_shardings),
                 in_shardings=(self.state_shardings, batch, batch, batch,
                               self.frozen_shardings, batch),
-                out_shardings=batch, donate_argnums=(5,),
-                compiler_options=compiler_options(sampling))
+                out_shardings=batch, compiler_options=compiler_options(sampling))
         return self._generators[key]
 
     def _jit_generator(self, sampling: SamplingConfig, group: bool) -> Callable:

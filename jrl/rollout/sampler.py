@@ -551,20 +551,22 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
     if width:  # rows of unlike lengths: each prefilled over its own columns, longest first
         groups = _row_groups(num_rows)
         held = _held_rows(carried, prefix.cached, done, num_rows, groups, config)
-        work = jnp.sum(mask, axis=1) if held is None else jnp.where(
-            held[0], 1, jnp.sum(mask, axis=1))
+        # Finished rows draw nothing and rows held in `carried` need their last token:
+        # both are prefilled in the last chunk only, after the others, longest first.
+        late = done if held is None else done | held[0]
+        work = jnp.where(late, 0, jnp.sum(mask, axis=1))
         order = jax.vmap(lambda n: jnp.argsort(-n, stable=True))(_grouped(work, groups))
         take = functools.partial(_take_rows, order=order, groups=groups)
-        ids, mask, lengths, begun, done, rows, responses, log_probs, keys = map(
-            take, (ids, mask, lengths, begun, done, rows, responses, log_probs, keys))
+        ids, mask, lengths, begun, done, late, rows, responses, log_probs, keys = map(
+            take, (ids, mask, lengths, begun, done, late, rows, responses, log_probs, keys))
         reuse = None
         if held is not None:  # each row's cache row in `carried`, in the rows' new order
             where = _take_rows(held[1], order=order, groups=groups)
-            reuse = (take(held[0]), jax.tree.map(functools.partial(
+            reuse = (jax.tree.map(functools.partial(
                 take_rows, index_gr=_grouped(where, groups), axes=CACHE_LOGICAL_AXES,
                 mode="fill"), carried.cache), carried.next_slot)
         logits_nv, cache, key_mask, total = _prefill_by_length(params, ids, mask, steps,
-                                                               config, groups, reuse)
+                                                               config, groups, late, reuse)
     else:
         logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
     widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - width)),
@@ -888,7 +890,8 @@ def _prefill(params, prompt_ids, prompt_mask, num_new, config, num_slots=None,
     return (constrain(logits_bv, ("batch", None)), cache, key_mask, *recorded)
 
 
-def _prefill_by_length(params, ids, mask, num_new, config, groups: int, reuse=None):
+def _prefill_by_length(params, ids, mask, num_new, config, groups: int, late=None,
+                       reuse=None):
     """`_prefill` of rows whose real tokens (left-padded) end together but start at unlike
     columns, as continued rows do, each slice of rows over its own columns only: `(logits
     [N, V], cache, key_mask [N, S], T)`, T the prefill's columns (left padding added for
@@ -902,10 +905,11 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int, reuse=No
     over the slices, `lax.while_loop` over a slice's chunks), so the program holds one
     forward and serves any spread of lengths.
 
-    `reuse`: `(held [N], cache, next_slot)`, rows whose tokens but the last a previous
-    call's cache holds (`Carried`, its rows already in this order), its last token to be
-    at `next_slot`: that cache, moved to this layout, starts the rows' caches, and a held
-    row needs only the chunk of its last token."""
+    `late` (bool `[N]`): rows that need only the chunk of their last token (finished
+    rows, whose outputs are not used, and rows the `reuse` cache holds). `reuse`:
+    `(cache, next_slot)`, a previous call's cache (`Carried`, its rows already in this
+    order) whose rows hold their tokens so far but the last, which is to be at
+    `next_slot`: moved to this layout, it starts the rows' caches."""
     num_rows, total = ids.shape
     per_group = num_rows // groups
     slices = max(d for d in range(1, min(PREFILL_SLICES, per_group) + 1)
@@ -918,10 +922,11 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int, reuse=No
     key_mask = jnp.pad(mask, ((0, 0), (0, slots - padded)))
     by_group = functools.partial(_grouped, groups=groups)
     first = jnp.argmax(mask, axis=1)  # every row has a real token
+    if late is not None:
+        first = jnp.where(late, padded - 1, first)
     cache = init_cache(config, num_rows, slots, ring=True)
     if reuse is not None:
-        held, carried, next_slot = reuse
-        first = jnp.where(held, padded - 1, first)
+        carried, next_slot = reuse
         move = next_slot - (padded - 1)  # the held rows' last token: from next_slot to T - 1
 
         def moved(x):

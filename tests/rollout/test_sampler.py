@@ -580,26 +580,31 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                          static_argnames=("sampling", "config"))
 
 
-@pytest.mark.parametrize("model, columns, slices, carry", [
-    ("small", None, None, False),
-    ("small", 3, 2, False),  # the prefix prefilled 3 columns at a time, in slices of 3 rows
-    ("gemma", 3, 2, False),  # and with sliding-window layers (rings of 3 slots)
-    ("small", 3, 2, True),  # each call's cache carried into the next
-    ("gemma", 3, 2, True),  # (not used with sliding-window layers)
+@pytest.mark.parametrize("model, columns, slices, carry, buckets, full", [
+    ("small", None, None, False, 2, False),
+    # The prefix prefilled 3 columns at a time, in slices of 4 rows; its width the
+    # response's every call (round 1 through the chunked prefill too), no compaction.
+    ("small", 3, 2, False, 1, True),
+    ("gemma", 3, 2, False, 2, False),  # with sliding-window layers (rings of 3 slots)
+    ("small", 3, 2, True, 2, False),  # each call's cache carried into the next
+    ("small", 3, 2, True, 1, True),
+    ("gemma", 3, 2, True, 1, False),  # (not used with sliding-window layers)
 ])
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
                                                                request, model, columns,
-                                                               slices, carry):
+                                                               slices, carry, buckets, full):
     """The partial rollout's primitive: rows generated four tokens a call, each call
-    prefilling the tokens so far (a prefix of 4 x calls columns, as the trainer passes
-    them; its keys as key data in the last), end as one `generate` call's rows (same
-    keys and parameters): the same tokens and lengths, log-probs to float32 rounding.
-    Between calls a row's length is its tokens so far and it is `finished` only once it
-    has stopped; a finished row keeps its tokens. Rows with tokens so far are prefilled
-    longest first, slices of rows each over its own columns (`PREFILL_SLICES`,
-    `PREFILL_COLUMNS`), so the rows' unlike lengths decide which chunks run. With `carry`
-    each call keeps its cache for the next (`keep_cache`), whose rows still running
-    start from it (`Prefix.cached`), but for one row each call prefilled in full."""
+    prefilling the tokens so far (a prefix of 4 x calls columns, or with `full` of R
+    every call; its keys as key data in the second), end as one `generate` call's rows
+    (same keys and parameters): the same tokens and lengths, log-probs to float32
+    rounding. Between calls a row's length is its tokens so far and it is `finished`
+    only once it has stopped; a finished row keeps its tokens, and two rows finished from
+    the start with none (the trainer's free decode rows, on another row's prompt) draw
+    none. Rows with tokens so far are prefilled longest first, slices of rows each over
+    its own columns (`PREFILL_SLICES`, `PREFILL_COLUMNS`), so the rows' unlike lengths
+    decide which chunks run. With `carry` each call keeps its cache for the next
+    (`keep_cache`), whose rows still running start from it (`Prefix.cached`), but for
+    one row each call prefilled in full."""
     config, params = SMALL, small_params
     if model == "gemma":
         config = dataclasses.replace(SMALL, family="gemma2", sliding_window=3,
@@ -612,14 +617,17 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
         request.addfinalizer(jax.clear_caches)
     ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, config.vocab_size, seed=4)
     sampling = SamplingConfig(n=1, max_new_tokens=12, temperature=1.2,
-                              stop_token_ids=(2, 3, 4), decode_buckets=2)
+                              stop_token_ids=(2, 3, 4), decode_buckets=buckets)
     rng = jax.random.key(1)
     whole = sampler.generate(params, ids, mask, rng, sampling, config=config)
     final = np.asarray(whole.response_lengths)
     # Rows stop in each of the three calls, and some run to R.
     assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == 12
 
-    prefix, carried = sampler.new_rows(rng, 6), None
+    ids, mask = np.concatenate([ids, ids[:2]]), np.concatenate([mask, mask[:2]])
+    final = np.concatenate([final, [0, 0]])
+    prefix, carried = sampler.new_rows(rng, 8, width=12 if full else 0), None
+    prefix = prefix.replace(finished=np.arange(8) >= 6)
     for call in range(1, 4):
         out = sampler.continue_rows(params, ids, mask, prefix, sampling, config=config,
                                     max_steps=4, carried=carried, keep_cache=carry)
@@ -628,19 +636,23 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
         np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
         np.testing.assert_array_equal(finished, final <= 4 * call)
         was_finished = np.asarray(prefix.finished)
-        chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished, :4 * call - 4],
+        width = prefix.responses.shape[1]
+        chex.assert_trees_all_equal(np.asarray(out.responses)[was_finished, :width],
                                     np.asarray(prefix.responses)[was_finished])
         keys = jax.random.key_data(prefix.keys) if call == 2 else prefix.keys
         # A running row not marked cached is prefilled in full beside the cached ones.
-        cached = ~finished & (np.arange(6) != np.argmax(~finished)) if carry else None
-        prefix = sampler.Prefix(out.responses[:, :4 * call], out.rollout_log_probs[:, :4 * call],
+        cached = ~finished & (np.arange(8) != np.argmax(~finished)) if carry else None
+        width = 12 if full else 4 * call
+        prefix = sampler.Prefix(out.responses[:, :width], out.rollout_log_probs[:, :width],
                                 out.response_lengths, out.finished, keys, cached)
         carried = out.carried
     assert finished.all()
-    chex.assert_trees_all_equal(out.replace(rollout_log_probs=None, finished=None,
-                                            carried=None),
-                                whole.replace(rollout_log_probs=None))
-    np.testing.assert_allclose(out.rollout_log_probs, whole.rollout_log_probs, atol=1e-5)
+    chex.assert_trees_all_equal(
+        jax.tree.map(lambda x: x[:6], out.replace(rollout_log_probs=None, finished=None,
+                                                  carried=None)),
+        whole.replace(rollout_log_probs=None))
+    np.testing.assert_allclose(out.rollout_log_probs[:6], whole.rollout_log_probs, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.responses)[6:], sampling.pad_token_id)
 
 
 def test_continuing_rows_checks_its_inputs_before_compiling(small_params, prompts):

@@ -48,6 +48,7 @@ import numpy as np
 
 from jrl import sharding as sharding_lib
 from jrl.data.dataset import BatchIterator, Row, encode_prompts
+from jrl.models import gemma
 from jrl.rl import types
 from jrl.rl.experience import Generated, Rollouts, Sampled, SyncExperience
 from jrl.rollout import sampler
@@ -103,10 +104,12 @@ class PartialExperience(SyncExperience):
         # The last round's cache (`sampler.Carried`) and the rows it holds, running on
         # under the same weights: the next round of the step prefills only their last
         # token. Not across steps (new weights), nor with the heads split over the mesh
-        # (the cache would leave the program gathered).
+        # (the cache would leave the program gathered), nor for sliding-window layers
+        # (`continue_rows` prefills those rows in full).
         self.carried = None
         self.cached = np.zeros(rows, bool)
-        self.keep_cache = rollouts.sharder.mesh.shape.get("tensor", 1) == 1
+        self.keep_cache = (rollouts.sharder.mesh.shape.get("tensor", 1) == 1
+                           and gemma.SLIDING not in (rollouts.model_config.layer_types or ()))
         self.groups: dict[int, _Group] = {}
         self.complete: collections.deque[int] = collections.deque()
         self.drawn: collections.deque[Row] = collections.deque()  # drawn, not started

@@ -460,7 +460,8 @@ class Carried:
     (`keep_cache`), so that its rows still running are not prefilled again.
 
     Attributes:
-      cache: the call's last decode batch's cache, M rows.
+      cache: the call's last decode batch's cache, M rows (after the decode loop's
+        compactions: at most N / `decode_buckets`; other rows are not held).
       rows: int32 `[M]` the call's row each cache row holds.
       next_slot: the slot of the last token drawn (not yet fed) of a row that drew the
         call's whole `max_steps`: such a row's tokens so far but that one end just below.
@@ -929,9 +930,10 @@ def _prefill_by_length(params, ids, mask, num_new, config, groups: int, late=Non
         carried, next_slot = reuse
         move = next_slot - (padded - 1)  # the held rows' last token: from next_slot to T - 1
 
-        def moved(x):
-            x = jnp.roll(x, -move, axis=2)[:, :, :slots]
-            return jnp.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))
+        def moved(x):  # slot s takes the old slot s + move, zeros where there is none
+            x = jnp.pad(x, ((0, 0), (0, 0), (max(-move, 0),
+                                             max(slots + move - x.shape[2], 0)), (0, 0)))
+            return x[:, :, max(move, 0):max(move, 0) + slots]
 
         cache = jax.tree.map(moved, carried)
     inputs = tuple(map(by_group, (ids, positions_from_mask(mask), key_mask, first)))

@@ -440,14 +440,16 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sampler.PREFILL_COLUMNS = 2  # chunks of 2 columns: the carried rows start late
     with sharder.active():
         put = lambda x: jax.device_put(x, sharder.batch())
-        for call in range(2):  # the first call's cache carried into the second
+        # Two tokens a call, each call's cache carried into the next; the prefix 2 then
+        # 6 columns wide (the cache moved past its old end).
+        for width in (2, 6, 6):
             out = sampler.continue_rows(jax.device_put(params, sharder.replicated),
                                         put(row_ids), put(row_mask), put(prefix), one_row,
-                                        config=SMALL, max_steps=3, carried=carried,
+                                        config=SMALL, max_steps=2, carried=carried,
                                         keep_cache=True)
-            prefix = sampler.Prefix(out.responses[:, :3], out.rollout_log_probs[:, :3],
-                                    out.response_lengths, out.finished, prefix.keys,
-                                    ~out.finished)
+            prefix = sampler.Prefix(out.responses[:, :width],
+                                    out.rollout_log_probs[:, :width], out.response_lengths,
+                                    out.finished, prefix.keys, ~out.finished)
             carried = out.carried
         # The paged cache over the 8 devices' rows: 8 decode slots for the 16 rows.
         paged_out = paged.generate(
@@ -580,22 +582,26 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
                                          static_argnames=("sampling", "config"))
 
 
-@pytest.mark.parametrize("model, columns, slices, carry, buckets, full", [
-    ("small", None, None, False, 2, False),
+@pytest.mark.parametrize("model, columns, slices, carry, buckets, widths", [
+    ("small", None, None, False, 2, (0, 4, 8)),
     # The prefix prefilled 3 columns at a time, in slices of 4 rows; its width the
     # response's every call (round 1 through the chunked prefill too), no compaction.
-    ("small", 3, 2, False, 1, True),
-    ("gemma", 3, 2, False, 2, False),  # with sliding-window layers (rings of 3 slots)
-    ("small", 3, 2, True, 2, False),  # each call's cache carried into the next
-    ("small", 3, 2, True, 1, True),
-    ("gemma", 3, 2, True, 1, False),  # (not used with sliding-window layers)
+    ("small", 3, 2, False, 1, (12, 12, 12)),
+    ("gemma", 3, 2, False, 2, (0, 4, 8)),  # with sliding-window layers (rings of 3 slots)
+    # Each call's cache carried into the next: the width growing by more than a call's
+    # tokens (the cache moved past its old end), then growing and shrinking.
+    ("small", 3, 2, True, 2, (0, 4, 12)),
+    ("small", 3, 2, True, 1, (0, 12, 8)),
+    ("small", 3, 2, True, 2, (12, 12, 12)),
+    ("gemma", 3, 2, True, 1, (0, 4, 8)),  # (not used with sliding-window layers)
 ])
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
                                                                request, model, columns,
-                                                               slices, carry, buckets, full):
+                                                               slices, carry, buckets, widths):
     """The partial rollout's primitive: rows generated four tokens a call, each call
-    prefilling the tokens so far (a prefix of 4 x calls columns, or with `full` of R
-    every call; its keys as key data in the second), end as one `generate` call's rows
+    prefilling the tokens so far (a prefix of `widths[call]` columns, as wide as the
+    longest row's tokens or wider, like the trainer's power-of-two widths; its keys as
+    key data in the second), end as one `generate` call's rows
     (same keys and parameters): the same tokens and lengths, log-probs to float32
     rounding. Between calls a row's length is its tokens so far and it is `finished`
     only once it has stopped; a finished row keeps its tokens, and two rows finished from
@@ -626,7 +632,7 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
 
     ids, mask = np.concatenate([ids, ids[:2]]), np.concatenate([mask, mask[:2]])
     final = np.concatenate([final, [0, 0]])
-    prefix, carried = sampler.new_rows(rng, 8, width=12 if full else 0), None
+    prefix, carried = sampler.new_rows(rng, 8, width=widths[0]), None
     prefix = prefix.replace(finished=np.arange(8) >= 6)
     for call in range(1, 4):
         out = sampler.continue_rows(params, ids, mask, prefix, sampling, config=config,
@@ -642,7 +648,7 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
         keys = jax.random.key_data(prefix.keys) if call == 2 else prefix.keys
         # A running row not marked cached is prefilled in full beside the cached ones.
         cached = ~finished & (np.arange(8) != np.argmax(~finished)) if carry else None
-        width = 12 if full else 4 * call
+        width = widths[call] if call < 3 else 12
         prefix = sampler.Prefix(out.responses[:, :width], out.rollout_log_probs[:, :width],
                                 out.response_lengths, out.finished, keys, cached)
         carried = out.carried

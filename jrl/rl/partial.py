@@ -48,7 +48,6 @@ import numpy as np
 
 from jrl import sharding as sharding_lib
 from jrl.data.dataset import BatchIterator, Row, encode_prompts
-from jrl.models import gemma
 from jrl.rl import types
 from jrl.rl.experience import Generated, Rollouts, Sampled, SyncExperience
 from jrl.rollout import sampler
@@ -109,7 +108,7 @@ class PartialExperience(SyncExperience):
         self.carried = None
         self.cached = np.zeros(rows, bool)
         self.keep_cache = (rollouts.sharder.mesh.shape.get("tensor", 1) == 1
-                           and gemma.SLIDING not in (rollouts.model_config.layer_types or ()))
+                           and sampler.carries_cache(rollouts.model_config))
         self.groups: dict[int, _Group] = {}
         self.complete: collections.deque[int] = collections.deque()
         self.drawn: collections.deque[Row] = collections.deque()  # drawn, not started
@@ -128,7 +127,6 @@ class PartialExperience(SyncExperience):
         # least train_batch_size.
         most = math.ceil(self.sampling.max_new_tokens / self.budget) + 1
         rounds = 0
-        self.carried, self.cached[:] = None, False  # the weights changed since
         while len(self.complete) < self.groups_per_step:
             if rounds == most:
                 raise RuntimeError(f"partial rollouts: {len(self.complete)} groups complete "
@@ -136,7 +134,8 @@ class PartialExperience(SyncExperience):
                                    f"{self.groups_per_step}")
             self._round(state, iterator, jax.random.fold_in(key, rounds), step)
             rounds += 1
-        self.carried = None  # its memory back before the update
+        # No cache across steps: the update changes the weights (and needs the memory).
+        self.carried, self.cached[:] = None, False
         ids = [self.complete.popleft() for _ in range(self.groups_per_step)]
         groups = [self.groups.pop(i) for i in ids]
         rollout, began = self._batch(groups)

@@ -602,7 +602,7 @@ def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int
     `cached`, still running, and among its rows) and each one's row there; None when no
     row is (no cache, or a model with sliding-window layers, whose rings hold slots by
     index and are not moved)."""
-    if carried is None or cached is None or gemma.SLIDING in (config.layer_types or ()):
+    if carried is None or cached is None or not carries_cache(config):
         return None
     per_group = num_rows // groups
     there = _grouped(carried.rows, groups)
@@ -610,6 +610,12 @@ def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int
     where = _ungrouped(inverse_rows(local, per_group))
     held = cached.astype(bool) & ~done & (where < there.shape[1])
     return held, where
+
+
+def carries_cache(config: ModelConfig) -> bool:
+    """Whether `continue_rows` starts rows from a `Carried` cache for this model: not with
+    sliding-window layers, whose rings hold slots by index and are not moved."""
+    return gemma.SLIDING not in (config.layer_types or ())
 
 
 def _with_typed_keys(prefix: Prefix) -> Prefix:

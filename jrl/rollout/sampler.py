@@ -419,7 +419,7 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config
                          "(paged.generate, paged.generate_program)")
     row_prompt_ids, row_prompt_mask, state, params = start(params, prompt_ids, prompt_mask,
                                                            rng, sampling, config)
-    out, _ = _decode_to(params, state, state.responses.shape[1],
+    out, *_ = _decode_to(params, state, state.responses.shape[1],
                         prompt_len=prompt_ids.shape[1], sampling=sampling, config=config)
     if not sampling.record_routing:
         return rollout_output(row_prompt_ids, row_prompt_mask, *out)
@@ -460,9 +460,10 @@ class Carried:
     (`keep_cache`), so that its rows still running are not prefilled again.
 
     Attributes:
-      cache: the call's last decode batch's cache, M rows (after the decode loop's
-        compactions: at most N / `decode_buckets`; other rows are not held).
-      rows: int32 `[M]` the call's row each cache row holds.
+      cache: the call's rows' cache (N rows, in the call's order) as it was when the
+        call's `max_steps` ran out: every row still running then is held; the rows of
+        those that stopped before are not (and may be zeros).
+      rows: int32 `[N]` the call's row each cache row holds (`arange(N)`).
       next_slot: the slot of the last token drawn (not yet fed) of a row that drew the
         call's whole `max_steps`: such a row's tokens so far but that one end just below.
     """
@@ -588,10 +589,11 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
         offsets=lengths,
     )
     state = _emit(state, logits_nv, sampling)
-    (*out, finished), state = _decode_to(params, state, steps, prompt_len=total,
-                                         sampling=sampling, config=config,
-                                         in_order=not width)
-    kept = Carried(state.cache, state.rows, total + steps - 1) if keep_cache else None
+    (*out, finished), state, cache = _decode_to(params, state, steps, prompt_len=total,
+                                                sampling=sampling, config=config,
+                                                in_order=not width, keep_cache=keep_cache)
+    kept = (Carried(cache, jnp.arange(num_rows, dtype=jnp.int32), total + steps - 1)
+            if keep_cache else None)
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                           *out).replace(finished=finished, carried=kept)
 
@@ -659,18 +661,23 @@ def _check_prefix(prompt_ids, prefix: Prefix, sampling: SamplingConfig, max_step
 
 
 def _decode_to(params, state: _DecodeState, end: int, *, prompt_len: int,
-               sampling: SamplingConfig, config: ModelConfig, in_order: bool = True):
+               sampling: SamplingConfig, config: ModelConfig, in_order: bool = True,
+               keep_cache: bool = False):
     """Decodes from `state` until step `end` or until every row has stopped, at the decode
-    loop's batch sizes (`decode_sizes`): `(outputs, final state)`, the rows' outputs
-    (`_outputs`) in the order of `state.rows` (`in_order`: the state's own)."""
+    loop's batch sizes (`decode_sizes`): `(outputs, final state, cache)`, the rows'
+    outputs (`_outputs`) in the order of `state.rows` (`in_order`: the state's own) and,
+    with `keep_cache`, the cache of every row still running at step `end` in that order
+    (`decode_rows`; else None)."""
     num_rows = state.responses.shape[0]
     groups = _row_groups(num_rows)
     sizes = decode_sizes(num_rows, groups, sampling)
-    state, out = decode_rows(params, state, _outputs(state), end, sizes, groups,
-                             prompt_len=prompt_len, sampling=sampling, config=config)
+    kept = jax.tree.map(jnp.zeros_like, state.cache) if keep_cache else None
+    state, out, kept = decode_rows(params, state, _outputs(state), end, sizes, groups,
+                                   prompt_len=prompt_len, sampling=sampling, config=config,
+                                   kept=kept)
     if len(sizes) > 1 or not in_order:
-        return _write_rows(out, state, groups), state
-    return _outputs(state), state
+        return _write_rows(out, state, groups), state, kept
+    return _outputs(state), state, kept
 
 
 def _outputs(state: _DecodeState) -> tuple[jax.Array, ...]:
@@ -730,19 +737,29 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
 
 
 def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ...], groups: int,
-                *, prompt_len: int, sampling: SamplingConfig, config: ModelConfig):
+                *, prompt_len: int, sampling: SamplingConfig, config: ModelConfig,
+                kept: KVCache | None = None):
     """Decodes until step `end` or until every row has stopped, at the batch sizes
-    `sizes` (the state's own first): `(state, out)`, the output buffers `out`
+    `sizes` (the state's own first): `(state, out, kept)`, the output buffers `out`
     (`_write_rows`) holding the rows that left the batch at each compaction.
 
+    `kept` (None, or a cache of the output's rows) takes the batch's cache rows at the
+    batch size where step `end` is reached, before the compactions that follow drop
+    rows still running: a continued call's next call starts them from there.
+
     `params` are the per-layer parameters (`per_layer`)."""
-    for smaller in (*sizes[1:], 0):
+    for i, smaller in enumerate((*sizes[1:], 0)):
+        reached = state.step >= end if i and kept is not None else False
         state = decode_until(params, state, end, smaller, groups, prompt_len=prompt_len,
                              sampling=sampling, config=config)
+        if kept is not None:  # written once, at the batch where the budget ran out
+            kept = lax.cond((state.step >= end) & ~reached,
+                            lambda kept, state: _put_cache_rows(kept, state, groups),
+                            lambda kept, state: kept, kept, state)
         if smaller:
             out = _write_rows(out, state, groups)
             state = _compact(state, smaller, groups)
-    return state, out
+    return state, out, kept
 
 
 def decode_until(params, state: _DecodeState, end: int, smaller: int, groups: int, *,
@@ -815,15 +832,27 @@ def _ungrouped(x: jax.Array, axes=None) -> jax.Array:
 def _write_rows(out, state: _DecodeState, groups: int):
     """The output buffers `(responses [N, R], log_probs [N, R], lengths [N])` with the
     state's rows written at their output rows (each group into its own shard)."""
-    per_group = out[0].shape[0] // groups
-    local = _grouped(state.rows, groups) % per_group
+    return _put_rows(out, _outputs(state), state.rows, groups)
+
+
+def _put_cache_rows(kept: KVCache, state: _DecodeState, groups: int) -> KVCache:
+    """The cache `kept` (N rows) with the state's cache rows written at their output rows."""
+    leaves, tree = jax.tree.flatten(kept)
+    return jax.tree.unflatten(tree, _put_rows(leaves, jax.tree.leaves(state.cache),
+                                              state.rows, groups, CACHE_LOGICAL_AXES))
+
+
+def _put_rows(buffers, values, rows, groups: int, axes=None) -> tuple[jax.Array, ...]:
+    """The `buffers` (`[N, ...]` each) with `values` (`[M, ...]` each) written at rows
+    `rows` `[M]`, each group into its own shard (a row's group is the same in both)."""
+    local = _grouped(rows, groups) % (buffers[0].shape[0] // groups)
 
     def put(buffer, values):
         put_group = lambda b, i, v: b.at[i].set(v)
-        return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups), local,
-                                              _grouped(values, groups)))
+        return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups, axes), local,
+                                              _grouped(values, groups, axes)), axes)
 
-    return tuple(put(b, v) for b, v in zip(out, _outputs(state), strict=True))
+    return tuple(put(b, v) for b, v in zip(buffers, values, strict=True))
 
 
 def _compact(state: _DecodeState, size: int, groups: int) -> _DecodeState:

@@ -463,6 +463,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         paged_log_prob_diff=float(np.abs(paged_out.rollout_log_probs
                                          - single.rollout_log_probs).max()),
         continued_devices=len(out.responses.sharding.device_set),
+        carried_rows=int(carried.cache.k[0].shape[0]),
         continued_same=bool(np.array_equal(out.responses, once.responses)
                             and np.array_equal(out.response_lengths, once.response_lengths)
                             and np.asarray(out.finished).all()),
@@ -484,6 +485,7 @@ def test_sharded_over_8_devices_matches_one_device():
     assert result["log_prob_diff"] < 1e-5, result
     assert result["some_stopped"], result
     assert result["continued_devices"] == 8 and result["continued_same"], result
+    assert result["carried_rows"] == 16, result  # every row, past the 8-row compaction
     assert result["paged_same"] and result["paged_log_prob_diff"] < 1e-5, result
 
 
@@ -590,10 +592,10 @@ def test_the_samplers_compiler_options(small_params, monkeypatch):
     ("gemma", 3, 2, False, 2, (0, 4, 8)),  # with sliding-window layers (rings of 3 slots)
     # Each call's cache carried into the next: the width growing by more than a call's
     # tokens (the cache moved past its old end), then growing and shrinking.
-    ("small", 3, 2, True, 2, (0, 4, 12)),
-    ("small", 3, 2, True, 1, (0, 12, 8)),
-    ("small", 3, 2, True, 2, (12, 12, 12)),
-    ("gemma", 3, 2, True, 1, (0, 4, 8)),  # (not used with sliding-window layers)
+    ("small", 3, 2, True, 4, (0, 4, 12)),
+    ("small", 3, 2, True, 4, (0, 12, 8)),
+    ("small", 3, 2, True, 4, (12, 12, 12)),
+    ("gemma", 3, 2, True, 4, (0, 4, 8)),  # (not used with sliding-window layers)
 ])
 def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, monkeypatch,
                                                                request, model, columns,
@@ -639,6 +641,12 @@ def test_rows_continued_over_calls_draw_the_tokens_of_one_call(small_params, mon
                                     max_steps=4, carried=carried, keep_cache=carry)
         assert (out.carried is not None) == carry
         lengths, finished = np.asarray(out.response_lengths), np.asarray(out.finished)
+        if carry and call < 3:  # every row still running is held, more than the batch
+            # the decode loop compacts to (2 rows with 4 buckets) once the budget is spent
+            keys_nksh = np.asarray(out.carried.cache.k[-1])
+            assert keys_nksh.shape[0] == 8 and (~finished).sum() > 8 // buckets
+            last = keys_nksh[:, :, out.carried.next_slot - 1]  # the last token fed
+            assert (np.abs(last[~finished]).sum(axis=(1, 2)) > 0).all()
         np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
         np.testing.assert_array_equal(finished, final <= 4 * call)
         was_finished = np.asarray(prefix.finished)

@@ -37,7 +37,7 @@
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
 # "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
 # or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+xla" (--decode_attention
-# xla), "+pageN" (--page_size N, the paged cache's pages), "+hbxla"
+# xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache), "+hbxla"
 # (--head_backward xla: the log-prob head's backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
 # natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
@@ -89,6 +89,7 @@ for name in "$@"; do
       hbxla) extra+=(--head_backward xla) ;;
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
+      keep) extra+=(--partial_keep_cache) ;;
       xla) extra+=(--decode_attention xla) ;;
       mosaic) extra+=(--decode_attention mosaic) ;;
       mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;

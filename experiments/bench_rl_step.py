@@ -144,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--partial_max_tokens", type=int, default=0,
                    help="partial rollouts (rollout.partial) with this many tokens a row a "
                         "round; 0: off")
+    p.add_argument("--partial_keep_cache", action="store_true",
+                   help="rollout.partial_keep_cache: a round's cache handed to the next")
     p.add_argument("--kv_cache", default="contiguous", choices=sampler.KV_CACHES,
                    help="rollout.kv_cache; paged: --page_size, --num_pages, --max_num_seqs")
     p.add_argument("--page_size", type=int, default=16, help="rollout.page_size")
@@ -355,6 +357,7 @@ def make_config(args, algo: str):
     if args.partial_max_tokens:
         c.rollout.partial = True
         c.rollout.partial_max_tokens = args.partial_max_tokens
+        c.rollout.partial_keep_cache = args.partial_keep_cache
     c.actor.entropy_coeff = 0.0
     if algo == "grpo":
         c.algorithm.adv_estimator = "grpo"

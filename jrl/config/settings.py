@@ -767,6 +767,9 @@ class Settings:
     # generation round (`rollout.partial_max_tokens`); None: off, each step's rollout
     # runs its rows to the end.
     partial_tokens: int | None = None
+    # Partial rollouts: a round's cache handed to the step's next round
+    # (`rollout.partial_keep_cache`).
+    partial_keep_cache: bool = False
 
     def bucket_sizes(self, response_length: int) -> tuple[int, ...]:
         """The passes' bucket lengths for responses of `response_length` columns."""
@@ -940,6 +943,10 @@ class Settings:
         if self.reward.in_graph_fn is not None:
             _fail_in_graph(self.reward.in_graph_fn, "rollout.partial",
                            "=True, whose rounds return to the host to refill the batch")
+        if self.partial_keep_cache and self.devices.mesh.tensor > 1:
+            _fail("rollout.partial_keep_cache", f"=True is not supported with "
+                  f"mesh.tensor={self.devices.mesh.tensor} (the cache, split over heads, "
+                  "would leave each round gathered); set it to False or mesh.tensor to 1")
 
     def _check_paged(self) -> None:
         """The paged cache: single-turn rollouts, and a pool that holds one row at full
@@ -1060,6 +1067,15 @@ def _partial_tokens(config) -> int | None:
               "tokens a row draws in one generation round (from 1 to "
               "rollout.response_length - 1)")
     return budget
+
+
+def _partial_keep_cache(config) -> bool:
+    """`rollout.partial_keep_cache`, only with `rollout.partial` on."""
+    keep = _flag("rollout.partial_keep_cache", _get(config, "rollout.partial_keep_cache"))
+    if keep and not _get(config, "rollout.partial"):
+        _fail("rollout.partial_keep_cache", "=True needs rollout.partial=True (it hands a "
+              "partial rollout round's cache to the next round)")
+    return keep
 
 
 def _decode_buckets(config):
@@ -1516,7 +1532,8 @@ def from_config(config: ml_collections.ConfigDict, *, stop_token_ids=None, pad_t
         response_buckets=_get(config, "actor.response_buckets"),
         share_prompts=_flag("actor.share_prompts", _get(config, "actor.share_prompts")),
         log_prob_max_token_len=_log_prob_max_token_len(config),
-        partial_tokens=_partial_tokens(config))
+        partial_tokens=_partial_tokens(config),
+        partial_keep_cache=_partial_keep_cache(config))
     settings = _reuse_update_passes(config, settings)
     _check_multi_run(config, settings)
     _check_router_replay(config, settings)

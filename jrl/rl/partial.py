@@ -48,6 +48,7 @@ import numpy as np
 
 from jrl import sharding as sharding_lib
 from jrl.data.dataset import BatchIterator, Row, encode_prompts
+from jrl.errors import ConfigError
 from jrl.rl import types
 from jrl.rl.experience import Generated, Rollouts, Sampled, SyncExperience
 from jrl.rollout import sampler
@@ -100,15 +101,20 @@ class PartialExperience(SyncExperience):
         self.lengths = np.zeros(rows, np.int32)
         self.keys: np.ndarray | None = None  # [rows, ...] key data, once known
         self.began = np.zeros(rows, np.int64)
-        # The last round's cache (`sampler.Carried`) and the rows it holds, running on
-        # under the same weights: the next round of the step prefills only their last
-        # token. Not across steps (new weights), nor with the heads split over the mesh
-        # (the cache would leave the program gathered), nor for sliding-window layers
-        # (`continue_rows` prefills those rows in full).
+        # With `rollout.partial_keep_cache`, the last round's cache (`sampler.Carried`)
+        # and the rows it holds, running on under the same weights: the next round of
+        # the step prefills only their last token. Not across steps (new weights); the
+        # settings refuse it with the heads split over the mesh (the cache would leave
+        # the program gathered), and so does this for sliding-window layers, whose
+        # rings `continue_rows` cannot move.
         self.carried = None
         self.cached = np.zeros(rows, bool)
-        self.keep_cache = (rollouts.sharder.mesh.shape.get("tensor", 1) == 1
-                           and sampler.carries_cache(rollouts.model_config))
+        self.keep_cache = settings.partial_keep_cache
+        if self.keep_cache and not sampler.carries_cache(rollouts.model_config):
+            raise ConfigError("rollout.partial_keep_cache: =True is not supported for "
+                              "models with sliding-window layers (their ring caches hold "
+                              "slots by index and cannot be moved between rounds); set it "
+                              "to False")
         self.groups: dict[int, _Group] = {}
         self.complete: collections.deque[int] = collections.deque()
         self.drawn: collections.deque[Row] = collections.deque()  # drawn, not started

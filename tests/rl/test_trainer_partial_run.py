@@ -27,7 +27,9 @@ def test_rows_carry_across_steps_and_groups_train_whole(tmp_path):
         calls.append((extra_info["a"], extra_info["b"], solution_str))
         return 0.5 * (len(calls) % 2)
 
+    # Each round's cache handed to the step's next round (partial_keep_cache).
     config = tiny_config(**{"rollout.partial": True, "rollout.partial_max_tokens": 1,
+                            "rollout.partial_keep_cache": True,
                             "trainer.total_training_steps": STEPS})
     run(config, str(tmp_path), reward_fn=reward_fn)
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
@@ -172,6 +174,13 @@ def test_rounds_refill_free_rows_and_carry_running_ones_across_steps(tmp_path):
     ({"algorithm.filter_groups.enable": True}, r"^rollout.partial: =True is not supported "
      r"with algorithm.filter_groups.enable=True"),
     ({"reward.in_graph_fn": "exact_match"}, r"^reward.in_graph_fn: .*rollout.partial"),
+    ({"rollout.partial": False, "rollout.partial_keep_cache": True},
+     r"^rollout.partial_keep_cache: =True needs rollout.partial=True"),
+    ({"rollout.partial_keep_cache": True, "mesh.tensor": 2},
+     r"^rollout.partial_keep_cache: =True is not supported with mesh.tensor=2"),
+    ({"rollout.partial_keep_cache": True, "model.preset": "tiny-gemma"},
+     r"^rollout.partial_keep_cache: =True is not supported for models with sliding-window "
+     r"layers"),
 ])
 def test_bad_partial_settings_stop_before_compiling(tmp_path, overrides, match):
     config = tiny_config(**{"rollout.partial": True, "rollout.partial_max_tokens": 2,

@@ -118,11 +118,11 @@ def _norm(config: ModelConfig, axis_name: str, name: str, recompute: bool = Fals
 
 def _recomputes_in_backward(config: ModelConfig) -> bool:
     """Whether a layer's norms (q/k norms too; and, with gate and up joined, the MLP's
-    hidden values, `_gated_down`) are recomputed in the backward pass from their input: in a rolled
-    scan with nothing rematerialised (the trainer's default), where autodiff would
-    otherwise stack per layer a norm's input in float32 and its normalised values before
-    and after the scale (8 bytes an element a norm, each stack filled and written),
-    against the 2 of the input that this keeps."""
+    hidden values, `_gated_down`) are recomputed in the backward pass from their input:
+    in a rolled scan with nothing rematerialised (the trainer's default), where autodiff
+    would otherwise stack per layer a norm's input in float32 and its normalised values
+    before and after the scale (8 bytes an element a norm, each stack filled and
+    written), against the 2 of the input that this keeps."""
     return config.remat == "none" and not config.scan_unroll
 
 
@@ -432,8 +432,7 @@ class Attention(nn.Module):
             v_btkh = _project(c, kv_heads, kv_axes, "v_proj", x_btd, bias=c.qkv_bias)
         if c.qk_norm:
             # Recomputed in the backward pass as the layer's other norms are: autodiff
-            # keeps two float32 copies of q and k otherwise (Gemma-3-1B: 4.4 GiB a
-            # micro-batch of 64 x 384 tokens).
+            # keeps two float32 copies of q and k otherwise.
             recompute = _recomputes_in_backward(c)
             q_btnh = _norm(c, "head_dim", "q_norm", recompute)(q_btnh)
             k_btkh = _norm(c, "head_dim", "k_norm", recompute)(k_btkh)
@@ -538,10 +537,9 @@ class Mlp(nn.Module):
 
 def _gated(config: ModelConfig):
     """The gated activation of `gate_up [..., 2, F]`: `geglu` for Gemma, else `swiglu`.
-    Gemma's GeGLU once took the two matmuls whatever the layout, and autodiff of its
-    tanh GELU kept eight `[B, T, F]` values a layer for the backward pass (gate, up and
-    six of the GELU's): 40.8 GiB of the 70.9 GiB the update of Gemma-3-1B needed on an
-    H100 at micro-batches of 64 rows of 128 + 256 tokens."""
+    Both keep only `gate_up` for the backward pass: autodiff of the tanh GELU would keep
+    eight `[B, T, F]` values a layer (gate, up and six of the GELU's), most of the update's
+    memory for Gemma's wide MLPs (Gemma-3-1B: 6,912 a token)."""
     return geglu if gemma.is_gemma(config) else swiglu
 
 

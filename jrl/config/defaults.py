@@ -303,9 +303,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.partial_max_tokens = config_dict.placeholder(int)
     # Partial rollouts: hand a round's KV cache to the step's next round (same weights),
     # whose rows still running are then prefilled from their last token rather than in
-    # full. Costs a second cache of every decode row at the round's full width and
-    # keeps the last round's cache alive through the next round (about twice the
-    # rollout's cache memory); worth it where the prefill is a large part of a round.
+    # full. Costs a second cache of every decode row at the round's full width, and the
+    # last round's is alive through the next round (up to three of the rollout's caches
+    # at once); worth it where the prefill is a large part of a round.
     # Not with mesh.tensor > 1 or sliding-window layers.
     c.rollout.partial_keep_cache = False
     # The rollout's KV cache: "contiguous" (every row P + response_length slots for the

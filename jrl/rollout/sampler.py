@@ -460,10 +460,10 @@ class Carried:
     (`keep_cache`), so that its rows still running are not prefilled again.
 
     Attributes:
-      cache: the call's rows' cache (N rows, in the call's order) as it was when the
-        call's `max_steps` ran out: every row still running then is held; the rows of
-        those that stopped before are not (and may be zeros).
-      rows: int32 `[N]` the call's row each cache row holds (`arange(N)`).
+      cache: N rows: the cache of every row still running when the call's `max_steps`
+        ran out, as it was then (before the decode loop's later compactions).
+      rows: int32 `[N]` the call's row each cache row holds; N where it holds none (a
+        row that stopped).
       next_slot: the slot of the last token drawn (not yet fed) of a row that drew the
         call's whole `max_steps`: such a row's tokens so far but that one end just below.
     """
@@ -589,11 +589,10 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
         offsets=lengths,
     )
     state = _emit(state, logits_nv, sampling)
-    (*out, finished), state, cache = _decode_to(params, state, steps, prompt_len=total,
-                                                sampling=sampling, config=config,
-                                                in_order=not width, keep_cache=keep_cache)
-    kept = (Carried(cache, jnp.arange(num_rows, dtype=jnp.int32), total + steps - 1)
-            if keep_cache else None)
+    (*out, finished), state, kept = _decode_to(params, state, steps, prompt_len=total,
+                                               sampling=sampling, config=config,
+                                               in_order=not width, keep_cache=keep_cache)
+    kept = Carried(*kept, total + steps - 1) if keep_cache else None
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                           *out).replace(finished=finished, carried=kept)
 
@@ -664,17 +663,22 @@ def _decode_to(params, state: _DecodeState, end: int, *, prompt_len: int,
                sampling: SamplingConfig, config: ModelConfig, in_order: bool = True,
                keep_cache: bool = False):
     """Decodes from `state` until step `end` or until every row has stopped, at the decode
-    loop's batch sizes (`decode_sizes`): `(outputs, final state, cache)`, the rows'
+    loop's batch sizes (`decode_sizes`): `(outputs, final state, kept)`, the rows'
     outputs (`_outputs`) in the order of `state.rows` (`in_order`: the state's own) and,
-    with `keep_cache`, the cache of every row still running at step `end` in that order
-    (`decode_rows`; else None)."""
+    with `keep_cache`, `(cache, rows)` holding every row still running at step `end`
+    (`Carried`'s; else None)."""
     num_rows = state.responses.shape[0]
     groups = _row_groups(num_rows)
     sizes = decode_sizes(num_rows, groups, sampling)
-    kept = jax.tree.map(jnp.zeros_like, state.cache) if keep_cache else None
+    kept = None
+    if keep_cache and len(sizes) > 1:  # the rows' cache, before compactions drop any
+        kept = (jax.tree.map(jnp.zeros_like, state.cache),
+                jnp.full((num_rows,), num_rows, jnp.int32))
     state, out, kept = decode_rows(params, state, _outputs(state), end, sizes, groups,
                                    prompt_len=prompt_len, sampling=sampling, config=config,
                                    kept=kept)
+    if keep_cache and len(sizes) == 1:  # no compaction: the batch holds every row
+        kept = (state.cache, jnp.where(state.done, num_rows, state.rows))
     if len(sizes) > 1 or not in_order:
         return _write_rows(out, state, groups), state, kept
     return _outputs(state), state, kept
@@ -738,14 +742,15 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
 
 def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ...], groups: int,
                 *, prompt_len: int, sampling: SamplingConfig, config: ModelConfig,
-                kept: KVCache | None = None):
+                kept=None):
     """Decodes until step `end` or until every row has stopped, at the batch sizes
     `sizes` (the state's own first): `(state, out, kept)`, the output buffers `out`
     (`_write_rows`) holding the rows that left the batch at each compaction.
 
-    `kept` (None, or a cache of the output's rows) takes the batch's cache rows at the
-    batch size where step `end` is reached, before the compactions that follow drop
-    rows still running: a continued call's next call starts them from there.
+    `kept` (None, or `(cache, rows)` of the output's N rows, `rows` N where a cache row
+    holds none) takes the batch's rows still running at the batch size where step `end`
+    is reached, before the compactions that follow drop some: a continued call's next
+    call starts them from there.
 
     `params` are the per-layer parameters (`per_layer`)."""
     for i, smaller in enumerate((*sizes[1:], 0)):
@@ -753,9 +758,8 @@ def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ..
         state = decode_until(params, state, end, smaller, groups, prompt_len=prompt_len,
                              sampling=sampling, config=config)
         if kept is not None:  # written once, at the batch where the budget ran out
-            kept = lax.cond((state.step >= end) & ~reached,
-                            lambda kept, state: _put_cache_rows(kept, state, groups),
-                            lambda kept, state: kept, kept, state)
+            kept = _keep_rows(kept, state, (state.step >= end) & jnp.logical_not(reached),
+                              groups)
         if smaller:
             out = _write_rows(out, state, groups)
             state = _compact(state, smaller, groups)
@@ -835,20 +839,31 @@ def _write_rows(out, state: _DecodeState, groups: int):
     return _put_rows(out, _outputs(state), state.rows, groups)
 
 
-def _put_cache_rows(kept: KVCache, state: _DecodeState, groups: int) -> KVCache:
-    """The cache `kept` (N rows) with the state's cache rows written at their output rows."""
-    leaves, tree = jax.tree.flatten(kept)
-    return jax.tree.unflatten(tree, _put_rows(leaves, jax.tree.leaves(state.cache),
-                                              state.rows, groups, CACHE_LOGICAL_AXES))
+def _keep_rows(kept, state: _DecodeState, now, groups: int):
+    """`kept` (`decode_rows`) with, where `now`, the state's rows still running written
+    at their output rows (elsewhere the scatter's rows fall out of range: a `lax.cond`
+    would hold another copy of the cache)."""
+    cache, rows = kept
+    valid = now & ~state.done
+    leaves, tree = jax.tree.flatten(cache)
+    leaves = _put_rows(leaves, jax.tree.leaves(state.cache), state.rows, groups,
+                       CACHE_LOGICAL_AXES, valid)
+    (rows,) = _put_rows((rows,), (state.rows,), state.rows, groups, valid=valid)
+    return jax.tree.unflatten(tree, leaves), rows
 
 
-def _put_rows(buffers, values, rows, groups: int, axes=None) -> tuple[jax.Array, ...]:
+def _put_rows(buffers, values, rows, groups: int, axes=None, valid=None
+              ) -> tuple[jax.Array, ...]:
     """The `buffers` (`[N, ...]` each) with `values` (`[M, ...]` each) written at rows
-    `rows` `[M]`, each group into its own shard (a row's group is the same in both)."""
-    local = _grouped(rows, groups) % (buffers[0].shape[0] // groups)
+    `rows` `[M]` (where `valid`, if given), each group into its own shard (a row's group
+    is the same in both)."""
+    per_group = buffers[0].shape[0] // groups
+    local = _grouped(rows, groups) % per_group
+    if valid is not None:  # out of the group's range: dropped
+        local = jnp.where(_grouped(valid, groups), local, per_group)
 
     def put(buffer, values):
-        put_group = lambda b, i, v: b.at[i].set(v)
+        put_group = lambda b, i, v: b.at[i].set(v, mode="drop")
         return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups, axes), local,
                                               _grouped(values, groups, axes)), axes)
 

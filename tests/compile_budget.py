@@ -22,7 +22,10 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 5,002 when it was last raised (4,928
+# Distinct programs of the full suite on the CPU: 5,070 when it was last raised (5,029
+# before the continued rows' tests handed their cache on past the decode loop's
+# compactions, at 4 decode buckets and at 1, and the tests of Gemma's GeGLU and q/k norms
+# recomputed in a rolled scan's backward pass); 5,002 before that (4,928
 # before the paged cache's decode kernels, the Mosaic GPU one and Pallas' TPU paged
 # attention, each run in its interpret mode, alone and in the paged sampler); 4,898
 # before that (4,883
@@ -33,7 +36,7 @@ from jax._src import compiler as _compiler
 # experts; 4,561 before the mixture-of-experts and Gemma families), and room for a few
 # more. Raise it in the change that adds programs, saying why. (The variable is for the
 # budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5050))
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5090))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

@@ -163,6 +163,7 @@ def bench_jrl(config, params, ids, mask, sampling, repeats, trace_dir=None):
         with trace_summary.maybe_trace(trace_dir):
             run()
         trace_summary.summarize(trace_dir)
+        trace_summary.busy(trace_dir)
     return compile_s, seconds
 
 

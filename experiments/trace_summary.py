@@ -133,6 +133,42 @@ def sequence(trace_dir: str, anchor: str, skip: int = 100, count: int = 2) -> li
     return rows
 
 
+def busy(trace_dir: str, program: str | None = None) -> dict:
+    """Prints how much of the span of the GPU's kernels (those of the jitted programs
+    matching `program`, or all) the kernels fill, and the idle time between
+    consecutive kernels by gap length: short gaps are launch latency, long ones the
+    host (a while loop's condition read back, a host round trip)."""
+    _, events, threads = _load(trace_dir)
+    kernels = sorted((float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
+                      if e.get("ph") == "X"
+                      and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
+                      and (not program
+                           or re.search(program, e.get("args", {}).get("hlo_module", ""))))
+    if not kernels:
+        print(f"\nno GPU kernels of programs matching {program!r} in the trace")
+        return {}
+    edges = (0.0, 2.0, 5.0, 20.0, 100.0, float("inf"))  # microseconds
+    gaps = [[0, 0.0] for _ in edges[1:]]
+    end = kernels[0][0]
+    for start, dur in kernels:
+        gap = start - end
+        if gap > 0:
+            bucket = next(i for i, hi in enumerate(edges[1:]) if gap < hi)
+            gaps[bucket][0] += 1
+            gaps[bucket][1] += gap
+        end = max(end, start + dur)
+    span = end - kernels[0][0]
+    filled = sum(d for _, d in kernels)
+    print(f"\nkernels {len(kernels)}: span {span / 1e3:.2f} ms, kernel time {filled / 1e3:.2f} "
+          f"ms ({100 * filled / max(span, 1e-9):.1f}% of the span)")
+    print("| gap, us | gaps | idle ms | of the span |\n|---|---|---|---|")
+    for (count, total), lo, hi in zip(gaps, edges, edges[1:], strict=False):
+        print(f"| {lo:g}-{hi:g} | {count} | {total / 1e3:.2f} | {100 * total / span:.1f}% |")
+    return {"span_ms": span / 1e3, "kernel_ms": filled / 1e3, "kernels": len(kernels),
+            "gaps": [(lo, count, total / 1e3)
+                     for (count, total), lo in zip(gaps, edges[:-1], strict=True)]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace_dir")
@@ -145,8 +181,12 @@ def main() -> None:
                         help="also print the kernels in order between calls of this kernel")
     parser.add_argument("--skip", type=int, default=100, help="start at this --anchor call")
     parser.add_argument("--count", type=int, default=2, help="--anchor calls to span")
+    parser.add_argument("--busy", action="store_true",
+                        help="also print the share of the kernels' span they fill, and the gaps")
     args = parser.parse_args()
     summarize(args.trace_dir, args.top, args.show_args, args.program)
+    if args.busy:
+        busy(args.trace_dir, args.program)
     if args.anchor:
         sequence(args.trace_dir, args.anchor, args.skip, args.count)
 

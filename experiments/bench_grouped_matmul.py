@@ -1,7 +1,8 @@
 """The grouped matmuls of an MoE layer alone, at a model's projection shapes, for several
 kernel settings (`jrl.kernels.grouped_matmul.Tiles`): the forward (`ragged_dot`), the
 input gradient (the weights read transposed) and the weight gradient
-(`transposed_ragged_dot`), each beside one dense matmul of the same FLOPs.
+(`transposed_ragged_dot`), each beside one dense matmul of the same FLOPs; gate and up
+each alone and joined (one matmul of the two kernels side by side).
 
 The rows are N tokens x k choices sorted by expert, the experts' shares drawn from a
 uniform multinomial (the router of a trained model is about that even). Times are
@@ -54,8 +55,10 @@ def main() -> None:
     key = iter(jax.random.split(jax.random.key(0), 8))
     normal = lambda *shape: jax.random.normal(next(key), shape, jnp.bfloat16)
     results = []
-    # (name, K, N): gate and up ([D, F]), down ([F, D]).
-    for name, width_in, width_out in (("gate_up", d, f), ("down", f, d)):
+    # (name, K, N): gate and up ([D, F] each), down ([F, D]), and gate and up as one
+    # grouped matmul of their kernels side by side ([D, 2F]: against twice "gate_up").
+    for name, width_in, width_out in (("gate_up", d, f), ("down", f, d),
+                                      ("gate_up_joined", d, 2 * f)):
         x, w, dy = normal(m, width_in), normal(e, width_in, width_out), normal(m, width_out)
         flops = 2 * m * width_in * width_out
         dense = jax.jit(lambda a, b: a @ b)

@@ -425,7 +425,8 @@ def stop_at_lengths(target_fn) -> None:
 
     def paged_stops(ctx, state, tokens):
         rows = jax.numpy.minimum(state.rows, ctx.num_rows - 1)
-        return stops(ctx, state, tokens) | (state.lengths + 1 >= target_fn(rows, ctx.keys[rows]))
+        drawn = ctx.offsets[rows] + state.lengths + 1
+        return stops(ctx, state, tokens) | (drawn >= target_fn(rows, ctx.keys[rows]))
 
     sampler._emit = emit
     paged._stops = paged_stops

@@ -306,14 +306,15 @@ def base_config() -> ml_collections.ConfigDict:
     # full. Costs a second cache of every decode row at the round's full width, and the
     # last round's is alive through the next round (up to three of the rollout's caches
     # at once); worth it where the prefill is a large part of a round.
-    # Not with mesh.tensor > 1 or sliding-window layers.
+    # Not with mesh.tensor > 1, sliding-window layers or the paged cache.
     c.rollout.partial_keep_cache = False
     # The rollout's KV cache: "contiguous" (every row P + response_length slots for the
     # whole program) or "paged" (a pool of page_size-slot pages that rows take as their
     # tokens need them and give back when they stop, over max_num_seqs decode slots that
     # are refilled from the step's waiting rows inside the decode loop; the contiguous
-    # cache's tokens and log-probs up to float32 rounding). Single-turn rollouts, not
-    # with cache_segments > 1, partial or routing replay from the rollout.
+    # cache's tokens and log-probs up to float32 rounding). Single-turn rollouts (partial
+    # ones too: a continued row is prefilled into pages each round), not with
+    # cache_segments > 1 or routing replay from the rollout.
     c.rollout.kv_cache = "contiguous"
     # Slots per page of the paged cache. On a Hopper GPU its decode steps read the pages
     # in place (the decode kernel) for a power of two from 8 to 128 (64 at head_dim 256);

@@ -933,8 +933,7 @@ class Settings:
                   f"rollout.devices={self.sampling_devices}": bool(self.sampling_devices),
                   "algorithm.filter_groups.enable=True": self.filter_groups is not None,
                   f"rollout.cache_segments={self.rollout.cache_segments}":
-                      self.rollout.cache_segments > 1,
-                  "rollout.kv_cache='paged'": self.rollout.kv_cache == "paged"}
+                      self.rollout.cache_segments > 1}
         clash = [name for name, on in others.items() if on]
         if clash:
             _fail("rollout.partial", f"=True is not supported with {', '.join(clash)} (its "
@@ -943,6 +942,10 @@ class Settings:
         if self.reward.in_graph_fn is not None:
             _fail_in_graph(self.reward.in_graph_fn, "rollout.partial",
                            "=True, whose rounds return to the host to refill the batch")
+        if self.partial_keep_cache and self.rollout.kv_cache == "paged":
+            _fail("rollout.partial_keep_cache", "=True hands a contiguous cache between "
+                  "rounds, which rollout.kv_cache='paged' does not keep (a continued row is "
+                  "prefilled into pages); set it to False or rollout.kv_cache='contiguous'")
         if self.partial_keep_cache and self.devices.mesh.tensor > 1:
             _fail("rollout.partial_keep_cache", f"=True is not supported with "
                   f"mesh.tensor={self.devices.mesh.tensor} (the cache, split over heads, "

@@ -101,6 +101,8 @@ class PartialExperience(SyncExperience):
         self.lengths = np.zeros(rows, np.int32)
         self.keys: np.ndarray | None = None  # [rows, ...] key data, once known
         self.began = np.zeros(rows, np.int64)
+        # With the paged cache, the step's rounds' preemptions and most pages held.
+        self.pages: tuple[float, float] | None = None
         # With `rollout.partial_keep_cache`, the last round's cache (`sampler.Carried`)
         # and the rows it holds, running on under the same weights: the next round of
         # the step prefills only their last token. Not across steps (new weights); the
@@ -132,7 +134,7 @@ class PartialExperience(SyncExperience):
         # rounds and one to start them complete every group in the decode rows: at
         # least train_batch_size.
         most = math.ceil(self.sampling.max_new_tokens / self.budget) + 1
-        rounds = 0
+        rounds, self.pages = 0, None
         while len(self.complete) < self.groups_per_step:
             if rounds == most:
                 raise RuntimeError(f"partial rollouts: {len(self.complete)} groups complete "
@@ -148,14 +150,17 @@ class PartialExperience(SyncExperience):
         rows = [g.row for g in groups]
         scores = self.rollouts.score(rows, Generated(rollout, {}), self.n)
         lag = step - began
-        return Sampled(rows, rollout, scores, {
+        metrics = {
             "rollout/partial_rounds": float(rounds),
             "rollout/partial_in_flight_rows": float(np.sum(self.group >= 0)),
             "rollout/partial_waiting_groups": float(len(self.complete)),
             "rollout/partial_continued_fraction": float(np.mean(lag > 0)),
             "rollout/partial_staleness/mean": float(np.mean(lag)),
             "rollout/partial_staleness/max": float(np.max(lag)),
-        })
+        }
+        if self.pages is not None:  # the paged cache's, over the step's rounds
+            metrics["rollout/preemptions"], metrics["rollout/page_usage"] = self.pages
+        return Sampled(rows, rollout, scores, metrics)
 
     def _round(self, state, iterator: BatchIterator, key, step: int) -> None:
         """Fills the free decode rows with new prompts' samples, continues every row by
@@ -182,6 +187,11 @@ class PartialExperience(SyncExperience):
                 self.next_group += 1
         out = self._continue(state)
         self.carried = out.carried
+        if out.preemptions is not None:  # the paged cache's: summed, and the most held
+            preempted = float(np.sum(sharding_lib.host_array(out.preemptions)))
+            usage = float(np.max(sharding_lib.host_array(out.page_usage)))
+            before = self.pages or (0.0, 0.0)
+            self.pages = (before[0] + preempted, max(before[1], usage))
         finished = np.asarray(sharding_lib.host_array(out.finished)).astype(bool)
         self.tokens = np.array(sharding_lib.host_array(out.responses))
         self.log_probs = np.array(sharding_lib.host_array(out.rollout_log_probs))

@@ -200,15 +200,17 @@ def continue_rows(state: TrainState, prompt_ids, prompt_mask, prefix: Prefix, fr
                   max_steps: int, keep_cache: bool = False,
                   param_shardings=None) -> RolloutOutput:
     """A round of partial rollouts: the actor's rows of `[N, P]` prompts continued from
-    their `prefix` by at most `max_steps` tokens each (`sampler.continue_rows`; `sampling.n`
-    1), with the previous round's `carried` cache and `keep_cache` as there; `frozen` and
-    `param_shardings` as in `generate`. The prefix's keys may come as key data
+    their `prefix` by at most `max_steps` tokens each (`sampler.continue_rows`, or
+    `paged.continue_program` over a paged cache; `sampling.n` 1), with the previous
+    round's `carried` cache and `keep_cache` as there; `frozen` and `param_shardings` as
+    in `generate`. The prefix's keys may come as key data
     (`jax.random.key_data`), as the host keeps them."""
     params = rollout_params(state, frozen, model_config=model_config,
                             param_shardings=param_shardings)
-    return continue_program(params, prompt_ids, prompt_mask, prefix, carried,
-                            sampling=sampling, config=sampling_model(model_config),
-                            max_steps=max_steps, keep_cache=keep_cache)
+    program = paged.continue_program if sampling.kv_cache == "paged" else continue_program
+    return program(params, prompt_ids, prompt_mask, prefix, carried, sampling=sampling,
+                   config=sampling_model(model_config), max_steps=max_steps,
+                   keep_cache=keep_cache)
 
 
 def rollout_of(out: RolloutOutput, sampling: SamplingConfig) -> Rollout:

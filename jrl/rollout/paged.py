@@ -31,6 +31,9 @@ where the attention's softmax runs at a size on the same side of XLA's small/lar
 reduction split as the contiguous program's (`decode_attention.grouped_attention`).
 
 Single-turn rollouts on one program; not with `cache_segments` > 1 or routing records.
+Partial rollouts' rounds (`continue_program`) admit each continued row's prompt and
+tokens so far as one prompt and draw on with the key and token index
+`sampler.continue_rows` uses; no cache is kept between calls.
 """
 
 from __future__ import annotations
@@ -50,11 +53,12 @@ from jrl.rollout import sampler
 from jrl.sharding import constrain
 
 
-def shape(sampling, num_rows: int, prompt_len: int) -> dict[str, int]:
-    """The paged program's sizes for `num_rows` rows of prompts `P = prompt_len`:
-    slots per row (`P + R`), pages per row, decode slots, pool pages (the trash page
-    included) and rows per refill."""
-    slots = prompt_len + sampling.max_new_tokens
+def shape(sampling, num_rows: int, prompt_len: int, steps: int | None = None
+          ) -> dict[str, int]:
+    """The paged program's sizes for `num_rows` rows of prompts `P = prompt_len` drawing
+    `steps` tokens each (None: R): slots per row (`P + steps`), pages per row, decode
+    slots, pool pages (the trash page included) and rows per refill."""
+    slots = prompt_len + (sampling.max_new_tokens if steps is None else steps)
     per_row = -(-slots // sampling.page_size)
     seqs = min(sampling.max_num_seqs or num_rows, num_rows)
     pages = sampling.num_pages or seqs * per_row + 1
@@ -116,8 +120,28 @@ class _State:
     responses: jax.Array  # int32 [N, R]
     log_probs: jax.Array  # float32 [N, R]
     out_lengths: jax.Array  # int32 [N]
+    finished: jax.Array  # bool [N]: stopped by a stop token or at R tokens
     peak_pages: jax.Array  # int32 []: the most pages held at once (the trash page aside)
     preemptions: jax.Array  # int32 [N]: each row's times sent back to wait
+
+
+@flax.struct.dataclass
+class Rows:
+    """The rows a paged program samples (N of them), each a prompt (`ids` LEFT-padded,
+    `mask` 1 on its real tokens: for continued rows, the prompt and the response so far)
+    whose response is drawn from index `offsets` on with `keys` (token i with
+    `fold_in(key, i)`), at most `steps` tokens a call (static)."""
+
+    ids: jax.Array  # int32 [N, P]
+    mask: jax.Array  # int32 [N, P]
+    keys: jax.Array  # [N] typed PRNG keys
+    offsets: jax.Array  # int32 [N]: response tokens before this call
+    pending: jax.Array  # bool [N]: rows to sample (the others keep their outputs)
+    responses: jax.Array  # int32 [N, R]: the outputs before this call
+    log_probs: jax.Array  # float32 [N, R]
+    out_lengths: jax.Array  # int32 [N]: each row's length, unless it stops earlier
+    finished: jax.Array  # bool [N]
+    steps: int = flax.struct.field(pytree_node=False)
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig
@@ -126,24 +150,66 @@ def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: 
     the same rows, keys and outputs."""
     row_ids, row_mask, state = run(params, prompt_ids, prompt_mask, rng, sampling=sampling,
                                    config=config)
+    return _output(row_ids, row_mask, state)
+
+
+def _output(prompt_ids, prompt_mask, state: _State) -> sampler.RolloutOutput:
     usage = state.peak_pages / (state.free.shape[0] - 1)  # the trash page aside
-    return sampler.rollout_output(row_ids, row_mask, state.responses, state.log_probs,
+    return sampler.rollout_output(prompt_ids, prompt_mask, state.responses, state.log_probs,
                                   state.out_lengths).replace(
         preemptions=state.preemptions,
         page_usage=jnp.full(state.preemptions.shape, usage, jnp.float32))
+
+
+def continue_program(params, prompt_ids, prompt_mask, prefix: sampler.Prefix,
+                     carried=None, *, sampling, config: ModelConfig, max_steps: int,
+                     keep_cache: bool = False) -> sampler.RolloutOutput:
+    """`sampler.continue_program` over a paged cache: each row's prompt and response so far
+    admitted as one prompt (prefilled whole when a decode slot takes it), then at most
+    `max_steps` more tokens, each drawn with the key and index `sampler.continue_rows`
+    draws it with. No cache is carried between calls (`carried` None, `keep_cache`
+    False): a continued row's pages are its prompt's and its tokens'."""
+    if carried is not None or keep_cache:
+        raise ValueError("rollout.partial_keep_cache=True hands a contiguous cache between "
+                         "rounds; with rollout.kv_cache='paged' set it to False")
+    prefix = sampler._with_typed_keys(prefix)
+    num_new = sampling.max_new_tokens
+    steps = min(max_steps, num_new)
+    ids, mask, lengths, begun, done = sampler.joined_prefix(prompt_ids, prompt_mask, prefix,
+                                                            sampling)
+    widen = functools.partial(sampler.widened, begun, num_new)
+    rows = Rows(ids=ids, mask=mask, keys=prefix.keys, offsets=lengths, pending=~done,
+                responses=widen(prefix.responses.astype(jnp.int32), sampling.pad_token_id),
+                log_probs=widen(prefix.log_probs.astype(jnp.float32), 0.0),
+                out_lengths=jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)),
+                finished=done, steps=steps)
+    state = run_rows(params, rows, sampling=sampling, config=config)
+    return _output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
+                   state).replace(finished=state.finished)
 
 
 def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
     """The paged program: `(row prompt ids [N, P], row prompt mask, final state)`; the
     state's outputs, its page stack (every page returned), the most pages held at once
     (`peak_pages`) and each row's preemptions."""
-    num_prompts, prompt_len = prompt_ids.shape
-    num_rows, num_new = num_prompts * sampling.n, sampling.max_new_tokens
-    sizes = shape(sampling, num_rows, prompt_len)
+    num_rows, num_new = prompt_ids.shape[0] * sampling.n, sampling.max_new_tokens
     repeat = lambda x: constrain(jnp.repeat(x.astype(jnp.int32), sampling.n, axis=0),
                                  ("batch", None))
     row_ids, row_mask = repeat(prompt_ids), repeat(prompt_mask)
-    keys = sampler.row_keys(rng, num_rows)
+    rows = Rows(ids=row_ids, mask=row_mask, keys=sampler.row_keys(rng, num_rows),
+                offsets=jnp.zeros((num_rows,), jnp.int32),
+                pending=jnp.ones((num_rows,), bool),
+                responses=jnp.full((num_rows, num_new), sampling.pad_token_id, jnp.int32),
+                log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
+                out_lengths=jnp.full((num_rows,), num_new, jnp.int32),
+                finished=jnp.zeros((num_rows,), bool), steps=num_new)
+    return row_ids, row_mask, run_rows(params, rows, sampling=sampling, config=config)
+
+
+def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
+    """Samples `rows` over the paged cache: the final state (see `run`)."""
+    num_rows, prompt_len = rows.ids.shape
+    sizes = shape(sampling, num_rows, prompt_len, rows.steps)
     params = sampler.per_layer(params, config)
     seqs, per_row, slots = sizes["seqs"], sizes["pages_per_row"], sizes["slots"]
     pool_k, pool_v = init_pool(config, sizes["pages"], sampling.page_size)
@@ -161,17 +227,18 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
         free=jnp.arange(sizes["pages"] - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.int32(sizes["pages"] - 1),
         admissions=jnp.int32(0),
-        pending=jnp.ones((num_rows,), bool),
-        responses=jnp.full((num_rows, num_new), sampling.pad_token_id, jnp.int32),
-        log_probs=jnp.zeros((num_rows, num_new), jnp.float32),
-        out_lengths=jnp.full((num_rows,), num_new, jnp.int32),
+        pending=rows.pending,
+        responses=rows.responses,
+        log_probs=rows.log_probs,
+        out_lengths=rows.out_lengths,
+        finished=rows.finished,
         peak_pages=jnp.int32(0),
         preemptions=jnp.zeros((num_rows,), jnp.int32),
     )
-    ctx = _Context(params, row_ids, row_mask, keys, sampling, config)
+    ctx = _Context(params, rows, sampling, config)
     state = _admit(ctx, state, seqs)
     refill = sizes["refill"]
-    # With the whole pool (num_pages 0) the first admission takes every row.
+    # With the whole pool (num_pages 0) the first admission takes every row (that waits).
     all_at_once = seqs >= num_rows and not sampling.num_pages
 
     def body(state: _State) -> _State:
@@ -204,7 +271,7 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
         state = lax.while_loop(going, step, state)
         if smaller:
             state = _compact(state, smaller, num_rows)
-    return row_ids, row_mask, state
+    return state
 
 
 def _compact(state: _State, size: int, num_rows: int) -> _State:
@@ -223,11 +290,17 @@ def _compact(state: _State, size: int, num_rows: int) -> _State:
 class _Context:
     """What every part of the program reads and none changes."""
 
-    def __init__(self, params, row_ids, row_mask, keys, sampling, config):
-        self.params, self.row_ids, self.row_mask, self.keys = params, row_ids, row_mask, keys
+    def __init__(self, params, rows: Rows, sampling, config):
+        self.params, self.row_ids, self.row_mask, self.keys = params, rows.ids, rows.mask, rows.keys
+        self.offsets, self.steps = rows.offsets, rows.steps
         self.sampling, self.config = sampling, config
-        self.num_rows, self.prompt_len = row_ids.shape
+        self.num_rows, self.prompt_len = rows.ids.shape
         self.page = sampling.page_size
+
+    def draw_keys(self, rows, index):
+        """The keys of rows `rows` `[M]` (N: none) for their `index`-th new tokens."""
+        rows = jnp.minimum(rows, self.num_rows - 1)
+        return jax.vmap(jax.random.fold_in)(self.keys[rows], self.offsets[rows] + index)
 
 
 def _candidates(ctx: _Context, state: _State, width: int):
@@ -274,7 +347,7 @@ def _admit(ctx: _Context, state: _State, width: int) -> _State:
                                         cache, jnp.zeros((width,), jnp.int32),
                                         config=ctx.config)
     logits = unembed(ctx.params, hidden[:, -1], softcap=ctx.config.final_logit_softcapping)
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(ctx.keys[rows], 0)
+    keys = ctx.draw_keys(rows, jnp.zeros_like(rows))
     tokens, log_probs = sampler.sample_tokens(logits, keys, ctx.sampling)
     put = lambda old, new: old.at[slots].set(
         jnp.where(ok.reshape(-1, *(1,) * (new.ndim - 1)), new, old[slots]))
@@ -319,8 +392,7 @@ def _decode(ctx: _Context, state: _State) -> _State:
                                         positions[:, None], attended, cache, slot,
                                         config=ctx.config)
     logits = unembed(ctx.params, hidden[:, 0], softcap=ctx.config.final_logit_softcapping)
-    keys = ctx.keys[jnp.minimum(state.rows, ctx.num_rows - 1)]
-    keys = jax.vmap(jax.random.fold_in)(keys, state.lengths)
+    keys = ctx.draw_keys(state.rows, state.lengths)
     tokens, log_probs = sampler.sample_tokens(logits, keys, ctx.sampling)
     state = _held(state.replace(cache=cache, key_mask=key_mask,
                                 num_free=state.num_free - jnp.sum(need)))
@@ -360,16 +432,18 @@ def _short_of_pages(ctx: _Context, state: _State) -> jax.Array:
 
 
 def _preempt(ctx: _Context, state: _State) -> _State:
-    """The running row admitted last gives its pages back and waits again (its outputs
-    cleared: it starts over, drawing the same tokens)."""
+    """The running row admitted last gives its pages back and waits again (this call's
+    outputs cleared: it starts over, drawing the same tokens)."""
     running = state.rows < ctx.num_rows
     victim = jnp.argmax(jnp.where(running, state.admitted, -1))
     row = state.rows[victim]
+    drawn = jnp.arange(state.responses.shape[1]) >= ctx.offsets[row]
     state = state.replace(
         preemptions=state.preemptions.at[row].add(1),
         pending=state.pending.at[row].set(True),
-        responses=state.responses.at[row].set(ctx.sampling.pad_token_id),
-        log_probs=state.log_probs.at[row].set(0.0))
+        responses=state.responses.at[row].set(
+            jnp.where(drawn, ctx.sampling.pad_token_id, state.responses[row])),
+        log_probs=state.log_probs.at[row].set(jnp.where(drawn, 0.0, state.log_probs[row])))
     return _release(state, jnp.arange(running.shape[0]) == victim, ctx.num_rows)
 
 
@@ -392,20 +466,23 @@ def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
 
 def _take(ctx: _Context, state: _State, tokens, log_probs, active) -> _State:
     """Records the `active` slots' drawn tokens (`[M]` each) at their rows' next index;
-    rows that stop (a stop token, or R tokens) leave their slots."""
+    rows that stop (a stop token, R tokens, or the call's `steps`) leave their slots."""
     num_rows = ctx.num_rows
     num_new = state.responses.shape[1]
-    index = state.lengths
     row = jnp.where(active, state.rows, num_rows)
-    responses = state.responses.at[row, index].set(tokens, mode="drop")
-    log_probs_out = state.log_probs.at[row, index].set(log_probs, mode="drop")
-    stopped = active & (_stops(ctx, state, tokens) | (index + 1 >= num_new))
-    out_lengths = state.out_lengths.at[jnp.where(stopped, row, num_rows)].set(
-        index + 1, mode="drop")
+    index = state.lengths  # this call's
+    column = ctx.offsets[jnp.minimum(row, num_rows - 1)] + index  # the response's
+    responses = state.responses.at[row, column].set(tokens, mode="drop")
+    log_probs_out = state.log_probs.at[row, column].set(log_probs, mode="drop")
+    finished = active & (_stops(ctx, state, tokens) | (column + 1 >= num_new))
+    stopped = finished | (active & (index + 1 >= ctx.steps))
+    leaving = jnp.where(stopped, row, num_rows)
     state = state.replace(
         lengths=jnp.where(active, index + 1, state.lengths),
         last_tokens=jnp.where(active, tokens, state.last_tokens),
-        responses=responses, log_probs=log_probs_out, out_lengths=out_lengths)
+        responses=responses, log_probs=log_probs_out,
+        out_lengths=state.out_lengths.at[leaving].set(column + 1, mode="drop"),
+        finished=state.finished.at[jnp.where(finished, row, num_rows)].set(True, mode="drop"))
     return _release(state, stopped, num_rows)
 
 

@@ -536,18 +536,9 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
     num_rows, prompt_len = prompt_ids.shape
     num_new, width = sampling.max_new_tokens, prefix.responses.shape[1]
     steps = min(max_steps, num_new)
-    lengths = prefix.lengths.astype(jnp.int32)
-    begun = jnp.arange(width)[None, :] < lengths[:, None]
-    begun_ids = jnp.where(begun, prefix.responses.astype(jnp.int32), sampling.pad_token_id)
-    ids = jnp.concatenate([prompt_ids.astype(jnp.int32), begun_ids], axis=1)
-    mask = jnp.concatenate([prompt_mask.astype(jnp.int32), begun.astype(jnp.int32)], axis=1)
-    # Left-padded together: each row moved right by its prefix's unused columns.
+    ids, mask, lengths, begun, done = joined_prefix(prompt_ids, prompt_mask, prefix, sampling)
     total = prompt_len + width
-    source = (jnp.arange(total)[None, :] - (width - lengths)[:, None]) % total
-    ids = constrain(jnp.take_along_axis(ids, source, axis=1), ("batch", None))
-    mask = constrain(jnp.take_along_axis(mask, source, axis=1), ("batch", None))
     params = per_layer(params, config)
-    done = prefix.finished.astype(bool) | (lengths >= num_new)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     responses, log_probs, keys = prefix.responses, prefix.log_probs, prefix.keys
     if width:  # rows of unlike lengths: each prefilled over its own columns, longest first
@@ -571,8 +562,7 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
                                                                config, groups, late, reuse)
     else:
         logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
-    widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - width)),
-                                    constant_values=fill)
+    widen = functools.partial(widened, begun, num_new)
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens=jnp.zeros((num_rows,), jnp.int32),
@@ -595,6 +585,32 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
     kept = Carried(*kept, total + steps - 1) if keep_cache else None
     return rollout_output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                           *out).replace(finished=finished, carried=kept)
+
+
+def joined_prefix(prompt_ids, prompt_mask, prefix: Prefix, sampling: SamplingConfig):
+    """Each row's prompt and its begun response, left-padded together (each row moved
+    right by its prefix's unused columns): `(ids [N, P + W], mask [N, P + W], lengths [N],
+    begun [N, W], done [N])`, `lengths` the prefix's tokens, `begun` its columns that
+    hold them and `done` the rows that draw nothing (finished, or R tokens)."""
+    num_rows, prompt_len = prompt_ids.shape
+    width = prefix.responses.shape[1]
+    lengths = prefix.lengths.astype(jnp.int32)
+    begun = jnp.arange(width)[None, :] < lengths[:, None]
+    begun_ids = jnp.where(begun, prefix.responses.astype(jnp.int32), sampling.pad_token_id)
+    ids = jnp.concatenate([prompt_ids.astype(jnp.int32), begun_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask.astype(jnp.int32), begun.astype(jnp.int32)], axis=1)
+    total = prompt_len + width
+    source = (jnp.arange(total)[None, :] - (width - lengths)[:, None]) % total
+    ids = constrain(jnp.take_along_axis(ids, source, axis=1), ("batch", None))
+    mask = constrain(jnp.take_along_axis(mask, source, axis=1), ("batch", None))
+    done = prefix.finished.astype(bool) | (lengths >= sampling.max_new_tokens)
+    return ids, mask, lengths, begun, done
+
+
+def widened(begun, num_new: int, x, fill):
+    """`x [N, W]` where `begun`, `fill` elsewhere, padded with `fill` to `num_new` columns."""
+    return jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - x.shape[1])),
+                   constant_values=fill)
 
 
 def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int,

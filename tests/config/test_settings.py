@@ -292,7 +292,8 @@ def test_old_log_prob_replay_records_in_training_not_in_the_rollout():
 
 def test_paged_cache_settings():
     """The paged cache's keys reach the sampler; a pool too small for one row at full
-    length, or a multi-turn or partial rollout, stops with the keys to change."""
+    length, a multi-turn rollout, or partial rollouts handing their cache on, stops with
+    the keys to change; partial rollouts run on it."""
     keys = {"rollout.kv_cache": "paged", "rollout.page_size": 4, "rollout.num_pages": 30,
             "rollout.max_num_seqs": 8, "rollout.refill_rows": 2}
     s = _settings(**keys)
@@ -308,6 +309,8 @@ def test_paged_cache_settings():
                                           r"with rollout.multi_turn.enable=True"):
         _settings(**keys, **{"rollout.multi_turn.enable": True,
                              "rollout.multi_turn.tool_config_path": _CALCULATOR})
-    with pytest.raises(ConfigError, match=r"^rollout.partial: =True is not supported with "
-                                          r"rollout.kv_cache='paged'"):
-        _settings(**keys, **{"rollout.partial": True, "rollout.partial_max_tokens": 2})
+    partial = {"rollout.partial": True, "rollout.partial_max_tokens": 2}
+    assert _settings(**keys, **partial).rollout.kv_cache == "paged"
+    with pytest.raises(ConfigError, match=r"^rollout.partial_keep_cache: =True hands a "
+                                          r"contiguous cache.*rollout.kv_cache='contiguous'"):
+        _settings(**keys, **partial, **{"rollout.partial_keep_cache": True})

@@ -20,17 +20,23 @@ BATCH = 4  # its data.train_batch_size (prompts)
 STEPS = 3
 
 
-def test_rows_carry_across_steps_and_groups_train_whole(tmp_path):
+# Each round's cache handed to the step's next round (partial_keep_cache); or the rounds
+# on the paged cache, four decode slots refilled from the rows that wait.
+CACHES = {"keep": {"rollout.partial_keep_cache": True},
+          "paged": {"rollout.kv_cache": "paged", "rollout.max_num_seqs": 4,
+                    "rollout.page_size": 2}}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_rows_carry_across_steps_and_groups_train_whole(tmp_path, cache):
     calls = []
 
     def reward_fn(data_source, solution_str, ground_truth, extra_info):
         calls.append((extra_info["a"], extra_info["b"], solution_str))
         return 0.5 * (len(calls) % 2)
 
-    # Each round's cache handed to the step's next round (partial_keep_cache).
     config = tiny_config(**{"rollout.partial": True, "rollout.partial_max_tokens": 1,
-                            "rollout.partial_keep_cache": True,
-                            "trainer.total_training_steps": STEPS})
+                            "trainer.total_training_steps": STEPS, **CACHES[cache]})
     run(config, str(tmp_path), reward_fn=reward_fn)
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -50,6 +56,12 @@ def test_rows_carry_across_steps_and_groups_train_whole(tmp_path):
             "rollout/partial_staleness/max"]
     assert records[0]["rollout/partial_staleness/max"] == 0
     assert "training/rollout_probs_diff_mean" in records[-1]
+    # The paged cache's metrics, over each step's rounds: pages held, as a share of the
+    # pool (every decode slot's at full length, the default), and preemptions (none).
+    paged = [(r["rollout/page_usage"], r["rollout/preemptions"]) for r in records
+             if "rollout/page_usage" in r]
+    assert len(paged) == (STEPS if cache == "paged" else 0)
+    assert all(0 < usage <= 1 and preempted == 0 for usage, preempted in paged), paged
 
 
 R, BUDGET = 8, 3  # response length and tokens a round in the scripted test

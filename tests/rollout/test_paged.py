@@ -102,20 +102,94 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
         assert not preemptions.any()
 
 
+# (name, paged settings): eight rows continued four tokens a call, three calls.
+CONTINUED = [
+    ("whole_pool", dict(page_size=4, decode_buckets=2)),
+    # Four decode slots refilled two rows at a time from the rows that wait.
+    ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4)),
+    # A pool of little more than one row at full length (7 + 12 slots in pages of 2, and
+    # the trash page): rows are preempted and start their call's tokens over.
+    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=13)),
+]
+
+
+@pytest.mark.parametrize("name,settings", CONTINUED, ids=[c[0] for c in CONTINUED])
+def test_rows_continued_over_paged_calls_draw_the_tokens_of_one_call(params, name, settings):
+    """Partial rollouts over the paged cache: rows drawn four tokens a call, each call
+    admitting a row's prompt and tokens so far as one prompt (the prefix as wide as the
+    longest row's tokens), end as one contiguous `generate` call's rows (same keys and
+    parameters): the same tokens and lengths, log-probs to float32 rounding. Between
+    calls a row's length is its tokens so far and it is `finished` only once it has
+    stopped; a finished row keeps its tokens, and two rows finished from the start with
+    none (the trainer's free decode rows) draw none. Every page comes back each call."""
+    ids, mask = ragged_prompts([5, 2, 7, 1, 4, 6], 7, SMALL.vocab_size, seed=4)
+    contiguous = SamplingConfig(n=1, max_new_tokens=NUM_NEW, temperature=1.2,
+                                stop_token_ids=(2, 3, 4))
+    sampling = dataclasses.replace(contiguous, kv_cache="paged", **settings)
+    rng = jax.random.key(1)
+    whole = sampler.generate(params["small"], ids, mask, rng, contiguous, config=SMALL)
+    final = np.asarray(whole.response_lengths)
+    # Rows stop in each of the three calls, and some run to R.
+    assert sorted(set(np.minimum(-(-final // 4), 3))) == [1, 2, 3] and final.max() == NUM_NEW
+    ids, mask = np.concatenate([ids, ids[:2]]), np.concatenate([mask, mask[:2]])
+    final = np.concatenate([final, [0, 0]])
+    prefix = sampler.new_rows(rng, 8).replace(finished=np.arange(8) >= 6)
+    program = jax.jit(paged.continue_program,
+                      static_argnames=("sampling", "config", "max_steps"))
+    preempted = 0
+    for call in range(1, 4):
+        out = program(params["small"], ids, mask, prefix, sampling=sampling, config=SMALL,
+                      max_steps=4)
+        lengths, finished = np.asarray(out.response_lengths), np.asarray(out.finished)
+        np.testing.assert_array_equal(lengths, np.minimum(final, 4 * call))
+        np.testing.assert_array_equal(finished, final <= 4 * call)
+        was_finished = np.asarray(prefix.finished)
+        width = prefix.responses.shape[1]
+        np.testing.assert_array_equal(np.asarray(out.responses)[was_finished, :width],
+                                      np.asarray(prefix.responses)[was_finished])
+        preempted += int(np.asarray(out.preemptions).sum())
+        assert 0 < float(np.asarray(out.page_usage)[0]) <= 1
+        width = int(lengths[~was_finished].max())
+        prefix = sampler.Prefix(out.responses[:, :width], out.rollout_log_probs[:, :width],
+                                out.response_lengths, out.finished, prefix.keys)
+    assert finished.all()
+    assert (preempted > 0) == (name == "preempt")
+    for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
+                  "response_lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(out, field))[:6],
+                                      np.asarray(getattr(whole, field)), err_msg=field)
+    np.testing.assert_allclose(out.rollout_log_probs[:6], whole.rollout_log_probs, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.responses)[6:], sampling.pad_token_id)
+
+
+def test_paged_partial_rollouts_hand_no_cache_on(params):
+    """`partial_keep_cache` keeps a contiguous cache, which the paged program has none of:
+    it stops before tracing."""
+    ids, mask = ragged_prompts([5, 2], 7, SMALL.vocab_size, seed=4)
+    sampling = dataclasses.replace(BASE, n=1, kv_cache="paged")
+    with pytest.raises(ValueError, match=r"rollout.partial_keep_cache=True hands a "
+                                         r"contiguous cache.*set it to False"):
+        paged.continue_program(params["small"], ids, mask,
+                               sampler.new_rows(jax.random.key(0), 2), sampling=sampling,
+                               config=SMALL, max_steps=4, keep_cache=True)
+
+
 def test_rows_admitted_in_order_while_a_page_stays_free_for_each_running_row():
     """`_candidates` on a state set by hand: P = 7, pages of 4 slots (two per prompt), four
     slots, slot 1 running row 3, rows 1 and 2 waiting, four pages free."""
     num_rows = 4
     row_mask = ragged_prompts([5, 2, 7, 1], prompt_len=7, vocab_size=8, seed=0)[1]
-    ctx = paged._Context(params=None, row_ids=jnp.zeros((num_rows, 7), jnp.int32),
-                         row_mask=jnp.asarray(row_mask), keys=None,
+    rows = paged.Rows(ids=jnp.zeros((num_rows, 7), jnp.int32), mask=jnp.asarray(row_mask),
+                      keys=None, offsets=None, pending=None, responses=None, log_probs=None,
+                      out_lengths=None, finished=None, steps=NUM_NEW)
+    ctx = paged._Context(params=None, rows=rows,
                          sampling=dataclasses.replace(BASE, page_size=4), config=SMALL)
     state = paged._State(
         rows=jnp.array([num_rows, 3, num_rows, num_rows]), lengths=None, last_tokens=None,
         prompt_lengths=None, key_mask=None, admitted=None, cache=None, free=None,
         num_free=jnp.int32(4), admissions=None,
         pending=jnp.array([False, True, True, False]), responses=None, log_probs=None,
-        out_lengths=None, peak_pages=None, preemptions=None)
+        out_lengths=None, finished=None, peak_pages=None, preemptions=None)
     slots, rows, need, ok = (np.asarray(x) for x in paged._candidates(ctx, state, 3))
     # Empty slots in order; waiting rows in order (then others, never admitted).
     np.testing.assert_array_equal(slots, [0, 2, 3])

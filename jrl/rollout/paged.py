@@ -306,14 +306,18 @@ class _Context:
 def _candidates(ctx: _Context, state: _State, width: int):
     """The next `width` admissions: `(slots, rows, pages needed, admitted?)`, each
     `[width]`: empty slots and waiting rows in order, as many as the free pages allow
-    while one page stays free for each other running row."""
+    while, in a pool sized by `num_pages`, one page stays free for each other running
+    row. The default pool holds every decode slot's row at full length, so it admits
+    every row a slot takes (the program's first admission takes all of them when the
+    slots are as many as the rows)."""
     empty = state.rows >= ctx.num_rows
     slots = jnp.argsort(~empty, stable=True)[:width]
     rows = jnp.argsort(~state.pending, stable=True)[:width]
     k = jnp.arange(width)
     fill = (k < jnp.sum(empty)) & (k < jnp.sum(state.pending))
     need = jnp.where(fill, _prompt_pages(ctx, jnp.sum(ctx.row_mask[rows], axis=1)), 0)
-    others = jnp.sum(~empty) + k  # running rows besides this one, once it is admitted
+    # Running rows besides this one, once it is admitted: each keeps a page to grow into.
+    others = jnp.sum(~empty) + k if ctx.sampling.num_pages else 0
     ok = fill & (jnp.cumsum(need) + others <= state.num_free)
     return slots, rows, jnp.where(ok, need, 0), ok
 

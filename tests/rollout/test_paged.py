@@ -53,6 +53,9 @@ CASES = [
      "small"),
     # Adapters applied at every decode step (LoRA, `model.lora_rollout=unmerged`).
     ("lora", dict(max_num_seqs=4, page_size=4), "lora"),
+    # Pages of 32 slots: a row's prompt and response in one page, as its prompt alone.
+    # The default pool (a page a decode slot) admits every row at once all the same.
+    ("one_page_a_row", dict(page_size=32), "small"),
 ]
 
 
@@ -175,15 +178,17 @@ def test_paged_partial_rollouts_hand_no_cache_on(params):
 
 
 def test_rows_admitted_in_order_while_a_page_stays_free_for_each_running_row():
-    """`_candidates` on a state set by hand: P = 7, pages of 4 slots (two per prompt), four
-    slots, slot 1 running row 3, rows 1 and 2 waiting, four pages free."""
+    """`_candidates` on a state set by hand: P = 7, pages of 4 slots (two per prompt), a
+    pool of 8 pages (`num_pages`), four slots, slot 1 running row 3, rows 1 and 2
+    waiting, four pages free."""
     num_rows = 4
     row_mask = ragged_prompts([5, 2, 7, 1], prompt_len=7, vocab_size=8, seed=0)[1]
     rows = paged.Rows(ids=jnp.zeros((num_rows, 7), jnp.int32), mask=jnp.asarray(row_mask),
                       keys=None, offsets=None, pending=None, responses=None, log_probs=None,
                       out_lengths=None, finished=None, steps=NUM_NEW)
     ctx = paged._Context(params=None, rows=rows,
-                         sampling=dataclasses.replace(BASE, page_size=4), config=SMALL)
+                         sampling=dataclasses.replace(BASE, page_size=4, num_pages=8),
+                         config=SMALL)
     state = paged._State(
         rows=jnp.array([num_rows, 3, num_rows, num_rows]), lengths=None, last_tokens=None,
         prompt_lengths=None, key_mask=None, admitted=None, cache=None, free=None,
@@ -199,6 +204,12 @@ def test_rows_admitted_in_order_while_a_page_stays_free_for_each_running_row():
     # two other running rows: not admitted. The third candidate has no waiting row.
     np.testing.assert_array_equal(ok, [True, False, False])
     np.testing.assert_array_equal(need, [1, 0, 0])
+    # The default pool (`num_pages` 0) holds every slot's row at full length: no page is
+    # kept back, and both waiting rows are admitted.
+    ctx.sampling = dataclasses.replace(ctx.sampling, num_pages=0)
+    slots, rows, need, ok = (np.asarray(x) for x in paged._candidates(ctx, state, 3))
+    np.testing.assert_array_equal(ok, [True, True, False])
+    np.testing.assert_array_equal(need, [1, 2, 0])
 
 
 def test_paged_settings_are_checked_before_compiling(params, prompts, monkeypatch):

@@ -49,7 +49,7 @@ import numpy as np
 from jrl import sharding as sharding_lib
 from jrl.data.dataset import BatchIterator, Row, encode_prompts
 from jrl.errors import ConfigError
-from jrl.rl import types
+from jrl.rl import programs, types
 from jrl.rl.experience import Generated, Rollouts, Sampled, SyncExperience
 from jrl.rollout import sampler
 
@@ -215,14 +215,8 @@ class PartialExperience(SyncExperience):
         prompts = [self.groups[int(g)] if g >= 0 else stand_in for g in self.group]
         prompt_ids = np.stack([g.prompt_ids for g in prompts])
         prompt_mask = np.stack([g.prompt_mask for g in prompts])
-        # The prefix's columns: the longest row's in a power of two of rounds, so a few
-        # programs serve every round (each prefills a row over about its own tokens,
-        # `sampler.continue_rows`) while the cache, which every prefill chunk attends
-        # over, grows with the rows.
         longest = int(np.max(np.where(live, self.lengths, 0)))
-        rounds = -(-longest // self.budget)
-        width = min(self.budget * (1 << (rounds - 1).bit_length()) if rounds else 0,
-                    self.sampling.max_new_tokens)
+        width = programs.prefix_width(longest, self.budget, self.sampling.max_new_tokens)
         prefix = sampler.Prefix(
             responses=self.tokens[:, :width], log_probs=self.log_probs[:, :width],
             lengths=np.where(live, self.lengths, 0).astype(np.int32), finished=~live,
@@ -256,6 +250,8 @@ class PartialExperience(SyncExperience):
             response_mask=mask,
             rollout_log_probs=(np.where(mask > 0, np.stack([s[1] for s in samples]), 0.0)
                                .astype(np.float32) if self.sampling.do_sample else None))
+        # (the shapes and types `programs.continued_rollout` gives the programs compiled
+        # ahead)
         rollout = types.Rollout(**self.rollouts.sharder.put_batch(arrays))
         return rollout, np.array([s[3] for s in samples])
 

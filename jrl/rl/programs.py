@@ -32,7 +32,7 @@ from jrl.rl import logprobs, packing, types
 from jrl.rl import step as step_lib
 from jrl.rl.update import ModelState
 from jrl.rollout import paged, segments
-from jrl.rollout.sampler import SamplingConfig, cache_slots, compiler_options
+from jrl.rollout.sampler import Prefix, SamplingConfig, cache_slots, compiler_options
 
 
 class Programs:
@@ -227,16 +227,23 @@ class Programs:
     def trace_step(self, state: types.TrainState, ref_params, frozen, root_key,
                    needs_baseline: bool) -> dict[str, jax.stages.Traced]:
         """The step's programs traced on the shapes it will give them, by name: its
-        rollout ("generate"), "forward", ReMax's greedy rollout ("generate_greedy", with
+        rollout ("generate"; with partial rollouts, the rounds' programs,
+        `trace_continuers`), "forward", ReMax's greedy rollout ("generate_greedy", with
         `needs_baseline`) and "learn". Traced under the training mesh's rules (the
         caller's `Sharder.active`), as the step traces them."""
         settings, filter_groups = self.settings, self.settings.filter_groups
         key, gen_key = self.step_keys(root_key, state.step)
         prompts = settings.train_batch_size if filter_groups is None else \
             filter_groups.gen_batch_size
-        traced = {"generate": self.trace_rollout(state, frozen, settings.rollout, prompts,
-                                                 gen_key)}
-        out = traced["generate"].out_info
+        if settings.partial_tokens is not None:  # rounds of continued rows on the host
+            traced = self.trace_continuers(state, frozen)
+            out = continued_rollout(self.batch_sequences, settings.max_prompt_length,
+                                            settings.rollout.max_new_tokens,
+                                            settings.rollout.do_sample, self._batch_struct)
+        else:
+            traced = {"generate": self.trace_rollout(state, frozen, settings.rollout,
+                                                     prompts, gen_key)}
+            out = traced["generate"].out_info
         if filter_groups is not None:  # the batch DAPO's rounds fill on the host
             out = jax.tree.map(lambda x: self._batch_struct(
                 (self.batch_sequences, *x.shape[1:]), x.dtype), out)
@@ -253,6 +260,31 @@ class Programs:
         traced["learn"] = self.learn.trace(state, exp, key, frozen)
         return traced
 
+    def trace_continuers(self, state: types.TrainState, frozen) -> dict[str, jax.stages.Traced]:
+        """Partial rollouts' round programs (`continuer`, no cache handed in), one for each
+        prefix width a round may take (`partial.prefix_widths`), traced on the decode rows
+        the rounds give them, by name ("continue_W" for width W)."""
+        settings = self.settings
+        sampling = dataclasses.replace(settings.rollout, n=1)
+        budget, num_new = settings.partial_tokens, sampling.max_new_tokens
+        rows = self.batch_sequences
+        ids = self._batch_struct((rows, settings.max_prompt_length), jnp.int32)
+        key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        flags = self._batch_struct((rows,), jnp.bool_)
+        program = self.continuer(sampling, budget, settings.partial_keep_cache)
+        traced = {}
+        with self.sampling_sharder.active():  # as the rounds trace it
+            for width in prefix_widths(budget, num_new):
+                prefix = Prefix(
+                    responses=self._batch_struct((rows, width), jnp.int32),
+                    log_probs=self._batch_struct((rows, width), jnp.float32),
+                    lengths=self._batch_struct((rows,), jnp.int32), finished=flags,
+                    keys=self._batch_struct((rows, *key_data.shape), key_data.dtype),
+                    cached=flags)
+                traced[f"continue_{width}"] = program.trace(state, ids, ids, prefix, frozen,
+                                                            None)
+        return traced
+
     def trace_rollout(self, state: types.TrainState, frozen, sampling: SamplingConfig,
                       prompts: int, key) -> jax.stages.Traced:
         """The rollout program of `sampling` traced for `prompts` prompts and `key` as
@@ -265,6 +297,35 @@ class Programs:
 
     def _batch_struct(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharder.batch(len(shape)))
+
+
+def prefix_width(longest: int, budget: int, num_new: int) -> int:
+    """A round's prefix columns for a longest row of `longest` tokens: its tokens in a
+    power of two of rounds of `budget` tokens, at most R = `num_new`, so a few programs
+    serve every round (each prefills a row over about its own tokens,
+    `sampler.continue_rows`) while the cache, which every prefill chunk attends over,
+    grows with the rows."""
+    rounds = -(-longest // budget)
+    return min(budget * (1 << (rounds - 1).bit_length()), num_new) if rounds else 0
+
+
+def prefix_widths(budget: int, num_new: int) -> list[int]:
+    """Every width `prefix_width` gives for a row still running (fewer than R tokens):
+    0, then `budget` doubled while below R - 1 tokens' rounds, capped at R."""
+    longest = [*range(0, num_new, budget), num_new - 1]  # each round count, and the most
+    return sorted({prefix_width(n, budget, num_new) for n in longest})
+
+
+def continued_rollout(rows: int, prompt_len: int, num_new: int, do_sample: bool,
+                      struct) -> types.Rollout:
+    """The step's `Rollout` of `rows` rows as the rounds give it to the passes after them
+    (`PartialExperience._batch`), each array as `struct(shape, dtype)` makes it."""
+    ids = struct((rows, prompt_len), jnp.int32)
+    responses = struct((rows, num_new), jnp.int32)
+    return types.Rollout(prompt_ids=ids, prompt_mask=ids, responses=responses,
+                         response_mask=responses,
+                         rollout_log_probs=struct((rows, num_new), jnp.float32)
+                         if do_sample else None)
 
 
 def compile_traced(traced: dict[str, jax.stages.Traced]) -> list[str]:

@@ -246,10 +246,14 @@ class RLTrainer:
         compiles outside the GIL). The compiles slow each other down, but the first step
         waits for less than their sum. The step's own calls then find the programs in
         jit's cache (small ones, such as a reward model's, still compile in the step).
+        With partial rollouts the rollout is the rounds' programs, one for each prefix
+        width a round may take, which later steps' rounds meet for the first time
+        otherwise (with `rollout.partial_keep_cache`, a round handed a cache compiles
+        its own when first met).
         Returns the names of the programs compiled; none (and nothing done) after the
         first call, with the setting off, or for a step of another shape: one-step
-        asynchronous, multi-turn, a segmented cache or partial rollouts, whose programs
-        compile when first called. The first step's metrics carry the seconds this took as
+        asynchronous, multi-turn or a segmented cache, whose programs compile when first
+        called. The first step's metrics carry the seconds this took as
         `timing_s/compile`."""
         if self._programs_compiled or not self._compiles_ahead():
             return []
@@ -277,8 +281,7 @@ class RLTrainer:
         if enabled is None:
             enabled = jax.default_backend() != "cpu"
         return bool(enabled) and self.programs.rollout_sharder is None and \
-            settings.multi_turn is None and settings.rollout.cache_segments <= 1 and \
-            settings.partial_tokens is None
+            settings.multi_turn is None and settings.rollout.cache_segments <= 1
 
     def train_step(self, iterator: BatchIterator) -> dict[str, float]:
         """One RL step (the module docstring's data path); returns its metrics."""

@@ -89,6 +89,44 @@ def test_the_first_step_compiles_none_of_its_programs_again(tmp_path, overrides)
         trainer.close()
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_partial_rounds_compile_no_prefix_width_again(tmp_path, cache):
+    """Partial rollouts (one token a round, R = 3): the rounds' programs, one for each
+    prefix width a running row's tokens take (0, 1, 2), compiled ahead with the passes;
+    three steps' rounds, which meet every width, then compile none of them again."""
+    trainer, iterator = _trainer(tmp_path, {
+        "rollout.partial": True, "rollout.partial_max_tokens": 1,
+        "rollout.kv_cache": cache, "trainer.total_training_steps": 3})
+    assert trainer.settings.rollout.max_new_tokens == 3
+    try:
+        COMPILES.names, COMPILES.active = [], True
+        compiled = trainer.compile_programs()
+        ahead = _programs(COMPILES.names)
+        COMPILES.names = []
+        widths = set()
+        continuer = trainer.programs.continuer
+
+        def watched(*args):  # the prefix widths the rounds take
+            program = continuer(*args)
+            return lambda *a: widths.add(a[3].responses.shape[1]) or program(*a)
+
+        trainer.programs.continuer = watched
+        for _ in range(3):
+            m = trainer.train_step(iterator)
+        COMPILES.active = False
+        assert set(compiled) == {"continue_0", "continue_1", "continue_2", "forward",
+                                 "learn"}
+        assert {"continue_rows", "forward", "learn"} <= set(ahead), ahead
+        assert widths == {0, 1, 2}, widths
+        again = [n for n in _programs(COMPILES.names)
+                 if n in ("continue_rows", "forward", "learn")]
+        assert not again, f"compiled again in the steps: {again}"
+        assert np.isfinite(m["actor/pg_loss"])
+    finally:
+        COMPILES.active = False
+        trainer.close()
+
+
 def test_the_first_step_is_the_same_with_and_without(tmp_path):
     metrics = []
     for on in (True, False):

@@ -619,7 +619,8 @@ def base_config() -> ml_collections.ConfigDict:
     # "": off (jax's own setting left alone). Library use of jrl never sets it.
     c.trainer.compilation_cache_dir = config_dict.placeholder(str)
     # Compile the first step's programs (rollout, forward, update; the first validation's
-    # rollout with val_before_train) at once, one thread each, before the step, which then
+    # rollout with val_before_train; with rollout.partial, the rounds' programs for every
+    # prefix width) at once, one thread each, before the step, which then
     # waits for less than the sum of their compiles (RLTrainer.compile_programs). None: on
     # a GPU or TPU, off on a CPU (whose compiles share its cores with each other: tests ran
     # slower). Off, and for runs with rollout.devices, multi-turn, rollout.cache_segments

@@ -17,8 +17,10 @@ slot until the batch ends. Here, as in vLLM's and SGLang's engines:
 - **Preemption.** When a step's rows need more pages than are free, the row admitted last
   gives its pages back and waits again, to start over (vLLM's recompute preemption). Its
   tokens come out the same: a row's token i is drawn with `fold_in(key_row, i)` from the
-  same weights, whenever and wherever it runs. A new row is admitted only while a page
-  stays free for each other running row, so preemption is rare.
+  same weights, whenever and wherever it runs. In a pool sized by `num_pages`, a new row
+  is admitted only while a page stays free for each other running row, so preemption is
+  rare; the default pool holds every decode slot's row at full length and never
+  preempts.
 
 Every row's slots keep the contiguous cache's layout (left-padded prompt, then the
 response). Where a decode kernel applies (`transformer.paged_kernel`: on a Hopper GPU

@@ -52,7 +52,7 @@ def main() -> None:
     m = args.tokens * k
     rng = np.random.default_rng(0)
     sizes = jnp.asarray(rng.multinomial(m, np.full(e, 1.0 / e)), jnp.int32)
-    key = iter(jax.random.split(jax.random.key(0), 8))
+    key = iter(jax.random.split(jax.random.key(0), 16))
     normal = lambda *shape: jax.random.normal(next(key), shape, jnp.bfloat16)
     results = []
     # (name, K, N): gate and up ([D, F] each), down ([F, D]), and gate and up as one

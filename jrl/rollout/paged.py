@@ -247,29 +247,35 @@ def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
         state = _decode(ctx, state)
         if all_at_once:
             return state
-        ready = _admissible(ctx, state, refill)
+        fill = min(refill, state.rows.shape[0])
+        ready = _admissible(ctx, state, fill)
         running = jnp.sum(state.rows < num_rows)
         waiting = jnp.sum(state.pending)
         # Refill a whole batch of rows at once (a prefill each), fewer at the end or when
         # the batch would otherwise run empty.
-        go = (ready > 0) & ((ready >= jnp.minimum(refill, waiting)) | (running == 0))
-        return lax.cond(go, lambda s: _admit(ctx, s, refill), lambda s: s, state)
+        go = (ready > 0) & ((ready >= jnp.minimum(fill, waiting)) | (running == 0))
+        return lax.cond(go, lambda s: _admit(ctx, s, fill), lambda s: s, state)
 
     # Once no row waits, the running rows drain at the decode loop's smaller batch sizes
     # (`rollout.decode_buckets`), as the contiguous sampler's do: slots compacted, the
-    # pool as it is.
+    # pool as it is. A pool sized by `num_pages` may still preempt a row there, which
+    # then waits again: those loops admit rows too, so none is left waiting.
+    preempts = bool(sampling.num_pages)
     batch_sizes = sampler.decode_sizes(seqs, sampler._row_groups(seqs), sampling)
     for smaller in (*batch_sizes[1:], 0):
-        def going(state: _State, smaller=smaller) -> jax.Array:
+        admits = not all_at_once and (state.rows.shape[0] == seqs or preempts)
+
+        def going(state: _State, smaller=smaller, admits=admits) -> jax.Array:
             running = jnp.sum(state.rows < num_rows)
-            if all_at_once or state.rows.shape[0] < seqs:  # every row admitted
+            if not admits:  # every row admitted, and none sent back
                 return running > smaller
             # Rows wait: go on while some run (they free pages) or one can be admitted.
+            fill = min(refill, state.rows.shape[0])
             waiting = jnp.any(state.pending) & (
-                (running > 0) | (_admissible(ctx, state, refill) > 0))
+                (running > 0) | (_admissible(ctx, state, fill) > 0))
             return (running > smaller) | waiting
 
-        step = body if state.rows.shape[0] == seqs else functools.partial(_decode, ctx)
+        step = body if admits else functools.partial(_decode, ctx)
         state = lax.while_loop(going, step, state)
         if smaller:
             state = _compact(state, smaller, num_rows)

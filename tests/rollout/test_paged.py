@@ -46,8 +46,9 @@ CASES = [
     # Four slots for six rows: the last two refill freed slots, two at a time; then the
     # rows drain at 2 slots.
     ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4, decode_buckets=2), "small"),
-    # A pool for little more than one full row: rows wait for pages and are preempted.
-    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=12), "small"),
+    # A pool for little more than one full row: rows wait for pages and are preempted,
+    # also once the slots are compacted (2 decode buckets), and are admitted again there.
+    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=12, decode_buckets=2), "small"),
     # Every row to R tokens (benchmarks' forced lengths), pages of 3 slots, greedy.
     ("forced_greedy", dict(max_num_seqs=2, page_size=3, ignore_stop=True, do_sample=False),
      "small"),
@@ -112,7 +113,7 @@ CONTINUED = [
     ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4)),
     # A pool of little more than one row at full length (7 + 12 slots in pages of 2, and
     # the trash page): rows are preempted and start their call's tokens over.
-    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=13)),
+    ("preempt", dict(max_num_seqs=4, page_size=2, num_pages=13, decode_buckets=2)),
 ]
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 
 import jax
@@ -95,47 +94,6 @@ def grouped_matmul(x_md: jax.Array, w_gkn: jax.Array, group_sizes: jax.Array,
         return _tiles(x_md, w_gkn, group_sizes.astype(jnp.int32))
     rows_per_group = x_md.shape[0] // w_gkn.shape[0] if rows_per_group is None else rows_per_group
     return _mosaic(x_md, w_gkn, group_sizes.astype(jnp.int32), int(rows_per_group))
-
-
-def grouped_matmul_joined(x_md: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array,
-                          impl: str = "auto", rows_per_group: int | None = None) -> jax.Array:
-    """`grouped_matmul` of `x_md` with the weights `ws` (each `[G, K, N_i]`) side by side:
-    `[M, sum N_i]` in one grouped matmul, which reads each row block once for all of
-    them and, at an MoE layer's widths, runs faster than one call each (Qwen3-30B-A3B's
-    gate and up at 12,288 tokens on an H100: forward 1.89 ms against 2 x 1.00, input
-    gradient 1.99 against 2 x 1.35; `experiments/bench_grouped_matmul.py`).
-
-    Its backward pass keeps the weights as they are, not their concatenation (a copy
-    of them all, which a scan over layers without rematerialization would otherwise
-    keep for every layer), and joins them again."""
-    return _joined(x_md, tuple(ws), group_sizes, impl, rows_per_group)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _joined(x_md, ws, group_sizes, impl, rows_per_group):
-    return grouped_matmul(x_md, jnp.concatenate(ws, axis=-1), group_sizes, impl, rows_per_group)
-
-
-def _joined_fwd(x_md, ws, group_sizes, impl, rows_per_group):
-    return _joined(x_md, ws, group_sizes, impl, rows_per_group), (x_md, ws, group_sizes)
-
-
-def _joined_bwd(impl, rows_per_group, residuals, d_out):
-    x_md, ws, group_sizes = residuals
-    w_gkn = jnp.concatenate(ws, axis=-1)
-    if choose_impl(impl, x_md, w_gkn) == "mosaic":  # the kernels' own backward pass
-        per_group = x_md.shape[0] // w_gkn.shape[0] if rows_per_group is None else rows_per_group
-        d_x, d_w, _ = _mosaic_bwd(int(per_group), (x_md, w_gkn, group_sizes.astype(jnp.int32)),
-                                  d_out)
-    else:
-        _, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, impl, rows_per_group),
-                         x_md, w_gkn)
-        d_x, d_w = vjp(d_out.astype(x_md.dtype))
-    ends = list(itertools.accumulate(w.shape[-1] for w in ws))[:-1]
-    return d_x, tuple(jnp.split(d_w, ends, axis=-1)), None
-
-
-_joined.defvjp(_joined_fwd, _joined_bwd)
 
 
 def _tile_rows(m: int, g: int) -> int:

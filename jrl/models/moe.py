@@ -290,15 +290,11 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
     `rows_per_group`: as `grouped_matmul` takes it.
 
     Each projection's output is named `EXPERTS_OUT` and each adapter's rank-r product
-    `EXPERTS_LOW`, for the remat policies to keep. Gate and up run as one grouped matmul
-    of their kernels side by side (`grouped_matmul_joined`), and with adapters on both,
-    their `a`s as one of width 2r: each reads the rows once."""
+    `EXPERTS_LOW`, for the remat policies to keep. With adapters on both gate and up,
+    their `a`s run as one grouped matmul of width 2r, which reads the rows once."""
     grouped = lambda rows, w: grouped_matmul.grouped_matmul(
         rows, w.astype(dtype), group_sizes, rows_per_group=rows_per_group)
     rows = x_md.astype(dtype)
-    base = dict(zip(GATE_UP, jnp.split(grouped_matmul.grouped_matmul_joined(
-        rows, tuple(kernels[name].astype(dtype) for name in GATE_UP), group_sizes,
-        rows_per_group=rows_per_group), 2, axis=-1), strict=True))
     lows = {}
     if all(name in adapters for name in GATE_UP):
         a_gate, a_up = (adapters[name][0] for name in GATE_UP)
@@ -307,7 +303,7 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
         lows = dict(zip(GATE_UP, jnp.split(low, 2, axis=-1), strict=True))
 
     def project(name, rows):
-        out = base[name] if name in base else grouped(rows, kernels[name])
+        out = grouped(rows, kernels[name])
         if name in adapters:
             a, b = adapters[name]
             low = lows[name] if name in lows else checkpoint_name(grouped(rows, a), EXPERTS_LOW)

@@ -59,35 +59,3 @@ def test_two_column_blocks_a_grid_step_only_for_tall_groups_and_even_blocks():
     assert gm.for_widths(2048, 128, tall).grid_block_n == 1  # one 128-block (a fused LoRA a)
     assert gm.for_widths(2048, 192, tall) == gm.Tiles(128, 64, grid_block_n=1)  # 3 blocks
     assert gm.for_widths(768, 2048).grid_block_n == 1  # the weight gradient's default
-
-
-@pytest.mark.parametrize("impl", ["tiles", "xla"])
-def test_joined_weights_are_the_matmuls_side_by_side(impl):
-    """`grouped_matmul_joined` of gate- and up-shaped weights: the two grouped matmuls'
-    outputs side by side, and the same gradients of the rows and of each weight; its
-    backward pass keeps the weights, not their `[G, K, N1 + N2]` concatenation."""
-    m, k, sizes = 40, 8, np.asarray([10, 0, 25, 3], np.int32)
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(m, k)).astype(np.float32)
-    ws = tuple(rng.normal(size=(len(sizes), k, n)).astype(np.float32) for n in (16, 24))
-    cotangent = rng.normal(size=(m, 40)).astype(np.float32)
-    valid = (np.arange(m) < sizes.sum())[:, None]
-
-    def loss(joined, x, ws):
-        out = (gm.grouped_matmul_joined(x, ws, sizes, impl=impl) if joined else
-               jnp.concatenate([gm.grouped_matmul(x, w, sizes, impl=impl) for w in ws], -1))
-        return jnp.sum(jnp.where(valid, out, 0) * cotangent), out
-
-    got = jax.jit(jax.value_and_grad(lambda *a: loss(True, *a), argnums=(0, 1),
-                                     has_aux=True))(x, ws)
-    want = jax.jit(jax.value_and_grad(lambda *a: loss(False, *a), argnums=(0, 1),
-                                      has_aux=True))(x, ws)
-    np.testing.assert_allclose(np.where(valid, got[0][1], 0), np.where(valid, want[0][1], 0),
-                               rtol=1e-5, atol=1e-5)
-    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-    _, residuals = jax.vjp(lambda x, ws: gm.grouped_matmul_joined(x, ws, sizes, impl=impl),
-                           x, ws)
-    shapes = {tuple(r.shape) for r in jax.tree.leaves(residuals)}
-    g = len(sizes)
-    assert (g, k, 40) not in shapes and {(g, k, 16), (g, k, 24)} <= shapes

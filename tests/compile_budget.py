@@ -22,8 +22,11 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 5,070 when it was last raised (5,029
-# before the continued rows' tests handed their cache on past the decode loop's
+# Distinct programs of the full suite on the CPU: 5,093 when it was last raised (5,070
+# before partial rollouts on the paged cache, whose continuation programs compile at each
+# prefix width, the rounds' programs compiled ahead of the first step on either cache,
+# and the paged admission cases of one page a row and of preemption at 2 decode
+# buckets; 5,029 before the continued rows' tests handed their cache on past the decode loop's
 # compactions, at 4 decode buckets and at 1, and the tests of Gemma's GeGLU and q/k norms
 # recomputed in a rolled scan's backward pass); 5,002 before that (4,928
 # before the paged cache's decode kernels, the Mosaic GPU one and Pallas' TPU paged
@@ -36,7 +39,7 @@ from jax._src import compiler as _compiler
 # experts; 4,561 before the mixture-of-experts and Gemma families), and room for a few
 # more. Raise it in the change that adds programs, saying why. (The variable is for the
 # budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5090))
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5110))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

@@ -37,8 +37,10 @@
 # A run's name may carry settings after "+": "+splitPER_SM,MIN_SLOTS" (--decode_split),
 # "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
 # or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+xla" (--decode_attention
-# xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache), "+hbxla"
-# (--head_backward xla: the log-prob head's backward in XLA),
+# xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache),
+# "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
+# pool every row at full length), "+hbxla" (--head_backward xla: the log-prob head's
+# backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
 # natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
 # Needs wheels/ (ml_collections, tensorboardX, absl) beside the tree; BUDGET_S (default
@@ -90,6 +92,7 @@ for name in "$@"; do
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
       keep) extra+=(--partial_keep_cache) ;;
+      paged) extra+=(--kv_cache paged) ;;
       xla) extra+=(--decode_attention xla) ;;
       mosaic) extra+=(--decode_attention mosaic) ;;
       mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;

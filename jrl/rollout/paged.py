@@ -175,15 +175,13 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: sampler.Prefix,
         raise ValueError("rollout.partial_keep_cache=True hands a contiguous cache between "
                          "rounds; with rollout.kv_cache='paged' set it to False")
     prefix = sampler._with_typed_keys(prefix)
-    num_new = sampling.max_new_tokens
-    steps = min(max_steps, num_new)
+    steps = min(max_steps, sampling.max_new_tokens)
     ids, mask, lengths, begun, done = sampler.joined_prefix(prompt_ids, prompt_mask, prefix,
                                                             sampling)
-    widen = functools.partial(sampler.widened, begun, num_new)
+    responses, log_probs, out_lengths = sampler.begun_outputs(
+        prefix.responses, prefix.log_probs, lengths, begun, done, steps, sampling)
     rows = Rows(ids=ids, mask=mask, keys=prefix.keys, offsets=lengths, pending=~done,
-                responses=widen(prefix.responses.astype(jnp.int32), sampling.pad_token_id),
-                log_probs=widen(prefix.log_probs.astype(jnp.float32), 0.0),
-                out_lengths=jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)),
+                responses=responses, log_probs=log_probs, out_lengths=out_lengths,
                 finished=done, steps=steps)
     state = run_rows(params, rows, sampling=sampling, config=config)
     return _output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
@@ -243,10 +241,8 @@ def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
     # With the whole pool (num_pages 0) the first admission takes every row (that waits).
     all_at_once = seqs >= num_rows and not sampling.num_pages
 
-    def body(state: _State) -> _State:
+    def body(state: _State) -> _State:  # (run where rows may wait: not `all_at_once`)
         state = _decode(ctx, state)
-        if all_at_once:
-            return state
         fill = min(refill, state.rows.shape[0])
         ready = _admissible(ctx, state, fill)
         running = jnp.sum(state.rows < num_rows)

@@ -562,15 +562,15 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
                                                                config, groups, late, reuse)
     else:
         logits_nv, cache, key_mask = _prefill(params, ids, mask, steps, config, ring=True)[:3]
-    widen = functools.partial(widened, begun, num_new)
+    responses, log_probs, out_lengths = begun_outputs(responses, log_probs, lengths, begun,
+                                                      done, steps, sampling)
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens=jnp.zeros((num_rows,), jnp.int32),
         done=done,
-        # Unless it stops, a row ends this call with `steps` more tokens (at most R).
-        lengths=jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)),
-        responses=widen(responses.astype(jnp.int32), sampling.pad_token_id),
-        log_probs=widen(log_probs.astype(jnp.float32), 0.0),
+        lengths=out_lengths,
+        responses=responses,
+        log_probs=log_probs,
         cache=cache,
         key_mask=key_mask,
         keys=keys,
@@ -607,10 +607,17 @@ def joined_prefix(prompt_ids, prompt_mask, prefix: Prefix, sampling: SamplingCon
     return ids, mask, lengths, begun, done
 
 
-def widened(begun, num_new: int, x, fill):
-    """`x [N, W]` where `begun`, `fill` elsewhere, padded with `fill` to `num_new` columns."""
-    return jnp.pad(jnp.where(begun, x, fill), ((0, 0), (0, num_new - x.shape[1])),
-                   constant_values=fill)
+def begun_outputs(responses, log_probs, lengths, begun, done, steps: int,
+                  sampling: SamplingConfig):
+    """A continued call's outputs before it draws: the prefix's tokens and log-probs
+    (`[N, W]`, kept where `begun`) padded to R columns, and each row's length should it
+    not stop: `steps` more tokens, at most R (its own where `done`)."""
+    num_new = sampling.max_new_tokens
+    widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill),
+                                    ((0, 0), (0, num_new - x.shape[1])), constant_values=fill)
+    return (widen(responses.astype(jnp.int32), sampling.pad_token_id),
+            widen(log_probs.astype(jnp.float32), 0.0),
+            jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)))
 
 
 def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int,

@@ -109,14 +109,18 @@ def summarize(trace_dir: str, top: int = 25, show_args: int = 0,
     return tables
 
 
+def _kernels(events, threads) -> list:
+    """The trace's GPU kernels (the events on its devices' CUDA streams), by start time."""
+    return sorted((e for e in events if e.get("ph") == "X"
+                   and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")),
+                  key=lambda e: float(e.get("ts", 0.0)))
+
+
 def sequence(trace_dir: str, anchor: str, skip: int = 100, count: int = 2) -> list:
     """Prints the kernels that ran, in order, from the `skip`-th kernel named `anchor`
     through `count` more of them (e.g. one decode step's layers between two calls of
     the attention kernel), with each kernel's duration and HLO op."""
-    _, events, threads = _load(trace_dir)
-    kernels = sorted((e for e in events if e.get("ph") == "X"
-                      and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")),
-                     key=lambda e: float(e.get("ts", 0.0)))
+    kernels = _kernels(*_load(trace_dir)[1:])
     hits = [i for i, e in enumerate(kernels) if e.get("name") == anchor]
     if len(hits) <= skip + count:
         raise ValueError(f"{len(hits)} kernels named {anchor!r}; need more than {skip + count}")
@@ -138,12 +142,9 @@ def busy(trace_dir: str, program: str | None = None) -> dict:
     matching `program`, or all) the kernels fill, and the idle time between
     consecutive kernels by gap length: short gaps are launch latency, long ones the
     host (a while loop's condition read back, a host round trip)."""
-    _, events, threads = _load(trace_dir)
-    kernels = sorted((float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
-                      if e.get("ph") == "X"
-                      and threads.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
-                      and (not program
-                           or re.search(program, e.get("args", {}).get("hlo_module", ""))))
+    kernels = [(float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+               for e in _kernels(*_load(trace_dir)[1:])
+               if not program or re.search(program, e.get("args", {}).get("hlo_module", ""))]
     if not kernels:
         print(f"\nno GPU kernels of programs matching {program!r} in the trace")
         return {}

@@ -615,9 +615,9 @@ def begun_outputs(responses, log_probs, lengths, begun, done, steps: int,
     num_new = sampling.max_new_tokens
     widen = lambda x, fill: jnp.pad(jnp.where(begun, x, fill),
                                     ((0, 0), (0, num_new - x.shape[1])), constant_values=fill)
+    out_lengths = jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new))
     return (widen(responses.astype(jnp.int32), sampling.pad_token_id),
-            widen(log_probs.astype(jnp.float32), 0.0),
-            jnp.where(done, lengths, jnp.minimum(lengths + steps, num_new)))
+            widen(log_probs.astype(jnp.float32), 0.0), out_lengths)
 
 
 def _held_rows(carried: Carried | None, cached, done, num_rows: int, groups: int,

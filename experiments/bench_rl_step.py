@@ -183,6 +183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
+    p.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "cudnn"),
+                   help="model.attention_impl (the training passes' attention)")
     p.add_argument("--head_backward", default="mosaic", choices=("xla", "mosaic"),
                    help="jrl.kernels.logprob_head.BACKWARD: where the log-prob kernel's "
                         "backward forms d loss / d logits (mosaic: grad_logits on chip)")
@@ -309,6 +311,8 @@ def make_config(args, algo: str):
         c.model.decode_attention_impl = args.decode_attention
     if "logprob_impl" in c.model:
         c.model.logprob_impl = args.logprob_impl
+    if args.attention_impl != "auto":
+        c.model.attention_impl = args.attention_impl
     if args.scan_unroll != "auto":
         c.model.scan_unroll = args.scan_unroll == "on"
     if args.lora_rank:

@@ -100,14 +100,19 @@ def choose_impl(impl: str, dtype, head_dim: int, length: int, softcap: bool = Fa
     if impl == "auto":
         half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         backend = jax.default_backend()
-        cudnn_fits = half and head_dim % 8 == 0 and head_dim <= 128 and not softcap
         if backend == "tpu" and head_dim % 128 == 0:
             impl = "splash"
-        elif backend == "gpu" and cudnn_fits and _hopper():
+        elif backend == "gpu" and half and not softcap and _hopper() and cudnn_head_dim(head_dim):
             impl = "cudnn"
         else:
             impl = "xla"
     return "xla" if impl == "splash" and length % 128 else impl
+
+
+def cudnn_head_dim(head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes `head_dim`, forward and backward: a multiple
+    of 8, at most 256 on Hopper and later GPUs (Gemma's 256 included), 128 before them."""
+    return head_dim % 8 == 0 and head_dim <= (256 if _hopper() else 128)
 
 
 def _hopper() -> bool:

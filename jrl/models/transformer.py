@@ -197,7 +197,8 @@ def _project(config: ModelConfig, features, axes: tuple[str, ...], name: str, x:
 def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int) -> str:
     """cuDNN flash attention where it applies, else XLA.
 
-    cuDNN needs a GPU, half precision and head_dim <= 128 (a multiple of 8); with a
+    cuDNN needs a GPU, half precision and a head_dim it takes
+    (`packed_attention.cudnn_head_dim`: up to 256 on Hopper); with a
     mask (which it turns into a bias) its backward pass also needs even T and S. It has
     no soft-cap (a forced "cudnn" with one is refused by `gemma.check`).
     """
@@ -206,7 +207,7 @@ def _attention_impl(config: ModelConfig, dtype, num_queries: int, num_keys: int)
     if config.attention_impl != "auto":
         return config.attention_impl
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    head_dim_ok = config.head_dim <= 128 and config.head_dim % 8 == 0
+    head_dim_ok = packed_attention.cudnn_head_dim(config.head_dim)
     even = num_queries % 2 == 0 and num_keys % 2 == 0
     on_gpu = jax.default_backend() == "gpu"
     return "cudnn" if on_gpu and half and head_dim_ok and even else "xla"

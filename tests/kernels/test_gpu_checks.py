@@ -11,6 +11,7 @@ Each reference is XLA on the same bf16 values, in float32 where the kernel accum
 float32, so the bounds are a few bf16 roundings of the values compared.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -128,14 +129,18 @@ def test_decode_kernel_at_the_caches_edges(spec, slot):
 # ------------------------------------------------------------------ the log-prob head
 
 HEAD_HIDDEN, HEAD_VOCAB = 896, 151936  # Qwen2.5-0.5B, tied embedding
+# Hidden size, vocabulary of the tied heads `auto` takes the kernel for (`hk.MAX_HIDDEN`).
+HEAD_SHAPES = {"qwen2.5-0.5b": (HEAD_HIDDEN, HEAD_VOCAB), "gemma-3-1b": (1152, 262144)}
 
 
-def _head_inputs(tokens, seed=0):
-    """bf16 hidden states `[T, D]`, unembedding `[V, D]` and int targets `[T]`."""
+def _head_inputs(tokens, seed=0, shape=(HEAD_HIDDEN, HEAD_VOCAB)):
+    """bf16 hidden states `[T, D]`, unembedding `[V, D]` and int targets `[T]` (D, V
+    `shape`)."""
+    hidden, vocab = shape
     keys = jax.random.split(jax.random.key(seed), 3)
-    h = jax.random.normal(keys[0], (tokens, HEAD_HIDDEN), jnp.bfloat16)
-    w = (0.05 * jax.random.normal(keys[1], (HEAD_VOCAB, HEAD_HIDDEN))).astype(jnp.bfloat16)
-    y = jax.random.randint(keys[2], (tokens,), 0, HEAD_VOCAB)
+    h = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(keys[1], (vocab, hidden))).astype(jnp.bfloat16)
+    y = jax.random.randint(keys[2], (tokens,), 0, vocab)
     return h, w, y
 
 
@@ -160,12 +165,13 @@ def _xla_stats(h_td, w_vd, y_t, with_entropy, chunk=1024):
     return tuple(x.reshape(t) for x in out)
 
 
-def head_forward_errors(tokens, with_entropy, blocks=None) -> dict:
+def head_forward_errors(tokens, with_entropy, blocks=None, shape=(HEAD_HIDDEN, HEAD_VOCAB)
+                        ) -> dict:
     """The largest differences of the kernel's `log Z`, target logit, log-prob and entropy
     from `_xla_stats`'."""
-    h, w, y = _head_inputs(tokens)
+    h, w, y = _head_inputs(tokens, shape=shape)
     stats = jax.jit(lambda h, w, y: tuple(x[0] for x in hk.log_softmax_stats(
-        h[None], w, y[None], vocab=HEAD_VOCAB, vocab_first=True, with_entropy=with_entropy,
+        h[None], w, y[None], vocab=shape[1], vocab_first=True, with_entropy=with_entropy,
         impl="mosaic", blocks=blocks)))
     log_z, target, entropy = stats(h, hk.pad_vocab(w, True, blocks), y)
     want = _xla_stats(h, w, y, with_entropy)
@@ -186,6 +192,15 @@ def test_head_forward_matches_xla(blocks, with_entropy):
         blocks = hk.MosaicBlocks(t, v, k, stages, bool(overlap),
                                  **dict(zip(["group", "consumers"], rest, strict=False)))
     errors = head_forward_errors(16384, with_entropy, blocks)
+    assert max(errors.values()) < 0.02, errors
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+def test_head_forward_matches_xla_at_gemmas_head():
+    """Gemma-3-1B's head (D 1,152, V 262,144), which `auto` takes the kernel for."""
+    assert hk.choose_impl("auto", 1152) == "mosaic"
+    errors = head_forward_errors(16384, True, shape=HEAD_SHAPES["gemma-3-1b"])
     assert max(errors.values()) < 0.02, errors
 
 
@@ -227,12 +242,13 @@ def test_head_grad_logits_matches_xla(entropy_grad):
 
 @NEEDS_MOSAIC
 @ON_HOPPER
-def test_token_log_probs_on_the_kernel_match_xla():
+@pytest.mark.parametrize("shape", HEAD_SHAPES)
+def test_token_log_probs_on_the_kernel_match_xla(shape):
     """`token_log_probs` as the update runs it (64-token chunks, the entropy a metric):
     log-probs, entropies and the gradients of the log-probs' weighted sum, the kernel's
     forward and backward (`impl="mosaic"`) against the XLA path."""
-    h, w, y = _head_inputs(16384)
-    hidden, targets = h.reshape(64, 256, HEAD_HIDDEN), y.reshape(64, 256)
+    h, w, y = _head_inputs(16384, shape=HEAD_SHAPES[shape])
+    hidden, targets = h.reshape(64, 256, h.shape[-1]), y.reshape(64, 256)
     params = {"embed": {"embedding": w.astype(jnp.float32)}}
     g_lp = jax.random.normal(jax.random.key(7), targets.shape, jnp.float32)
 
@@ -270,19 +286,28 @@ def _segment_ids(rows, length, lengths):
     return jnp.asarray(ids)
 
 
+# Query heads, key/value heads, head_dim: Qwen2.5-0.5B's; Gemma-3-1B's (head_dim 256,
+# which cuDNN takes on Hopper only, `packed_attention.cudnn_head_dim`).
+HEADS = {"qwen2.5-0.5b": (14, 2, 64), "gemma-3-1b": (4, 1, 256)}
+
+
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("rows,length,lengths", [
     (1, 256, [[100, 130]]),
     (2, 512, [[200, 1, 311], [512]]),
     (3, 1024, [[1000], [17, 300, 600, 7], [5]]),
 ])
-def test_cudnn_packed_attention_matches_xla(rows, length, lengths):
-    """cuDNN's packed layout (bf16, Qwen2.5-0.5B's heads) against the float32 XLA reference:
+def test_cudnn_packed_attention_matches_xla(rows, length, lengths, heads):
+    """cuDNN's packed layout (bf16, the models' heads) against the float32 XLA reference:
     the outputs at used slots and the gradients of a weighted sum of them."""
+    n, kv, h = HEADS[heads]
+    if not packed_attention.cudnn_head_dim(h):
+        pytest.skip(f"cuDNN takes head_dim {h} on Hopper only")
     seg = _segment_ids(rows, length, lengths)
     segments = packed_attention.segments(seg, 8)
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(rows, length, 14, 64)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.normal(size=(rows, length, 2, 64)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(rows, length, n, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(rows, length, kv, h)), jnp.bfloat16) for _ in range(2))
     used = (seg > 0)[:, :, None, None]
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
 
@@ -300,16 +325,20 @@ def test_cudnn_packed_attention_matches_xla(rows, length, lengths):
     assert max(errors) < 2e-2, errors
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("window", [16, 128])
-def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window):
+def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window, head_dim):
     """cuDNN's `sliding_window_length` W with a query scale (Gemma's sliding layers, bf16)
     against the float32 XLA reference at windows W - 1, W and W + 1: it agrees with
     `q - k < W` only (segments shorter and longer than W; gradients too at W)."""
+    if not packed_attention.cudnn_head_dim(head_dim):
+        pytest.skip(f"cuDNN takes head_dim {head_dim} on Hopper only")
     seg = _segment_ids(2, 512, [[200, 1, 311], [12, 500]])
     segments = packed_attention.segments(seg, 8)
     rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.normal(size=(2, 512, 8, 64)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.normal(size=(2, 512, 4, 64)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(2, 512, 8, head_dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(2, 512, 4, head_dim)), jnp.bfloat16)
+            for _ in range(2))
     used = (seg > 0)[:, :, None, None]
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
@@ -328,6 +357,44 @@ def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window):
         q, k, v)
     grads_want = jax.grad(functools.partial(loss, "xla", window), argnums=(0, 1, 2))(*f32)
     errors = [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+    assert max(errors) < 2e-2, errors
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_cudnn_masked_attention_matches_xla(heads):
+    """The masked path (`transformer._attend`: the shared-prompt layout's and the
+    unpacked passes') on cuDNN, bf16, a causal mask over left-padded rows, against XLA in
+    float32: outputs at the rows' real queries and the gradients of a weighted sum of
+    them."""
+    from jrl.models import transformer
+    from jrl.models.config import ModelConfig
+
+    n, kv, h = HEADS[heads]
+    if not packed_attention.cudnn_head_dim(h):
+        pytest.skip(f"cuDNN takes head_dim {h} on Hopper only")
+    config = dataclasses.replace(ModelConfig.preset("tiny"), num_heads=n, num_kv_heads=kv,
+                                 head_dim=h, attention_impl="cudnn")
+    length, starts = 256, np.array([0, 37, 200])
+    real = jnp.asarray(np.arange(length)[None] >= starts[:, None])
+    mask = transformer.attention_mask(real.astype(jnp.int32), length, None)
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(3, length, n, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(3, length, kv, h)), jnp.bfloat16) for _ in range(2))
+    used = real[:, :, None, None]
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(config, q, k, v):
+        out = transformer._attend(config, q, k, v, mask).astype(jnp.float32)
+        return jnp.sum(jnp.where(used, out * cotangent, 0))
+
+    reference = dataclasses.replace(config, attention_impl="xla")
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    got = jax.jit(lambda *a: transformer._attend(config, *a, mask))(q, k, v)
+    want = transformer._attend(reference, *f32, mask)
+    grads = jax.jit(jax.grad(functools.partial(loss, config), argnums=(0, 1, 2)))(q, k, v)
+    grads_want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(*f32)
+    errors = [_rel(jnp.where(used, got, 0), jnp.where(used, want, 0))]
+    errors += [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
     assert max(errors) < 2e-2, errors
 
 

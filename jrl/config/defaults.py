@@ -69,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Unembedding + log-softmax of the log-prob and update passes (forward, and the
     # update's backward through d loss / d logits): auto (a Pallas kernel on its Mosaic
     # GPU backend that keeps the logits on chip, on Hopper GPUs for hidden sizes up to
-    # 1,024; else XLA), xla (chunked float32 logits) or mosaic (the kernel, forced; a
+    # 2,048; else XLA), xla (chunked float32 logits) or mosaic (the kernel, forced; a
     # ConfigError where jax lacks Mosaic GPU).
     c.model.logprob_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights

@@ -58,11 +58,12 @@ from jrl.kernels import mosaic_backend
 Array = jax.Array
 
 
-# `auto` takes the kernel up to this hidden size: measured at D = 896 (Qwen2.5-0.5B),
-# where XLA's chunked logits take 1.5-1.7x its time; the Triton kernel before it stopped
-# paying between D = 2,048 and 3,584, and larger hidden sizes are not measured with this
-# one yet.
-MAX_HIDDEN = 1152
+# `auto` takes the kernel up to this hidden size, where it was measured to pay (one H100;
+# XLA's chunked logits against it): at D 896 (Qwen2.5-0.5B) XLA takes 1.5-1.7x its time;
+# at Gemma-3-1B's D 1,152 (V 262,144) 1.77x the forward; at Llama-3.2-1B's D 2,048 1.49x
+# the forward and 1.04x the whole update. At D 3,584 the forward still pays (1.35x), but
+# neither its backward nor a step has been measured there.
+MAX_HIDDEN = 2048
 
 
 @dataclasses.dataclass(frozen=True)

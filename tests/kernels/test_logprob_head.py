@@ -274,6 +274,8 @@ def test_choice_and_errors(monkeypatch):
     assert hk.choose_impl("auto", 896) == "mosaic"
     assert hk.choose_impl("auto", 896, with_entropy=False) == "mosaic"  # pays there too
     assert hk.choose_impl("auto", 30) == "xla"  # not whole k steps
+    # Gemma-3-1B's and Llama-3.2-1B's hidden sizes, up to MAX_HIDDEN: measured to pay.
+    assert hk.choose_impl("auto", 1152) == hk.choose_impl("auto", 2048) == "mosaic"
     assert hk.choose_impl("auto", 3584) == "xla"  # above MAX_HIDDEN: not measured
     assert hk.choose_impl("mosaic", 3584) == "mosaic"
     # float32 compute (the arithmetic configs): wgmma transposes only 16-bit operands and

@@ -61,6 +61,12 @@ def base_config() -> ml_collections.ConfigDict:
     # decoding, a second copy of those kernels meanwhile) or unmerged (x W + (x A) B at
     # every decode step; no copy, for when memory is tight).
     c.model.lora_rollout = "merged"
+    # Attention of the training passes (prefills, log-prob, value and update passes):
+    # auto (cuDNN flash attention on a GPU for bfloat16/float16 with a head_dim it takes,
+    # up to 256 on Hopper and 128 before, and no attention soft-cap; Pallas splash
+    # attention on a TPU for head_dim a multiple of 128; else XLA), xla, cudnn or splash
+    # (forced; off a TPU splash runs in Pallas' interpret mode, for tests).
+    c.model.attention_impl = "auto"
     # Cache write and attention of decode steps: auto (one Pallas kernel on its Mosaic
     # GPU backend that writes the new key/value and attends over the filled cache slots,
     # on a Hopper GPU with a bfloat16/float16 cache; else XLA), xla or mosaic (the

@@ -509,8 +509,7 @@ class ModelSettings:
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
         num_experts, num_experts_per_tok, moe_intermediate_size: the preset's overrides;
         None keeps the preset's value.
-      attention_impl: `model.attention_impl` where a config adds the key (None: it does
-        not); only checked against runs in one program.
+      attention_impl: the training passes' attention.
     """
 
     path: str | None
@@ -535,7 +534,7 @@ class ModelSettings:
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
-    attention_impl: str | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.path and not os.path.isdir(os.path.expanduser(self.path)):
@@ -551,6 +550,7 @@ class ModelSettings:
         """The `ModelConfig` fields the config sets besides the architecture and the
         parameters' dtype."""
         return {"dtype": self.dtype, "remat": self.remat,
+                "attention_impl": self.attention_impl,
                 "decode_attention_impl": self.decode_attention_impl,
                 "logprob_impl": self.logprob_impl,
                 "fuse_decode_projections": self.fuse_decode_projections,
@@ -1292,6 +1292,9 @@ def _check_model(config) -> None:
         _lora(config, "model")
         _choice("model.lora_rollout", _get(config, "model.lora_rollout"),
                 model_config.LORA_ROLLOUTS)
+    if "attention_impl" in config.model:
+        _choice("model.attention_impl", config.model.attention_impl,
+                model_config.ATTENTION_IMPLS)
     if config.model.get("decode_attention_impl") == "pallas":
         _fail("model.decode_attention_impl", "'pallas' (the decode attention's Triton kernel) "
               "was replaced by its port to Pallas' Mosaic GPU backend, 'mosaic' (Hopper GPUs): "
@@ -1451,7 +1454,7 @@ def _model(config) -> ModelSettings:
         lora_alpha=float(get("lora_alpha", 16.0)),
         lora_targets=get("target_modules", "all-linear"),
         lora_rollout=get("lora_rollout", "merged"),
-        attention_impl=get("attention_impl"), **{name: model[name] for name in overrides})
+        attention_impl=get("attention_impl", "auto"), **{name: model[name] for name in overrides})
 
 
 def _data(config) -> DataSettings:

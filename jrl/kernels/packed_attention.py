@@ -116,8 +116,10 @@ def cudnn_head_dim(head_dim: int) -> bool:
 
 
 def _hopper() -> bool:
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
-    return int(str(capability).split(".")[0]) >= 9
+    """A CUDA GPU of compute capability 9 or later (False elsewhere: other backends, and
+    GPUs whose capability is no CUDA version, as ROCm's `gfx...`)."""
+    major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
+    return major.isdigit() and int(major) >= 9
 
 
 def attend(q_btnh, k_btkh, v_btkh, segments: Segments, impl: str = "auto", *,

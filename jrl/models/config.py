@@ -152,7 +152,7 @@ class ModelConfig:
         Mosaic GPU backend).
       logprob_impl: the unembedding and log-softmax of the log-prob passes: "auto"
         (the Pallas kernel of `jrl.kernels.logprob_head`, on Pallas' Mosaic GPU backend,
-        on Hopper GPUs for hidden sizes up to 1,024; else XLA), "xla" (chunked float32
+        on Hopper GPUs for hidden sizes up to 2,048; else XLA), "xla" (chunked float32
         logits) or "mosaic" (the kernel, forced; a ConfigError where jax lacks Mosaic
         GPU).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection

@@ -37,6 +37,7 @@ _CHOICES = {
     "reward.on_error": (scoring.ON_ERROR, {}),
     "reward_model.truncation": (reward_model.TRUNCATION, {}),
     "model.remat": (model_config.REMAT_POLICIES, {}),
+    "model.attention_impl": (model_config.ATTENTION_IMPLS, {}),
     "trainer.nan_policy": (settings.NAN_POLICIES, {}),
 }
 
@@ -69,6 +70,17 @@ def test_model_dtype_is_a_model_dtype_but_float16():
         _settings(**{"model.dtype": "float16"})
     with pytest.raises(ConfigError, match=r"^model\.dtype: 'float8' is not valid"):
         _settings(**{"model.dtype": "float8"})
+
+
+def test_model_kernel_keys_reach_the_model():
+    """`model.attention_impl`, `decode_attention_impl` and `logprob_impl` set in a config
+    are the built `ModelConfig`'s (the fields `ModelSettings.config_fields` hands on)."""
+    fields = _settings(**{"model.attention_impl": "xla", "model.decode_attention_impl": "xla",
+                          "model.logprob_impl": "xla"}).experiment.model.config_fields()
+    built = model_config.ModelConfig.preset("tiny", **fields)
+    assert (built.attention_impl, built.decode_attention_impl, built.logprob_impl) == \
+        ("xla", "xla", "xla")
+    assert _settings().experiment.model.config_fields()["attention_impl"] == "auto"
 
 
 def test_pallas_names_what_replaced_the_triton_kernels():

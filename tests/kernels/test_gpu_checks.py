@@ -1,7 +1,9 @@
 """The kernels at the models' real sizes, compiled on a GPU, against XLA: the decode step's
 Mosaic GPU kernel at the presets' head shapes and caches (and the new token at the cache's
 edges), the log-prob head's Mosaic GPU kernel forward and backward at Qwen2.5-0.5B's head
-(D 896, V 151,936, tied, bf16), and cuDNN's packed causal attention. Skipped off a GPU:
+(D 896, V 151,936, tied, bf16) and Gemma-3-1B's (D 1,152, V 262,144), and cuDNN's
+attention (packed, windowed and masked) at Qwen2.5-0.5B's and Gemma-3-1B's heads (head_dim
+256 on Hopper). Skipped off a GPU:
 tests/kernels/test_decode_attention.py and test_logprob_head.py run the same kernels in
 interpret mode at toy sizes; the timings of these shapes are experiments/bench_*.py's.
 

@@ -55,15 +55,19 @@ from jrl.rollout import sampler
 from jrl.sharding import constrain
 
 
-def shape(sampling, num_rows: int, prompt_len: int, steps: int | None = None
-          ) -> dict[str, int]:
+def shape(sampling, num_rows: int, prompt_len: int, steps: int | None = None,
+          max_tokens: int | None = None) -> dict[str, int]:
     """The paged program's sizes for `num_rows` rows of prompts `P = prompt_len` drawing
     `steps` tokens each (None: R): slots per row (`P + steps`), pages per row, decode
-    slots, pool pages (the trash page included) and rows per refill."""
+    slots, pool pages (the trash page included) and rows per refill. `max_tokens`: the
+    most real tokens a row holds (None: its slots), which sizes the default pool: pages
+    hold real tokens only, so a continued row, whose prompt width pads its tokens so far
+    to the round's prefix width, never holds more than its prompt and R tokens."""
     slots = prompt_len + (sampling.max_new_tokens if steps is None else steps)
     per_row = -(-slots // sampling.page_size)
+    held = -(-min(slots, max_tokens or slots) // sampling.page_size)
     seqs = min(sampling.max_num_seqs or num_rows, num_rows)
-    pages = sampling.num_pages or seqs * per_row + 1
+    pages = sampling.num_pages or seqs * held + 1
     # At least two rows a refill: each refill is a prefill program of its own, and on
     # XLA:CPU a one-row matmul rounds otherwise than the same row among others.
     refill = min(sampling.refill_rows or max(2, seqs // 8), seqs)
@@ -144,6 +148,8 @@ class Rows:
     out_lengths: jax.Array  # int32 [N]: each row's length, unless it stops earlier
     finished: jax.Array  # bool [N]
     steps: int = flax.struct.field(pytree_node=False)
+    # The most real tokens a row holds (0: its P + steps slots); sizes the default pool.
+    max_tokens: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def generate_program(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig
@@ -182,7 +188,8 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: sampler.Prefix,
         prefix.responses, prefix.log_probs, lengths, begun, done, steps, sampling)
     rows = Rows(ids=ids, mask=mask, keys=prefix.keys, offsets=lengths, pending=~done,
                 responses=responses, log_probs=log_probs, out_lengths=out_lengths,
-                finished=done, steps=steps)
+                finished=done, steps=steps,
+                max_tokens=prompt_ids.shape[1] + sampling.max_new_tokens)
     state = run_rows(params, rows, sampling=sampling, config=config)
     return _output(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32),
                    state).replace(finished=state.finished)
@@ -209,7 +216,7 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
 def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
     """Samples `rows` over the paged cache: the final state (see `run`)."""
     num_rows, prompt_len = rows.ids.shape
-    sizes = shape(sampling, num_rows, prompt_len, rows.steps)
+    sizes = shape(sampling, num_rows, prompt_len, rows.steps, rows.max_tokens or None)
     params = sampler.per_layer(params, config)
     seqs, per_row, slots = sizes["seqs"], sizes["pages_per_row"], sizes["slots"]
     pool_k, pool_v = init_pool(config, sizes["pages"], sampling.page_size)

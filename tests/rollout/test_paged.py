@@ -109,6 +109,10 @@ def test_paged_rollouts_equal_the_contiguous_samplers(params, prompts, name, set
 # (name, paged settings): eight rows continued four tokens a call, three calls.
 CONTINUED = [
     ("whole_pool", dict(page_size=4, decode_buckets=2)),
+    # Each call's prefix padded to R, as the trainer's prefix widths pad a row's tokens
+    # so far: its P + R + 4 slots are more than a row's P + R real tokens, which size
+    # the pool (`paged.shape`'s max_tokens).
+    ("whole_pool_padded", dict(page_size=4, decode_buckets=2)),
     # Four decode slots refilled two rows at a time from the rows that wait.
     ("refill", dict(max_num_seqs=4, refill_rows=2, page_size=4)),
     # A pool of little more than one row at full length (7 + 12 slots in pages of 2, and
@@ -153,11 +157,14 @@ def test_rows_continued_over_paged_calls_draw_the_tokens_of_one_call(params, nam
                                       np.asarray(prefix.responses)[was_finished])
         preempted += int(np.asarray(out.preemptions).sum())
         assert 0 < float(np.asarray(out.page_usage)[0]) <= 1
-        width = int(lengths[~was_finished].max())
+        width = NUM_NEW if name.endswith("padded") else int(lengths[~was_finished].max())
         prefix = sampler.Prefix(out.responses[:, :width], out.rollout_log_probs[:, :width],
                                 out.response_lengths, out.finished, prefix.keys)
     assert finished.all()
     assert (preempted > 0) == (name == "preempt")
+    if name == "whole_pool_padded":  # 8 rows of 7 + 12 tokens in pages of 4, not 7 + 12 + 4
+        assert paged.shape(sampling, 8, 7 + NUM_NEW, 4, 7 + NUM_NEW)["pages"] == 8 * 5 + 1
+        assert paged.shape(sampling, 8, 7 + NUM_NEW, 4)["pages"] == 8 * 6 + 1
     for field in ("prompt_ids", "prompt_mask", "responses", "response_mask",
                   "response_lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(out, field))[:6],

@@ -61,8 +61,8 @@ Array = jax.Array
 # `auto` takes the kernel up to this hidden size, where it was measured to pay (one H100;
 # XLA's chunked logits against it): at D 896 (Qwen2.5-0.5B) XLA takes 1.5-1.7x its time;
 # at Gemma-3-1B's D 1,152 (V 262,144) 1.77x the forward; at D 2,048 (V 151,936) 1.49x the
-# forward, and Llama-3.2-1B's update (D 2,048) 1.04x. At D 3,584 the forward still pays (1.35x), but
-# neither its backward nor a step has been measured there.
+# forward, and Llama-3.2-1B's update (D 2,048) 1.04x. At D 3,584 the forward still pays
+# (1.35x), but neither its backward nor a step has been measured there.
 MAX_HIDDEN = 2048
 
 

@@ -60,7 +60,7 @@ def shape(sampling, num_rows: int, prompt_len: int, steps: int | None = None,
     """The paged program's sizes for `num_rows` rows of prompts `P = prompt_len` drawing
     `steps` tokens each (None: R): slots per row (`P + steps`), pages per row, decode
     slots, pool pages (the trash page included) and rows per refill. `max_tokens`: the
-    most real tokens a row holds (None: its slots), which sizes the default pool: pages
+    most real tokens a row holds (None or 0: its slots), which sizes the default pool: pages
     hold real tokens only, so a continued row, whose prompt width pads its tokens so far
     to the round's prefix width, never holds more than its prompt and R tokens."""
     slots = prompt_len + (sampling.max_new_tokens if steps is None else steps)
@@ -216,7 +216,7 @@ def run(params, prompt_ids, prompt_mask, rng, *, sampling, config: ModelConfig):
 def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
     """Samples `rows` over the paged cache: the final state (see `run`)."""
     num_rows, prompt_len = rows.ids.shape
-    sizes = shape(sampling, num_rows, prompt_len, rows.steps, rows.max_tokens or None)
+    sizes = shape(sampling, num_rows, prompt_len, rows.steps, rows.max_tokens)
     params = sampler.per_layer(params, config)
     seqs, per_row, slots = sizes["seqs"], sizes["pages_per_row"], sizes["slots"]
     pool_k, pool_v = init_pool(config, sizes["pages"], sampling.page_size)

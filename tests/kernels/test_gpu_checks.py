@@ -293,6 +293,28 @@ def _segment_ids(rows, length, lengths):
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "gemma-3-1b": (4, 1, 256)}
 
 
+def _skip_unless_cudnn_takes(head_dim):
+    if not packed_attention.cudnn_head_dim(head_dim):
+        pytest.skip(f"cuDNN takes head_dim {head_dim} on Hopper only")
+
+
+def _cudnn_errors(attend, q, k, v, used, cotangent) -> list[float]:
+    """Relative errors of `attend(impl, q, k, v)` with impl "cudnn" (the bf16 operands,
+    jitted) against "xla" in float32: the outputs at the `used` slots, then the gradients
+    by q, k and v of their sum weighted by `cotangent`."""
+    def loss(impl, q, k, v):
+        out = attend(impl, q, k, v).astype(jnp.float32)
+        return jnp.sum(jnp.where(used, out * cotangent, 0))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    got = jax.jit(functools.partial(attend, "cudnn"))(q, k, v)
+    want = attend("xla", *f32)
+    grads = jax.jit(jax.grad(functools.partial(loss, "cudnn"), argnums=(0, 1, 2)))(q, k, v)
+    grads_want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*f32)
+    errors = [_rel(jnp.where(used, got, 0), jnp.where(used, want, 0))]
+    return errors + [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+
+
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("rows,length,lengths", [
     (1, 256, [[100, 130]]),
@@ -303,8 +325,7 @@ def test_cudnn_packed_attention_matches_xla(rows, length, lengths, heads):
     """cuDNN's packed layout (bf16, the models' heads) against the float32 XLA reference:
     the outputs at used slots and the gradients of a weighted sum of them."""
     n, kv, h = HEADS[heads]
-    if not packed_attention.cudnn_head_dim(h):
-        pytest.skip(f"cuDNN takes head_dim {h} on Hopper only")
+    _skip_unless_cudnn_takes(h)
     seg = _segment_ids(rows, length, lengths)
     segments = packed_attention.segments(seg, 8)
     rng = np.random.default_rng(0)
@@ -312,18 +333,8 @@ def test_cudnn_packed_attention_matches_xla(rows, length, lengths, heads):
     k, v = (jnp.asarray(rng.normal(size=(rows, length, kv, h)), jnp.bfloat16) for _ in range(2))
     used = (seg > 0)[:, :, None, None]
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-
-    def loss(impl, q, k, v):
-        out = packed_attention.attend(q, k, v, segments, impl).astype(jnp.float32)
-        return jnp.sum(jnp.where(used, out * cotangent, 0))
-
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    want = packed_attention.attend(*f32, segments, "xla")
-    got = jax.jit(lambda *a: packed_attention.attend(*a, segments, "cudnn"))(q, k, v)
-    grads_want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*f32)
-    grads = jax.jit(jax.grad(functools.partial(loss, "cudnn"), argnums=(0, 1, 2)))(q, k, v)
-    errors = [_rel(jnp.where(used, got, 0), jnp.where(used, want, 0))]
-    errors += [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+    attend = lambda impl, *qkv: packed_attention.attend(*qkv, segments, impl)
+    errors = _cudnn_errors(attend, q, k, v, used, cotangent)
     assert max(errors) < 2e-2, errors
 
 
@@ -333,8 +344,7 @@ def test_cudnn_sliding_window_keeps_q_minus_k_below_it(window, head_dim):
     """cuDNN's `sliding_window_length` W with a query scale (Gemma's sliding layers, bf16)
     against the float32 XLA reference at windows W - 1, W and W + 1: it agrees with
     `q - k < W` only (segments shorter and longer than W; gradients too at W)."""
-    if not packed_attention.cudnn_head_dim(head_dim):
-        pytest.skip(f"cuDNN takes head_dim {head_dim} on Hopper only")
+    _skip_unless_cudnn_takes(head_dim)
     seg = _segment_ids(2, 512, [[200, 1, 311], [12, 500]])
     segments = packed_attention.segments(seg, 8)
     rng = np.random.default_rng(1)
@@ -372,10 +382,9 @@ def test_cudnn_masked_attention_matches_xla(heads):
     from jrl.models.config import ModelConfig
 
     n, kv, h = HEADS[heads]
-    if not packed_attention.cudnn_head_dim(h):
-        pytest.skip(f"cuDNN takes head_dim {h} on Hopper only")
+    _skip_unless_cudnn_takes(h)
     config = dataclasses.replace(ModelConfig.preset("tiny"), num_heads=n, num_kv_heads=kv,
-                                 head_dim=h, attention_impl="cudnn")
+                                 head_dim=h)
     length, starts = 256, np.array([0, 37, 200])
     real = jnp.asarray(np.arange(length)[None] >= starts[:, None])
     mask = transformer.attention_mask(real.astype(jnp.int32), length, None)
@@ -384,19 +393,9 @@ def test_cudnn_masked_attention_matches_xla(heads):
     k, v = (jnp.asarray(rng.normal(size=(3, length, kv, h)), jnp.bfloat16) for _ in range(2))
     used = real[:, :, None, None]
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-
-    def loss(config, q, k, v):
-        out = transformer._attend(config, q, k, v, mask).astype(jnp.float32)
-        return jnp.sum(jnp.where(used, out * cotangent, 0))
-
-    reference = dataclasses.replace(config, attention_impl="xla")
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    got = jax.jit(lambda *a: transformer._attend(config, *a, mask))(q, k, v)
-    want = transformer._attend(reference, *f32, mask)
-    grads = jax.jit(jax.grad(functools.partial(loss, config), argnums=(0, 1, 2)))(q, k, v)
-    grads_want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(*f32)
-    errors = [_rel(jnp.where(used, got, 0), jnp.where(used, want, 0))]
-    errors += [_rel(a, b) for a, b in zip(grads, grads_want, strict=True)]
+    attend = lambda impl, *qkv: transformer._attend(
+        dataclasses.replace(config, attention_impl=impl), *qkv, mask)
+    errors = _cudnn_errors(attend, q, k, v, used, cotangent)
     assert max(errors) < 2e-2, errors
 
 

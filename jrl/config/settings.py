@@ -952,13 +952,11 @@ class Settings:
                   "would leave each round gathered); set it to False or mesh.tensor to 1")
 
     def _check_paged(self) -> None:
-        """The paged cache: single-turn rollouts, and a pool that holds one row at full
-        length (`paged.check_pages`)."""
-        if self.multi_turn is not None:
-            _fail("rollout.kv_cache", "='paged' cannot be combined with "
-                  "rollout.multi_turn.enable=True (its turns keep the contiguous cache); set "
-                  "rollout.kv_cache='contiguous'")
+        """The paged cache: a pool that holds one row at full length (`paged.check_pages`),
+        and for multi-turn rollouts every row (`multi_turn.check_paged`)."""
         try:
+            if self.multi_turn is not None:
+                multi_turn.check_paged(self.rollout)
             paged.check_pages(self.rollout, self.max_prompt_length)
         except ValueError as err:
             raise ConfigError(str(err)) from None

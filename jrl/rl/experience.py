@@ -193,10 +193,16 @@ class Rollouts:
                 tools_kwargs=[(row.get("extra_info") or {}).get("tools_kwargs")
                               for row in rows],
                 put=sharder.put_batch, template=self.turns.template)
+        pages = {}
+        if out.page_usage is not None:  # the paged cache's (a multi-turn row is never preempted)
+            num_rows = out.responses.shape[0]
+            pages = dict(preemptions=np.zeros(num_rows, np.int32),
+                         page_usage=np.full(num_rows, out.page_usage, np.float32))
         rollout = types.Rollout(**sharder.put_batch(dict(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
             response_mask=out.response_mask, response_attention_mask=out.attention_mask,
-            rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None)))
+            rollout_log_probs=out.rollout_log_probs if sampling.do_sample else None,
+            **pages)))
         return Generated(rollout, out.metrics, out.reward_scores)
 
     def score(self, rows, generated: Generated, n: int) -> Callable[[], responses_lib.Scored]:

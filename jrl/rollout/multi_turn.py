@@ -48,10 +48,17 @@ import numpy as np
 from jax import lax
 
 from jrl import tools as tools_lib
-from jrl.models.cache import CACHE_LOGICAL_AXES, KVCache
+from jrl.models.cache import (
+    CACHE_LOGICAL_AXES,
+    TRASH_PAGE,
+    KVCache,
+    PagedCache,
+    init_pool,
+)
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
 from jrl.models.transformer import forward
+from jrl.rollout import paged
 from jrl.rollout.sampler import (
     SamplingConfig,
     _prefill,
@@ -83,8 +90,18 @@ class TurnState:
     seg_tokens: jax.Array  # int32 [N, R]
     seg_log_probs: jax.Array  # float32 [N, R]
     seg_len: jax.Array  # int32 [N]
-    cache: KVCache
+    cache: KVCache  # or a `PagedCache` (`rollout.kv_cache` "paged", with `pages`)
     key_mask: jax.Array  # int32 [N, S]
+    pages: Pages | None = None
+
+
+@flax.struct.dataclass
+class Pages:
+    """The page pool's free stack, with a `PagedCache` (`jrl.rollout.paged`)."""
+
+    free: jax.Array  # int32 [pages]: a stack of free pages, its first num_free entries
+    num_free: jax.Array  # int32 []
+    peak: jax.Array  # int32 []: the most pages held at once (the trash page aside)
 
 
 def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budget: int,
@@ -138,8 +155,9 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
         # A row not decoding (its turn ended, or it waits for the next segment) has its
         # outputs discarded.
         attended = decoding_mask(key_mask, state.slot, feed)
+        state, write_index = _grow(state, feed.astype(jnp.int32))
         hidden, cache = forward(params, state.last_tokens[:, None], state.positions[:, None],
-                                attended, state.cache, state.slot, config=config)
+                                attended, state.cache, write_index, config=config)
         logits = constrain(unembed(params, hidden[:, 0], softcap=config.final_logit_softcapping),
                            ("batch", None))
         state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + 1,
@@ -149,24 +167,56 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
     return lax.while_loop(going, step, state)
 
 
+def _grow(state: TurnState, count: jax.Array) -> tuple[TurnState, jax.Array]:
+    """Before writing `count [N]` tokens of each row at the write slot: with a paged cache,
+    the pages they start (the pool holds every row at full length, so there are enough),
+    and the write slot for each row; else the state and the shared write slot."""
+    if state.pages is None:
+        return state, state.slot
+    pages, cache = state.pages, state.cache
+    # A row's real tokens fill its physical slots from 0 (module docstring): the write
+    # slot's physical slot is its first new one.
+    cache, num_free = paged.take_pages(cache, pages.free, pages.num_free,
+                                       state.slot - cache.shift, count)
+    held = pages.free.shape[0] - 1 - num_free
+    pages = pages.replace(num_free=num_free, peak=jnp.maximum(pages.peak, held))
+    write_index = jnp.full(count.shape, state.slot, jnp.int32)
+    return state.replace(cache=cache, pages=pages), write_index
+
+
+def _release(state: TurnState, leaving: jax.Array) -> TurnState:
+    """With a paged cache, the pages of the rows `leaving` (`[N]`, finished) given back.
+    Their key masks stay, as a contiguous cache's finished rows keep their slots: the
+    write slot after each compaction is the same either way (the rows are never read
+    again: they attend to the new slot alone, and their outputs are dropped)."""
+    if state.pages is None:
+        return state
+    pages = state.pages
+    cache, free, num_free = paged.give_back(state.cache, pages.free, pages.num_free, leaving)
+    return state.replace(cache=cache, pages=pages.replace(free=free, num_free=num_free))
+
+
 def _compact(state: TurnState) -> TurnState:
     """Moves each row's real slots, in order, to end at `W` = the longest row; the write
-    slot becomes W."""
+    slot becomes W. A paged cache moves nothing: its rows' real tokens already fill their
+    physical slots from 0, so each row's shift becomes `W` less its tokens."""
     key_mask = state.key_mask.astype(bool)
     num_slots_ = key_mask.shape[1]
     lengths = key_mask.sum(axis=1)
     width = jnp.max(lengths)
+    dest = jnp.arange(num_slots_)[None, :]
+    new_mask = ((dest >= width - lengths[:, None]) & (dest < width)).astype(state.key_mask.dtype)
+    if state.pages is not None:
+        cache = state.cache.replace(shift=(width - lengths).astype(jnp.int32))
+        return state.replace(cache=cache, key_mask=new_mask, slot=width.astype(jnp.int32))
     # Stable: masked slots first, then the real ones in their order.
     order = jnp.argsort(key_mask, axis=1, stable=True)
-    dest = jnp.arange(num_slots_)[None, :]
     source = jnp.take_along_axis(order, jnp.clip(dest + (num_slots_ - width), 0,
                                                  num_slots_ - 1), axis=1)
-    new_mask = (dest >= width - lengths[:, None]) & (dest < width)
     gather = lambda x: constrain(
         jnp.take_along_axis(x, source[:, None, :, None], axis=2), CACHE_LOGICAL_AXES)
     cache = KVCache(k=tuple(map(gather, state.cache.k)), v=tuple(map(gather, state.cache.v)))
-    return state.replace(cache=cache, key_mask=new_mask.astype(state.key_mask.dtype),
-                         slot=width.astype(jnp.int32))
+    return state.replace(cache=cache, key_mask=new_mask, slot=width.astype(jnp.int32))
 
 
 def _new_segment(state: TurnState) -> TurnState:
@@ -192,10 +242,14 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
     repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, sampling.n, axis=0), axes)
     prompt_ids, prompt_mask = prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32)
     params = per_layer(params, config)
-    logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask,
-                                          budget + block_len, config)
-    logits, key_mask = repeat(logits_bv), repeat(key_mask)
-    cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
+    if sampling.kv_cache == "paged":
+        logits, cache, key_mask, pages = _prefill_pages(params, prompt_ids, prompt_mask,
+                                                        sampling, block_len, config)
+    else:
+        logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask,
+                                              budget + block_len, config)
+        logits, key_mask, pages = repeat(logits_bv), repeat(key_mask), None
+        cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
     num_rows, prompt_len = logits.shape[0], prompt_ids.shape[1]
     state = TurnState(
         slot=jnp.asarray(prompt_len, jnp.int32),
@@ -209,6 +263,7 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
         seg_len=jnp.zeros((num_rows,), jnp.int32),
         cache=cache,
         key_mask=key_mask,
+        pages=pages,
     )
     keys = row_keys(rng, num_rows)
     state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
@@ -216,25 +271,64 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
                            end_fraction)
 
 
-def resume(params, state: TurnState, block_ids, block_mask, added, rng, *,
+def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, block_len: int,
+                   config: ModelConfig):
+    """`start`'s prefill into a paged cache whose pool holds every row at full length (its
+    prompt and the budget R): the rows' logits `[N, V]`, the cache (the contiguous
+    cache's `S` slots and key mask `[N, S]`) and its `Pages`. As there, the B prompts are
+    prefilled once each (into a contiguous cache of B rows, so the same bits), and their
+    keys and values copied to the pages of their n rows."""
+    n, page = sampling.n, sampling.page_size
+    budget = sampling.max_new_tokens
+    repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, n, axis=0), axes)
+    logits_bv, prefilled, key_mask = _prefill(params, prompt_ids, prompt_mask,
+                                              budget + block_len, config)
+    (num_prompts, prompt_len), slots = prompt_ids.shape, key_mask.shape[1]
+    num_rows = num_prompts * n
+    num_pages = num_rows * -(-(prompt_len + budget) // page) + 1
+    pool_k, pool_v = init_pool(config, num_pages, page)
+    lengths = repeat(prompt_mask).sum(axis=1)
+    cache = PagedCache(k=pool_k, v=pool_v, num_slots=slots,
+                       block_table=jnp.full((num_rows, -(-slots // page)), TRASH_PAGE, jnp.int32),
+                       shift=prompt_len - lengths)  # the left padding
+    # Popped from the end: pages 1, 2, ... go out first.
+    free = jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
+    cache, num_free = paged.take_pages(cache, free, jnp.int32(num_pages - 1),
+                                       jnp.zeros_like(lengths), lengths)
+    start = jnp.zeros((num_rows,), jnp.int32)
+    rows_btkh = lambda x: repeat(jnp.swapaxes(x[:, :, :prompt_len], 1, 2),
+                                 ("batch", None, "kv_heads", None))
+    for layer in range(config.num_layers):
+        cache = cache.write(layer, start, *map(rows_btkh, prefilled.layer(layer)))
+    held = num_pages - 1 - num_free
+    return (repeat(logits_bv), cache, repeat(key_mask),
+            Pages(free=free, num_free=num_free, peak=held))
+
+
+def resume(params, state: TurnState, block_ids, block_mask, added, finished, rng, *,
            sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
            end_fraction: float = 1.0) -> TurnState:
-    """Appends each row's block (`[N, T]` int32, LEFT-padded: `block_mask` 1 on its real
+    """Appends each row's block (`[N, T]` int32, RIGHT-padded: `block_mask` 1 on its real
     tokens; T = `start`'s `block_len`) and decodes the next segment for the rows with a
     non-empty block. A block starts with the row's pending token (sampled, already
     counted); `added [N]` is how many of its tokens are new to the response (the tool
-    block's), which count against the budget."""
+    block's), which count against the budget. `finished [N]`: the rows that have ended
+    since the last call, whose pages a paged cache gets back."""
     budget = sampling.max_new_tokens
     params = per_layer(params, config)
-    state = _compact(_new_segment(state))
+    state = _compact(_new_segment(_release(state, finished)))
     block_mask = block_mask.astype(jnp.int32)
     num_rows, block_len = block_ids.shape
     lengths = block_mask.sum(axis=1)
+    # Right-padded, a row's block follows its tokens with no gap, so its real tokens fill
+    # slots in a row (as a paged cache keeps them) and its padding comes after them.
     key_mask = lax.dynamic_update_slice_in_dim(state.key_mask, block_mask, state.slot, axis=1)
     positions = state.positions[:, None] + jnp.maximum(jnp.cumsum(block_mask, axis=1) - 1, 0)
+    state, write_index = _grow(state, lengths)
     hidden, cache = forward(params, block_ids.astype(jnp.int32), positions, key_mask,
-                            state.cache, state.slot, config=config)
-    logits = constrain(unembed(params, hidden[:, -1], softcap=config.final_logit_softcapping),
+                            state.cache, write_index, config=config)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = constrain(unembed(params, last[:, 0], softcap=config.final_logit_softcapping),
                        ("batch", None))
     going = lengths > 0
     state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + block_len,
@@ -308,6 +402,9 @@ class MultiTurnOutput:
     reward_scores: list[dict[str, float]]
     tool_calls: np.ndarray  # int32 [N]: calls each row made (parsed, run or not)
     metrics: dict[str, float]
+    # With `rollout.kv_cache` "paged": the most pages the rows held at once, as a fraction
+    # of the pool (`rollout/page_usage`).
+    page_usage: float | None = None
 
 
 class TurnTemplate:
@@ -413,6 +510,7 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     Returns:
       `MultiTurnOutput`.
     """
+    check_paged(sampling)
     put = put or (lambda xs: jax.tree.map(jnp.asarray, xs))
     template = template or TurnTemplate(tokenizer)
     prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -431,33 +529,55 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     rows = _Conversations(prompt_ids.shape[0] * n, tools, tokenizer, template, mt)
     for row, row_id in enumerate(rows.row_ids):
         tools_lib.create_instances(tools, row_id, tools_kwargs[row // n] if tools_kwargs else None)
+    released = np.zeros(rows.num_rows, bool)  # the rows whose pages `resume` gave back
     while True:
         blocks, pending_calls = rows.read_segment(state)
         blocks.update(rows.answer_calls(pending_calls, sampling.max_new_tokens, block_len))
         if not blocks:
             break
-        state = resume_program(params, state, *put(_block_arrays(blocks, rows.num_rows,
-                                                                block_len, sampling)),
-                               rng, **program)
+        ended, released = rows.finished & ~released, rows.finished.copy()
+        state = resume_program(params, state, *put((*_block_arrays(
+            blocks, rows.num_rows, block_len, sampling), ended)), rng, **program)
+    page_usage = None
+    if state.pages is not None:  # the most pages held at once, of the pool's (trash aside)
+        page_usage = float(state.pages.peak) / (state.pages.free.shape[0] - 1)
     tool_rewards = rows.release(tools)
     out = _assemble(rows.tokens, rows.trained, rows.log_probs, sampling.max_new_tokens,
                     sampling.pad_token_id)
     return MultiTurnOutput(np.repeat(prompt_ids, n, axis=0).astype(np.int32),
                            np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
                            tool_rewards=tool_rewards, reward_scores=rows.reward_scores,
-                           tool_calls=rows.calls_per_row, metrics=rows.metrics())
+                           tool_calls=rows.calls_per_row, metrics=rows.metrics(),
+                           page_usage=page_usage)
+
+
+def check_paged(sampling: SamplingConfig) -> None:
+    """Multi-turn rollouts on the paged cache decode every row at once over a pool that
+    holds each at full length: a row keeps its pages until it ends, and cannot be sent
+    back to start over (its tools have run). Stops on the keys that would size it
+    otherwise."""
+    if sampling.kv_cache != "paged":
+        return
+    for key in ("num_pages", "max_num_seqs"):
+        if getattr(sampling, key):
+            raise ValueError(
+                f"rollout.{key}={getattr(sampling, key)} is not supported with "
+                "rollout.multi_turn.enable=True: a multi-turn row keeps its pages from its "
+                "prompt to its end and cannot be preempted (its tools have run), so the "
+                "paged cache decodes every row at once over a pool of every row at full "
+                f"length; set rollout.{key}=0")
 
 
 def _block_arrays(blocks: dict[int, tuple[list[int], int]], num_rows: int, block_len: int,
                   sampling: SamplingConfig):
     """The next `resume`'s operands from `blocks` (row -> (token ids, tool tokens among
-    them)): `[N, block_len]` left-padded ids and mask, and `[N]` tool tokens added."""
+    them)): `[N, block_len]` right-padded ids and mask, and `[N]` tool tokens added."""
     block_ids = np.full((num_rows, block_len), sampling.pad_token_id, np.int32)
     block_mask = np.zeros((num_rows, block_len), np.int32)
     added = np.zeros(num_rows, np.int32)
     for row, (ids, count) in blocks.items():
-        block_ids[row, block_len - len(ids):] = ids
-        block_mask[row, block_len - len(ids):] = 1
+        block_ids[row, :len(ids)] = ids
+        block_mask[row, :len(ids)] = 1
         added[row] = count
     return block_ids, block_mask, added
 

@@ -464,19 +464,39 @@ def _preempt(ctx: _Context, state: _State) -> _State:
 
 def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
     """The slots `leaving` (bool `[M]`) emptied, their pages pushed back on the stack."""
-    table = state.cache.block_table
+    cache, free, num_free = give_back(state.cache, state.free, state.num_free, leaving)
+    return state.replace(rows=jnp.where(leaving, empty_row, state.rows),
+                         key_mask=jnp.where(leaving[:, None], 0, state.key_mask),
+                         cache=cache, free=free, num_free=num_free)
+
+
+def give_back(cache: PagedCache, free: jax.Array, num_free: jax.Array, leaving: jax.Array):
+    """The pages of the rows `leaving` (bool `[B]`) pushed back on the free stack (`free`,
+    its first `num_free` entries), their block tables emptied: `(cache, free, num_free)`."""
+    table = cache.block_table
     returned = (leaving[:, None] & (table != TRASH_PAGE)).reshape(-1)
-    at = state.num_free + jnp.cumsum(returned) - 1
-    free = state.free.at[jnp.where(returned, at, state.free.shape[0])].set(
-        table.reshape(-1), mode="drop")
-    return state.replace(
-        rows=jnp.where(leaving, empty_row, state.rows),
-        key_mask=jnp.where(leaving[:, None], 0, state.key_mask),
-        cache=state.cache.replace(block_table=jnp.where(leaving[:, None], TRASH_PAGE, table),
-                                  shift=jnp.where(leaving, 0, state.cache.shift)),
-        free=free,
-        num_free=state.num_free + jnp.sum(returned),
-    )
+    at = num_free + jnp.cumsum(returned) - 1
+    free = free.at[jnp.where(returned, at, free.shape[0])].set(table.reshape(-1), mode="drop")
+    cache = cache.replace(block_table=jnp.where(leaving[:, None], TRASH_PAGE, table),
+                          shift=jnp.where(leaving, 0, cache.shift))
+    return cache, free, num_free + jnp.sum(returned)
+
+
+def take_pages(cache: PagedCache, free: jax.Array, num_free: jax.Array, first: jax.Array,
+               count: jax.Array):
+    """Pages for each row's physical slots `[first_b, first_b + count_b)` (`[B]` each), for
+    rows that hold the pages of their slots below `first_b` and none after: those it
+    lacks, popped from the free stack's top in row order. The caller makes sure there
+    are enough. Returns `(cache, num_free)`."""
+    page = cache.page_size
+    held = -(-first // page)
+    need = jnp.where(count > 0, -(-(first + count) // page) - held, 0)
+    start = num_free - jnp.cumsum(need)
+    table = cache.block_table
+    j = jnp.arange(table.shape[1])[None, :] - held[:, None]  # the row's new pages from 0
+    new = (j >= 0) & (j < need[:, None])
+    table = jnp.where(new, free[jnp.clip(start[:, None] + j, 0, free.shape[0] - 1)], table)
+    return cache.replace(block_table=table), num_free - jnp.sum(need)
 
 
 def _take(ctx: _Context, state: _State, tokens, log_probs, active) -> _State:

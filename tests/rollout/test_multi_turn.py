@@ -1,6 +1,7 @@
 """Multi-turn rollouts: the kept cache gives the log-probs of the whole row, and the
 rows' tokens and masks are the chat template applied to the whole conversation."""
 
+import dataclasses
 import re
 import types
 
@@ -12,6 +13,7 @@ import pytest
 from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer, HFTokenizer
 from jrl.models import ModelConfig, init_params
+from jrl.models.cache import TRASH_PAGE
 from jrl.rl import logprobs
 from jrl.rollout import multi_turn
 from jrl.rollout.sampler import SamplingConfig
@@ -150,6 +152,105 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
         np.testing.assert_array_equal(getattr(plain, field), getattr(out, field), err_msg=field)
 
 
+# (stop characters, model, page size): turns ended at a frequent token (several turns a
+# row, rows finishing in between); at a rare one (rows cut by the cache's end mid-turn);
+# adapters applied at every step (LoRA, unmerged); Gemma's soft-capping and sliding-window
+# layers; pages of one slot.
+PAGED_CASES = [("aeiou\n", "tiny", 8), ("a\n", "tiny", 16), ("aeiou\n", "lora", 4),
+               ("aeiou\n", "gemma", 8), ("e\n", "tiny", 1)]
+
+
+@pytest.mark.parametrize("stop_chars,model,page_size", PAGED_CASES,
+                         ids=["turns", "cache_cuts", "lora", "gemma", "page_of_one"])
+def test_paged_multi_turn_rollouts_equal_the_contiguous_caches(monkeypatch, stop_chars, model,
+                                                               page_size):
+    """`rollout.kv_cache=paged`: the contiguous cache's rollout bit for bit on XLA:CPU
+    (tokens, masks, log-probs, turns). After every program the pool's pages are split
+    exactly between the free stack and the rows still going, each of which holds the
+    pages of its real tokens (its key mask), and no finished row holds one."""
+    from tests.models.test_lora import _randomise_b
+    if model == "gemma":
+        config = dataclasses.replace(
+            ModelConfig.preset("tiny-gemma"), vocab_size=CHAR.vocab_size, hidden_size=32,
+            intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+            sliding_window=5, decode_attention_impl="xla")
+    else:
+        config = _tiny_model(decode_attention_impl="xla",
+                             **(dict(lora_rank=4, lora_alpha=8.0) if model == "lora" else {}))
+    params = init_params(config, jax.random.key(1))
+    if model == "lora":
+        params = _randomise_b(params, 2)
+    monkeypatch.setattr(tools_lib, "parse_tool_calls",
+                        lambda text, fmt: ([tools_lib.ToolCall("echo", {})], []))
+    mt = multi_turn.MultiTurnConfig(max_assistant_turns=6, max_user_turns=6,
+                                    max_tool_response_tokens=24,
+                                    turn_stop_ids=tuple(CHAR.encode(stop_chars)))
+    ids, mask = _prompts(["User: hi\nAssistant: ", "User: 12*3?\nAssistant: ", "Hi"], 24)
+    contiguous = SamplingConfig(n=2, max_new_tokens=100, stop_token_ids=(CHAR.eos_token_id,),
+                                pad_token_id=CHAR.pad_token_id)
+    run = lambda sampling: multi_turn.generate(
+        params, ids, mask, jax.random.key(7), sampling=sampling, config=config,
+        tokenizer=CHAR, tools={"echo": _Echo({}, _ECHO_SCHEMA)}, mt=mt)
+    want = run(contiguous)
+    states, jit_sampler = [], multi_turn.jit_sampler
+
+    def recorded(fun, sampling, **kwargs):  # each program's state, and the rows ended
+        program = jit_sampler(fun, sampling, **kwargs)
+
+        def call(*args, **kw):
+            state = program(*args, **kw)
+            ended = args[5] if fun is multi_turn.resume else None
+            states.append((jax.device_get(state), None if ended is None else np.asarray(ended)))
+            return state
+        return call
+
+    monkeypatch.setattr(multi_turn, "jit_sampler", recorded)
+    got = run(dataclasses.replace(contiguous, kv_cache="paged", page_size=page_size))
+    for field in ("responses", "response_mask", "attention_mask", "rollout_log_probs",
+                  "tool_calls", "tool_rewards"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    timed = lambda metrics: {k: v for k, v in metrics.items() if "latency" not in k}
+    assert timed(got.metrics) == timed(want.metrics) and want.page_usage is None
+    assert want.metrics["multi_turn/segments"] >= 3
+    if stop_chars == "a\n":
+        assert want.metrics["multi_turn/cache_cuts"] > 0
+    num_rows, prompt_len = 6, 24
+    num_pages = num_rows * -(-(prompt_len + 100) // page_size) + 1
+    finished, peak = np.zeros(num_rows, bool), 0
+    for state, ended in states:
+        if ended is not None:
+            finished |= ended
+        pages = state.pages
+        assert pages.free.shape == (num_pages,)
+        table = state.cache.block_table
+        held = [set(row[row != TRASH_PAGE].tolist()) for row in table]
+        free = set(pages.free[:pages.num_free].tolist())
+        assert len(free) == pages.num_free and TRASH_PAGE not in free
+        assert sum(map(len, held)) + len(free) == num_pages - 1
+        assert set().union(free, *held) == set(range(1, num_pages))
+        tokens = state.key_mask.sum(axis=1)
+        for row in range(num_rows):
+            want_pages = 0 if finished[row] else -(-int(tokens[row]) // page_size)
+            assert len(held[row]) == want_pages, (row, held[row], tokens[row])
+        peak = max(peak, num_pages - 1 - int(pages.num_free))
+        assert pages.peak >= peak
+    assert finished.any()  # some rows gave their pages back before the rollout ended
+    assert got.page_usage == states[-1][0].pages.peak / (num_pages - 1)
+    assert 0 < got.page_usage <= 1
+
+
+def test_paged_multi_turn_needs_every_row_at_full_length():
+    """A pool sized by `rollout.num_pages`, or fewer decode slots than rows, would need
+    to preempt a row whose tools have run: stopped, naming the key."""
+    for key in ("num_pages", "max_num_seqs"):
+        sampling = SamplingConfig(n=2, max_new_tokens=100, kv_cache="paged", **{key: 40})
+        with pytest.raises(ValueError, match=f"rollout.{key}=40 is not supported with "
+                                             "rollout.multi_turn.enable=True"):
+            multi_turn.generate(None, np.ones((1, 4), np.int32), np.ones((1, 4), np.int32),
+                                jax.random.key(0), sampling=sampling, config=None,
+                                tokenizer=CHAR, tools={}, mt=multi_turn.MultiTurnConfig())
+
+
 def _runs(flags):
     """(start, end) of each run of True in `flags`."""
     edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
@@ -210,14 +311,14 @@ def _scripted(monkeypatch, turns_per_row):
         used = used + lengths
         return types.SimpleNamespace(
             k=k, seg_tokens=seg, seg_log_probs=np.full(seg.shape, -0.5, np.float32),
-            seg_len=lengths, turn_ended=lengths > 0, active=np.zeros(num_rows, bool),
+            seg_len=lengths, turn_ended=lengths > 0, active=np.zeros(num_rows, bool), pages=None,
             used=used, last_tokens=np.asarray([t[min(k, len(t) - 1)][-1]
                                                for t in turns_per_row], np.int32))
 
     def start(params, ids, mask, rng, **kw):
         return segment(0, len(turns_per_row), np.zeros(len(turns_per_row), np.int32))
 
-    def resume(params, state, block_ids, block_mask, added, rng, **kw):
+    def resume(params, state, block_ids, block_mask, added, finished, rng, **kw):
         blocks.append((np.asarray(block_ids), np.asarray(block_mask), np.asarray(added)))
         return segment(state.k + 1, len(turns_per_row), state.used + added)
 

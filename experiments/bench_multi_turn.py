@@ -9,7 +9,16 @@ until the budget is spent, so both fill about B x R response slots; the multi-tu
 rows also pay for their idle slots (a segment lasts until its longest turn ends),
 the compaction of the cache and the host round trips between segments.
 
+With `--end-prob p` a turn makes no call with probability p (decided by a hash of its
+text, so the same in every run), which ends its row: rows of unlike lengths, as real
+conversations are. `--caches` runs the multi-turn rows on either KV cache: "paged" on
+a pool of every row at full length, "paged:F" on F of it (rows preempted when it runs
+short), each with the pool's use, its preemptions and its bytes beside the contiguous
+cache's.
+
     python experiments/bench_multi_turn.py --preset qwen2.5-0.5b --batch 256 --out F.json
+    python experiments/bench_multi_turn.py --budget 512 --end-prob 0.3 --end-fractions 0.5 \
+        --caches contiguous paged paged:0.5 --no-single
 
 Prints one table; `--out` writes the rows as JSON.
 """
@@ -17,8 +26,10 @@ Prints one table; `--out` writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +39,7 @@ import results_json  # this folder is on the path when a script here runs
 from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer
 from jrl.models import ModelConfig, init_params
-from jrl.rollout import multi_turn, sampler
+from jrl.rollout import multi_turn, paged, sampler
 
 
 class _AnyIdTokenizer(CharTokenizer):
@@ -59,6 +70,12 @@ def main():
     p.add_argument("--block-tokens", type=int, default=24, help="tokens of each tool block")
     p.add_argument("--end-fractions", type=float, nargs="+", default=[1.0, 0.5],
                    help="multi-turn rows, one per rollout.multi_turn.segment_end_fraction")
+    p.add_argument("--end-prob", type=float, default=0.0,
+                   help="chance that a turn makes no call (ending its row)")
+    p.add_argument("--caches", nargs="+", default=["contiguous"],
+                   help="the multi-turn rows' KV caches: contiguous, paged, paged:F")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-single", action="store_true", help="skip the single-turn row")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -74,7 +91,13 @@ def main():
     text = "x" * max(args.block_tokens - len("\nTool: \nAssistant: "), 1)
     tools = {"echo": _Echo(text)}
     tools_lib_parse = tools_lib.parse_tool_calls
-    tools_lib.parse_tool_calls = lambda turn, fmt: ([tools_lib.ToolCall("echo", {})], [])
+
+    def call_or_end(turn, fmt):
+        if zlib.crc32(turn.encode()) / 2**32 < args.end_prob:
+            return [], []
+        return [tools_lib.ToolCall("echo", {})], []
+
+    tools_lib.parse_tool_calls = call_or_end
     stops = tuple(range(config.vocab_size - config.vocab_size // args.turn_len,
                         config.vocab_size))
     sampling = sampler.SamplingConfig(n=1, max_new_tokens=args.budget, pad_token_id=0)
@@ -89,16 +112,37 @@ def main():
         jax.block_until_ready(out.responses)
         return {"tokens": args.batch * args.budget, "model_tokens": args.batch * args.budget}
 
-    def run_multi(key, mt):
+    block = args.block_tokens + 9  # `max_tool_response_tokens` + 1
+    slots = sampler.cache_slots(config, args.prompt_len + args.budget + block)
+    cache_bytes = (2 * config.num_layers * args.batch * config.num_kv_heads * slots
+                   * config.head_dim * jnp.dtype(config.dtype).itemsize)
+
+    def cache_sampling(cache):
+        if cache == "contiguous":
+            return sampling
+        full = dataclasses.replace(sampling, kv_cache="paged", page_size=args.page_size)
+        pages = paged.shape(full, args.batch, args.prompt_len)["pages"]
+        fraction = float(cache.split(":")[1]) if ":" in cache else 1.0
+        return dataclasses.replace(full, num_pages=0 if fraction == 1 else
+                                   max(int(fraction * (pages - 1)), 1) + 1)
+
+    def run_multi(key, mt, sampling):
         out = multi_turn.generate(params, ids, mask, key, sampling=sampling, config=config,
                                   tokenizer=tok, tools=tools, mt=mt)
+        pages = {}
+        if out.page_usage is not None:
+            pool = paged.pool_bytes(sampling, config, args.batch, args.prompt_len)
+            pages = {"page_usage": out.page_usage, "preemptions": int(out.preemptions.sum()),
+                     "cache_gib": pool / 2**30}
         return {"tokens": int(out.attention_mask.sum()),
-                "model_tokens": int(out.response_mask.sum()), **out.metrics}
+                "model_tokens": int(out.response_mask.sum()),
+                "cache_gib": cache_bytes / 2**30, **pages, **out.metrics}
 
     rows = []
-    runs = [("single-turn", run_single)] + [
-        (f"multi-turn, end fraction {f:g}", lambda key, mt=mt: run_multi(key, mt))
-        for f, mt in mts.items()]
+    runs = [] if args.no_single else [("single-turn", run_single)]
+    runs += [(f"multi-turn, end fraction {f:g}, {cache} cache",
+              lambda key, mt=mt, s=cache_sampling(cache): run_multi(key, mt, s))
+             for f, mt in mts.items() for cache in args.caches]
     for name, fn in runs:
         start = time.perf_counter()
         fn(jax.random.key(99))
@@ -116,14 +160,18 @@ def main():
     tools_lib.parse_tool_calls = tools_lib_parse
 
     print(f"\n{args.preset} bf16, B={args.batch}, P={args.prompt_len}, R={args.budget}, "
-          f"turns ~{args.turn_len} tokens, tool blocks {args.block_tokens} tokens; "
+          f"turns ~{args.turn_len} tokens, tool blocks {args.block_tokens} tokens, "
+          f"rows end after a turn with chance {args.end_prob:g}; "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}\n")
-    print("| sampler | s | response tokens/s (all) | model tokens/s | turns/row | segments |")
-    print("|---|---|---|---|---|---|")
+    print("| sampler | s | response tokens/s (all) | model tokens/s | turns/row | segments "
+          "| cache GiB | page usage | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        usage = f"{r['page_usage']:.3f}" if "page_usage" in r else "-"
         print(f"| {r['sampler']} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"{r['model_tokens_per_s']:,.0f} | {r.get('num_turns/mean', 1):.1f} | "
-              f"{r.get('multi_turn/segments', 1):.0f} |")
+              f"{r.get('multi_turn/segments', 1):.0f} | {r.get('cache_gib', 0):.2f} | "
+              f"{usage} | {r.get('preemptions', '-')} |")
     results_json.write(args.out, args=vars(args), rows=rows)
 
 

@@ -953,7 +953,7 @@ class Settings:
 
     def _check_paged(self) -> None:
         """The paged cache: a pool that holds one row at full length (`paged.check_pages`),
-        and for multi-turn rollouts every row (`multi_turn.check_paged`)."""
+        and for multi-turn rollouts every row decoded at once (`multi_turn.check_paged`)."""
         try:
             if self.multi_turn is not None:
                 multi_turn.check_paged(self.rollout)

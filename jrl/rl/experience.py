@@ -194,10 +194,9 @@ class Rollouts:
                               for row in rows],
                 put=sharder.put_batch, template=self.turns.template)
         pages = {}
-        if out.page_usage is not None:  # the paged cache's (a multi-turn row is never preempted)
-            num_rows = out.responses.shape[0]
-            pages = dict(preemptions=np.zeros(num_rows, np.int32),
-                         page_usage=np.full(num_rows, out.page_usage, np.float32))
+        if out.page_usage is not None:  # the paged cache's
+            pages = dict(preemptions=out.preemptions.astype(np.int32),
+                         page_usage=np.full(len(out.preemptions), out.page_usage, np.float32))
         rollout = types.Rollout(**sharder.put_batch(dict(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, responses=out.responses,
             response_mask=out.response_mask, response_attention_mask=out.attention_mask,

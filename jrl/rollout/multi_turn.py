@@ -97,11 +97,19 @@ class TurnState:
 
 @flax.struct.dataclass
 class Pages:
-    """The page pool's free stack, with a `PagedCache` (`jrl.rollout.paged`)."""
+    """The page pool's bookkeeping, with a `PagedCache` (`jrl.rollout.paged`)."""
 
     free: jax.Array  # int32 [pages]: a stack of free pages, its first num_free entries
     num_free: jax.Array  # int32 []
     peak: jax.Array  # int32 []: the most pages held at once (the trash page aside)
+    # Rows whose cache lacks tokens they have: not admitted yet, preempted, or between the
+    # blocks that prefill them again.
+    waiting: jax.Array  # bool [N]
+    admitted: jax.Array  # int32 [N]: admission order (the last admitted is preempted first)
+    admissions: jax.Array  # int32 []
+    preemptions: jax.Array  # int32 [N]: each row's times preempted
+    # A pool sized by `rollout.num_pages` (else every row at full length: nothing waits).
+    sized: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budget: int,
@@ -149,7 +157,8 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
                 & (jnp.sum(state.turn_ended) < jnp.maximum(enough, 1)))
 
     def step(state):
-        feed = state.active
+        state, count = _make_room(state, state.active.astype(jnp.int32))
+        feed = count > 0
         key_mask = lax.dynamic_update_slice_in_dim(
             state.key_mask, feed[:, None].astype(state.key_mask.dtype), state.slot, axis=1)
         # A row not decoding (its turn ended, or it waits for the next segment) has its
@@ -169,8 +178,8 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
 
 def _grow(state: TurnState, count: jax.Array) -> tuple[TurnState, jax.Array]:
     """Before writing `count [N]` tokens of each row at the write slot: with a paged cache,
-    the pages they start (the pool holds every row at full length, so there are enough),
-    and the write slot for each row; else the state and the shared write slot."""
+    the pages they start (`_make_room` and `_admit` left enough), and the write slot for
+    each row; else the state and the shared write slot."""
     if state.pages is None:
         return state, state.slot
     pages, cache = state.pages, state.cache
@@ -182,6 +191,70 @@ def _grow(state: TurnState, count: jax.Array) -> tuple[TurnState, jax.Array]:
     pages = pages.replace(num_free=num_free, peak=jnp.maximum(pages.peak, held))
     write_index = jnp.full(count.shape, state.slot, jnp.int32)
     return state.replace(cache=cache, pages=pages), write_index
+
+
+def _holds(state: TurnState) -> jax.Array:
+    """bool `[N]`: the rows holding pages (a row's first page is its first to go)."""
+    return state.cache.block_table[:, 0] != TRASH_PAGE
+
+
+def _lacking(state: TurnState, count: jax.Array) -> jax.Array:
+    """int32 `[N]`: the pages each row lacks to write `count` tokens at the write slot."""
+    page, first = state.cache.page_size, state.slot - state.cache.shift
+    return jnp.where(count > 0, -(-(first + count) // page) + first // -page, 0)
+
+
+def _make_room(state: TurnState, count: jax.Array) -> tuple[TurnState, jax.Array]:
+    """Before the rows holding pages write `count [N]` tokens each: in a pool sized by
+    `rollout.num_pages`, while they lack more pages than are free, the row admitted last
+    is preempted (vLLM's recompute preemption: its pages go back, and its tokens so far
+    are prefilled again when it is admitted again, so its tools do not run twice); its
+    count becomes 0. One row at full length fits the pool, so the first admitted always
+    goes on."""
+    if state.pages is None or not state.pages.sized:
+        return state, count
+
+    def short(carry):
+        state, count = carry
+        return ((jnp.sum(_lacking(state, count)) > state.pages.num_free)
+                & (jnp.sum(_holds(state)) > 1))
+
+    def preempt(carry):
+        state, count = carry
+        last = jnp.argmax(jnp.where(_holds(state), state.pages.admitted, -1))
+        victim = jnp.arange(count.shape[0]) == last
+        pages = state.pages
+        cache, free, num_free = paged.give_back(state.cache, pages.free, pages.num_free,
+                                                victim)
+        state = state.replace(
+            cache=cache, key_mask=jnp.where(victim[:, None], 0, state.key_mask),
+            positions=jnp.where(victim, 0, state.positions), active=state.active & ~victim,
+            pages=pages.replace(free=free, num_free=num_free, waiting=pages.waiting | victim,
+                                preemptions=pages.preemptions + victim))
+        return state, jnp.where(victim, 0, count)
+
+    return lax.while_loop(short, preempt, (state, count))
+
+
+def _admit(state: TurnState, lengths: jax.Array) -> tuple[TurnState, jax.Array]:
+    """The blocks of `lengths [N]` tokens a paged cache takes in this call: those of the
+    rows holding pages (after `_make_room`), and of the rows holding none (waiting), in
+    row order, while the pool keeps a page free for each other row holding pages. The
+    others' blocks are dropped (their rows wait, and the host sends them again). Returns
+    the state and each row's tokens written."""
+    if state.pages is None or not state.pages.sized:
+        return state, lengths
+    holds = _holds(state)
+    state, kept = _make_room(state, jnp.where(holds, lengths, 0))
+    left = state.pages.num_free - jnp.sum(_lacking(state, kept))  # after the holders' blocks
+    waiting = ~holds & (lengths > 0)
+    need = jnp.where(waiting, -(-lengths // state.cache.page_size), 0)
+    rank = jnp.cumsum(waiting) - 1
+    ok = waiting & (jnp.cumsum(need) + jnp.sum(_holds(state)) + rank <= left)
+    pages = state.pages
+    pages = pages.replace(admitted=jnp.where(ok, pages.admissions + rank, pages.admitted),
+                          admissions=pages.admissions + jnp.sum(ok))
+    return state.replace(pages=pages), jnp.where(holds, kept, jnp.where(ok, lengths, 0))
 
 
 def _release(state: TurnState, leaving: jax.Array) -> TurnState:
@@ -245,18 +318,20 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
     if sampling.kv_cache == "paged":
         logits, cache, key_mask, pages = _prefill_pages(params, prompt_ids, prompt_mask,
                                                         sampling, block_len, config)
+        admitted = ~pages.waiting
     else:
         logits_bv, cache, key_mask = _prefill(params, prompt_ids, prompt_mask,
                                               budget + block_len, config)
         logits, key_mask, pages = repeat(logits_bv), repeat(key_mask), None
         cache = jax.tree.map(lambda x: repeat(x, CACHE_LOGICAL_AXES), cache)
+        admitted = jnp.ones((logits.shape[0],), bool)
     num_rows, prompt_len = logits.shape[0], prompt_ids.shape[1]
     state = TurnState(
         slot=jnp.asarray(prompt_len, jnp.int32),
         last_tokens=jnp.zeros((num_rows,), jnp.int32),
-        positions=repeat(prompt_mask).sum(axis=1).astype(jnp.int32),
+        positions=jnp.where(admitted, repeat(prompt_mask).sum(axis=1), 0).astype(jnp.int32),
         used=jnp.zeros((num_rows,), jnp.int32),
-        active=jnp.ones((num_rows,), bool),
+        active=admitted,
         turn_ended=jnp.zeros((num_rows,), bool),
         seg_tokens=jnp.zeros((num_rows, budget), jnp.int32),
         seg_log_probs=jnp.zeros((num_rows, budget), jnp.float32),
@@ -273,11 +348,13 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
 
 def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, block_len: int,
                    config: ModelConfig):
-    """`start`'s prefill into a paged cache whose pool holds every row at full length (its
-    prompt and the budget R): the rows' logits `[N, V]`, the cache (the contiguous
-    cache's `S` slots and key mask `[N, S]`) and its `Pages`. As there, the B prompts are
-    prefilled once each (into a contiguous cache of B rows, so the same bits), and their
-    keys and values copied to the pages of their n rows."""
+    """`start`'s prefill into a paged cache of `rollout.num_pages` pages (0: every row at
+    full length, its prompt and the budget R): the rows' logits `[N, V]`, the cache (the
+    contiguous cache's `S` slots and key mask `[N, S]`) and its `Pages`. As there, the B
+    prompts are prefilled once each (into a contiguous cache of B rows, so the same bits),
+    and their keys and values copied to the pages of their n rows. A sized pool admits
+    rows in order while it keeps a page free for each other row admitted; the others
+    wait (no pages, no key mask) to be prefilled by `resume`."""
     n, page = sampling.n, sampling.page_size
     budget = sampling.max_new_tokens
     repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, n, axis=0), axes)
@@ -285,41 +362,50 @@ def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, bl
                                               budget + block_len, config)
     (num_prompts, prompt_len), slots = prompt_ids.shape, key_mask.shape[1]
     num_rows = num_prompts * n
-    num_pages = num_rows * -(-(prompt_len + budget) // page) + 1
+    num_pages = sampling.num_pages or num_rows * -(-(prompt_len + budget) // page) + 1
     pool_k, pool_v = init_pool(config, num_pages, page)
     lengths = repeat(prompt_mask).sum(axis=1)
+    rank = jnp.arange(num_rows)
+    admitted = jnp.cumsum(-(-lengths // page)) + (rank if sampling.num_pages else 0) \
+        <= num_pages - 1
     cache = PagedCache(k=pool_k, v=pool_v, num_slots=slots,
                        block_table=jnp.full((num_rows, -(-slots // page)), TRASH_PAGE, jnp.int32),
                        shift=prompt_len - lengths)  # the left padding
     # Popped from the end: pages 1, 2, ... go out first.
     free = jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
     cache, num_free = paged.take_pages(cache, free, jnp.int32(num_pages - 1),
-                                       jnp.zeros_like(lengths), lengths)
+                                       jnp.zeros_like(lengths), jnp.where(admitted, lengths, 0))
     start = jnp.zeros((num_rows,), jnp.int32)
     rows_btkh = lambda x: repeat(jnp.swapaxes(x[:, :, :prompt_len], 1, 2),
                                  ("batch", None, "kv_heads", None))
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers):  # (a waiting row's into the trash page)
         cache = cache.write(layer, start, *map(rows_btkh, prefilled.layer(layer)))
-    held = num_pages - 1 - num_free
-    return (repeat(logits_bv), cache, repeat(key_mask),
-            Pages(free=free, num_free=num_free, peak=held))
+    pages = Pages(free=free, num_free=num_free, peak=num_pages - 1 - num_free,
+                  waiting=~admitted, admitted=rank, admissions=jnp.sum(admitted),
+                  preemptions=jnp.zeros((num_rows,), jnp.int32),
+                  sized=bool(sampling.num_pages))
+    key_mask = jnp.where(admitted[:, None], repeat(key_mask), 0)
+    return repeat(logits_bv), cache, key_mask, pages
 
 
-def resume(params, state: TurnState, block_ids, block_mask, added, finished, rng, *,
+def resume(params, state: TurnState, block_ids, block_mask, added, last, finished, rng, *,
            sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
            end_fraction: float = 1.0) -> TurnState:
     """Appends each row's block (`[N, T]` int32, RIGHT-padded: `block_mask` 1 on its real
-    tokens; T = `start`'s `block_len`) and decodes the next segment for the rows with a
-    non-empty block. A block starts with the row's pending token (sampled, already
-    counted); `added [N]` is how many of its tokens are new to the response (the tool
-    block's), which count against the budget. `finished [N]`: the rows that have ended
-    since the last call, whose pages a paged cache gets back."""
+    tokens; T = `start`'s `block_len`) and decodes the next segment for the rows whose
+    block is their `last [N]` (bool): the tokens they have that their cache lacks end
+    there, with the row's pending token (sampled, already counted) and, after a turn
+    with tool calls, the tool block. `added [N]` is how many of a last block's tokens are
+    new to the response (the tool block's), which count against the budget. A row a
+    paged cache preempted sends its prompt and tokens so far again, in blocks.
+    `finished [N]`: the rows that have ended since the last call, whose pages a paged
+    cache gets back."""
     budget = sampling.max_new_tokens
     params = per_layer(params, config)
     state = _compact(_new_segment(_release(state, finished)))
-    block_mask = block_mask.astype(jnp.int32)
     num_rows, block_len = block_ids.shape
-    lengths = block_mask.sum(axis=1)
+    state, lengths = _admit(state, block_mask.astype(jnp.int32).sum(axis=1))
+    block_mask = jnp.where(lengths[:, None] > 0, block_mask, 0).astype(jnp.int32)
     # Right-padded, a row's block follows its tokens with no gap, so its real tokens fill
     # slots in a row (as a paged cache keeps them) and its padding comes after them.
     key_mask = lax.dynamic_update_slice_in_dim(state.key_mask, block_mask, state.slot, axis=1)
@@ -327,13 +413,15 @@ def resume(params, state: TurnState, block_ids, block_mask, added, finished, rng
     state, write_index = _grow(state, lengths)
     hidden, cache = forward(params, block_ids.astype(jnp.int32), positions, key_mask,
                             state.cache, write_index, config=config)
-    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    logits = constrain(unembed(params, last[:, 0], softcap=config.final_logit_softcapping),
+    hidden = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = constrain(unembed(params, hidden[:, 0], softcap=config.final_logit_softcapping),
                        ("batch", None))
-    going = lengths > 0
+    going = (lengths > 0) & last
     state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + block_len,
                           positions=state.positions + lengths, active=going,
-                          used=state.used + added.astype(jnp.int32))
+                          used=state.used + jnp.where(going, added, 0).astype(jnp.int32))
+    if state.pages is not None:
+        state = state.replace(pages=state.pages.replace(waiting=state.pages.waiting & ~going))
     state = _compact(state)
     keys = row_keys(rng, num_rows)
     state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
@@ -403,8 +491,9 @@ class MultiTurnOutput:
     tool_calls: np.ndarray  # int32 [N]: calls each row made (parsed, run or not)
     metrics: dict[str, float]
     # With `rollout.kv_cache` "paged": the most pages the rows held at once, as a fraction
-    # of the pool (`rollout/page_usage`).
+    # of the pool (`rollout/page_usage`), and each row's preemptions (`rollout/preemptions`).
     page_usage: float | None = None
+    preemptions: np.ndarray | None = None  # int32 [N]
 
 
 class TurnTemplate:
@@ -510,7 +599,7 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
     Returns:
       `MultiTurnOutput`.
     """
-    check_paged(sampling)
+    check_paged(sampling, np.shape(prompt_ids)[1])
     put = put or (lambda xs: jax.tree.map(jnp.asarray, xs))
     template = template or TurnTemplate(tokenizer)
     prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -526,21 +615,24 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                                  donate_argnames=("state",))
     state = start_program(params, ids_d, mask_d, rng, block_len=block_len, **program)
 
-    rows = _Conversations(prompt_ids.shape[0] * n, tools, tokenizer, template, mt)
+    prompts = [p[m > 0].tolist() for p, m in zip(prompt_ids, prompt_mask, strict=True)]
+    rows = _Conversations([prompts[row // n] for row in range(len(prompts) * n)], tools,
+                          tokenizer, template, mt)
     for row, row_id in enumerate(rows.row_ids):
         tools_lib.create_instances(tools, row_id, tools_kwargs[row // n] if tools_kwargs else None)
     released = np.zeros(rows.num_rows, bool)  # the rows whose pages `resume` gave back
     while True:
-        blocks, pending_calls = rows.read_segment(state)
-        blocks.update(rows.answer_calls(pending_calls, sampling.max_new_tokens, block_len))
-        if not blocks:
+        going, pending_calls = rows.read_segment(state, sampling.max_new_tokens)
+        going += rows.answer_calls(pending_calls, sampling.max_new_tokens, block_len)
+        if not going:
             break
         ended, released = rows.finished & ~released, rows.finished.copy()
-        state = resume_program(params, state, *put((*_block_arrays(
-            blocks, rows.num_rows, block_len, sampling), ended)), rng, **program)
-    page_usage = None
+        state = resume_program(params, state, *put((*rows.blocks(going, block_len, sampling),
+                                                    ended)), rng, **program)
+    page_usage = preemptions = None
     if state.pages is not None:  # the most pages held at once, of the pool's (trash aside)
         page_usage = float(state.pages.peak) / (state.pages.free.shape[0] - 1)
+        preemptions = np.asarray(state.pages.preemptions)
     tool_rewards = rows.release(tools)
     out = _assemble(rows.tokens, rows.trained, rows.log_probs, sampling.max_new_tokens,
                     sampling.pad_token_id)
@@ -548,38 +640,23 @@ def generate(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig,
                            np.repeat(prompt_mask, n, axis=0).astype(np.int32), *out,
                            tool_rewards=tool_rewards, reward_scores=rows.reward_scores,
                            tool_calls=rows.calls_per_row, metrics=rows.metrics(),
-                           page_usage=page_usage)
+                           page_usage=page_usage, preemptions=preemptions)
 
 
-def check_paged(sampling: SamplingConfig) -> None:
-    """Multi-turn rollouts on the paged cache decode every row at once over a pool that
-    holds each at full length: a row keeps its pages until it ends, and cannot be sent
-    back to start over (its tools have run). Stops on the keys that would size it
-    otherwise."""
+def check_paged(sampling: SamplingConfig, prompt_len: int | None = None) -> None:
+    """Multi-turn rollouts on the paged cache decode every row at once (a row waiting for
+    its tools keeps its pages), over a pool that holds one row at full length at least
+    (`paged.check_pages`, given `prompt_len`)."""
     if sampling.kv_cache != "paged":
         return
-    for key in ("num_pages", "max_num_seqs"):
-        if getattr(sampling, key):
-            raise ValueError(
-                f"rollout.{key}={getattr(sampling, key)} is not supported with "
-                "rollout.multi_turn.enable=True: a multi-turn row keeps its pages from its "
-                "prompt to its end and cannot be preempted (its tools have run), so the "
-                "paged cache decodes every row at once over a pool of every row at full "
-                f"length; set rollout.{key}=0")
-
-
-def _block_arrays(blocks: dict[int, tuple[list[int], int]], num_rows: int, block_len: int,
-                  sampling: SamplingConfig):
-    """The next `resume`'s operands from `blocks` (row -> (token ids, tool tokens among
-    them)): `[N, block_len]` right-padded ids and mask, and `[N]` tool tokens added."""
-    block_ids = np.full((num_rows, block_len), sampling.pad_token_id, np.int32)
-    block_mask = np.zeros((num_rows, block_len), np.int32)
-    added = np.zeros(num_rows, np.int32)
-    for row, (ids, count) in blocks.items():
-        block_ids[row, :len(ids)] = ids
-        block_mask[row, :len(ids)] = 1
-        added[row] = count
-    return block_ids, block_mask, added
+    if sampling.max_num_seqs:
+        raise ValueError(
+            f"rollout.max_num_seqs={sampling.max_num_seqs} is not supported with "
+            "rollout.multi_turn.enable=True: the paged cache decodes every multi-turn row "
+            "at once (rows wait for pages, not for decode slots: size the pool with "
+            "rollout.num_pages); set rollout.max_num_seqs=0")
+    if prompt_len is not None:
+        paged.check_pages(sampling, prompt_len)
 
 
 class _Conversations:
@@ -587,8 +664,10 @@ class _Conversations:
     tokens so far (`tokens`, with `trained` 1 for the model's and 0 for the tools', and
     their `log_probs`), the model turn in progress, turn and call counts, tool rewards."""
 
-    def __init__(self, num_rows: int, tools: Mapping[str, Any], tokenizer,
+    def __init__(self, prompts: Sequence[list[int]], tools: Mapping[str, Any], tokenizer,
                  template: TurnTemplate, mt: MultiTurnConfig):
+        self.prompts = prompts  # each row's prompt tokens (its real ones)
+        num_rows = len(prompts)
         self.num_rows, self.tools, self.tokenizer, self.template, self.mt = (
             num_rows, tools, tokenizer, template, mt)
         self.row_ids = [f"row{row}" for row in range(num_rows)]
@@ -603,18 +682,20 @@ class _Conversations:
         self.reward_scores = [dict.fromkeys(tools, 0.0) for _ in range(num_rows)]
         self.results, self.parse_errors, self.cut_blocks = [], 0, 0
         self.cache_cuts, self.segments = 0, 0
-        self._last = self._used = None
+        self._last = self._used = self._cached = None
 
-    def read_segment(self, state: TurnState):
-        """Appends the segment's tokens to each unfinished row; returns the blocks of the
-        rows cut by the cache's end mid-turn (their pending token alone) and the
+    def read_segment(self, state: TurnState, budget: int):
+        """Appends the segment's tokens to each unfinished row; returns the rows that go on
+        mid-turn (cut by the cache's end, or waiting for a paged cache's pages) and the
         `(row, calls, parse errors)` of the rows whose turn ended with tool calls.
         Rows out of budget, without calls or out of turns finish."""
         self.segments += 1
-        seg_tokens, seg_lp, seg_len, ended, active, self._used, self._last = jax.device_get(
+        waiting = state.pages.waiting if state.pages is not None else jnp.zeros_like(state.active)
+        (seg_tokens, seg_lp, seg_len, ended, active, waiting, self._used, self._last,
+         self._cached) = jax.device_get(
             (state.seg_tokens, state.seg_log_probs, state.seg_len, state.turn_ended,
-             state.active, state.used, state.last_tokens))
-        blocks, pending_calls = {}, []
+             state.active, waiting, state.used, state.last_tokens, state.key_mask.sum(axis=1)))
+        going, pending_calls = [], []
         for row in np.flatnonzero(~self.finished):
             new = seg_tokens[row, :seg_len[row]].tolist()
             self.tokens[row] += new
@@ -622,11 +703,14 @@ class _Conversations:
             self.log_probs[row] += seg_lp[row, :seg_len[row]].tolist()
             self.turn[row] += new
             if active[row]:  # cut by the cache's end mid-turn: feed the pending token
-                blocks[row] = ([int(self._last[row])], 0)
+                going.append(row)
                 self.cache_cuts += 1
                 continue
-            if not ended[row]:  # out of budget, mid-turn
-                self.finished[row] = True
+            if not ended[row]:
+                if waiting[row] and self._used[row] < budget:  # preempted, or prefilling
+                    going.append(row)
+                    continue
+                self.finished[row] = True  # out of budget, mid-turn
                 self.assistant_turns[row] += bool(self.turn[row])
                 continue
             self.assistant_turns[row] += 1
@@ -639,14 +723,15 @@ class _Conversations:
                 self.finished[row] = True
                 continue
             pending_calls.append((row, calls, errors))
-        return blocks, pending_calls
+        return going, pending_calls
 
-    def answer_calls(self, pending_calls, budget: int, block_len: int):
-        """Runs the pending calls (in parallel, with timeouts) and returns each calling
-        row's next block: its pending token and the rendered tool messages. A row whose
-        block would not fit `block_len` or its response budget finishes instead."""
+    def answer_calls(self, pending_calls, budget: int, block_len: int) -> list[int]:
+        """Runs the pending calls (in parallel, with timeouts), appends each calling row's
+        rendered tool messages to its tokens and returns the rows that go on. A row whose
+        tool block with its pending token would not fit `block_len`, or whose budget
+        it would pass, finishes instead."""
         by_row = self._run_calls(pending_calls)
-        blocks = {}
+        going = []
         for row, calls, errors in pending_calls:
             # A call that does not parse counts as a call (answered with its error).
             self.calls_per_row[row] += len(calls) + len(errors)
@@ -666,8 +751,27 @@ class _Conversations:
             self.tokens[row] += ids
             self.trained[row] += [0] * len(ids)
             self.log_probs[row] += [0.0] * len(ids)
-            blocks[row] = ([int(self._last[row])] + ids, len(ids))
-        return blocks
+            going.append(row)
+        return going
+
+    def blocks(self, going: Sequence[int], block_len: int, sampling: SamplingConfig):
+        """The next `resume`'s operands for the rows `going`: each row's tokens its cache
+        lacks (its pending token and a tool block; or, preempted by a paged cache, its
+        prompt and response so far), the first `block_len` of them: `[N, block_len]`
+        right-padded ids and mask, `[N]` tool tokens new to the budget (in a row's last
+        block) and `[N]` whether the block is the row's last."""
+        block_ids = np.full((self.num_rows, block_len), sampling.pad_token_id, np.int32)
+        block_mask = np.zeros((self.num_rows, block_len), np.int32)
+        added = np.zeros(self.num_rows, np.int32)
+        last = np.zeros(self.num_rows, bool)
+        for row in going:
+            lacking = (self.prompts[row] + self.tokens[row])[self._cached[row]:]
+            block_ids[row, :min(len(lacking), block_len)] = lacking[:block_len]
+            block_mask[row, :min(len(lacking), block_len)] = 1
+            last[row] = len(lacking) <= block_len
+            # The budget counts the model's tokens as they are drawn, the tools' here.
+            added[row] = len(self.tokens[row]) - self._used[row] if last[row] else 0
+        return block_ids, block_mask, added, last
 
     def _run_calls(self, pending_calls) -> dict[int, list]:
         """Every pending call executed; row -> its results, in call order. A call's tool

@@ -304,9 +304,9 @@ def test_old_log_prob_replay_records_in_training_not_in_the_rollout():
 
 def test_paged_cache_settings():
     """The paged cache's keys reach the sampler; a pool too small for one row at full
-    length, a multi-turn rollout with a pool sized by num_pages or fewer decode slots
-    than rows, or partial rollouts handing their cache on, stops with the keys to change;
-    partial and multi-turn rollouts run on it."""
+    length, a multi-turn rollout with fewer decode slots than rows, or partial rollouts
+    handing their cache on, stops with the keys to change; partial and multi-turn
+    rollouts run on it."""
     keys = {"rollout.kv_cache": "paged", "rollout.page_size": 4, "rollout.num_pages": 30,
             "rollout.max_num_seqs": 8, "rollout.refill_rows": 2}
     s = _settings(**keys)
@@ -318,17 +318,20 @@ def test_paged_cache_settings():
     with pytest.raises(ConfigError, match=rf"^rollout.num_pages={pages - 1} is too few for one "
                                           rf"sequence.*rollout.num_pages >= {pages}"):
         _settings(**{**keys, "rollout.num_pages": pages - 1})
-    # Multi-turn rows on it: every row decoded at once over the whole pool.
+    # Multi-turn rows on it: every row decoded at once, over a pool of any size that
+    # holds one row.
     turns = {"rollout.multi_turn.enable": True,
              "rollout.multi_turn.tool_config_path": _CALCULATOR}
-    multi = _settings(**{**keys, "rollout.num_pages": 0, "rollout.max_num_seqs": 0}, **turns)
-    assert multi.rollout.kv_cache == "paged" and multi.multi_turn is not None
-    for key in ("num_pages", "max_num_seqs"):
-        with pytest.raises(ConfigError, match=rf"^rollout.{key}=(30|8) is not supported with "
-                                              r"rollout.multi_turn.enable=True.*"
-                                              rf"set rollout.{key}=0$"):
-            _settings(**{**keys, "rollout.num_pages": 0, "rollout.max_num_seqs": 0,
-                         f"rollout.{key}": keys[f"rollout.{key}"]}, **turns)
+    multi = _settings(**{**keys, "rollout.max_num_seqs": 0}, **turns)
+    assert multi.rollout.kv_cache == "paged" and multi.rollout.num_pages == 30
+    assert multi.multi_turn is not None
+    with pytest.raises(ConfigError, match=r"^rollout.max_num_seqs=8 is not supported with "
+                                          r"rollout.multi_turn.enable=True.*"
+                                          r"set rollout.max_num_seqs=0$"):
+        _settings(**keys, **turns)
+    with pytest.raises(ConfigError, match=rf"^rollout.num_pages={pages - 1} is too few"):
+        _settings(**{**keys, "rollout.num_pages": pages - 1, "rollout.max_num_seqs": 0},
+                  **turns)
     partial = {"rollout.partial": True, "rollout.partial_max_tokens": 2}
     assert _settings(**keys, **partial).rollout.kv_cache == "paged"
     with pytest.raises(ConfigError, match=r"^rollout.partial_keep_cache: =True hands a "

@@ -152,22 +152,28 @@ def test_rows_not_decoding_attend_to_the_new_slot_alone(monkeypatch):
         np.testing.assert_array_equal(getattr(plain, field), getattr(out, field), err_msg=field)
 
 
-# (stop characters, model, page size): turns ended at a frequent token (several turns a
-# row, rows finishing in between); at a rare one (rows cut by the cache's end mid-turn);
-# adapters applied at every step (LoRA, unmerged); Gemma's soft-capping and sliding-window
-# layers; pages of one slot.
-PAGED_CASES = [("aeiou\n", "tiny", 8), ("a\n", "tiny", 16), ("aeiou\n", "lora", 4),
-               ("aeiou\n", "gemma", 8), ("e\n", "tiny", 1)]
+# (stop characters, model, page size, pool pages): turns ended at a frequent token (several
+# turns a row, rows finishing in between); at a rare one (rows cut by the cache's end
+# mid-turn); adapters applied at every step (LoRA, unmerged); Gemma's soft-capping and
+# sliding-window layers; pages of one slot; pools of 17 and 39 pages for six rows of up
+# to 16 and 31 (rows preempted, prefilled again in blocks, some rows waiting from the
+# start).
+PAGED_CASES = [("aeiou\n", "tiny", 8, 0), ("a\n", "tiny", 16, 0), ("aeiou\n", "lora", 4, 0),
+               ("aeiou\n", "gemma", 8, 0), ("e\n", "tiny", 1, 0), ("aeiou\n", "tiny", 8, 18),
+               ("a\n", "tiny", 4, 40)]
 
 
-@pytest.mark.parametrize("stop_chars,model,page_size", PAGED_CASES,
-                         ids=["turns", "cache_cuts", "lora", "gemma", "page_of_one"])
+@pytest.mark.parametrize("stop_chars,model,page_size,num_pages", PAGED_CASES,
+                         ids=["turns", "cache_cuts", "lora", "gemma", "page_of_one", "preempted",
+                              "preempted_cache_cuts"])
 def test_paged_multi_turn_rollouts_equal_the_contiguous_caches(monkeypatch, stop_chars, model,
-                                                               page_size):
+                                                               page_size, num_pages):
     """`rollout.kv_cache=paged`: the contiguous cache's rollout bit for bit on XLA:CPU
-    (tokens, masks, log-probs, turns). After every program the pool's pages are split
-    exactly between the free stack and the rows still going, each of which holds the
-    pages of its real tokens (its key mask), and no finished row holds one."""
+    (tokens, masks, log-probs, turns); with a pool too small for every row, rows are
+    preempted and their tokens so far prefilled again, which gives the same tokens and
+    log-probs up to float32 rounding. After every program the pool's pages are split
+    exactly between the free stack and the rows, each of which holds the pages of its
+    real tokens (its key mask: none for a row preempted or finished)."""
     from tests.models.test_lora import _randomise_b
     if model == "gemma":
         config = dataclasses.replace(
@@ -199,23 +205,31 @@ def test_paged_multi_turn_rollouts_equal_the_contiguous_caches(monkeypatch, stop
 
         def call(*args, **kw):
             state = program(*args, **kw)
-            ended = args[5] if fun is multi_turn.resume else None
+            ended = args[6] if fun is multi_turn.resume else None
             states.append((jax.device_get(state), None if ended is None else np.asarray(ended)))
             return state
         return call
 
     monkeypatch.setattr(multi_turn, "jit_sampler", recorded)
-    got = run(dataclasses.replace(contiguous, kv_cache="paged", page_size=page_size))
-    for field in ("responses", "response_mask", "attention_mask", "rollout_log_probs",
-                  "tool_calls", "tool_rewards"):
+    got = run(dataclasses.replace(contiguous, kv_cache="paged", page_size=page_size,
+                                  num_pages=num_pages))
+    for field in ("responses", "response_mask", "attention_mask", "tool_calls", "tool_rewards"):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
-    timed = lambda metrics: {k: v for k, v in metrics.items() if "latency" not in k}
-    assert timed(got.metrics) == timed(want.metrics) and want.page_usage is None
+    if num_pages:
+        np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
+        assert got.preemptions.sum() > 0 and got.preemptions.min() == 0
+        assert got.metrics["multi_turn/segments"] > want.metrics["multi_turn/segments"]
+    else:
+        np.testing.assert_array_equal(got.rollout_log_probs, want.rollout_log_probs)
+        timed = lambda metrics: {k: v for k, v in metrics.items() if "latency" not in k}
+        assert timed(got.metrics) == timed(want.metrics)
+        np.testing.assert_array_equal(got.preemptions, 0)
+    assert want.page_usage is None and want.preemptions is None
     assert want.metrics["multi_turn/segments"] >= 3
     if stop_chars == "a\n":
         assert want.metrics["multi_turn/cache_cuts"] > 0
     num_rows, prompt_len = 6, 24
-    num_pages = num_rows * -(-(prompt_len + 100) // page_size) + 1
+    num_pages = num_pages or num_rows * -(-(prompt_len + 100) // page_size) + 1
     finished, peak = np.zeros(num_rows, bool), 0
     for state, ended in states:
         if ended is not None:
@@ -233,22 +247,31 @@ def test_paged_multi_turn_rollouts_equal_the_contiguous_caches(monkeypatch, stop
             want_pages = 0 if finished[row] else -(-int(tokens[row]) // page_size)
             assert len(held[row]) == want_pages, (row, held[row], tokens[row])
         peak = max(peak, num_pages - 1 - int(pages.num_free))
-        assert pages.peak >= peak
+        assert peak <= pages.peak <= num_pages - 1
     assert finished.any()  # some rows gave their pages back before the rollout ended
+    # 17 pages admit five prompts of 3, 3, 3, 3 and 1 pages, a page kept free for each
+    # other row: the sixth waits from the start, drawing nothing in the first segment.
+    np.testing.assert_array_equal(states[0][0].seg_len == 0,
+                                  np.arange(6) == 5 if num_pages == 18 else np.zeros(6, bool))
     assert got.page_usage == states[-1][0].pages.peak / (num_pages - 1)
     assert 0 < got.page_usage <= 1
 
 
-def test_paged_multi_turn_needs_every_row_at_full_length():
-    """A pool sized by `rollout.num_pages`, or fewer decode slots than rows, would need
-    to preempt a row whose tools have run: stopped, naming the key."""
-    for key in ("num_pages", "max_num_seqs"):
-        sampling = SamplingConfig(n=2, max_new_tokens=100, kv_cache="paged", **{key: 40})
-        with pytest.raises(ValueError, match=f"rollout.{key}=40 is not supported with "
-                                             "rollout.multi_turn.enable=True"):
+def test_paged_multi_turn_settings_are_checked():
+    """Fewer decode slots than rows, or a pool too small for one row at full length:
+    stopped before compiling, naming the key."""
+    for key, value, match in (
+            ("max_num_seqs", 4, "rollout.max_num_seqs=4 is not supported with "
+                                "rollout.multi_turn.enable=True"),
+            ("num_pages", 26, r"rollout.num_pages=26 is too few for one sequence: a row of 4 "
+                              r"prompt \+ 100 response slots")):
+        sampling = SamplingConfig(n=2, max_new_tokens=100, kv_cache="paged", page_size=4,
+                                  **{key: value})
+        with pytest.raises(ValueError, match=match):
             multi_turn.generate(None, np.ones((1, 4), np.int32), np.ones((1, 4), np.int32),
                                 jax.random.key(0), sampling=sampling, config=None,
                                 tokenizer=CHAR, tools={}, mt=multi_turn.MultiTurnConfig())
+    multi_turn.check_paged(dataclasses.replace(sampling, num_pages=27), 4)  # 26 pages + trash
 
 
 def _runs(flags):
@@ -302,25 +325,31 @@ def _scripted(monkeypatch, turns_per_row):
     the host appends."""
     blocks = []
 
-    def segment(k, num_rows, used, width=600):
+    def segment(k, num_rows, used, prompt_lengths, width=600):
         seg = np.zeros((num_rows, width), np.int32)
         lengths = np.zeros(num_rows, np.int32)
         for r, turns in enumerate(turns_per_row):
             if k < len(turns):
                 seg[r, :len(turns[k])], lengths[r] = turns[k], len(turns[k])
         used = used + lengths
+        # The cache holds the prompt and every response token but the pending one (a key
+        # mask of one column summing to that).
+        key_mask = (prompt_lengths + used - 1)[:, None]
         return types.SimpleNamespace(
             k=k, seg_tokens=seg, seg_log_probs=np.full(seg.shape, -0.5, np.float32),
             seg_len=lengths, turn_ended=lengths > 0, active=np.zeros(num_rows, bool), pages=None,
-            used=used, last_tokens=np.asarray([t[min(k, len(t) - 1)][-1]
-                                               for t in turns_per_row], np.int32))
+            used=used, key_mask=key_mask, prompt_lengths=prompt_lengths,
+            last_tokens=np.asarray([t[min(k, len(t) - 1)][-1] for t in turns_per_row], np.int32))
 
     def start(params, ids, mask, rng, **kw):
-        return segment(0, len(turns_per_row), np.zeros(len(turns_per_row), np.int32))
+        return segment(0, len(turns_per_row), np.zeros(len(turns_per_row), np.int32),
+                       np.asarray(mask).sum(axis=1))
 
-    def resume(params, state, block_ids, block_mask, added, finished, rng, **kw):
+    def resume(params, state, block_ids, block_mask, added, last, finished, rng, **kw):
         blocks.append((np.asarray(block_ids), np.asarray(block_mask), np.asarray(added)))
-        return segment(state.k + 1, len(turns_per_row), state.used + added)
+        assert np.all(np.asarray(last)[np.asarray(block_mask).sum(axis=1) > 0])
+        return segment(state.k + 1, len(turns_per_row), state.used + added,
+                       state.prompt_lengths)
 
     monkeypatch.setattr(multi_turn, "start", start)
     monkeypatch.setattr(multi_turn, "resume", resume)

@@ -141,7 +141,7 @@ def main():
     rows = []
     runs = [] if args.no_single else [("single-turn", run_single)]
     runs += [(f"multi-turn, end fraction {f:g}, {cache} cache",
-              lambda key, mt=mt, s=cache_sampling(cache): run_multi(key, mt, s))
+              lambda key, mt=mt, cache=cache: run_multi(key, mt, cache_sampling(cache)))
              for f, mt in mts.items() for cache in args.caches]
     for name, fn in runs:
         start = time.perf_counter()

@@ -318,9 +318,10 @@ def base_config() -> ml_collections.ConfigDict:
     # whole program) or "paged" (a pool of page_size-slot pages that rows take as their
     # tokens need them and give back when they stop, over max_num_seqs decode slots that
     # are refilled from the step's waiting rows inside the decode loop; the contiguous
-    # cache's tokens and log-probs up to float32 rounding). Single-turn rollouts (partial
-    # ones too: a continued row is prefilled into pages each round), not with
-    # cache_segments > 1 or routing replay from the rollout.
+    # cache's tokens and log-probs up to float32 rounding). Partial rollouts too (a
+    # continued row is prefilled into pages each round), and multi-turn ones (a row keeps
+    # its pages across its turns and tool calls; every row decoded at once, max_num_seqs
+    # 0); not with cache_segments > 1 or routing replay from the rollout.
     c.rollout.kv_cache = "contiguous"
     # Slots per page of the paged cache. On a Hopper GPU its decode steps read the pages
     # in place (the decode kernel) for a power of two from 8 to 128 (64 at head_dim 256);
@@ -328,9 +329,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.page_size = 16
     # Pages in the paged cache's pool, one of them a trash page (0: every decode slot at
     # full length). Fewer pages than the rows could fill send the row admitted last back
-    # to wait when the pool runs out (it starts over and draws the same tokens; logged as
-    # rollout/preemptions); at least one row at full length must fit. The most pages
-    # held at once, as a fraction of the pool, is logged as rollout/page_usage.
+    # to wait when the pool runs out (it starts over and draws the same tokens; a
+    # multi-turn row has its prompt and tokens so far prefilled again, its tools not run
+    # again; logged as rollout/preemptions); at least one row at full length must fit.
+    # The most pages held at once, as a fraction of the pool, is logged as
+    # rollout/page_usage.
     c.rollout.num_pages = 0
     # Decode slots of the paged cache: rows decoded at once (0: every row of the step).
     c.rollout.max_num_seqs = 0

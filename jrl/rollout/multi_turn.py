@@ -24,15 +24,32 @@ limit mid-turn, or nothing for a finished row.
 Cache layout. The single-turn sampler's contract (`jrl.models.cache`) holds at the
 start of every segment: each row's real tokens fill contiguous slots ending at the
 shared write slot. During a segment a row that has ended its turn stops writing
-(its slots stay masked), and a block is written left-padded; so before and after
-each block the cache is *compacted*: every row's real slots are moved, in order, to
-end at `W = max(real tokens of a row)`. RoPE positions count a row's real tokens,
-so the model sees exactly the tokens of the compact sequence that training uses,
-and the decode-attention kernel keeps reading contiguous slots.
+(its slots stay masked), and a block is written right-padded at the write slot (its
+real tokens right after the row's); so before and after each block the cache is
+*compacted*: every row's real slots are moved, in order, to end at
+`W = max(real tokens of a row)`. RoPE positions count a row's real tokens, so the
+model sees exactly the tokens of the compact sequence that training uses, and the
+decode-attention kernel keeps reading contiguous slots.
 
 The response budget `R` (`rollout.response_length`) counts every response token,
 the model's and the tools'; the cache has `P + R + T + 1` slots (T = the most tokens
 of one tool block), enough for any row after compaction.
+
+The paged cache (`rollout.kv_cache=paged`, `jrl.rollout.paged`) keeps the same
+logical slots, so the same attention. A row's real tokens fill its physical slots
+from 0 in order (a row stops writing when it stops decoding, and a block's real
+tokens follow the row's), so compaction moves nothing: it sets each row's shift
+(logical slot of its physical slot 0) to `W` less its tokens. Rows take pages as
+their tokens need them and give them back when they end, so the pool's use follows
+the live tokens (`rollout/page_usage`). On XLA:CPU its rollouts are the contiguous
+cache's bit for bit. Every row is decoded at once (no decode slots to wait for). A
+pool sized by `rollout.num_pages` (at least one row at full length) admits at the
+start the rows that fit while a page stays free for each other row; a row that lacks
+a page preempts the row admitted last (vLLM's recompute preemption), whose pages go
+back and which waits. A waiting row's tokens so far (its prompt and response) are
+prefilled again in blocks, as many as there are pages for, before it decodes on:
+the same tokens and log-probs up to float rounding, and its tools do not run again
+(`rollout/preemptions`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ reduction split as the contiguous program's (`decode_attention.grouped_attention
 Single-turn rollouts on one program; not with `cache_segments` > 1 or routing records.
 Partial rollouts' rounds (`continue_program`) admit each continued row's prompt and
 tokens so far as one prompt and draw on with the key and token index
-`sampler.continue_rows` uses; no cache is kept between calls.
+`sampler.continue_rows` uses; no cache is kept between calls. Multi-turn rollouts keep
+their pages between their programs (`jrl.rollout.multi_turn`, with `take_pages` and
+`give_back`).
 """
 
 from __future__ import annotations

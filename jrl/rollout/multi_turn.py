@@ -71,6 +71,7 @@ from jrl.models.cache import (
     KVCache,
     PagedCache,
     init_pool,
+    positions_from_mask,
 )
 from jrl.models.config import ModelConfig
 from jrl.models.heads import unembed
@@ -79,6 +80,7 @@ from jrl.rollout import paged
 from jrl.rollout.sampler import (
     SamplingConfig,
     _prefill,
+    cache_slots,
     decoding_mask,
     jit_sampler,
     per_layer,
@@ -253,19 +255,22 @@ def _make_room(state: TurnState, count: jax.Array) -> tuple[TurnState, jax.Array
     return lax.while_loop(short, preempt, (state, count))
 
 
-def _admit(state: TurnState, lengths: jax.Array) -> tuple[TurnState, jax.Array]:
+def _admit(state: TurnState, lengths: jax.Array, lacking: jax.Array
+           ) -> tuple[TurnState, jax.Array]:
     """The blocks of `lengths [N]` tokens a paged cache takes in this call: those of the
     rows holding pages (after `_make_room`), and of the rows holding none (waiting), in
-    row order, while the pool keeps a page free for each other row holding pages. The
-    others' blocks are dropped (their rows wait, and the host sends them again). Returns
-    the state and each row's tokens written."""
+    row order, while the pool has pages for all the tokens they lack (`lacking [N]`, of
+    which the block is the first: so that a row prefilled in several blocks is not the
+    first preempted before its last) and keeps a page free for each other row holding
+    pages. The others' blocks are dropped (their rows wait, and the host sends them
+    again). Returns the state and each row's tokens written."""
     if state.pages is None or not state.pages.sized:
         return state, lengths
     holds = _holds(state)
     state, kept = _make_room(state, jnp.where(holds, lengths, 0))
     left = state.pages.num_free - jnp.sum(_lacking(state, kept))  # after the holders' blocks
     waiting = ~holds & (lengths > 0)
-    need = jnp.where(waiting, -(-lengths // state.cache.page_size), 0)
+    need = jnp.where(waiting, -(-lacking // state.cache.page_size), 0)
     rank = jnp.cumsum(waiting) - 1
     ok = waiting & (jnp.cumsum(need) + jnp.sum(_holds(state)) + rank <= left)
     pages = state.pages
@@ -368,17 +373,15 @@ def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, bl
     """`start`'s prefill into a paged cache of `rollout.num_pages` pages (0: every row at
     full length, its prompt and the budget R): the rows' logits `[N, V]`, the cache (the
     contiguous cache's `S` slots and key mask `[N, S]`) and its `Pages`. As there, the B
-    prompts are prefilled once each (into a contiguous cache of B rows, so the same bits),
-    and their keys and values copied to the pages of their n rows. A sized pool admits
-    rows in order while it keeps a page free for each other row admitted; the others
-    wait (no pages, no key mask) to be prefilled by `resume`."""
+    prompts are prefilled once each, into the pages of each prompt's first row (through
+    the same `S` slots, so the same bits), and those pages copied to its other rows'. A
+    sized pool admits rows in order while it keeps a page free for each other row
+    admitted; the others wait (no pages, no key mask) to be prefilled by `resume`."""
     n, page = sampling.n, sampling.page_size
     budget = sampling.max_new_tokens
     repeat = lambda x, axes=("batch", None): constrain(jnp.repeat(x, n, axis=0), axes)
-    logits_bv, prefilled, key_mask = _prefill(params, prompt_ids, prompt_mask,
-                                              budget + block_len, config)
-    (num_prompts, prompt_len), slots = prompt_ids.shape, key_mask.shape[1]
-    num_rows = num_prompts * n
+    (num_prompts, prompt_len), num_rows = prompt_ids.shape, prompt_ids.shape[0] * n
+    slots = cache_slots(config, prompt_len + budget + block_len)
     num_pages = sampling.num_pages or num_rows * -(-(prompt_len + budget) // page) + 1
     pool_k, pool_v = init_pool(config, num_pages, page)
     lengths = repeat(prompt_mask).sum(axis=1)
@@ -392,36 +395,48 @@ def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, bl
     free = jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
     cache, num_free = paged.take_pages(cache, free, jnp.int32(num_pages - 1),
                                        jnp.zeros_like(lengths), jnp.where(admitted, lengths, 0))
-    start = jnp.zeros((num_rows,), jnp.int32)
-    rows_btkh = lambda x: repeat(jnp.swapaxes(x[:, :, :prompt_len], 1, 2),
-                                 ("batch", None, "kv_heads", None))
-    for layer in range(config.num_layers):  # (a waiting row's into the trash page)
-        cache = cache.write(layer, start, *map(rows_btkh, prefilled.layer(layer)))
+    # Admission goes in row order, so a prompt's first row is admitted if any of its rows
+    # is (a prompt with none writes into the trash page).
+    first = cache.replace(block_table=cache.block_table[::n], shift=cache.shift[::n])
+    key_mask_b = jnp.pad(prompt_mask, ((0, 0), (0, slots - prompt_len)))
+    hidden, first = forward(params, prompt_ids, positions_from_mask(prompt_mask), key_mask_b,
+                            first, jnp.zeros((num_prompts,), jnp.int32), config=config)
+    logits_bv = unembed(params, hidden[:, -1], softcap=config.final_logit_softcapping)
+    # The other rows' pages take copies of their prompt's first row's (whole pages: the
+    # slots past the prompt are written before they are read).
+    table = cache.block_table
+    copy = (rank % n != 0)[:, None] & (table != TRASH_PAGE)
+    source = jnp.repeat(table[::n], n, axis=0).reshape(-1)
+    dest = jnp.where(copy, table, num_pages).reshape(-1)  # out of range: dropped
+    put = lambda pool: pool.at[:, dest].set(pool[:, source], mode="drop")
+    cache = cache.replace(k=tuple(map(put, first.k)), v=tuple(map(put, first.v)))
     pages = Pages(free=free, num_free=num_free, peak=num_pages - 1 - num_free,
                   waiting=~admitted, admitted=rank, admissions=jnp.sum(admitted),
                   preemptions=jnp.zeros((num_rows,), jnp.int32),
                   sized=bool(sampling.num_pages))
-    key_mask = jnp.where(admitted[:, None], repeat(key_mask), 0)
-    return repeat(logits_bv), cache, key_mask, pages
+    key_mask = jnp.where(admitted[:, None], repeat(key_mask_b), 0)
+    return constrain(repeat(logits_bv), ("batch", None)), cache, key_mask, pages
 
 
-def resume(params, state: TurnState, block_ids, block_mask, added, last, finished, rng, *,
-           sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
+def resume(params, state: TurnState, block_ids, block_mask, added, lacking, finished, rng,
+           *, sampling: SamplingConfig, turn_stop_ids: tuple[int, ...], config: ModelConfig,
            end_fraction: float = 1.0) -> TurnState:
     """Appends each row's block (`[N, T]` int32, RIGHT-padded: `block_mask` 1 on its real
     tokens; T = `start`'s `block_len`) and decodes the next segment for the rows whose
-    block is their `last [N]` (bool): the tokens they have that their cache lacks end
-    there, with the row's pending token (sampled, already counted) and, after a turn
-    with tool calls, the tool block. `added [N]` is how many of a last block's tokens are
-    new to the response (the tool block's), which count against the budget. A row a
-    paged cache preempted sends its prompt and tokens so far again, in blocks.
-    `finished [N]`: the rows that have ended since the last call, whose pages a paged
-    cache gets back."""
+    block holds all the tokens their cache lacks (`lacking [N]`, int32, of which the
+    block is the first): the row's pending token (sampled, already counted) and, after
+    a turn with tool calls, the tool block. `added [N]` is how many of a row's last
+    block's tokens are new to the response (the tool block's), which count against the
+    budget. A row a paged cache preempted sends its prompt and tokens so far again, in
+    blocks. `finished [N]`: the rows that have ended since the last call, whose pages a
+    paged cache gets back."""
     budget = sampling.max_new_tokens
     params = per_layer(params, config)
     state = _compact(_new_segment(_release(state, finished)))
     num_rows, block_len = block_ids.shape
-    state, lengths = _admit(state, block_mask.astype(jnp.int32).sum(axis=1))
+    sent = block_mask.astype(jnp.int32).sum(axis=1)
+    last = sent == lacking
+    state, lengths = _admit(state, sent, lacking)
     block_mask = jnp.where(lengths[:, None] > 0, block_mask, 0).astype(jnp.int32)
     # Right-padded, a row's block follows its tokens with no gap, so its real tokens fill
     # slots in a row (as a paged cache keeps them) and its padding comes after them.
@@ -776,19 +791,20 @@ class _Conversations:
         lacks (its pending token and a tool block; or, preempted by a paged cache, its
         prompt and response so far), the first `block_len` of them: `[N, block_len]`
         right-padded ids and mask, `[N]` tool tokens new to the budget (in a row's last
-        block) and `[N]` whether the block is the row's last."""
+        block) and `[N]` the tokens each row's cache lacks, the block's and those after."""
         block_ids = np.full((self.num_rows, block_len), sampling.pad_token_id, np.int32)
         block_mask = np.zeros((self.num_rows, block_len), np.int32)
         added = np.zeros(self.num_rows, np.int32)
-        last = np.zeros(self.num_rows, bool)
+        lacking = np.zeros(self.num_rows, np.int32)
         for row in going:
-            lacking = (self.prompts[row] + self.tokens[row])[self._cached[row]:]
-            block_ids[row, :min(len(lacking), block_len)] = lacking[:block_len]
-            block_mask[row, :min(len(lacking), block_len)] = 1
-            last[row] = len(lacking) <= block_len
-            # The budget counts the model's tokens as they are drawn, the tools' here.
-            added[row] = len(self.tokens[row]) - self._used[row] if last[row] else 0
-        return block_ids, block_mask, added, last
+            tokens = (self.prompts[row] + self.tokens[row])[self._cached[row]:]
+            block_ids[row, :min(len(tokens), block_len)] = tokens[:block_len]
+            block_mask[row, :min(len(tokens), block_len)] = 1
+            lacking[row] = len(tokens)
+            if len(tokens) <= block_len:  # the row's last block
+                # The budget counts the model's tokens as they are drawn, the tools' here.
+                added[row] = len(self.tokens[row]) - self._used[row]
+        return block_ids, block_mask, added, lacking
 
     def _run_calls(self, pending_calls) -> dict[int, list]:
         """Every pending call executed; row -> its results, in call order. A call's tool

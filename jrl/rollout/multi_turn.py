@@ -722,11 +722,15 @@ class _Conversations:
         `(row, calls, parse errors)` of the rows whose turn ended with tool calls.
         Rows out of budget, without calls or out of turns finish."""
         self.segments += 1
-        waiting = state.pages.waiting if state.pages is not None else jnp.zeros_like(state.active)
+        waiting = None if state.pages is None else state.pages.waiting
         (seg_tokens, seg_lp, seg_len, ended, active, waiting, self._used, self._last,
-         self._cached) = jax.device_get(
+         key_mask) = jax.device_get(
             (state.seg_tokens, state.seg_log_probs, state.seg_len, state.turn_ended,
-             state.active, waiting, state.used, state.last_tokens, state.key_mask.sum(axis=1)))
+             state.active, waiting, state.used, state.last_tokens, state.key_mask))
+        # (On the host: an op on the device would compile a program for each shape.)
+        self._cached = np.asarray(key_mask).sum(axis=1)
+        if waiting is None:
+            waiting = np.zeros(self.num_rows, bool)
         going, pending_calls = [], []
         for row in np.flatnonzero(~self.finished):
             new = seg_tokens[row, :seg_len[row]].tolist()

@@ -18,7 +18,7 @@ cache's.
 
     python experiments/bench_multi_turn.py --preset qwen2.5-0.5b --batch 256 --out F.json
     python experiments/bench_multi_turn.py --budget 512 --end-prob 0.3 --end-fractions 0.5 \
-        --caches contiguous paged paged:0.5 --no-single
+        --caches contiguous paged paged:0.5 --no-single [--trace_dir DIR]
 
 Prints one table; `--out` writes the rows as JSON.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 import zlib
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import results_json  # this folder is on the path when a script here runs
+import trace_summary
 
 from jrl import tools as tools_lib
 from jrl.data.tokenizers import CharTokenizer
@@ -77,6 +79,9 @@ def main():
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-single", action="store_true", help="skip the single-turn row")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--trace_dir", default=None,
+                   help="trace one more run of each sampler here (a folder each), summarised "
+                        "by kernel (experiments/trace_summary.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -153,6 +158,12 @@ def main():
             last = fn(jax.random.key(r))
             times.append(time.perf_counter() - start)
         seconds = min(times)
+        if args.trace_dir:
+            folder = os.path.join(args.trace_dir, name.replace(", ", "_").replace(" ", "_"))
+            with trace_summary.maybe_trace(folder):
+                fn(jax.random.key(0))
+            trace_summary.summarize(folder)
+            trace_summary.busy(folder)
         rows.append({"sampler": name, "compile_s": compile_s, "seconds": seconds,
                      "tokens_per_s": last["tokens"] / seconds,
                      "model_tokens_per_s": last["model_tokens"] / seconds, **last})

@@ -260,10 +260,10 @@ def _admit(state: TurnState, lengths: jax.Array, lacking: jax.Array
     """The blocks of `lengths [N]` tokens a paged cache takes in this call: those of the
     rows holding pages (after `_make_room`), and of the rows holding none (waiting), in
     row order, while the pool has pages for all the tokens they lack (`lacking [N]`, of
-    which the block is the first: so that a row prefilled in several blocks is not the
-    first preempted before its last) and keeps a page free for each other row holding
-    pages. The others' blocks are dropped (their rows wait, and the host sends them
-    again). Returns the state and each row's tokens written."""
+    which the block is the first; checked, not reserved: a row prefilled in several
+    blocks is then seldom preempted before its last) and keeps a page free for each
+    other row holding pages. The others' blocks are dropped (their rows wait, and the
+    host sends them again). Returns the state and each row's tokens written."""
     if state.pages is None or not state.pages.sized:
         return state, lengths
     holds = _holds(state)

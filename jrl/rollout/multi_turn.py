@@ -69,8 +69,6 @@ from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
     TRASH_PAGE,
     KVCache,
-    PagedCache,
-    init_pool,
     positions_from_mask,
 )
 from jrl.models.config import ModelConfig
@@ -383,18 +381,14 @@ def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, bl
     (num_prompts, prompt_len), num_rows = prompt_ids.shape, prompt_ids.shape[0] * n
     slots = cache_slots(config, prompt_len + budget + block_len)
     num_pages = sampling.num_pages or num_rows * -(-(prompt_len + budget) // page) + 1
-    pool_k, pool_v = init_pool(config, num_pages, page)
     lengths = repeat(prompt_mask).sum(axis=1)
     rank = jnp.arange(num_rows)
     admitted = jnp.cumsum(-(-lengths // page)) + (rank if sampling.num_pages else 0) \
         <= num_pages - 1
-    cache = PagedCache(k=pool_k, v=pool_v, num_slots=slots,
-                       block_table=jnp.full((num_rows, -(-slots // page)), TRASH_PAGE, jnp.int32),
-                       shift=prompt_len - lengths)  # the left padding
-    # Popped from the end: pages 1, 2, ... go out first.
-    free = jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
-    cache, num_free = paged.take_pages(cache, free, jnp.int32(num_pages - 1),
-                                       jnp.zeros_like(lengths), jnp.where(admitted, lengths, 0))
+    cache, free, num_free = paged.empty_pool(config, num_pages, page, num_rows, slots)
+    cache = cache.replace(shift=prompt_len - lengths)  # the left padding
+    cache, num_free = paged.take_pages(cache, free, num_free, jnp.zeros_like(lengths),
+                                       jnp.where(admitted, lengths, 0))
     # Admission goes in row order, so a prompt's first row is admitted if any of its rows
     # is (a prompt with none writes into the trash page).
     first = cache.replace(block_table=cache.block_table[::n], shift=cache.shift[::n])

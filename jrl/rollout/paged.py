@@ -220,8 +220,8 @@ def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
     num_rows, prompt_len = rows.ids.shape
     sizes = shape(sampling, num_rows, prompt_len, rows.steps, rows.max_tokens)
     params = sampler.per_layer(params, config)
-    seqs, per_row, slots = sizes["seqs"], sizes["pages_per_row"], sizes["slots"]
-    pool_k, pool_v = init_pool(config, sizes["pages"], sampling.page_size)
+    seqs, slots = sizes["seqs"], sizes["slots"]
+    cache, free, num_free = empty_pool(config, sizes["pages"], sampling.page_size, seqs, slots)
     state = _State(
         rows=jnp.full((seqs,), num_rows, jnp.int32),
         lengths=jnp.zeros((seqs,), jnp.int32),
@@ -229,12 +229,9 @@ def run_rows(params, rows: Rows, *, sampling, config: ModelConfig) -> _State:
         prompt_lengths=jnp.ones((seqs,), jnp.int32),
         key_mask=jnp.zeros((seqs, slots), jnp.int32),
         admitted=jnp.zeros((seqs,), jnp.int32),
-        cache=PagedCache(k=pool_k, v=pool_v, num_slots=slots,
-                         block_table=jnp.full((seqs, per_row), TRASH_PAGE, jnp.int32),
-                         shift=jnp.zeros((seqs,), jnp.int32)),
-        # Popped from the end: pages 1, 2, ... go out first.
-        free=jnp.arange(sizes["pages"] - 1, -1, -1, dtype=jnp.int32),
-        num_free=jnp.int32(sizes["pages"] - 1),
+        cache=cache,
+        free=free,
+        num_free=num_free,
         admissions=jnp.int32(0),
         pending=rows.pending,
         responses=rows.responses,
@@ -470,6 +467,20 @@ def _release(state: _State, leaving: jax.Array, empty_row: int) -> _State:
     return state.replace(rows=jnp.where(leaving, empty_row, state.rows),
                          key_mask=jnp.where(leaving[:, None], 0, state.key_mask),
                          cache=cache, free=free, num_free=num_free)
+
+
+def empty_pool(config: ModelConfig, num_pages: int, page_size: int, num_rows: int,
+               slots: int) -> tuple[PagedCache, jax.Array, jax.Array]:
+    """A pool of `num_pages` zero pages (the trash page among them) for `num_rows` rows of
+    `slots` slots that hold none yet, and its free stack: `(cache, free, num_free)`."""
+    pool_k, pool_v = init_pool(config, num_pages, page_size)
+    cache = PagedCache(k=pool_k, v=pool_v, num_slots=slots,
+                       block_table=jnp.full((num_rows, -(-slots // page_size)), TRASH_PAGE,
+                                            jnp.int32),
+                       shift=jnp.zeros((num_rows,), jnp.int32))
+    # Popped from the end: pages 1, 2, ... go out first (the trash page, 0, never).
+    free = jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32)
+    return cache, free, jnp.int32(num_pages - 1)
 
 
 def give_back(cache: PagedCache, free: jax.Array, num_free: jax.Array, leaving: jax.Array):

@@ -118,8 +118,10 @@ class KVCache:
             if kept == 1:  # a decode step: in place
                 return write_slots(buffer_bksh, new_bksh, write_index % slots)
             new_bksh = new_bksh.astype(buffer_bksh.dtype)
-            index = (write_index + num - kept + jnp.arange(kept)) % slots  # distinct
-            return buffer_bksh.at[:, :, index].set(new_bksh)
+            index = (write_index + num - kept + jnp.arange(kept)) % slots
+            # Distinct, so declared unique (a scatter's elements otherwise go by atomics on
+            # a GPU: `PagedCache.write`).
+            return buffer_bksh.at[:, :, index].set(new_bksh, unique_indices=True)
 
         return self.replace_layer(layer, *(put(buffer, new) for buffer, new in
                                            zip(self.layer(layer), (k_btkh, v_btkh),
@@ -236,8 +238,14 @@ class PagedCache(KVCache):
         num = k_btkh.shape[1]
         slots_bt = jnp.asarray(write_index, jnp.int32).reshape(-1, 1) + jnp.arange(num)
         pages_bt, offsets_bt = self._pages(slots_bt)
+        # Declared unique: otherwise XLA's GPU scatter writes each element with an atomic
+        # read-modify-write, for 16-bit elements a compare-and-swap loop on their 32-bit
+        # word, which neighbouring elements and every row writing the trash page at the
+        # same offset (padding, decode slots without a row, rows that sit out a step)
+        # contend for. Rows' own slots are distinct; the trash page's writes race, and
+        # its contents are never attended.
         put = lambda pool, new: pool.at[:, pages_bt, offsets_bt].set(
-            jnp.moveaxis(new, 2, 0).astype(pool.dtype))
+            jnp.moveaxis(new, 2, 0).astype(pool.dtype), unique_indices=True)
         return self.replace_layer(layer, put(self.k[layer], k_btkh), put(self.v[layer], v_btkh))
 
     def view(self, layer: int) -> tuple[jax.Array, jax.Array]:

@@ -401,8 +401,10 @@ def _prefill_pages(params, prompt_ids, prompt_mask, sampling: SamplingConfig, bl
     table = cache.block_table
     copy = (rank % n != 0)[:, None] & (table != TRASH_PAGE)
     source = jnp.repeat(table[::n], n, axis=0).reshape(-1)
-    dest = jnp.where(copy, table, num_pages).reshape(-1)  # out of range: dropped
-    put = lambda pool: pool.at[:, dest].set(pool[:, source], mode="drop")
+    # Out of range: dropped. The pages in range are distinct (`PagedCache.write` says why
+    # that is declared).
+    dest = jnp.where(copy, table, num_pages).reshape(-1)
+    put = lambda pool: pool.at[:, dest].set(pool[:, source], mode="drop", unique_indices=True)
     cache = cache.replace(k=tuple(map(put, first.k)), v=tuple(map(put, first.v)))
     pages = Pages(free=free, num_free=num_free, peak=num_pages - 1 - num_free,
                   waiting=~admitted, admitted=rank, admissions=jnp.sum(admitted),

@@ -886,7 +886,9 @@ def _put_rows(buffers, values, rows, groups: int, axes=None, valid=None
         local = jnp.where(_grouped(valid, groups), local, per_group)
 
     def put(buffer, values):
-        put_group = lambda b, i, v: b.at[i].set(v, mode="drop")
+        # The rows kept are distinct (the others dropped), so declared unique: a GPU
+        # scatter otherwise writes each element by an atomic (`cache.PagedCache.write`).
+        put_group = lambda b, i, v: b.at[i].set(v, mode="drop", unique_indices=True)
         return _ungrouped(jax.vmap(put_group)(_grouped(buffer, groups, axes), local,
                                               _grouped(values, groups, axes)), axes)
 

@@ -118,7 +118,10 @@ def _tiles(x_md, w_gkn, group_sizes):
     valid = group < g
     group = jnp.minimum(group, g - 1)
     slot = jnp.where(valid, padded_starts[group] + rows - starts[group], num_tiles * t)
-    x_tiles = jnp.zeros((num_tiles * t, k), x_md.dtype).at[slot].set(x_md, mode="drop")
+    # Each row's slot is its own (rows past the groups dropped): declared unique, as a GPU
+    # scatter otherwise writes each element by an atomic (`cache.PagedCache.write`).
+    x_tiles = jnp.zeros((num_tiles * t, k), x_md.dtype).at[slot].set(x_md, mode="drop",
+                                                                     unique_indices=True)
     tile_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_tiles) * t, side="right")
     w_tiles = jnp.take(w_gkn, jnp.minimum(tile_group, g - 1), axis=0)
     out = jnp.einsum("tmk,tkn->tmn", x_tiles.reshape(num_tiles, t, k), w_tiles,

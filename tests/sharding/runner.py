@@ -97,11 +97,19 @@ def packed(config):
     return config
 
 
+def paged(config):
+    """`config` with the paged KV cache (its default pool: every row at full length)."""
+    config = config.copy_and_resolve_references()
+    config.rollout.kv_cache = "paged"
+    return config
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--algo", choices=("grpo", "ppo", "multi_turn"), default="grpo")
     parser.add_argument("--meshes", default="8,1,1", help="'data,fsdp,tensor ...'; a mesh "
-                        "written 'data,fsdp,tensor+packed' runs with token-budget micro-batches")
+                        "written 'data,fsdp,tensor+packed' runs with token-budget micro-batches, "
+                        "'+paged' with the paged KV cache")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--coordinator", default=None)
@@ -152,7 +160,7 @@ def run_job(args) -> dict[str, list[dict]]:
     for mesh in args.meshes.split():
         axes, _, variant = mesh.partition("+")
         shape = tuple(int(x) for x in axes.split(","))
-        run_config = packed(config) if variant else config
+        run_config = {"": lambda c: c, "packed": packed, "paged": paged}[variant](config)
         devices = jax.devices()[: math.prod(shape)]
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(*shape), devices))
         workdir = args.workdir or tempfile.mkdtemp(prefix="jrl-mesh-")

@@ -61,8 +61,10 @@ JOBS = {
     # GRPO on a mixture-of-experts model with routing replay: one device, and the experts
     # split over 4 devices (expert=4) beside fsdp=2.
     "moe": ["--algo", "grpo", "--meshes", "1,1,1 1,2,1,1,4", "--steps", "2", "--moe"],
-    # Last: the multi-turn config reads every turn as a tool call in its process.
-    "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 2,2,2", "--steps", "2"],
+    # Last: the multi-turn config reads every turn as a tool call in its process. On the
+    # mesh with either KV cache.
+    "multi_turn": ["--algo", "multi_turn", "--meshes", "1,1,1 2,2,2 2,2,2+paged",
+                   "--steps", "2"],
 }
 
 
@@ -154,12 +156,15 @@ def _two_processes(tmp_path, steps: int, resume_from: str | None = None) -> list
 
 def test_multi_turn_meshes_match_one_device(mesh_runs):
     """Multi-turn rollouts with a calculator (every turn ending at a newline or a digit
-    calls it) on (data=2, fsdp=2, tensor=2) vs one device."""
+    calls it) on (data=2, fsdp=2, tensor=2), on the contiguous and on the paged KV
+    cache, vs one device on the contiguous cache."""
     runs = mesh_runs["multi_turn"]
     expected = runs["1,1,1"]
     assert all(r["multi_turn/tool_calls/total"] > 0 for r in expected)
     assert max(r["multi_turn/segments"] for r in expected) >= 2
     assert_same_metrics(expected, runs["2,2,2"])
+    assert all(r["rollout/page_usage"] > 0 for r in runs["2,2,2+paged"])
+    assert_same_metrics(expected, runs["2,2,2+paged"])
 
 
 def test_expert_parallel_moe_matches_one_device(mesh_runs):

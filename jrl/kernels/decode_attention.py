@@ -318,10 +318,56 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
 
 
+def append_and_attend_qkv_paged(qkv_bjh, bias_jh, sin_bk, cos_bk, k_pool, v_pool, block_table,
+                                start_b, slot_b, *, num_heads: int, interpret: bool = False,
+                                tiles: MosaicTiles | None = None):
+    """`append_and_attend_qkv` over a paged cache, in the fused Mosaic GPU kernel: each
+    row's new key and value go to its own physical slot `slot_b[b]` in the page its
+    block table points to, and its query heads attend to its slots `[start_b[b],
+    slot_b[b]]` read in place (as `paged_attention` reads them), with no XLA op between
+    the projection and the attention. One device (no mesh of several: the pools are
+    written in place, which a shard of the rows could not do for the others').
+
+    Args:
+      qkv_bjh, bias_jh, sin_bk, cos_bk, num_heads: as `append_and_attend_qkv`'s.
+      k_pool, v_pool: `[K, pages, page, H]` this layer's pools (16-bit).
+      block_table: int32 `[B, pages_per_row]`.
+      start_b, slot_b: int32 `[B]` each row's first real and new token's physical slots.
+      tiles: fused tiles (`block`, `stages`); None: `PAGED_FUSED_TILES`.
+
+    Returns:
+      `(out [B, N, H], k_pool, v_pool)`, the pools with the new tokens written.
+    """
+    tiles = tiles or PAGED_FUSED_TILES
+    num_kv, page, h = k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
+    joined = num_heads + 2 * num_kv
+    if qkv_bjh.shape[1] != joined or not tiles.fused or not paged_applies(page, h):
+        raise ValueError(
+            f"append_and_attend_qkv_paged: {num_heads} query heads and {num_kv} key/value "
+            f"heads need qkv [B, {joined}, H] (got {tuple(qkv_bjh.shape)}), fused tiles "
+            f"(got {tiles}) and pages of 8 to {max_page(h)} slots, a power of two (got "
+            f"{page})")
+    sharder = sharding.active_sharder()
+    if sharder is not None and sharder.mesh.size > 1:
+        raise ValueError("append_and_attend_qkv_paged runs on one device: under a mesh the "
+                         "paged cache is written by XLA (`transformer.paged_fused`)")
+    return _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_pool, v_pool,
+                         start_b.astype(jnp.int32), slot_b.astype(jnp.int32),
+                         num_heads=num_heads, interpret=interpret, tiles=tiles,
+                         block_table=block_table.astype(jnp.int32))
+
+
 # The paged decode's settings (`paged_attention` without tiles): unfused (the cache write
 # is the paged cache's scatter) and split over slots where the rows are too few to keep
 # the GPU busy (the decode loop compacts to fewer rows as they stop).
 PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
+# The fused kernel's over a paged cache (`append_and_attend_qkv_paged`), and whether the
+# paged decode takes it (`transformer.paged_fused`): read when a program is traced, as
+# `MOSAIC_TILES` is. Off until measured on a GPU beside the unfused path
+# (`experiments/bench_rollout.py --paged-fused`); it does not split a row's blocks over
+# programs as `PAGED_TILES` does for few rows.
+PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True)
+PAGED_FUSED = False
 
 
 def max_page(head_dim: int) -> int:
@@ -575,19 +621,8 @@ def _mosaic_kernel(q_ref, k_ref, v_ref, start_ref, slot_ref, *refs, block, stage
     rows, h = q_smem.shape
     dtype = q_smem.dtype
 
-    def fetch(j, buffer):
-        if page:  # the block's pages, each from where the row's table points
-            for i in range(block // page):
-                index = table_ref[b, j * (block // page) + i]
-                into = pl.ds(i * page, page)
-                for pool, tiles in ((k_ref, k_smem), (v_ref, v_smem)):
-                    mgpu.copy_gmem_to_smem(pool.at[kv, index], tiles.at[buffer, into],
-                                           barriers.at[buffer])
-            return
-        blk = pl.ds(j * block, block)
-        mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
-        mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
-
+    fetch = functools.partial(_fetch_block, k_ref, v_ref, k_smem, v_smem, barriers, b, kv,
+                              block=block, table_ref=table_ref, page=page)
     group_rows = q_smem if q_ref.shape[2] == rows else q_smem.at[pl.ds(0, q_ref.shape[2])]
     mgpu.copy_gmem_to_smem(q_ref.at[b, kv], group_rows, q_barrier)
     for i in range(stages):
@@ -772,6 +807,34 @@ class _Layout(NamedTuple):
     transforms: tuple
 
 
+def _fetch_block(k_ref, v_ref, k_smem, v_smem, barriers, b, kv, j, buffer, *, block: int,
+                 table_ref=None, page: int = 0):
+    """Copies cache block `j` of row `b`, key/value head `kv`, into SMEM buffer `buffer`
+    (arriving on its barrier): from the cache `[B, K, S, H]`, or with a `table_ref`, from
+    the pools `[K, pages, page, H]`, one copy per page of the block, each page read
+    where the row's table points."""
+    if page:
+        for i in range(block // page):
+            index = table_ref[b, j * (block // page) + i]
+            into = pl.ds(i * page, page)
+            for pool, tiles in ((k_ref, k_smem), (v_ref, v_smem)):
+                mgpu.copy_gmem_to_smem(pool.at[kv, index], tiles.at[buffer, into],
+                                       barriers.at[buffer])
+        return
+    blk = pl.ds(j * block, block)
+    mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
+    mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+
+
+def _whole_blocks(block_table, block: int, page: int):
+    """The block table padded with the trash page to whole blocks of `block` slots: the
+    kernels read a row's slots a block at a time."""
+    per_block = block // page
+    blocks = -(-block_table.shape[1] // per_block)
+    return jnp.pad(block_table, ((0, 0), (0, blocks * per_block - block_table.shape[1])),
+                   constant_values=TRASH_PAGE)
+
+
 def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles, page: int = 0) -> _Layout:
     """`_Layout` of a cache and `tiles`; a ValueError for a cache that is not 16-bit.
     `page`: the buffers are pools of pages of that many slots (`paged_attention`), their
@@ -817,11 +880,8 @@ def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTil
     layout = _mosaic_layout(n, rows_cache, v_bksh, tiles, page)
     block, stages, group, rows, moved, transforms = layout
     if page:  # whole blocks of pages: the table's last block padded with the trash page
-        per_block = block // page
-        blocks = -(-block_table.shape[1] // per_block)
-        block_table = jnp.pad(block_table, ((0, 0), (0, blocks * per_block - s // page)),
-                              constant_values=TRASH_PAGE)
-        s = blocks * block
+        block_table = _whole_blocks(block_table, block, page)
+        s = block_table.shape[1] * page
     rows_like, slots_like = tiles.split_like or (b, s)
     splits = tiles.splits or slot_splits(rows_like * kv, slots_like)
     q_bkrh = jnp.pad(q_bnh.astype(dtype).reshape(b, kv, group, h),
@@ -919,7 +979,7 @@ def rope_table(sin_bk, cos_bk, *, swap_matmul: bool):
 
 
 def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads, moved,
-                         has_bias, swap_matmul, interpreted):
+                         has_bias, swap_matmul, interpreted, page=0):
     """One (row, key/value head) of the fused Mosaic GPU kernel, from a fused
     projection's output `qkv_ref [B * (N + 2K), H]` (before bias and RoPE, rows as one
     axis), its bias (when `has_bias`: `fused_bias`' rows, split into the plain tile's
@@ -947,16 +1007,28 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
     to `[B, N, H]`. SMEM holds the two tiles, the key and value buffers and the
     rotation table: four programs share a multiprocessor at head_dim 64 and 64-slot
     blocks. Named regions (`jax.named_scope`) time each phase under
-    `experiments/profile_decode_kernel.py`. `interpreted` as `_mosaic_kernel`'s."""
+    `experiments/profile_decode_kernel.py`. `interpreted` as `_mosaic_kernel`'s.
+    `page` (a paged cache, `append_and_attend_qkv_paged`): `k_ref`/`v_ref` are the pools
+    `[K, pages, page, H]`, `slot_ref` is `[B]` (each row's own physical slot), a
+    `table_ref [B, blocks * block / page]` follows it, the new key and value go to the
+    slot's page and the blocks are read a page at a time (`_fetch_block`)."""
     if has_bias:
         bias_ref, *refs = refs
-    (rot_ref, start_ref, slot_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, x_smem,
-     rot_smem, barriers, x_barrier) = refs
+    rot_ref, start_ref, slot_ref, *refs = refs
+    table_ref = None
+    if page:
+        table_ref, *refs = refs
+    (k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, x_smem, rot_smem, barriers,
+     x_barrier) = refs
     b, kv = lax.axis_index("rows"), lax.axis_index("heads")
-    start, slot = start_ref[b], slot_ref[0]  # (GMEM loads: their latency overlaps)
+    # (GMEM loads: their latency overlaps.)
+    start, slot = start_ref[b], slot_ref[b if page else 0]
     rows, h = q_smem.shape
     dtype = q_smem.dtype
-    num_kv, num_slots = k_ref.shape[1], k_ref.shape[2]
+    if page:
+        num_kv, num_slots = k_ref.shape[0], table_ref.shape[1] * page
+    else:
+        num_kv, num_slots = k_ref.shape[1], k_ref.shape[2]
     joined = num_heads + 2 * num_kv  # the operand's rows a batch row
     parts = x_smem.shape[0]  # the plain tile's column parts: 1, or RoPE's halves
     width = h // parts
@@ -983,10 +1055,8 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
     last = slot // block  # the block the new token goes to
     end = jnp.maximum(first, jnp.minimum(last + 1, num_slots // block))
 
-    def fetch(j, buffer):
-        blk = pl.ds(j * block, block)
-        mgpu.copy_gmem_to_smem(k_ref.at[b, kv, blk], k_smem.at[buffer], barriers.at[buffer])
-        mgpu.copy_gmem_to_smem(v_ref.at[b, kv, blk], v_smem.at[buffer], barriers.at[buffer])
+    fetch = functools.partial(_fetch_block, k_ref, v_ref, k_smem, v_smem, barriers, b, kv,
+                              block=block, table_ref=table_ref, page=page)
 
     # The first copies of blocks before the new token's (with the swap matrix in the
     # last key buffer, that buffer's after the matrix has been read).
@@ -1049,8 +1119,12 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
         with jax.named_scope("write_kv"):
             for row, cache in ((moved, k_ref), (moved + 8, v_ref)):
                 for part, cols in enumerate(columns):
-                    mgpu.copy_smem_to_gmem(x_smem.at[part, pl.ds(row, 1)],
-                                           cache.at[b, kv, pl.ds(slot, 1), cols])
+                    if page:  # the slot's page, where the row's table points
+                        dest = cache.at[kv, table_ref[b, slot // page],
+                                        pl.ds(lax.rem(slot, page), 1), cols]
+                    else:
+                        dest = cache.at[b, kv, pl.ds(slot, 1), cols]
+                    mgpu.copy_smem_to_gmem(x_smem.at[part, pl.ds(row, 1)], dest)
 
     def fetch_after_stores(j, buffer):
         pl.when(j == last)(lambda: mgpu.wait_smem_to_gmem(0))  # the new token is in GMEM
@@ -1085,15 +1159,22 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
 
 
 def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
-                  num_heads, interpret, tiles: MosaicTiles):
+                  num_heads, interpret, tiles: MosaicTiles, block_table=None):
     """`MosaicTiles.fused`: the kernel (`_mosaic_fused_kernel`) on the projection's
     output itself, whose cache buffers are JAX refs (`jax.new_ref`) passed to
     `pl.kernel`, which aliases them in and out; (`[B, N, H]` in the operand's dtype,
-    the updated key and value buffers)."""
+    the updated key and value buffers). With a `block_table`, the buffers are pools
+    `[K, pages, page, H]` and `slot` is each row's, `[B]`."""
     b, _, h = qkv_bjh.shape
-    kv, dtype = k_bksh.shape[1], k_bksh.dtype
-    block, stages, group, _, moved, transforms = _mosaic_layout(num_heads, k_bksh, v_bksh,
-                                                                tiles)
+    dtype = k_bksh.dtype
+    if block_table is None:
+        kv, page, k_like, v_like = k_bksh.shape[1], 0, k_bksh, v_bksh
+    else:  # laid out as a cache of the table's slots
+        kv, page = k_bksh.shape[0], k_bksh.shape[2]
+        k_like, v_like = (jax.ShapeDtypeStruct((b, kv, block_table.shape[1] * page, h),
+                                               x.dtype) for x in (k_bksh, v_bksh))
+    block, stages, group, _, moved, transforms = _mosaic_layout(num_heads, k_like, v_like,
+                                                                tiles, page)
     swap_matmul = _swap_matmul(h, block)
     tile_columns = transforms[0].tiling[1]
     if not swap_matmul and (h // 2) % tile_columns:
@@ -1104,15 +1185,18 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
     parts = _plain_parts(swap_matmul)
     call = _fused_call(b, num_heads, kv, h, jnp.dtype(dtype), block, stages, group, moved,
                        transforms, bias_jh is not None,
-                       bool(mosaic_backend.interpret(interpret)), swap_matmul)
+                       bool(mosaic_backend.interpret(interpret)), swap_matmul, page)
     operands = [qkv_bjh.astype(dtype).reshape(-1, h)]  # rows as one axis: a free reshape
     if bias_jh is not None:
         bias_krh = fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
                               moved=moved)
         operands.append(bias_krh.reshape(kv, -1, parts, h // parts).transpose(0, 2, 1, 3))
-    out_bnh, k_bksh, v_bksh = call(*operands,
-                                   rope_table(sin_bk, cos_bk, swap_matmul=swap_matmul), start_b,
-                                   slot.reshape(1), k_bksh, v_bksh)
+    operands += [rope_table(sin_bk, cos_bk, swap_matmul=swap_matmul), start_b]
+    if page:
+        operands += [slot, _whole_blocks(block_table, block, page)]
+    else:
+        operands.append(slot.reshape(1))
+    out_bnh, k_bksh, v_bksh = call(*operands, k_bksh, v_bksh)
     return out_bnh.astype(qkv_bjh.dtype), k_bksh, v_bksh
 
 
@@ -1152,25 +1236,27 @@ def _swap_matmul(h, block) -> bool:
 
 @functools.cache
 def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transforms, has_bias,
-                interpreted, swap_matmul):
+                interpreted, swap_matmul, page=0):
     """The fused kernel's jitted call `(qkv_(b*j)h[, bias_kprh], rope_table, start_b,
-    slot_1, k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)`, one per configuration (the
-    bias as `_mosaic_fused` splits it into parts, the table as `rope_table` makes it for
-    `swap_matmul`): the decode step's layers call the same function, so their program
-    lowers the kernel once (a private function the layers share) instead of once a
-    layer."""
+    slot_1, k_bksh, v_bksh) -> (out_bnh, k_bksh, v_bksh)` (with `page`: `slot_b`, the
+    block table, then the pools), one per configuration (the bias as `_mosaic_fused`
+    splits it into parts, the table as `rope_table` makes it for `swap_matmul`): the
+    decode step's layers call the same function, so their program lowers the kernel
+    once (a private function the layers share) instead of once a layer."""
     rows = _fused_rows(moved)
     tile = lambda shape: mgpu.SMEM(shape, dtype, transforms=transforms)
     parts = _plain_parts(swap_matmul)
     scratch = [tile((rows, h)), tile((stages, block, h)), tile((stages, block, h)),
                mgpu.SMEM((parts, rows, h // parts), dtype),
                mgpu.SMEM((2, h if swap_matmul else h // 2), jnp.float32),
-               mgpu.Barrier(num_arrivals=2, num_barriers=stages),
+               # A buffer's key and value copies (a page each with a paged cache).
+               mgpu.Barrier(num_arrivals=2 * (block // page if page else 1),
+                            num_barriers=stages),
                mgpu.Barrier(num_arrivals=3 * parts + 1)]
     body = functools.partial(_mosaic_fused_kernel, block=block, stages=stages,
                              scale=1.0 / math.sqrt(h), group=group, num_heads=num_heads,
                              moved=moved, has_bias=has_bias, swap_matmul=swap_matmul,
-                             interpreted=interpreted)
+                             interpreted=interpreted, page=page)
     # `plgpu.kernel` (its custom_vmap) takes no refs: `pl.kernel` on a Mosaic GPU mesh,
     # with the scratch allocated as `plgpu.kernel` does.
     run = lambda num_slots: pl.kernel(
@@ -1185,9 +1271,10 @@ def _fused_call(b, num_heads, kv, h, dtype, block, stages, group, moved, transfo
     @jax.jit  # refs with a memory space live inside a jit only (a no-op under the caller's)
     def call(*args):
         *operands, k_bksh, v_bksh = args
+        num_slots = operands[-1].shape[1] * page if page else k_bksh.shape[2]
         k_ref, v_ref = (jax.new_ref(x, memory_space=mgpu.GMEM) for x in (k_bksh, v_bksh))
         with _no_vma_check():  # as `plgpu.kernel` calls `pl.kernel`
-            out_bnh = run(k_bksh.shape[2])(*operands, k_ref, v_ref)
+            out_bnh = run(num_slots)(*operands, k_ref, v_ref)
         return out_bnh, jax.freeze(k_ref), jax.freeze(v_ref)
 
     return call

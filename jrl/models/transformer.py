@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jrl import sharding
 from jrl.kernels import decode_attention as decode_lib
 from jrl.kernels import packed_attention
 from jrl.models import cache as cache_lib
@@ -405,6 +406,17 @@ class Attention(nn.Module):
         fused_layout = self.has_variable("params", FUSED_QKV)  # the sampler's
         fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         kernel_step = isinstance(mask_b1ts, DecodeStep) and not isinstance(cache, PagedCache)
+        if fused_layout and isinstance(mask_b1ts, DecodeStep) and paged_fused(c, cache):
+            # The fused kernel writes each row's key and value at its page and attends
+            # over its pages in place (physical slots: the pages start at a row's first
+            # real token).
+            qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
+            bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
+            out_bnh, k_pool, v_pool = decode_lib.append_and_attend_qkv_paged(
+                qkv_btjh[:, 0], bias_jh, sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer),
+                cache.block_table, mask_b1ts.start_b - cache.shift, write_index - cache.shift,
+                num_heads=c.num_heads)
+            return self._output(out_bnh[:, None]), cache.replace_layer(layer, k_pool, v_pool)
         if fused_layout and kernel_step and not c.qk_norm:
             # The kernel takes the projection's output as it is and adds the bias itself.
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
@@ -895,6 +907,20 @@ def paged_kernel(config: ModelConfig, page_size: int) -> str | None:
     mosaic = (impl == "mosaic" and decode_lib.paged_applies(page_size, config.head_dim)
               and config.attn_logit_softcapping is None and gemma.query_scale(config) is None)
     return "mosaic" if mosaic else None
+
+
+def paged_fused(config: ModelConfig, cache) -> bool:
+    """Whether a decode step over a paged cache takes the fused Mosaic GPU kernel
+    (`decode_attention.append_and_attend_qkv_paged`: the cache write, RoPE and the bias
+    in the kernel) rather than the XLA write and `paged_attention`: where
+    `decode_attention.PAGED_FUSED` is on, the Mosaic GPU kernel reads the pages
+    (`paged_kernel`), the heads have no q/k norm (the kernel rotates the projection's
+    output itself) and one device runs the step (the kernel writes the pools in
+    place)."""
+    sharder = sharding.active_sharder()
+    return (isinstance(cache, PagedCache) and decode_lib.PAGED_FUSED and not config.qk_norm
+            and paged_kernel(config, cache.page_size) == "mosaic"
+            and (sharder is None or sharder.mesh.size == 1))
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

@@ -952,6 +952,74 @@ def test_paged_kernel_lowers_for_the_gpu_and_refuses_what_it_cannot_read():
                              config)
 
 
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("head_dim", [32, 128], ids=["swap_matrix", "register_halves"])
+def test_paged_fused_kernel_writes_and_attends_each_rows_pages(head_dim):
+    """The fused kernel over a paged cache (`append_and_attend_qkv_paged`), every row at
+    its own slot, its pages shuffled through the pools, against the XLA path of the
+    contiguous cache row by row: the output within bf16 rounding, and the pools read back
+    through each row's table equal to the XLA path's cache to the bit (the new key and
+    value at the slot's page). Rows whose new token starts a page, sits on a block edge
+    and mid-page, one starting at its new token, one whose table ends in trash pages
+    past its slot."""
+    n, kv, b, slots, page = 8, 2, 4, 192, 16
+    keys = jax.random.split(jax.random.key(6), 5)
+    qkv = jax.random.normal(keys[0], (b, n + 2 * kv, head_dim), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (n + 2 * kv, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kv, slots, head_dim), jnp.bfloat16)
+            for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, head_dim // 2), maxval=300.0)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    slot = np.array([64, 100, 16, 191], np.int32)
+    start = np.array([64, 30, 0, 5], np.int32)
+    k_pool, v_pool, table = _paged(k, v, page, seed=2)
+    table = table.at[2, 2:].set(0)  # the trash page past row 2's slot (page 1)
+    kernel = jax.jit(functools.partial(
+        da.append_and_attend_qkv_paged, num_heads=n, interpret=INTERPRET,
+        tiles=da.MosaicTiles(64, 2, compact=True, fused=True)))
+    out, k_pool, v_pool = kernel(qkv, bias, sin, cos, k_pool, v_pool, table,
+                                 jnp.asarray(start), jnp.asarray(slot))
+    assert out.shape == (b, n, head_dim) and out.dtype == qkv.dtype
+    for r in range(b):
+        want = _attend_qkv(qkv[r:r + 1], bias, sin[r:r + 1], cos[r:r + 1], k[r:r + 1],
+                           v[r:r + 1], jnp.asarray(start[r:r + 1]), jnp.asarray(slot[r]),
+                           num_heads=n, impl="xla")
+        np.testing.assert_allclose(np.asarray(out[r], np.float32),
+                                   np.asarray(want[0][0], np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=f"row {r}")
+        held = slots if r != 2 else 2 * page  # row 2's table holds pages 0 and 1
+        for pool, cache in ((k_pool, want[1]), (v_pool, want[2])):
+            back = pool[:, table[r]].reshape(kv, -1, head_dim)[:, :held]
+            np.testing.assert_array_equal(np.asarray(back, np.float32),
+                                          np.asarray(cache[0, :, :held], np.float32),
+                                          err_msg=f"row {r}")
+
+
+@pytest.mark.parametrize("n,kv,h", [(14, 2, 64), (28, 4, 128)])
+def test_paged_fused_kernel_lowers_for_the_gpu_writing_the_pools_in_place(n, kv, h):
+    """For CUDA (through Mosaic GPU's own lowering, which checks shared memory): the
+    paged fused kernel is one Mosaic GPU call on the projection's output, its pools
+    aliased in and out, with no scatter; it stops on pages it cannot read and under a
+    mesh of several devices."""
+    sds = jax.ShapeDtypeStruct
+    shapes = (sds((8, n + 2 * kv, h), jnp.bfloat16), sds((n + 2 * kv, h), jnp.bfloat16),
+              sds((8, h // 2), jnp.float32), sds((8, h // 2), jnp.float32),
+              *[sds((kv, 100, 16, h), jnp.bfloat16)] * 2, sds((8, 40), jnp.int32),
+              sds((8,), jnp.int32), sds((8,), jnp.int32))
+    with mock.patch.object(mosaic_backend, "on_hopper", lambda: True):
+        text = _lower_for_cuda(
+            lambda *a: da.append_and_attend_qkv_paged(*a, num_heads=n), shapes)
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1 and "output_operand_alias" in calls[0]
+    assert "scatter" not in text
+    pool = jnp.zeros((2, 4, 4, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pages of 8 to 128 slots"):
+        da.append_and_attend_qkv_paged(
+            jnp.zeros((1, 8, 32), jnp.bfloat16), None, jnp.zeros((1, 16)), jnp.zeros((1, 16)),
+            pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
+            jnp.zeros((1,), jnp.int32), num_heads=4)
+
+
 def test_tpu_paged_kernel_reads_each_rows_pages_in_place():
     """Pallas' TPU paged attention (`tpu_paged_attention`, in TPU interpret mode) against a
     float64 reference: each row's physical slots `[0, length)` through its shuffled pages,
@@ -1009,6 +1077,16 @@ def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
     with mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw)):
         mosaic = run("mosaic")
     assert calls and all(kw["block_table"] is not None for kw in calls)
+    # The fused kernel (`PAGED_FUSED`), read when the program is traced: another config
+    # (its initializer range, unused here) so the program is traced again.
+    fused_calls, fused_kernel = [], da._mosaic_fused
+    with (mock.patch.object(da, "PAGED_FUSED", True),
+          mock.patch.object(da, "_mosaic_fused",
+                            lambda *a, **kw: fused_calls.append(kw) or fused_kernel(*a, **kw))):
+        fused = paged.generate(params, ids, mask, jax.random.key(3), sampling,
+                               config=dataclasses.replace(config, decode_attention_impl="mosaic",
+                                                          initializer_range=0.02))
+    assert fused_calls and all(kw["block_table"] is not None for kw in fused_calls)
     tpu_calls, tpu_kernel = [], da.tpu_paged_attention
     with (mock.patch.object(da, "on_tpu", lambda: True),
           mock.patch.object(da, "tpu_paged_attention",
@@ -1016,7 +1094,7 @@ def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
           pltpu.force_tpu_interpret_mode()):
         tpu = run("auto")
     assert tpu_calls
-    for name, out in (("mosaic", mosaic), ("tpu", tpu)):
+    for name, out in (("mosaic", mosaic), ("mosaic_fused", fused), ("tpu", tpu)):
         np.testing.assert_array_equal(out.responses, xla.responses, err_msg=name)
         np.testing.assert_array_equal(out.preemptions, xla.preemptions, err_msg=name)
         chex.assert_trees_all_close(out.rollout_log_probs, xla.rollout_log_probs,

@@ -128,6 +128,51 @@ def test_decode_kernel_at_the_caches_edges(spec, slot):
                                          slot=slot, seed=slot))
 
 
+@functools.partial(jax.jit, static_argnames=("num_heads", "paged"))
+def _attend_qkv(qkv, sin, cos, k, v, start, slot, table, *, num_heads, paged):
+    """The fused projection's operand attended over contiguous caches by XLA, or over
+    pools by the paged fused kernel (`table` the rows' pages, every row at `slot`)."""
+    if not paged:
+        return da.append_and_attend_qkv(qkv, None, sin, cos, k, v, start, slot,
+                                        num_heads=num_heads, impl="xla")
+    return da.append_and_attend_qkv_paged(qkv, None, sin, cos, k, v, table, start,
+                                          jnp.full(start.shape, slot), num_heads=num_heads)
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b b256", "qwen2.5-0.5b b32 long",
+                                  "qwen2.5-7b b64"])
+def test_paged_fused_kernel_matches_xla_at_the_presets_shapes(name):
+    """The fused kernel over a paged cache (`decode_attention.PAGED_FUSED`: pages of 16
+    slots shuffled through the pools) against XLA on the same rows' contiguous caches:
+    the output within the decode kernel's bound, the pools read back through the rows'
+    tables within one bf16 step of XLA's caches (the new key rotated in the kernel)."""
+    b, n, k, h, s = DECODE_SHAPES[name]
+    page = 16
+    q, k_new, v_new, sin, cos, k_cache, v_cache, start, slot = _decode_inputs(
+        b, n, k, h, s, s - 37)
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    table = jnp.asarray(np.random.default_rng(1).permutation(b * s // page).reshape(b, -1) + 1,
+                        jnp.int32)
+    pool = lambda x: jnp.zeros((k, 1 + b * s // page, page, h), x.dtype).at[
+        :, table.reshape(-1)].set(x.reshape(b, k, s // page, page, h).transpose(
+            1, 0, 2, 3, 4).reshape(k, -1, page, h))
+    got = _attend_qkv(qkv, sin, cos, pool(k_cache), pool(v_cache), start, slot, table,
+                      num_heads=n, paged=True)
+    want = _attend_qkv(qkv, sin, cos, k_cache, v_cache, start, slot, None, num_heads=n,
+                       paged=False)
+    exact = _attend_qkv(qkv.astype(jnp.float32), sin, cos, k_cache.astype(jnp.float32),
+                        v_cache.astype(jnp.float32), start, slot, None, num_heads=n,
+                        paged=False)[0]
+    back = lambda x: x[:, table].transpose(1, 0, 2, 3, 4).reshape(b, k, s, h)
+    _assert_decode_matches(dict(
+        err=_max_diff(got[0], exact), xla_err=_max_diff(want[0], exact),
+        cache_diff=max(_max_diff(back(g), w) for g, w in zip(got[1:], want[1:], strict=True)),
+        nonfinite=int(jnp.sum(~jnp.isfinite(got[0].astype(jnp.float32)))),
+        scale=float(jnp.max(jnp.abs(exact)))))
+
+
 # ------------------------------------------------------------------ the log-prob head
 
 HEAD_HIDDEN, HEAD_VOCAB = 896, 151936  # Qwen2.5-0.5B, tied embedding

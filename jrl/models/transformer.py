@@ -406,21 +406,19 @@ class Attention(nn.Module):
         fused_layout = self.has_variable("params", FUSED_QKV)  # the sampler's
         fused = (c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         kernel_step = isinstance(mask_b1ts, DecodeStep) and not isinstance(cache, PagedCache)
-        if fused_layout and isinstance(mask_b1ts, DecodeStep) and paged_fused(c, cache):
-            # The fused kernel writes each row's key and value at its page and attends
-            # over its pages in place (physical slots: the pages start at a row's first
-            # real token).
-            qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
-            bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
-            out_bnh, k_pool, v_pool = decode_lib.append_and_attend_qkv_paged(
-                qkv_btjh[:, 0], bias_jh, sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer),
-                cache.block_table, mask_b1ts.start_b - cache.shift, write_index - cache.shift,
-                num_heads=c.num_heads)
-            return self._output(out_bnh[:, None]), cache.replace_layer(layer, k_pool, v_pool)
-        if fused_layout and kernel_step and not c.qk_norm:
+        paged_step = isinstance(mask_b1ts, DecodeStep) and paged_fused(c, cache)
+        if fused_layout and (paged_step or (kernel_step and not c.qk_norm)):
             # The kernel takes the projection's output as it is and adds the bias itself.
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
+            if paged_step:  # each row's key and value written at its page, read in place
+                # (physical slots: a row's pages start at its first real token)
+                out_bnh, k_pool, v_pool = decode_lib.append_and_attend_qkv_paged(
+                    qkv_btjh[:, 0], bias_jh, sin_btk[:, 0], cos_btk[:, 0], *cache.layer(layer),
+                    cache.block_table, mask_b1ts.start_b - cache.shift,
+                    write_index - cache.shift, num_heads=c.num_heads)
+                return (self._output(out_bnh[:, None]),
+                        cache.replace_layer(layer, k_pool, v_pool))
             qkv_bjh, sin_bk, cos_bk = _to_cache_rows(
                 cache, (constrain(qkv_btjh[:, 0], ("batch", None, None)), ("batch", None, None)),
                 (sin_btk[:, 0], ("batch", None)), (cos_btk[:, 0], ("batch", None)))

@@ -17,7 +17,7 @@ from jrl.models import (
     load_pretrained,
     positions_from_mask,
 )
-from jrl.models.cache import layer_slots, ring_slots
+from jrl.models.cache import KVCache, PagedCache, layer_slots, ring_slots
 from jrl.rollout import sampler
 
 CASE = "qwen3_untied"  # q/k norm, GQA, head_dim != hidden / heads
@@ -133,6 +133,30 @@ def test_gemma3_ring_cache_is_a_fifth_of_a_full_one_at_long_responses():
     ring = sum(layer_slots(config, slots, ring=True))
     assert ring == 4 * slots + 22 * 512
     assert ring / sum(layer_slots(config, slots)) == pytest.approx(46080 / 226304)
+
+
+def test_cache_scatters_are_declared_unique():
+    """The paged cache's write and the ring buffer's prefill write reach XLA as scatters
+    with `unique_indices` (a GPU scatter without it writes each 16-bit element by a
+    compare-and-swap loop, which rows writing the trash page at one offset contend for).
+    Read off the lowered programs: nothing is compiled."""
+    pool = jnp.zeros((2, 9, 4, 8), jnp.bfloat16)
+    paged_cache = PagedCache(k=(pool,), v=(pool,), num_slots=16,
+                             block_table=jnp.zeros((3, 4), jnp.int32),
+                             shift=jnp.zeros((3,), jnp.int32))
+    new = jnp.ones((3, 2, 2, 8), jnp.bfloat16)  # [B, T, K, H]
+    ring = KVCache(k=(jnp.zeros((3, 2, 4, 8), jnp.bfloat16),),
+                   v=(jnp.zeros((3, 2, 4, 8), jnp.bfloat16),))
+    texts = {
+        "paged": jax.jit(lambda c, i, n: c.write(0, i, n, n)).lower(
+            paged_cache, jnp.zeros((3,), jnp.int32), new).as_text(),
+        "ring": jax.jit(lambda c, i, n: c.write_ring(0, i, n, n)).lower(
+            ring, jnp.int32(5), new).as_text(),
+    }
+    for name, text in texts.items():
+        scatters = [line for line in text.splitlines() if "stablehlo.scatter" in line]
+        assert len(scatters) == 2, (name, scatters)
+        assert all("unique_indices = true" in line for line in scatters), (name, scatters)
 
 
 def test_prefill_then_decode_matches_full_forward(model, ragged_batch):

@@ -913,12 +913,19 @@ def paged_fused(config: ModelConfig, cache) -> bool:
     in the kernel) rather than the XLA write and `paged_attention`: where
     `decode_attention.PAGED_FUSED` is on, the Mosaic GPU kernel reads the pages
     (`paged_kernel`), the heads have no q/k norm (the kernel rotates the projection's
-    output itself) and one device runs the step (the kernel writes the pools in
-    place)."""
+    output itself), one device runs the step (the kernel writes the pools in place)
+    and the rows are many enough that the unfused kernel would not split a row's
+    slots over programs: the fused one keeps a (row, key/value head) pair in one
+    program, so at few rows over long caches it would leave the GPU idle."""
     sharder = sharding.active_sharder()
-    return (isinstance(cache, PagedCache) and decode_lib.PAGED_FUSED and not config.qk_norm
+    if not (isinstance(cache, PagedCache) and decode_lib.PAGED_FUSED and not config.qk_norm
             and paged_kernel(config, cache.page_size) == "mosaic"
-            and (sharder is None or sharder.mesh.size == 1))
+            and (sharder is None or sharder.mesh.size == 1)):
+        return False
+    rows, pages_per_row = cache.block_table.shape
+    splits = decode_lib.PAGED_TILES.splits or decode_lib.slot_splits(
+        rows * config.num_kv_heads, pages_per_row * cache.page_size)
+    return splits == 1
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

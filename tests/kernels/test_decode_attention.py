@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jrl.errors import ConfigError
 from jrl.kernels import decode_attention as da
 from jrl.kernels import mosaic_backend
-from jrl.models import ModelConfig, init_params
+from jrl.models import ModelConfig, init_params, transformer
 from jrl.models.config import RopeScaling
 from jrl.rollout import paged, sampler
 from jrl.rollout.sampler import SamplingConfig
@@ -1020,6 +1020,30 @@ def test_paged_fused_kernel_lowers_for_the_gpu_writing_the_pools_in_place(n, kv,
             jnp.zeros((1,), jnp.int32), num_heads=4)
 
 
+@pytest.mark.parametrize("rows, slots, fused", [
+    (132, 8192, True),   # 264 (row, key/value head) pairs fill 132 multiprocessors twice
+    (131, 8192, False),  # 262 pairs: the unfused kernel splits each over 2 programs
+    (4, 1000, True),     # too few slots to split
+    (4, 4096, False),    # split in 4
+])
+def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_would_not_split(
+        rows, slots, fused):
+    """`transformer.paged_fused`: the fused kernel over pages keeps each (row, key/value
+    head) pair in one program, so the paged decode takes it only where the unfused
+    kernel would not split the pair's slots over programs (`slot_splits`: 2 programs
+    a multiprocessor, parts of at least 1,024 slots), and never with `PAGED_FUSED` off."""
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                         dtype="bfloat16", decode_attention_impl="mosaic")
+    cache, _, _ = paged.empty_pool(config, 4, 8, rows, slots)
+    # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
+    with (mock.patch.object(da, "_MULTIPROCESSORS", 132),
+          mock.patch.object(da, "PAGED_FUSED", True)):
+        assert transformer.paged_fused(config, cache) is fused
+    with mock.patch.object(da, "PAGED_FUSED", False):
+        assert transformer.paged_fused(config, cache) is False
+
+
 def test_tpu_paged_kernel_reads_each_rows_pages_in_place():
     """Pallas' TPU paged attention (`tpu_paged_attention`, in TPU interpret mode) against a
     float64 reference: each row's physical slots `[0, length)` through its shuffled pages,
@@ -1075,7 +1099,8 @@ def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
     assert np.asarray(xla.preemptions).sum() > 0 and lengths.min() < lengths.max()
     np.testing.assert_array_equal(xla.responses, contiguous.responses)
     calls = []
-    with mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw)):
+    with (mock.patch.object(da, "PAGED_FUSED", False),
+          mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw))):
         mosaic = run("mosaic")
     assert calls and all(kw["block_table"] is not None for kw in calls)
     # The fused kernel (`PAGED_FUSED`, read when the program is traced), on a short run

@@ -38,6 +38,7 @@
 # "+bN" (--decode_buckets N), "+tokN" (--max_token_len N: the token budget), "+mosaic"
 # or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+xla" (--decode_attention
 # xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache),
+# "+seqsN" (--max_num_seqs N: the paged cache's decode slots, refilled as rows stop),
 # "+pfused" / "+punfused" (--paged_fused on / off: the paged decode in the fused kernel or
 # not), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
 # pool every row at full length), "+hbxla" (--head_backward xla: the log-prob head's
@@ -94,6 +95,7 @@ for name in "$@"; do
       page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
       keep) extra+=(--partial_keep_cache) ;;
       paged) extra+=(--kv_cache paged) ;;
+      seqs[0-9]*) extra+=(--max_num_seqs "${o#seqs}") ;;
       pfused) extra+=(--paged_fused on) ;;
       punfused) extra+=(--paged_fused off) ;;
       xla) extra+=(--decode_attention xla) ;;

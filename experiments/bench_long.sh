@@ -39,8 +39,8 @@
 # or "+mosaicSPEC" (--decode_attention mosaic [--mosaic_tiles SPEC]), "+xla" (--decode_attention
 # xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache),
 # "+seqsN" (--max_num_seqs N: the paged cache's decode slots, refilled as rows stop),
-# "+pfused" / "+punfused" (--paged_fused on / off: the paged decode in the fused kernel or
-# not), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
+# "+pfused" / "+punfused" (--paged_fused always / off: the paged decode in the fused
+# kernel at any rows, or never; the default takes it where the unfused one would not split), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
 # pool every row at full length), "+hbxla" (--head_backward xla: the log-prob head's
 # backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
@@ -96,7 +96,7 @@ for name in "$@"; do
       keep) extra+=(--partial_keep_cache) ;;
       paged) extra+=(--kv_cache paged) ;;
       seqs[0-9]*) extra+=(--max_num_seqs "${o#seqs}") ;;
-      pfused) extra+=(--paged_fused on) ;;
+      pfused) extra+=(--paged_fused always) ;;
       punfused) extra+=(--paged_fused off) ;;
       xla) extra+=(--decode_attention xla) ;;
       mosaic) extra+=(--decode_attention mosaic) ;;

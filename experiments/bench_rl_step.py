@@ -191,9 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mosaic_tiles", default=None,
                    help="jrl.kernels.decode_attention.MOSAIC_TILES (with --decode_attention "
                         "mosaic): BLOCK,STAGES[,compact][,fused], e.g. 128,2,compact,fused")
-    p.add_argument("--paged_fused", default=None, choices=("off", "on"),
+    p.add_argument("--paged_fused", default=None, choices=("off", "auto", "always"),
                    help="jrl.kernels.decode_attention.PAGED_FUSED (with --kv_cache paged): "
-                        "the paged decode in the fused Mosaic GPU kernel; unset: the default")
+                        "when the paged decode takes the fused Mosaic GPU kernel; unset: auto")
     p.add_argument("--decode_split", default=None, metavar="PER_SM,MIN_SLOTS",
                    help="the decode kernel's split over slots (MosaicTiles.splits 0): "
                         "decode_attention.PROGRAMS_PER_MULTIPROCESSOR and MIN_SPLIT_SLOTS")
@@ -696,7 +696,7 @@ def main(argv=None) -> None:
     set_decode_split(args.decode_split)
     if args.paged_fused:
         from jrl.kernels import decode_attention
-        decode_attention.PAGED_FUSED = args.paged_fused == "on"
+        decode_attention.PAGED_FUSED = args.paged_fused
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())

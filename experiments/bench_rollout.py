@@ -87,8 +87,9 @@ def parse_args() -> argparse.Namespace:
                         "row a decode slot, the whole pool (--page-size slots a page)")
     parser.add_argument("--page-size", type=int, nargs="+", default=[16],
                         help="SamplingConfig.page_size (each a run of the paged cache)")
-    parser.add_argument("--paged-fused", nargs="+", default=["off"], choices=("off", "on"),
-                        help="the paged cache's decode steps on the fused kernel "
+    parser.add_argument("--paged-fused", nargs="+", default=["auto"],
+                        choices=decode_lib.PAGED_FUSED_MODES,
+                        help="when the paged cache's decode steps take the fused kernel "
                         "(decode_attention.PAGED_FUSED; each a run of the paged cache)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
@@ -251,17 +252,18 @@ def main() -> None:
     lora_rollouts = args.lora_rollout if args.lora_rank else ["unmerged"]
     caches = [(cache, page, fused) for cache in args.kv_cache
               for page in (args.page_size if cache == "paged" else [None])
-              for fused in (args.paged_fused if cache == "paged" else ["off"])]
+              for fused in (args.paged_fused if cache == "paged" else [None])]
     for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused) in itertools.product(
             args.batch_sizes, args.decode_attention, lora_rollouts, args.fuse_projections,
             args.gemm, caches):
-        decode_lib.PAGED_FUSED = paged_fused == "on"  # read when `bench_jrl` traces
+        if paged_fused:  # read when `bench_jrl` traces
+            decode_lib.PAGED_FUSED = paged_fused
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
         cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout,
                                   fuse_decode_projections=fuse == "on")
         trace_dir = args.trace_dir and os.path.join(
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}_{kv_cache}{page or ''}"
-            + ("_fused" if decode_lib.PAGED_FUSED else ""))
+            + (f"_fused_{paged_fused}" if paged_fused else ""))
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
                                      dataclasses.replace(sampling, gemm=gemm, kv_cache=kv_cache,
                                                          page_size=page or 16),
@@ -270,7 +272,7 @@ def main() -> None:
         tokens = batch * args.new_tokens
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
-            kv_cache=kv_cache, page_size=page, paged_fused=decode_lib.PAGED_FUSED,
+            kv_cache=kv_cache, page_size=page, paged_fused=paged_fused,
             lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
             jrl_tokens_per_s=tokens / jrl_s,
@@ -305,7 +307,7 @@ def print_table(args, results) -> None:
               else "- | -")
         lora_cell = f"r{r['lora_rank']} {r['lora_rollout']}" if r.get("lora_rank") else "-"
         cache = (r["kv_cache"] + (f"/{r['page_size']}" if r.get("page_size") else "")
-                 + (" fused" if r.get("paged_fused") else ""))
+                 + (f" fused {r['paged_fused']}" if r.get("paged_fused") else ""))
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
               f"{r['gemm']} | {cache} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "

@@ -361,15 +361,16 @@ def append_and_attend_qkv_paged(qkv_bjh, bias_jh, sin_bk, cos_bk, k_pool, v_pool
 # is the paged cache's scatter) and split over slots where the rows are too few to keep
 # the GPU busy (the decode loop compacts to fewer rows as they stop).
 PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
-# The fused kernel's over a paged cache (`append_and_attend_qkv_paged`), and whether the
-# paged decode takes it (`transformer.paged_fused`): read when a program is traced, as
-# `MOSAIC_TILES` is. It does not split a row's blocks over programs, so the decode takes
-# it only where `PAGED_TILES` would not split them either (`transformer.paged_fused`).
-# Measured on an H100 beside the unfused path (`experiments/bench_rollout.py
-# --paged-fused off on`, Qwen2.5-0.5B, P128 / R256): 1.01x the sampler's tokens/s at 256
-# rows, 1.03x at 512.
+# The fused kernel's over a paged cache (`append_and_attend_qkv_paged`), and when the
+# paged decode takes it (`transformer.paged_fused`), read when a program is traced, as
+# `MOSAIC_TILES` is: "auto" where `PAGED_TILES` would not split a row's blocks over
+# programs either (the fused kernel does not split them), "always", or "off". Measured
+# on an H100 beside the unfused path (`experiments/bench_rollout.py --paged-fused off
+# auto`, Qwen2.5-0.5B, P128 / R256): 1.01x the sampler's tokens/s at 256 rows, 1.03x at
+# 512.
 PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True)
-PAGED_FUSED = True
+PAGED_FUSED_MODES = ("auto", "always", "off")
+PAGED_FUSED = "auto"
 
 
 def max_page(head_dim: int) -> int:

@@ -911,17 +911,24 @@ def paged_fused(config: ModelConfig, cache) -> bool:
     """Whether a decode step over a paged cache takes the fused Mosaic GPU kernel
     (`decode_attention.append_and_attend_qkv_paged`: the cache write, RoPE and the bias
     in the kernel) rather than the XLA write and `paged_attention`: where
-    `decode_attention.PAGED_FUSED` is on, the Mosaic GPU kernel reads the pages
-    (`paged_kernel`), the heads have no q/k norm (the kernel rotates the projection's
-    output itself), one device runs the step (the kernel writes the pools in place)
-    and the rows are many enough that the unfused kernel would not split a row's
-    slots over programs: the fused one keeps a (row, key/value head) pair in one
-    program, so at few rows over long caches it would leave the GPU idle."""
+    the Mosaic GPU kernel reads the pages (`paged_kernel`), the heads have no q/k norm
+    (the kernel rotates the projection's output itself), one device runs the step (the
+    kernel writes the pools in place), and by `decode_attention.PAGED_FUSED`: "off"
+    never, "always", or "auto" where the rows are many enough that the unfused kernel
+    would not split a row's slots over programs (the fused one keeps a (row, key/value
+    head) pair in one program, so at few rows over long caches it may leave the GPU
+    idle)."""
+    mode = decode_lib.PAGED_FUSED
+    if mode not in decode_lib.PAGED_FUSED_MODES:
+        raise ValueError(f"decode_attention.PAGED_FUSED must be one of "
+                         f"{decode_lib.PAGED_FUSED_MODES}; got {mode!r}")
     sharder = sharding.active_sharder()
-    if not (isinstance(cache, PagedCache) and decode_lib.PAGED_FUSED and not config.qk_norm
-            and paged_kernel(config, cache.page_size) == "mosaic"
-            and (sharder is None or sharder.mesh.size == 1)):
+    if mode == "off" or not (isinstance(cache, PagedCache) and not config.qk_norm
+                             and paged_kernel(config, cache.page_size) == "mosaic"
+                             and (sharder is None or sharder.mesh.size == 1)):
         return False
+    if mode == "always":
+        return True
     rows, pages_per_row = cache.block_table.shape
     splits = decode_lib.PAGED_TILES.splits or decode_lib.slot_splits(
         rows * config.num_kv_heads, pages_per_row * cache.page_size)

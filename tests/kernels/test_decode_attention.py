@@ -1031,17 +1031,20 @@ def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_would_no
     """`transformer.paged_fused`: the fused kernel over pages keeps each (row, key/value
     head) pair in one program, so the paged decode takes it only where the unfused
     kernel would not split the pair's slots over programs (`slot_splits`: 2 programs
-    a multiprocessor, parts of at least 1,024 slots), and never with `PAGED_FUSED` off."""
+    a multiprocessor, parts of at least 1,024 slots) with `PAGED_FUSED` "auto", at any
+    rows with "always", never with "off"."""
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          dtype="bfloat16", decode_attention_impl="mosaic")
     cache, _, _ = paged.empty_pool(config, 4, 8, rows, slots)
     # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
-    with (mock.patch.object(da, "_MULTIPROCESSORS", 132),
-          mock.patch.object(da, "PAGED_FUSED", True)):
-        assert transformer.paged_fused(config, cache) is fused
-    with mock.patch.object(da, "PAGED_FUSED", False):
-        assert transformer.paged_fused(config, cache) is False
+    with mock.patch.object(da, "_MULTIPROCESSORS", 132):
+        for mode, want in (("auto", fused), ("always", True), ("off", False)):
+            with mock.patch.object(da, "PAGED_FUSED", mode):
+                assert transformer.paged_fused(config, cache) is want, mode
+        with (mock.patch.object(da, "PAGED_FUSED", True),
+              pytest.raises(ValueError, match=r"PAGED_FUSED must be one of \('auto'")):
+            transformer.paged_fused(config, cache)
 
 
 def test_tpu_paged_kernel_reads_each_rows_pages_in_place():
@@ -1099,7 +1102,7 @@ def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
     assert np.asarray(xla.preemptions).sum() > 0 and lengths.min() < lengths.max()
     np.testing.assert_array_equal(xla.responses, contiguous.responses)
     calls = []
-    with (mock.patch.object(da, "PAGED_FUSED", False),
+    with (mock.patch.object(da, "PAGED_FUSED", "off"),
           mock.patch.object(da, "_mosaic", lambda *a, **kw: calls.append(kw) or _MOSAIC(*a, **kw))):
         mosaic = run("mosaic")
     assert calls and all(kw["block_table"] is not None for kw in calls)
@@ -1108,7 +1111,7 @@ def test_bf16_paged_sampler_through_each_kernel_matches_the_xla_path():
     # read at their physical slots.
     short = dataclasses.replace(sampling, max_new_tokens=4, max_num_seqs=0, num_pages=0)
     fused_calls, fused_kernel = [], da._mosaic_fused
-    with (mock.patch.object(da, "PAGED_FUSED", True),
+    with (mock.patch.object(da, "PAGED_FUSED", "always"),
           mock.patch.object(da, "_mosaic_fused",
                             lambda *a, **kw: fused_calls.append(kw) or fused_kernel(*a, **kw))):
         fused = paged.generate(params, ids, mask, jax.random.key(3), short,

@@ -29,7 +29,10 @@ yet written after. Two implementations of `append_and_attend`:
   together in XLA (`_merge_parts`); and `MosaicTiles.row_group` runs several batch rows
   of a key/value head in one program, through one pipeline of copies
   (`_mosaic_rows_kernel`), for short caches, where a program of one row waits on each
-  copy with nothing else to do.
+  copy with nothing else to do. The fused kernel keeps each pair in one program, so
+  with `MosaicTiles.fused_max_splits` (the sampler's tiles) a step whose pairs the
+  unfused kernel would split into more parts than that (few rows over a long cache:
+  the decode loop compacts to few rows as they stop) runs unfused and split.
 - `"xla"`: RoPE (`jrl.models.rope`), the cache write as `dynamic_update_slice`, then
   `decode_attention` (`grouped_attention` over all S slots with the equivalent
   mask); it runs on every backend and is the reference the kernel is tested against
@@ -116,7 +119,11 @@ class MosaicTiles:
     falls back to one row a program. `split_like`: with `block` 0 or `splits` 0, choose
     as for a shard's cache of these `(rows, slots)` instead of this one's (a cache of
     fewer rows and slots standing in for the single sampling program's,
-    `cache.RowCache`: both then run the same blocks and parts, bit for bit)."""
+    `cache.RowCache`: both then run the same blocks and parts, bit for bit).
+    `fused_max_splits` (with `fused`; None: at any rows): where the unfused kernel would
+    split a pair's blocks into more parts than this (`slot_splits`, as for `split_like`
+    when given), the step takes it, split, instead (`_fused_or_split`): one program a
+    pair leaves most multiprocessors idle at few rows over a long cache."""
 
     block: int = 128
     stages: int = 2
@@ -125,6 +132,7 @@ class MosaicTiles:
     splits: int = 1
     row_group: int = 1
     split_like: tuple[int, int] | None = None
+    fused_max_splits: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.splits, int) or self.splits < 0 or (self.fused
@@ -136,23 +144,41 @@ class MosaicTiles:
                 self.row_group > 1 and (self.fused or self.splits != 1)):
             raise ValueError(f"MosaicTiles.row_group must be an integer >= 1, and 1 with "
                              f"fused=True or splits other than 1; got {self.row_group}")
+        if self.fused_max_splits is not None and (
+                not isinstance(self.fused_max_splits, int) or self.fused_max_splits < 1
+                or not self.fused):
+            raise ValueError(f"MosaicTiles.fused_max_splits must be None or an integer >= 1, "
+                             f"with fused=True; got {self.fused_max_splits} "
+                             f"(fused={self.fused})")
+
+    def takes_fused(self, rows: int, num_kv: int, num_slots: int) -> bool:
+        """Whether a step over a cache of `rows` rows (a shard's), `num_kv` key/value
+        heads and `num_slots` slots runs the fused kernel: `fused`, and the unfused
+        kernel would split a pair's blocks into at most `fused_max_splits` parts."""
+        if not self.fused or self.fused_max_splits is None:
+            return self.fused
+        rows, num_slots = self.split_like or (rows, num_slots)
+        return slot_splits(rows * num_kv, num_slots) <= self.fused_max_splits
 
     @classmethod
     def from_spec(cls, spec: str) -> MosaicTiles:
-        """From "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN]" (the benches' flag),
-        e.g. "128,2,fused", "128,2,compact,splits0" or "128,2,compact,rows4"."""
+        """From "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN][,maxsplitsN]" (the
+        benches' flag), e.g. "128,2,fused", "128,2,compact,splits0",
+        "128,2,compact,rows4" or "0,2,compact,fused,maxsplits2"."""
         parts = [p.strip() for p in spec.split(",")]
         flags = set(parts[2:])
-        splits = [f for f in flags if f.startswith("splits") and f[6:].isdigit()]
-        groups = [f for f in flags if f.startswith("rows") and f[4:].isdigit()]
-        if (len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or len(splits) > 1
-                or len(groups) > 1 or flags - {"compact", "fused", *splits, *groups}):
+        numbered = {name: [f for f in flags if f.startswith(name) and f[len(name):].isdigit()]
+                    for name in ("splits", "rows", "maxsplits")}
+        if (len(parts) < 2 or not all(p.isdigit() for p in parts[:2])
+                or any(len(found) > 1 for found in numbered.values())
+                or flags - {"compact", "fused", *sum(numbered.values(), [])}):
             raise ValueError(f"Mosaic GPU decode tiles {spec!r}: expected "
-                             "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN], e.g. "
-                             "128,2,compact,fused")
+                             "BLOCK,STAGES[,compact][,fused][,splitsN][,rowsN][,maxsplitsN], "
+                             "e.g. 128,2,compact,fused")
+        value = lambda name, default: (int(numbered[name][0][len(name):]) if numbered[name]
+                                       else default)
         return cls(int(parts[0]), int(parts[1]), "compact" in flags, "fused" in flags,
-                   int(splits[0][6:]) if splits else 1,
-                   int(groups[0][4:]) if groups else 1)
+                   value("splits", 1), value("rows", 1), fused_max_splits=value("maxsplits", None))
 
 
 # The Mosaic GPU kernel's settings when a caller gives none (the sampler's; benches set it),
@@ -162,8 +188,13 @@ class MosaicTiles:
 # blocks was 39.06 against 40.70 µs at batch 256 of 1,024 slots, then 41.31 against
 # 37.72 at batch 128 of 2,048, 74.45 against 67.00 of 4,096 and 151.96 against 133.98
 # of 8,704.
+# At few rows over a long cache the step runs unfused and split (`fused_max_splits`):
+# the fused kernel was as fast as the unfused one split in two (an H200, 128 rows of
+# 8,704 slots: 133.98 against 135.58 µs), and one program a pair reads a long cache
+# at a fraction of HBM's rate when the pairs fill few multiprocessors (the comment on
+# `slot_splits`).
 LONG_CACHE = 2048
-MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True)
+MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=2)
 
 IMPLS = ("auto", "xla", "mosaic")
 
@@ -270,8 +301,8 @@ def _fused_on_parts(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
     def fused(q_bnh, k_new_bkh, v_new_bkh, *rest):  # on one shard's rows and heads
         qkv_bjh = jnp.concatenate([q_bnh, k_new_bkh.astype(q_bnh.dtype),
                                    v_new_bkh.astype(q_bnh.dtype)], axis=1)
-        return _mosaic_fused(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
-                             interpret=interpret, tiles=tiles)
+        return _fused_or_split(qkv_bjh, None, *rest, num_heads=q_bnh.shape[1],
+                               interpret=interpret, tiles=tiles)
 
     return _sharded(fused, q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                     start_b, slot)
@@ -306,7 +337,7 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
     if impl == "mosaic" and tiles.fused:
         _check_slot(slot, k_bksh)
         _check_blocks(k_bksh)
-        kernel = functools.partial(_mosaic_fused, num_heads=num_heads, interpret=interpret,
+        kernel = functools.partial(_fused_or_split, num_heads=num_heads, interpret=interpret,
                                    tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
                             start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
@@ -363,12 +394,13 @@ def append_and_attend_qkv_paged(qkv_bjh, bias_jh, sin_bk, cos_bk, k_pool, v_pool
 PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
 # The fused kernel's over a paged cache (`append_and_attend_qkv_paged`), and when the
 # paged decode takes it (`transformer.paged_fused`), read when a program is traced, as
-# `MOSAIC_TILES` is: "auto" where `PAGED_TILES` would not split a row's blocks over
-# programs either (the fused kernel does not split them), "always", or "off". Measured
-# on an H100 beside the unfused path (`experiments/bench_rollout.py --paged-fused off
-# auto`, Qwen2.5-0.5B, P128 / R256): 1.01x the sampler's tokens/s at 256 rows, 1.03x at
-# 512.
-PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True)
+# `MOSAIC_TILES` is: "auto" where these tiles take it (`MosaicTiles.takes_fused`: where
+# the unfused kernel would split a row's blocks into at most 2 parts), "always", or
+# "off". Measured on an H100 beside the unfused path (`experiments/bench_rollout.py
+# --paged-fused off always`, Qwen2.5-0.5B): 1.01x the sampler's tokens/s at 256 rows
+# and 1.03x at 512 (P128 / R256), 1.01x at 64 rows of P512 / R2048 (the unfused kernel
+# split in two there).
+PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=2)
 PAGED_FUSED_MODES = ("auto", "always", "off")
 PAGED_FUSED = "auto"
 
@@ -1159,6 +1191,25 @@ def _mosaic_fused_kernel(qkv_ref, *refs, block, stages, scale, group, num_heads,
             mgpu.copy_smem_to_gmem(x_smem.at[part, pl.ds(0, group)],
                                    o_ref.at[b, pl.ds(kv * group, group), cols])
     mgpu.wait_smem_to_gmem(0)  # the output
+
+
+def _fused_or_split(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,
+                    num_heads, interpret, tiles: MosaicTiles):
+    """On one shard's rows: the fused kernel (`_mosaic_fused`), or where `tiles` leave
+    these rows to the unfused kernel (`MosaicTiles.takes_fused`), the bias, RoPE and the
+    cache write in XLA and the unfused kernel split over slots; `(out [B, N, H], k, v)`."""
+    b, kv, s = k_bksh.shape[:3]
+    if tiles.takes_fused(b, kv, s):
+        return _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot,
+                             num_heads=num_heads, interpret=interpret, tiles=tiles)
+    if bias_jh is not None:
+        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
+    q_bnh, k_new_bkh, v_new_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + kv], axis=1)
+    q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
+                                             k_bksh, v_bksh, slot)
+    split = dataclasses.replace(tiles, fused=False, splits=0, fused_max_splits=None)
+    out_bnh = _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, interpret=interpret, tiles=split)
+    return out_bnh, k_bksh, v_bksh
 
 
 def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot, *,

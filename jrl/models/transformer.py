@@ -914,10 +914,10 @@ def paged_fused(config: ModelConfig, cache) -> bool:
     the Mosaic GPU kernel reads the pages (`paged_kernel`), the heads have no q/k norm
     (the kernel rotates the projection's output itself), one device runs the step (the
     kernel writes the pools in place), and by `decode_attention.PAGED_FUSED`: "off"
-    never, "always", or "auto" where the rows are many enough that the unfused kernel
-    would not split a row's slots over programs (the fused one keeps a (row, key/value
-    head) pair in one program, so at few rows over long caches it may leave the GPU
-    idle)."""
+    never, "always", or "auto" where `PAGED_FUSED_TILES` take it for these rows and
+    slots (`MosaicTiles.takes_fused`: the fused kernel keeps a (row, key/value head)
+    pair in one program, so at few rows over long caches it leaves the GPU idle where
+    the unfused one splits the pair's slots)."""
     mode = decode_lib.PAGED_FUSED
     if mode not in decode_lib.PAGED_FUSED_MODES:
         raise ValueError(f"decode_attention.PAGED_FUSED must be one of "
@@ -930,9 +930,8 @@ def paged_fused(config: ModelConfig, cache) -> bool:
     if mode == "always":
         return True
     rows, pages_per_row = cache.block_table.shape
-    splits = decode_lib.PAGED_TILES.splits or decode_lib.slot_splits(
-        rows * config.num_kv_heads, pages_per_row * cache.page_size)
-    return splits == 1
+    return decode_lib.PAGED_FUSED_TILES.takes_fused(rows, config.num_kv_heads,
+                                                    pages_per_row * cache.page_size)
 
 
 def _attention_mask(config: ModelConfig, mask, num_queries, cache, write_index):

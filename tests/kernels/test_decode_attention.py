@@ -816,6 +816,47 @@ def test_mosaic_fused_with_bias_matches_xla(head_dim):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@NEEDS_HOPPER_OFF_CPU
+@pytest.mark.parametrize("slots, slot, fused", [(2048, 100, True), (3072, 2200, False)])
+def test_sampler_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots, slot,
+                                                                            fused):
+    """`MOSAIC_TILES` (`fused_max_splits` 2): 2 rows of 2 key/value heads over 2,048 slots
+    (the unfused kernel would split each pair in 2) run the fused kernel; over 3,072 (in
+    3) the bias, RoPE and cache write run in XLA and the unfused kernel splits the
+    slots (a row starting at 0 read across all three parts). Either gives the XLA
+    path's cache to the bit and its output within bf16 rounding."""
+    n, kv, b, h = 8, 2, 2, 64
+    keys = jax.random.split(jax.random.key(6), 5)
+    qkv = jax.random.normal(keys[0], (b, n + 2 * kv, h), jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (n + 2 * kv, h), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[2:4])
+    angles = jax.random.uniform(keys[4], (b, h // 2), maxval=300.0)
+    start = jnp.asarray([0, slot - 40], jnp.int32)
+    calls = {"fused": 0, "split": []}
+    fused_kernel = da._mosaic_fused
+
+    def count_fused(*args, **kwargs):
+        calls["fused"] += 1
+        return fused_kernel(*args, **kwargs)
+
+    # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
+    with (mock.patch.object(da, "_MULTIPROCESSORS", 132),
+          mock.patch.object(da, "_mosaic_fused", count_fused),
+          mock.patch.object(da, "_mosaic", lambda *a, **kw: calls["split"].append(kw["tiles"])
+                            or _MOSAIC(*a, **kw))):
+        got = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v,
+                                       start, slot, num_heads=n, impl="mosaic",
+                                       interpret=INTERPRET, tiles=da.MOSAIC_TILES)
+    assert calls["fused"] == int(fused)
+    assert [(t.fused, t.splits) for t in calls["split"]] == ([] if fused else [(False, 0)])
+    want = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v, start,
+                                    slot, num_heads=n, impl="xla")
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               rtol=2e-2, atol=2e-2)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_mosaic_fused_kernel_lowers_once_for_all_layers():
     """A decode step's layers (three caches of one shape) call one jitted kernel
     function: lowered for CUDA, the program holds one Mosaic GPU call, in a function
@@ -1021,17 +1062,18 @@ def test_paged_fused_kernel_lowers_for_the_gpu_writing_the_pools_in_place(n, kv,
 
 
 @pytest.mark.parametrize("rows, slots, fused", [
-    (132, 8192, True),   # 264 (row, key/value head) pairs fill 132 multiprocessors twice
-    (131, 8192, False),  # 262 pairs: the unfused kernel splits each over 2 programs
-    (4, 1000, True),     # too few slots to split
-    (4, 4096, False),    # split in 4
+    (132, 8192, True),  # 264 (row, key/value head) pairs fill 132 multiprocessors twice
+    (66, 8192, True),   # 132 pairs: the unfused kernel splits each in 2
+    (65, 8192, False),  # 130 pairs: in 3
+    (4, 2048, True),    # too few slots for more than 2 parts
+    (4, 3072, False),   # in 3
 ])
-def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_would_not_split(
+def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_little(
         rows, slots, fused):
     """`transformer.paged_fused`: the fused kernel over pages keeps each (row, key/value
-    head) pair in one program, so the paged decode takes it only where the unfused
-    kernel would not split the pair's slots over programs (`slot_splits`: 2 programs
-    a multiprocessor, parts of at least 1,024 slots) with `PAGED_FUSED` "auto", at any
+    head) pair in one program, so with `PAGED_FUSED` "auto" the paged decode takes it
+    only where the unfused kernel would split the pair's slots into at most 2 parts
+    (`slot_splits`: 2 programs a multiprocessor, parts of at least 1,024 slots); at any
     rows with "always", never with "off"."""
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,

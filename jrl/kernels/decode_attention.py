@@ -120,10 +120,10 @@ class MosaicTiles:
     as for a shard's cache of these `(rows, slots)` instead of this one's (a cache of
     fewer rows and slots standing in for the single sampling program's,
     `cache.RowCache`: both then run the same blocks and parts, bit for bit).
-    `fused_max_splits` (with `fused`; None: at any rows): where the unfused kernel would
-    split a pair's blocks into more parts than this (`slot_splits`, as for `split_like`
-    when given), the step takes it, split, instead (`_fused_or_split`): one program a
-    pair leaves most multiprocessors idle at few rows over a long cache."""
+    `fused_max_splits` (read with `fused`; None: at any rows): where the unfused
+    kernel would split a pair's blocks into more parts than this (`slot_splits`, as for
+    `split_like` when given), the step takes it, split, instead (`_fused_or_split`):
+    one program a pair leaves most multiprocessors idle at few rows over a long cache."""
 
     block: int = 128
     stages: int = 2
@@ -144,12 +144,10 @@ class MosaicTiles:
                 self.row_group > 1 and (self.fused or self.splits != 1)):
             raise ValueError(f"MosaicTiles.row_group must be an integer >= 1, and 1 with "
                              f"fused=True or splits other than 1; got {self.row_group}")
-        if self.fused_max_splits is not None and (
-                not isinstance(self.fused_max_splits, int) or self.fused_max_splits < 1
-                or not self.fused):
-            raise ValueError(f"MosaicTiles.fused_max_splits must be None or an integer >= 1, "
-                             f"with fused=True; got {self.fused_max_splits} "
-                             f"(fused={self.fused})")
+        if self.fused_max_splits is not None and (not isinstance(self.fused_max_splits, int)
+                                                  or self.fused_max_splits < 1):
+            raise ValueError(f"MosaicTiles.fused_max_splits must be None or an integer >= 1; "
+                             f"got {self.fused_max_splits}")
 
     def takes_fused(self, rows: int, num_kv: int, num_slots: int) -> bool:
         """Whether a step over a cache of `rows` rows (a shard's), `num_kv` key/value

@@ -818,9 +818,9 @@ def test_mosaic_fused_with_bias_matches_xla(head_dim):
 
 @NEEDS_HOPPER_OFF_CPU
 @pytest.mark.parametrize("slots, slot, fused", [(2048, 100, True), (3072, 2200, False)])
-def test_sampler_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots, slot,
-                                                                            fused):
-    """`MOSAIC_TILES` (`fused_max_splits` 2): 2 rows of 2 key/value heads over 2,048 slots
+def test_fused_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots, slot,
+                                                                          fused):
+    """Fused tiles with `fused_max_splits` 2: 2 rows of 2 key/value heads over 2,048 slots
     (the unfused kernel would split each pair in 2) run the fused kernel; over 3,072 (in
     3) the bias, RoPE and cache write run in XLA and the unfused kernel splits the
     slots (a row starting at 0 read across all three parts). Either gives the XLA
@@ -846,7 +846,8 @@ def test_sampler_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slot
                             or _MOSAIC(*a, **kw))):
         got = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v,
                                        start, slot, num_heads=n, impl="mosaic",
-                                       interpret=INTERPRET, tiles=da.MOSAIC_TILES)
+                                       interpret=INTERPRET,
+                                       tiles=da.MosaicTiles.from_spec("0,2,compact,fused,maxsplits2"))
     assert calls["fused"] == int(fused)
     assert [(t.fused, t.splits) for t in calls["split"]] == ([] if fused else [(False, 0)])
     want = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v, start,

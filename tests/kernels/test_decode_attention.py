@@ -20,6 +20,7 @@ from jrl.errors import ConfigError
 from jrl.kernels import decode_attention as da
 from jrl.kernels import mosaic_backend
 from jrl.models import ModelConfig, init_params, transformer
+from jrl.models.cache import PagedCache
 from jrl.models.config import RopeScaling
 from jrl.rollout import paged, sampler
 from jrl.rollout.sampler import SamplingConfig
@@ -826,11 +827,12 @@ def test_fused_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots,
     slots (a row starting at 0 read across all three parts). Either gives the XLA
     path's cache to the bit and its output within bf16 rounding."""
     n, kv, b, h = 8, 2, 2, 64
-    keys = jax.random.split(jax.random.key(6), 5)
-    qkv = jax.random.normal(keys[0], (b, n + 2 * kv, h), jnp.bfloat16)
-    bias = jax.random.normal(keys[1], (n + 2 * kv, h), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (b, kv, slots, h), jnp.bfloat16) for key in keys[2:4])
-    angles = jax.random.uniform(keys[4], (b, h // 2), maxval=300.0)
+    rng = np.random.default_rng(6)  # drawn on the host: no programs for the suite's budget
+    bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(jnp.bfloat16))
+    qkv, bias = bf16(b, n + 2 * kv, h), bf16(n + 2 * kv, h)
+    k, v = bf16(b, kv, slots, h), bf16(b, kv, slots, h)
+    angles = rng.uniform(0.0, 300.0, (b, h // 2)).astype(np.float32)
+    sin, cos = jnp.asarray(np.sin(angles)), jnp.asarray(np.cos(angles))
     start = jnp.asarray([0, slot - 40], jnp.int32)
     calls = {"fused": 0, "split": []}
     fused_kernel = da._mosaic_fused
@@ -844,14 +846,12 @@ def test_fused_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots,
           mock.patch.object(da, "_mosaic_fused", count_fused),
           mock.patch.object(da, "_mosaic", lambda *a, **kw: calls["split"].append(kw["tiles"])
                             or _MOSAIC(*a, **kw))):
-        got = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v,
-                                       start, slot, num_heads=n, impl="mosaic",
-                                       interpret=INTERPRET,
-                                       tiles=da.MosaicTiles.from_spec("0,2,compact,fused,maxsplits2"))
+        got = _attend_qkv(qkv, bias, sin, cos, k, v, start, slot,
+                          num_heads=n, impl="mosaic", interpret=INTERPRET,
+                          tiles=da.MosaicTiles.from_spec("0,2,compact,fused,maxsplits2"))
     assert calls["fused"] == int(fused)
     assert [(t.fused, t.splits) for t in calls["split"]] == ([] if fused else [(False, 0)])
-    want = da.append_and_attend_qkv(qkv, bias, jnp.sin(angles), jnp.cos(angles), k, v, start,
-                                    slot, num_heads=n, impl="xla")
+    want = _attend_qkv(qkv, bias, sin, cos, k, v, start, slot, num_heads=n, impl="xla")
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
                                rtol=2e-2, atol=2e-2)
     for g, w in zip(got[1:], want[1:], strict=True):
@@ -1079,7 +1079,10 @@ def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_l
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          dtype="bfloat16", decode_attention_impl="mosaic")
-    cache, _, _ = paged.empty_pool(config, 4, 8, rows, slots)
+    # Host arrays of the shapes the rule reads (a row's pages of 8 slots): no programs.
+    pool = (np.zeros((2, 4, 8, 32), jnp.bfloat16),)
+    cache = PagedCache(k=pool, v=pool, block_table=np.zeros((rows, -(-slots // 8)), np.int32),
+                       shift=np.zeros((rows,), np.int32), num_slots=slots)
     # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
     with mock.patch.object(da, "_MULTIPROCESSORS", 132):
         for mode, want in (("auto", fused), ("always", True), ("off", False)):

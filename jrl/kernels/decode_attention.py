@@ -341,12 +341,17 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                                    tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
                             start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
-    if bias_jh is not None:
-        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
-    num_kv = k_bksh.shape[1]
-    q_bnh, k_new_bkh, v_new_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + num_kv], axis=1)
+    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, bias_jh, num_heads, k_bksh.shape[1])
     return append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
+
+
+def _split_qkv(qkv_bjh, bias_jh, num_heads: int, num_kv: int):
+    """A fused projection's output `[B, N + 2K, H]` with its bias added (in the output's
+    dtype, as the projection's own add rounds), as q `[B, N, H]`, k and v `[B, K, H]`."""
+    if bias_jh is not None:
+        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
+    return jnp.split(qkv_bjh, [num_heads, num_heads + num_kv], axis=1)
 
 
 def append_and_attend_qkv_paged(qkv_bjh, bias_jh, sin_bk, cos_bk, k_pool, v_pool, block_table,
@@ -1202,9 +1207,7 @@ def _fused_or_split(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, s
     if tiles.takes_fused(b, kv, s):
         return _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot,
                              num_heads=num_heads, interpret=interpret, tiles=tiles)
-    if bias_jh is not None:
-        qkv_bjh = qkv_bjh + bias_jh.astype(qkv_bjh.dtype)
-    q_bnh, k_new_bkh, v_new_bkh = jnp.split(qkv_bjh, [num_heads, num_heads + kv], axis=1)
+    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, bias_jh, num_heads, kv)
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
     split = dataclasses.replace(tiles, fused=False, splits=0, fused_max_splits=None)

@@ -400,12 +400,13 @@ PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
 # The fused kernel's over a paged cache (`append_and_attend_qkv_paged`), and when the
 # paged decode takes it (`transformer.paged_fused`), read when a program is traced, as
 # `MOSAIC_TILES` is: "auto" where these tiles take it (`MosaicTiles.takes_fused`: where
-# the unfused kernel would split a row's blocks into at most 2 parts), "always", or
-# "off". Measured on an H100 beside the unfused path (`experiments/bench_rollout.py
-# --paged-fused off always`, Qwen2.5-0.5B): 1.01x the sampler's tokens/s at 256 rows
-# and 1.03x at 512 (P128 / R256), 1.01x at 64 rows of P512 / R2048 (the unfused kernel
-# split in two there).
-PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=2)
+# the unfused kernel would not split a row's blocks), "always", or "off". Measured on an
+# H100 beside the unfused path (`experiments/bench_rollout.py --paged-fused off
+# always`, Qwen2.5-0.5B): 1.01x the sampler's tokens/s at 256 rows and 1.03x at 512
+# (P128 / R256), 1.01x at 64 rows of P512 / R2048, where the unfused kernel splits a
+# row's blocks in two; 2 parts (`fused_max_splits=2`) waits on the long-response step
+# (`bench_long.sh paged_natural+pfused paged_natural`), whose 128 rows split in two.
+PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=1)
 PAGED_FUSED_MODES = ("auto", "always", "off")
 PAGED_FUSED = "auto"
 

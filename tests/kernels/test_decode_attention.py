@@ -1062,20 +1062,22 @@ def test_paged_fused_kernel_lowers_for_the_gpu_writing_the_pools_in_place(n, kv,
             jnp.zeros((1,), jnp.int32), num_heads=4)
 
 
-@pytest.mark.parametrize("rows, slots, fused", [
-    (132, 8192, True),  # 264 (row, key/value head) pairs fill 132 multiprocessors twice
-    (66, 8192, True),   # 132 pairs: the unfused kernel splits each in 2
-    (65, 8192, False),  # 130 pairs: in 3
-    (4, 2048, True),    # too few slots for more than 2 parts
-    (4, 3072, False),   # in 3
+@pytest.mark.parametrize("rows, slots, fused, fused_by_default", [
+    (132, 8192, True, True),    # 264 (row, key/value head) pairs fill 132 multiprocessors twice
+    (66, 8192, True, False),    # 132 pairs: the unfused kernel splits each in 2
+    (65, 8192, False, False),   # 130 pairs: in 3
+    (4, 1000, True, True),      # too few slots to split
+    (4, 2048, True, False),     # too few slots for more than 2 parts
+    (4, 3072, False, False),    # in 3
 ])
 def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_little(
-        rows, slots, fused):
+        rows, slots, fused, fused_by_default):
     """`transformer.paged_fused`: the fused kernel over pages keeps each (row, key/value
     head) pair in one program, so with `PAGED_FUSED` "auto" the paged decode takes it
-    only where the unfused kernel would split the pair's slots into at most 2 parts
-    (`slot_splits`: 2 programs a multiprocessor, parts of at least 1,024 slots); at any
-    rows with "always", never with "off"."""
+    only where the unfused kernel would split the pair's slots into at most
+    `PAGED_FUSED_TILES.fused_max_splits` parts (`slot_splits`: 2 programs a
+    multiprocessor, parts of at least 1,024 slots): `fused` at 2 parts, `fused_by_default`
+    at the default (no split); at any rows with "always", never with "off"."""
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
                          dtype="bfloat16", decode_attention_impl="mosaic")
@@ -1085,9 +1087,13 @@ def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_l
                        shift=np.zeros((rows,), np.int32), num_slots=slots)
     # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
     with mock.patch.object(da, "_MULTIPROCESSORS", 132):
-        for mode, want in (("auto", fused), ("always", True), ("off", False)):
-            with mock.patch.object(da, "PAGED_FUSED", mode):
-                assert transformer.paged_fused(config, cache) is want, mode
+        with mock.patch.object(da, "PAGED_FUSED", "auto"):
+            assert transformer.paged_fused(config, cache) is fused_by_default
+        two = dataclasses.replace(da.PAGED_FUSED_TILES, fused_max_splits=2)
+        with mock.patch.object(da, "PAGED_FUSED_TILES", two):
+            for mode, want in (("auto", fused), ("always", True), ("off", False)):
+                with mock.patch.object(da, "PAGED_FUSED", mode):
+                    assert transformer.paged_fused(config, cache) is want, mode
         with (mock.patch.object(da, "PAGED_FUSED", True),
               pytest.raises(ValueError, match=r"PAGED_FUSED must be one of \('auto'")):
             transformer.paged_fused(config, cache)

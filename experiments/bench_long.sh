@@ -40,7 +40,9 @@
 # xla), "+pageN" (--page_size N, the paged cache's pages), "+keep" (--partial_keep_cache),
 # "+seqsN" (--max_num_seqs N: the paged cache's decode slots, refilled as rows stop),
 # "+pfused" / "+punfused" (--paged_fused always / off: the paged decode in the fused
-# kernel at any rows, or never; the default takes it where the unfused one would not split), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
+# kernel at any rows, or never; the default takes it where the unfused one would not split),
+# "+pmaxN" (--paged_fused_max_splits N: the default's fused kernel also where the unfused
+# one would split a row's blocks into at most N parts), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
 # pool every row at full length), "+hbxla" (--head_backward xla: the log-prob head's
 # backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
@@ -98,6 +100,7 @@ for name in "$@"; do
       seqs[0-9]*) extra+=(--max_num_seqs "${o#seqs}") ;;
       pfused) extra+=(--paged_fused always) ;;
       punfused) extra+=(--paged_fused off) ;;
+      pmax[0-9]*) extra+=(--paged_fused_max_splits "${o#pmax}") ;;
       xla) extra+=(--decode_attention xla) ;;
       mosaic) extra+=(--decode_attention mosaic) ;;
       mosaic*) extra+=(--decode_attention mosaic --mosaic_tiles "${o#mosaic}") ;;

@@ -33,6 +33,7 @@ $JAX_COMPILATION_CACHE_DIR).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.metadata
 import json
@@ -194,6 +195,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paged_fused", default=None, choices=("off", "auto", "always"),
                    help="jrl.kernels.decode_attention.PAGED_FUSED (with --kv_cache paged): "
                         "when the paged decode takes the fused Mosaic GPU kernel; unset: auto")
+    p.add_argument("--paged_fused_max_splits", type=int, default=None,
+                   help="PAGED_FUSED_TILES.fused_max_splits: with --paged_fused auto, the "
+                        "most parts the unfused kernel would split a row's blocks into "
+                        "where the fused one is taken")
     p.add_argument("--decode_split", default=None, metavar="PER_SM,MIN_SLOTS",
                    help="the decode kernel's split over slots (MosaicTiles.splits 0): "
                         "decode_attention.PROGRAMS_PER_MULTIPROCESSOR and MIN_SPLIT_SLOTS")
@@ -697,6 +702,10 @@ def main(argv=None) -> None:
     if args.paged_fused:
         from jrl.kernels import decode_attention
         decode_attention.PAGED_FUSED = args.paged_fused
+    if args.paged_fused_max_splits:
+        from jrl.kernels import decode_attention
+        decode_attention.PAGED_FUSED_TILES = dataclasses.replace(
+            decode_attention.PAGED_FUSED_TILES, fused_max_splits=args.paged_fused_max_splits)
     algos = ("grpo", "ppo") if args.algo == "both" else (args.algo,)
     info = dict(versions=versions(), device=jax.devices()[0].device_kind,
                 num_devices=jax.device_count(), backend=jax.default_backend())

@@ -186,15 +186,19 @@ class MosaicTiles:
 # blocks was 39.06 against 40.70 µs at batch 256 of 1,024 slots, then 41.31 against
 # 37.72 at batch 128 of 2,048, 74.45 against 67.00 of 4,096 and 151.96 against 133.98
 # of 8,704.
-# The fused kernel at any rows: `fused_max_splits` 2 (few rows over a long cache run
-# unfused and split) is to be measured in the natural-length step first
-# (`experiments/bench_long.sh natural+mosaic0,2,compact,fused,maxsplits2
-# natural+mosaic0,2,compact,fused`). For it: the fused kernel was as fast as the
-# unfused one split in two (an H200, 128 rows of 8,704 slots: 133.98 against 135.58
-# µs), and one program a pair reads a long cache at a fraction of HBM's rate when the
-# pairs fill few multiprocessors (the comment on `slot_splits`).
+# Few rows over a long cache leave the fused kernel (`fused_max_splits` 2): where the
+# unfused kernel would split a pair's slots into more than two parts, the step runs it
+# split, with the bias, RoPE and the cache write in XLA. One program a pair reads a long
+# cache at a fraction of HBM's rate when the pairs fill few multiprocessors (the comment
+# on `slot_splits`), which is the natural-length step's tail. Measured on one H100 in one
+# call (`experiments/bench_long.sh natural+mosaic0,2,compact,fused,maxsplits2 natural`,
+# P512 / R8192, 16 x 8, lengths uniform in [512, 8192]): generation 18.04 s for 4,386
+# tokens a row on average against 19.38 s for 4,265 with the fused kernel at any rows
+# (4.11 against 4.54 ms a token of the mean row). At two parts the fused kernel stays:
+# an H200 measured it as fast as the unfused one split in two (128 rows of 8,704 slots:
+# 133.98 against 135.58 µs).
 LONG_CACHE = 2048
-MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True)
+MOSAIC_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=2)
 
 IMPLS = ("auto", "xla", "mosaic")
 
@@ -404,8 +408,10 @@ PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
 # H100 beside the unfused path (`experiments/bench_rollout.py --paged-fused off
 # always`, Qwen2.5-0.5B): 1.01x the sampler's tokens/s at 256 rows and 1.03x at 512
 # (P128 / R256), 1.01x at 64 rows of P512 / R2048, where the unfused kernel splits a
-# row's blocks in two; 2 parts (`fused_max_splits=2`) waits on the long-response step
-# (`bench_long.sh paged_natural+pfused paged_natural`), whose 128 rows split in two.
+# row's blocks in two. At any rows ("always") the long-response step's generation took
+# 1.17x this default's (P512 / R8192, lengths uniform in [512, 8192]: its tail of few
+# rows over 8,704 slots); 2 parts, as `MOSAIC_TILES` (`bench_long.sh paged_natural+pmax2
+# paged_natural`), is not measured there.
 PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=1)
 PAGED_FUSED_MODES = ("auto", "always", "off")
 PAGED_FUSED = "auto"

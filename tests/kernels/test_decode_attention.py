@@ -858,6 +858,23 @@ def test_fused_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots,
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("rows, slots, fused", [
+    (256, 384, True),     # 512 pairs fill 132 multiprocessors twice: no split
+    (128, 8704, True),    # 256 pairs: the unfused kernel would split each in 2
+    (64, 8704, False),    # 128 pairs: in 3 (264 programs / 128)
+    (32, 8704, False),    # 64 pairs: in 5
+    (32, 2048, True),     # too few slots for more than 2 parts of 1,024
+])
+def test_default_tiles_take_the_fused_kernel_unless_the_unfused_one_splits_more_than_twice(
+        rows, slots, fused):
+    """`MOSAIC_TILES` (the sampler's): the fused kernel, except where the unfused kernel
+    would split a (row, key/value head) pair's slots into more than 2 parts
+    (`slot_splits`: 2 programs a multiprocessor, parts of at least 1,024 slots), the
+    natural-length decode's tail of few rows over a long cache. 2 key/value heads."""
+    with mock.patch.object(da, "_MULTIPROCESSORS", 132):  # an H100's or H200's
+        assert da.MOSAIC_TILES.takes_fused(rows, 2, slots) is fused
+
+
 def test_mosaic_fused_kernel_lowers_once_for_all_layers():
     """A decode step's layers (three caches of one shape) call one jitted kernel
     function: lowered for CUDA, the program holds one Mosaic GPU call, in a function

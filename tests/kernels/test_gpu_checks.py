@@ -48,10 +48,11 @@ DECODE_SHAPES = {  # name: (rows B, query heads N, key/value heads K, head_dim H
     "qwen3-0.6b b64": (64, 16, 8, 128, 256),
     "llama-3-8b b8": (8, 32, 8, 128, 1024),
 }
-# The default (fused, block by the cache's length), the same leaving few rows of a long
-# cache to the unfused kernel split over slots, and the unfused compact kernel.
+# The default (fused, block by the cache's length, few rows of a long cache left to the
+# unfused kernel split over slots), the fused kernel at any rows, and the unfused compact
+# kernel.
 DEFAULT_TILES = {"default": da.MOSAIC_TILES,
-                 "maxsplits2": dataclasses.replace(da.MOSAIC_TILES, fused_max_splits=2),
+                 "fused_any_rows": dataclasses.replace(da.MOSAIC_TILES, fused_max_splits=None),
                  "128,2,compact": da.MosaicTiles(128, 2, True)}
 # Every setting the kernel takes, at one shape: block, stages, compact, fused, split over
 # slots (0: `slot_splits`' choice), rows a program.

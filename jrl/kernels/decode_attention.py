@@ -410,8 +410,9 @@ PAGED_TILES = MosaicTiles(0, 2, compact=True, splits=0)
 # (P128 / R256), 1.01x at 64 rows of P512 / R2048, where the unfused kernel splits a
 # row's blocks in two. At any rows ("always") the long-response step's generation took
 # 1.17x this default's (P512 / R8192, lengths uniform in [512, 8192]: its tail of few
-# rows over 8,704 slots); 2 parts, as `MOSAIC_TILES` (`bench_long.sh paged_natural+pmax2
-# paged_natural`), is not measured there.
+# rows over 8,704 slots). Up to 2 parts, as `MOSAIC_TILES` (`bench_long.sh
+# paged_natural+pmax2 paged_natural`), took 0.96x a token there, but beside the default
+# measured on another H100, not in one call.
 PAGED_FUSED_TILES = MosaicTiles(0, 2, compact=True, fused=True, fused_max_splits=1)
 PAGED_FUSED_MODES = ("auto", "always", "off")
 PAGED_FUSED = "auto"

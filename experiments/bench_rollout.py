@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
 from jrl.kernels import decode_attention as decode_lib  # noqa: E402
-from jrl.models import ModelConfig, init_params  # noqa: E402
+from jrl.models import ModelConfig, init_params, moe  # noqa: E402
 from jrl.rl import step  # noqa: E402
 from jrl.rollout import paged, sampler  # noqa: E402
 
@@ -91,6 +91,10 @@ def parse_args() -> argparse.Namespace:
                         choices=decode_lib.PAGED_FUSED_MODES,
                         help="when the paged cache's decode steps take the fused kernel "
                         "(decode_attention.PAGED_FUSED; each a run of the paged cache)")
+    parser.add_argument("--moe-gate-up", nargs="+", default=["joined"],
+                        choices=("joined", "separate"),
+                        help="an MoE model's decode: the experts' gate and up kernels as one "
+                        "grouped matmul or two (moe.JOIN_GATE_UP; each a run)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -253,17 +257,21 @@ def main() -> None:
     caches = [(cache, page, fused) for cache in args.kv_cache
               for page in (args.page_size if cache == "paged" else [None])
               for fused in (args.paged_fused if cache == "paged" else [None])]
-    for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused) in itertools.product(
-            args.batch_sizes, args.decode_attention, lora_rollouts, args.fuse_projections,
-            args.gemm, caches):
+    gate_ups = args.moe_gate_up if config.is_moe else [None]
+    for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up in (
+            itertools.product(args.batch_sizes, args.decode_attention, lora_rollouts,
+                              args.fuse_projections, args.gemm, caches, gate_ups)):
         if paged_fused:  # read when `bench_jrl` traces
             decode_lib.PAGED_FUSED = paged_fused
+        if gate_up:
+            moe.JOIN_GATE_UP = gate_up == "joined"
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
         cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout,
                                   fuse_decode_projections=fuse == "on")
         trace_dir = args.trace_dir and os.path.join(
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}_{kv_cache}{page or ''}"
-            + (f"_fused_{paged_fused}" if paged_fused else ""))
+            + (f"_fused_{paged_fused}" if paged_fused else "")
+            + (f"_{gate_up}" if gate_up else ""))
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
                                      dataclasses.replace(sampling, gemm=gemm, kv_cache=kv_cache,
                                                          page_size=page or 16),
@@ -272,7 +280,7 @@ def main() -> None:
         tokens = batch * args.new_tokens
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
-            kv_cache=kv_cache, page_size=page, paged_fused=paged_fused,
+            kv_cache=kv_cache, page_size=page, paged_fused=paged_fused, moe_gate_up=gate_up,
             lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
             jrl_tokens_per_s=tokens / jrl_s,
@@ -307,7 +315,8 @@ def print_table(args, results) -> None:
               else "- | -")
         lora_cell = f"r{r['lora_rank']} {r['lora_rollout']}" if r.get("lora_rank") else "-"
         cache = (r["kv_cache"] + (f"/{r['page_size']}" if r.get("page_size") else "")
-                 + (f" fused {r['paged_fused']}" if r.get("paged_fused") else ""))
+                 + (f" fused {r['paged_fused']}" if r.get("paged_fused") else "")
+                 + (f" gate/up {r['moe_gate_up']}" if r.get("moe_gate_up") else ""))
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
               f"{r['gemm']} | {cache} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "

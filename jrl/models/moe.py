@@ -24,6 +24,7 @@ experts' width, `moe_intermediate_size`):
     mlp/gate_proj/kernel       [E, D, F]    (experts, embed, mlp)
     mlp/up_proj/kernel         [E, D, F]
     mlp/down_proj/kernel       [E, F, D]    (experts, mlp, embed)
+    mlp/gate_up_proj/kernel    [E, D, 2F]   the sampler's: gate and up joined
     mlp/<name>_lora/{a, b}     [E, in, r], [E, r, out]   LoRA on the experts
 
 Routing replay (verl's `router_replay`): the sampler records each token's k experts in
@@ -73,6 +74,13 @@ EXPERT_AXIS = "expert"
 EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH = "experts_out", "experts_low", "experts_dispatch"
 SAVED_NAMES = (EXPERTS_OUT, EXPERTS_LOW, EXPERTS_DISPATCH)
 GATE_UP = ("gate_proj", "up_proj")
+# The experts' gate and up kernels joined, `[E, D, 2F]` (gate's F columns first), which
+# the sampler's layer carries instead of the two (`transformer.fuse_projections`, where
+# neither has an unmerged adapter): one grouped matmul instead of two, reading the same
+# weights. Never trained or saved. `JOIN_GATE_UP` (read when a program is traced): whether
+# the sampler joins them (the benches compare both).
+GATE_UP_JOINED = "gate_up_proj"
+JOIN_GATE_UP = True
 
 
 class Routing(NamedTuple):
@@ -310,7 +318,13 @@ def experts_mlp(x_md, kernels, adapters, group_sizes, *, dtype, lora_scale: floa
             out = out + grouped(low, b) * jnp.asarray(lora_scale, dtype)
         return checkpoint_name(out, EXPERTS_OUT)
 
-    gate, up = (project(name, rows) for name in GATE_UP)
+    if GATE_UP_JOINED in kernels:
+        if any(name in adapters for name in GATE_UP):
+            raise ValueError("the experts' joined gate/up kernel takes no adapters")
+        gate_up = checkpoint_name(grouped(rows, kernels[GATE_UP_JOINED]), EXPERTS_OUT)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    else:
+        gate, up = (project(name, rows) for name in GATE_UP)
     grouped_rows = jnp.arange(x_md.shape[0]) < jnp.sum(group_sizes)
     hidden = jnp.where(grouped_rows[:, None], nn.silu(gate) * up, 0)
     if row_weights_m is not None:
@@ -353,7 +367,7 @@ def _expert_parallel_block(x_nd, router_de, kernels, adapters, forced_nk, *, con
     that hold the tokens (a reduce-scatter). Dropless, with no capacity: a device's
     grouped matmuls cover exactly the pairs routed to its experts."""
     c = config
-    e_local = kernels["gate_proj"].shape[0]
+    e_local = kernels["down_proj"].shape[0]
     gather = lambda x: None if x is None else lax.all_gather(x, axis, axis=0, tiled=True)
     x_all = gather(x_nd)
     routing = _route_tokens(x_all, router_de, gather(forced_nk), c)
@@ -423,8 +437,12 @@ class MoeMlp(nn.Module):
         router = _Kernel((d, e), ("embed", None), c.initializer_range, c.param_dtype,
                          name="router")()
         kernels, adapters = {}, {}
-        for name, axes in _PROJECTIONS:
-            shape = (e, d, f) if axes[1] == "embed" else (e, f, d)
+        projections = _PROJECTIONS
+        if not self.is_initializing() and self.has_variable("params", GATE_UP_JOINED):
+            projections = ((GATE_UP_JOINED, _PROJECTIONS[0][1]), _PROJECTIONS[2])
+        for name, axes in projections:
+            shape = ((e, d, 2 * f) if name == GATE_UP_JOINED
+                     else (e, d, f) if axes[1] == "embed" else (e, f, d))
             kernels[name] = _Kernel(shape, axes, c.initializer_range, c.param_dtype,
                                     name=name)()
             if c.lora_rank and name in c.lora_targets:

@@ -785,19 +785,23 @@ FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
 
 def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
     """One layer's parameters with `q/k/v_proj` as one `qkv_proj` (`[D, N + 2K, H]`,
-    query heads, then key, then value heads) and, in a dense model, `gate/up_proj` as one
-    `gate_up_proj` (`[D, 2, F]`): one matmul each instead of three and two, for decoding.
-    Projections with an unmerged LoRA adapter stay separate."""
+    query heads, then key, then value heads) and `gate/up_proj` as one `gate_up_proj`
+    (`[D, 2, F]` in a dense model; an MoE layer's experts `[E, D, 2F]`, one grouped
+    matmul, `moe.GATE_UP_JOINED`, where `moe.JOIN_GATE_UP`): one matmul each instead of
+    three and two, for decoding. Projections with an unmerged LoRA adapter stay
+    separate."""
     attn, mlp = dict(layer_params["attn"]), dict(layer_params["mlp"])
     if not any(f"{n}_lora" in attn for n in ("q_proj", "k_proj", "v_proj")):
         parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
         attn[FUSED_QKV] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
         if config.qkv_bias:
             attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
-    # (An MoE layer's experts run as grouped matmuls of their own, `jrl.models.moe`.)
-    if not config.is_moe and not any(f"{n}_lora" in mlp for n in GATE_UP):
+    if not any(f"{n}_lora" in mlp for n in GATE_UP) and (moe.JOIN_GATE_UP or not config.is_moe):
         parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
-        mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
+        if config.is_moe:
+            mlp[moe.GATE_UP_JOINED] = {"kernel": jnp.concatenate(parts, axis=-1)}
+        else:
+            mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
 
 

@@ -105,6 +105,25 @@ def test_block_equals_a_per_token_loop(rank):
     # (float32 sums of values up to ~100: tolerances relative to the largest)
     np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
                                atol=1e-6 * np.abs(want).max(), rtol=1e-5)
+    if rank == 0:
+        # The sampler's layout: gate and up joined into one `[E, D, 2F]` kernel, one
+        # grouped matmul (`transformer.fuse_projections`), the same block.
+        attn = {n: {"kernel": np.zeros((2, 1, 2), np.float32)}
+                for n in ("q_proj", "k_proj", "v_proj")}
+        layer = {"attn": attn, "mlp": params}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe, "JOIN_GATE_UP", False)
+            assert transformer.fuse_projections(layer, config)["mlp"] == params
+        joined = transformer.fuse_projections(layer, config)["mlp"]
+        assert sorted(joined) == ["down_proj", "gate_up_proj", "router"]
+        e, d, f = params["gate_proj"]["kernel"].shape
+        kernel = np.asarray(joined["gate_up_proj"]["kernel"])
+        assert kernel.shape == (e, d, 2 * f)
+        np.testing.assert_array_equal(kernel[..., :f], params["gate_proj"]["kernel"])
+        np.testing.assert_array_equal(kernel[..., f:], params["up_proj"]["kernel"])
+        got = jax.jit(moe.MoeMlp(config).apply)({"params": joined}, x)
+        np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want,
+                                   atol=1e-6 * np.abs(want).max(), rtol=1e-5)
 
 
 def _dense_block(params, config, x_btd):

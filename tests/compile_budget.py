@@ -22,8 +22,10 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 5,129 before the budget was last raised,
-# for the fused decode kernel over a paged cache, whose tests compile it in interpret
+# Distinct programs of the full suite on the CPU: 5,209 before the budget was last raised,
+# for the MoE decode's gate and up joined into one kernel, whose test builds that layout
+# (`fuse_projections`) and applies the block in it; 5,129 when it was raised before
+# that, for the fused decode kernel over a paged cache, whose tests compile it in interpret
 # mode at two head sizes, lower it for CUDA at two, and run a short paged rollout through
 # it beside the XLA path's; 5,143 when it was raised before that (5,094
 # before multi-turn rollouts on the paged cache, whose cases each compile the start and
@@ -45,7 +47,7 @@ from jax._src import compiler as _compiler
 # experts; 4,561 before the mixture-of-experts and Gemma families), and room for a few
 # more. Raise it in the change that adds programs, saying why. (The variable is for the
 # budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5210))
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5216))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

@@ -265,6 +265,10 @@ def main() -> None:
             decode_lib.PAGED_FUSED = paged_fused
         if gate_up:
             moe.JOIN_GATE_UP = gate_up == "joined"
+            # Nothing is joined without fused projections or with unmerged adapters on
+            # gate and up (every projection carries one here).
+            if fuse == "off" or (args.lora_rank and lora_rollout == "unmerged"):
+                gate_up = None
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
         cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout,
                                   fuse_decode_projections=fuse == "on")

@@ -191,7 +191,7 @@ class MosaicTiles:
 # split, with the bias, RoPE and the cache write in XLA. One program a pair reads a long
 # cache at a fraction of HBM's rate when the pairs fill few multiprocessors (the comment
 # on `slot_splits`), which is the natural-length step's tail. Measured on one H100 in one
-# call (`experiments/bench_long.sh natural+mosaic0,2,compact,fused,maxsplits2 natural`,
+# call (`experiments/bench_long.sh natural natural+mosaic0,2,compact,fused`,
 # P512 / R8192, 16 x 8, lengths uniform in [512, 8192]): generation 18.04 s for 4,386
 # tokens a row on average against 19.38 s for 4,265 with the fused kernel at any rows
 # (4.11 against 4.54 ms a token of the mean row). At two parts the fused kernel stays:

@@ -870,8 +870,10 @@ def test_default_tiles_take_the_fused_kernel_unless_the_unfused_one_splits_more_
     """`MOSAIC_TILES` (the sampler's): the fused kernel, except where the unfused kernel
     would split a (row, key/value head) pair's slots into more than 2 parts
     (`slot_splits`: 2 programs a multiprocessor, parts of at least 1,024 slots), the
-    natural-length decode's tail of few rows over a long cache. 2 key/value heads."""
-    with mock.patch.object(da, "_MULTIPROCESSORS", 132):  # an H100's or H200's
+    natural-length decode's tail of few rows over a long cache. 2 key/value heads, an
+    H100's or H200's 132 multiprocessors (whatever device runs the test)."""
+    h100 = functools.partial(da.slot_splits, multiprocessors=132)
+    with mock.patch.object(da, "slot_splits", h100):
         assert da.MOSAIC_TILES.takes_fused(rows, 2, slots) is fused
 
 

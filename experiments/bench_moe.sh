@@ -13,6 +13,8 @@
 #   trace     the same step with one more traced step, summarised by kernel
 #             (experiments/trace_summary.py): where the update's time goes
 #   rollout   C18: the MoE sampler against its HBM roofline, batch 256 and 64
+#   rollout_gate_up   C32: the sampler at batch 256, the experts' gate and up joined into one
+#             grouped matmul (the default) against two
 #   kernels   C20: the grouped matmuls alone by kernel settings
 #   ep        the step with the experts split over every GPU of the machine
 #             (--mesh_expert P, P times the prompts: weak scaling); two GPUs or more
@@ -58,6 +60,10 @@ for run in "${@:-tests step}"; do
       rollout) step rollout 200 python3 experiments/bench_rollout.py --preset qwen3-30b-a3b \
                  --num_layers "$layers" --batch-sizes 256 64 --no-hf --repeats 2 \
                  --out "$OUT/rollout_${layers}l.json" ;;
+      rollout_gate_up) step rollout_gate_up 200 python3 experiments/bench_rollout.py \
+                 --preset qwen3-30b-a3b --num_layers "$layers" --batch-sizes 256 --no-hf \
+                 --repeats 2 --moe-gate-up joined separate \
+                 --out "$OUT/rollout_gate_up_${layers}l.json" ;;
       kernels) step kernels 200 python3 experiments/bench_grouped_matmul.py \
                  --preset qwen3-30b-a3b --tokens 12288 \
                  --tiles auto 128,128,64,4,1 128,128,64,4,2 128,128,64,6,1 \

@@ -1104,8 +1104,9 @@ def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_l
     pool = (np.zeros((2, 4, 8, 32), jnp.bfloat16),)
     cache = PagedCache(k=pool, v=pool, block_table=np.zeros((rows, -(-slots // 8)), np.int32),
                        shift=np.zeros((rows,), np.int32), num_slots=slots)
-    # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
-    with mock.patch.object(da, "_MULTIPROCESSORS", 132):
+    # An H100's or H200's 132 multiprocessors, whatever device runs the test.
+    h100 = functools.partial(da.slot_splits, multiprocessors=132)
+    with mock.patch.object(da, "slot_splits", h100):
         with mock.patch.object(da, "PAGED_FUSED", "auto"):
             assert transformer.paged_fused(config, cache) is fused_by_default
         two = dataclasses.replace(da.PAGED_FUSED_TILES, fused_max_splits=2)

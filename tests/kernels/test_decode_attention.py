@@ -841,8 +841,9 @@ def test_fused_tiles_leave_few_rows_over_a_long_cache_to_the_split_kernel(slots,
         calls["fused"] += 1
         return fused_kernel(*args, **kwargs)
 
-    # The CPU reports no multiprocessors: the kernels' default, an H100's or H200's 132.
-    with (mock.patch.object(da, "_MULTIPROCESSORS", 132),
+    # An H100 SXM's or H200's 132 multiprocessors, whatever device runs the test.
+    with (mock.patch.object(da, "slot_splits",
+                            functools.partial(da.slot_splits, multiprocessors=132)),
           mock.patch.object(da, "_mosaic_fused", count_fused),
           mock.patch.object(da, "_mosaic", lambda *a, **kw: calls["split"].append(kw["tiles"])
                             or _MOSAIC(*a, **kw))):
@@ -1104,7 +1105,7 @@ def test_paged_decode_takes_the_fused_kernel_only_where_the_unfused_one_splits_l
     pool = (np.zeros((2, 4, 8, 32), jnp.bfloat16),)
     cache = PagedCache(k=pool, v=pool, block_table=np.zeros((rows, -(-slots // 8)), np.int32),
                        shift=np.zeros((rows,), np.int32), num_slots=slots)
-    # An H100's or H200's 132 multiprocessors, whatever device runs the test.
+    # An H100 SXM's or H200's 132 multiprocessors, whatever device runs the test.
     h100 = functools.partial(da.slot_splits, multiprocessors=132)
     with mock.patch.object(da, "slot_splits", h100):
         with mock.patch.object(da, "PAGED_FUSED", "auto"):

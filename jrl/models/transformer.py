@@ -796,13 +796,24 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
         attn[FUSED_QKV] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
         if config.qkv_bias:
             attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
-    if not any(f"{n}_lora" in mlp for n in GATE_UP) and (moe.JOIN_GATE_UP or not config.is_moe):
+    if not any(f"{n}_lora" in mlp for n in GATE_UP) and (not config.is_moe
+                                                         or _joins_experts(config)):
         parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
         if config.is_moe:
             mlp[moe.GATE_UP_JOINED] = {"kernel": jnp.concatenate(parts, axis=-1)}
         else:
             mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
+
+
+def _joins_experts(config: ModelConfig) -> bool:
+    """Whether `fuse_projections` joins an MoE layer's experts' gate and up: asked for
+    (`moe.JOIN_GATE_UP`), and no mesh axis splits the experts' width F, which would put
+    a joined kernel's gate and up columns on different devices."""
+    sharder = sharding.active_sharder()
+    shape = (config.num_experts, config.hidden_size, config.moe_intermediate_size)
+    return moe.JOIN_GATE_UP and (sharder is None or sharder.spec(
+        ("experts", "embed", "mlp"), shape)[2] is None)
 
 
 def _cached_forward(params, tokens_bt, positions_bt, mask, cache, write_index, config,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from jax import lax
 
+from jrl import sharding
 from jrl.algos import masks
 from jrl.models import (
     ModelConfig,
@@ -113,6 +114,11 @@ def test_block_equals_a_per_token_loop(rank):
         layer = {"attn": attn, "mlp": params}
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe, "JOIN_GATE_UP", False)
+            assert transformer.fuse_projections(layer, config)["mlp"] == params
+        # Not where the mesh splits the experts' width F (8 over tensor=2; an abstract
+        # mesh: the rule reads its axes' sizes only).
+        mesh = jax.sharding.AbstractMesh((1, 1, 1, 2, 1), sharding.MESH_AXES)
+        with sharding.Sharder(mesh).active():
             assert transformer.fuse_projections(layer, config)["mlp"] == params
         joined = transformer.fuse_projections(layer, config)["mlp"]
         assert sorted(joined) == ["down_proj", "gate_up_proj", "router"]

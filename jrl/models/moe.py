@@ -78,8 +78,9 @@ GATE_UP = ("gate_proj", "up_proj")
 # the sampler's layer carries instead of the two (`transformer.fuse_projections`, where
 # neither has an unmerged adapter and no mesh axis splits F): one grouped matmul instead
 # of two, reading the same weights: Qwen3-30B-A3B's shapes (12 layers) at 256 rows on
-# one H100, 27,292 against 26,826 tok/s. Never trained or saved: a training pass would copy them into the joined
-# kernel each call, which takes what the matmul gains (docs/performance.md).
+# one H100, 27,292 against 26,826 tok/s. Never trained or saved: a training pass would
+# copy them into the joined kernel each call, which takes what the matmul gains
+# (docs/performance.md).
 # `JOIN_GATE_UP` (read when a program is traced): whether the sampler joins them (the
 # benches compare both).
 GATE_UP_JOINED = "gate_up_proj"

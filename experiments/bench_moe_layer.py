@@ -5,7 +5,7 @@ forward + backward time, and TFLOP/s counted on the experts a token actually run
 
 `--grad input` differentiates the input alone, the weights frozen (a LoRA update's base);
 `--gate-up separate joined joined_per_call` runs the block with the experts' gate and up as
-two kernels, as one `[E, D, 2F]` kernel held joined (`moe.GATE_UP_JOINED`, the sampler's
+two kernels, as one `[E, D, 2F]` kernel held joined (`moe.join_gate_up`, the sampler's
 layout) and as the two joined inside each call (the copy a training pass would make).
 
 FLOPs of the block per token: the router (2 D E) and k experts' SwiGLU MLPs
@@ -39,13 +39,6 @@ def _time(fn, *args, repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def _joined(params: dict) -> dict:
-    """The block's parameters with gate and up as one `[E, D, 2F]` kernel."""
-    rest = {n: w for n, w in params.items() if n not in moe.GATE_UP}
-    kernel = jnp.concatenate([params[n]["kernel"] for n in moe.GATE_UP], axis=-1)
-    return {**rest, moe.GATE_UP_JOINED: {"kernel": kernel}}
-
-
 def bench(config: ModelConfig, tokens: int, gate_up: str = "separate",
           grad: str = "all") -> dict:
     d, e, k, f = (config.hidden_size, config.num_experts, config.num_experts_per_tok,
@@ -54,8 +47,8 @@ def bench(config: ModelConfig, tokens: int, gate_up: str = "separate",
     x = jax.random.normal(jax.random.key(0), (1, tokens, d), jnp.bfloat16)
     params = nn.meta.unbox(jax.jit(block.init)(jax.random.key(1), x)["params"])
     if gate_up == "joined":
-        params = jax.jit(_joined)(params)
-    per_call = _joined if gate_up == "joined_per_call" else (lambda p: p)
+        params = jax.jit(moe.join_gate_up)(params)
+    per_call = moe.join_gate_up if gate_up == "joined_per_call" else (lambda p: p)
     forward = jax.jit(lambda p, x: block.apply({"params": per_call(p)}, x))
     loss = lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32))
     backward = jax.jit(jax.grad(loss, argnums=(0, 1) if grad == "all" else 1))

@@ -87,6 +87,14 @@ GATE_UP_JOINED = "gate_up_proj"
 JOIN_GATE_UP = True
 
 
+def join_gate_up(mlp: dict) -> dict:
+    """An MoE layer's `mlp` parameters with the experts' gate and up kernels as one
+    `GATE_UP_JOINED` kernel `[E, D, 2F]`, gate's columns first (the sampler's layout)."""
+    rest = {name: w for name, w in mlp.items() if name not in GATE_UP}
+    kernel = jnp.concatenate([mlp[name]["kernel"] for name in GATE_UP], axis=-1)
+    return {**rest, GATE_UP_JOINED: {"kernel": kernel}}
+
+
 class Routing(NamedTuple):
     """Each token's experts and weights.
 

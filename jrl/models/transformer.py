@@ -490,7 +490,7 @@ def _to_batch_rows(cache, out_bnh: jax.Array) -> jax.Array:
 
 
 # The MLP projections `Mlp` may apply as one matmul, in this order (gate first).
-GATE_UP = ("gate_proj", "up_proj")
+GATE_UP = moe.GATE_UP
 
 
 def _joins_gate_up(module: nn.Module, config: ModelConfig) -> bool:
@@ -780,14 +780,14 @@ def _valid_tokens(mask) -> jax.Array:
 
 # Names of the fused projections a layer may carry instead of its separate ones
 # (`fuse_projections`): the sampler's layout, never trained or saved.
-FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
+FUSED_QKV, FUSED_GATE_UP = "qkv_proj", moe.GATE_UP_JOINED
 
 
 def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
     """One layer's parameters with `q/k/v_proj` as one `qkv_proj` (`[D, N + 2K, H]`,
     query heads, then key, then value heads) and `gate/up_proj` as one `gate_up_proj`
     (`[D, 2, F]` in a dense model; an MoE layer's experts `[E, D, 2F]`, one grouped
-    matmul, `moe.GATE_UP_JOINED`, where `moe.JOIN_GATE_UP`): one matmul each instead of
+    matmul, `moe.join_gate_up`, where `moe.JOIN_GATE_UP`): one matmul each instead of
     three and two, for decoding. Projections with an unmerged LoRA adapter stay
     separate."""
     attn, mlp = dict(layer_params["attn"]), dict(layer_params["mlp"])
@@ -798,10 +798,10 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
             attn[FUSED_QKV]["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
     if not any(f"{n}_lora" in mlp for n in GATE_UP) and (not config.is_moe
                                                          or _joins_experts(config)):
-        parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
         if config.is_moe:
-            mlp[moe.GATE_UP_JOINED] = {"kernel": jnp.concatenate(parts, axis=-1)}
+            mlp = moe.join_gate_up(mlp)
         else:
+            parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
             mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
 

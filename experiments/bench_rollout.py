@@ -95,6 +95,10 @@ def parse_args() -> argparse.Namespace:
                         choices=("joined", "separate"),
                         help="an MoE model's decode: the experts' gate and up kernels as one "
                         "grouped matmul or two (moe.JOIN_GATE_UP; each a run)")
+    parser.add_argument("--decode-head", nargs="+", default=["auto"],
+                        choices=("auto", "xla", "mosaic"),
+                        help="model decode_head_impl values to run (one row each): the decode "
+                        "step's unembedding and draw, the kernel's masses or XLA's logits")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -258,9 +262,10 @@ def main() -> None:
               for page in (args.page_size if cache == "paged" else [None])
               for fused in (args.paged_fused if cache == "paged" else [None])]
     gate_ups = args.moe_gate_up if config.is_moe else [None]
-    for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up in (
+    for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up, head in (
             itertools.product(args.batch_sizes, args.decode_attention, lora_rollouts,
-                              args.fuse_projections, args.gemm, caches, gate_ups)):
+                              args.fuse_projections, args.gemm, caches, gate_ups,
+                              args.decode_head)):
         if paged_fused:  # read when `bench_jrl` traces
             decode_lib.PAGED_FUSED = paged_fused
         if gate_up:
@@ -271,11 +276,11 @@ def main() -> None:
                 gate_up = None
         ids, mask = make_prompts(batch, args.prompt_len, config.vocab_size, args.seed)
         cfg = dataclasses.replace(config, decode_attention_impl=impl, lora_rollout=lora_rollout,
-                                  fuse_decode_projections=fuse == "on")
+                                  fuse_decode_projections=fuse == "on", decode_head_impl=head)
         trace_dir = args.trace_dir and os.path.join(
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}_{kv_cache}{page or ''}"
             + (f"_fused_{paged_fused}" if paged_fused else "")
-            + (f"_{gate_up}" if gate_up else ""))
+            + (f"_{gate_up}" if gate_up else "") + f"_head_{head}")
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
                                      dataclasses.replace(sampling, gemm=gemm, kv_cache=kv_cache,
                                                          page_size=page or 16),
@@ -285,6 +290,8 @@ def main() -> None:
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
             kv_cache=kv_cache, page_size=page, paged_fused=paged_fused, moe_gate_up=gate_up,
+            decode_head=head,
+            decode_head_taken=sampler.head_impl(cfg, sampling),
             lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
             jrl_tokens_per_s=tokens / jrl_s,
@@ -293,7 +300,8 @@ def main() -> None:
             pct_roofline=100 * tokens / jrl_s / roof_tps,
         )
         first = (impl == args.decode_attention[0] and lora_rollout == lora_rollouts[0]
-                 and fuse == args.fuse_projections[0] and gemm == args.gemm[0])
+                 and fuse == args.fuse_projections[0] and gemm == args.gemm[0]
+                 and head == args.decode_head[0])
         if hf_model is not None and first:
             hf_s = bench_hf(hf_model, ids, mask, args, pad_id, eos_ids)
             row.update(hf_s=hf_s, hf_tokens_per_s=tokens / hf_s, jrl_over_hf=hf_s / jrl_s)
@@ -320,7 +328,9 @@ def print_table(args, results) -> None:
         lora_cell = f"r{r['lora_rank']} {r['lora_rollout']}" if r.get("lora_rank") else "-"
         cache = (r["kv_cache"] + (f"/{r['page_size']}" if r.get("page_size") else "")
                  + (f" fused {r['paged_fused']}" if r.get("paged_fused") else "")
-                 + (f" gate/up {r['moe_gate_up']}" if r.get("moe_gate_up") else ""))
+                 + (f" gate/up {r['moe_gate_up']}" if r.get("moe_gate_up") else "")
+                 + (f" head {r['decode_head']} ({r['decode_head_taken']})"
+                    if r.get("decode_head") else ""))
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
               f"{r['gemm']} | {cache} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "

@@ -78,6 +78,14 @@ def base_config() -> ml_collections.ConfigDict:
     # 2,048; else XLA), xla (chunked float32 logits) or mosaic (the kernel, forced; a
     # ConfigError where jax lacks Mosaic GPU).
     c.model.logprob_impl = "auto"
+    # The sampler's unembedding and draw at each decode step: auto (a Pallas kernel on
+    # its Mosaic GPU backend that reduces each row's logits on chip to the masses of
+    # blocks of the vocabulary, and the draw recomputes one block's logits, on Hopper GPUs
+    # for hidden sizes up to 2,048 when drawing with temperature alone: no top-k, top-p
+    # or greedy decoding; else XLA, which writes each step's float32 logits and reads
+    # them back), xla or mosaic (the kernel, forced; a ConfigError where jax lacks
+    # Mosaic GPU).
+    c.model.decode_head_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).
     c.model.fuse_decode_projections = True

@@ -498,6 +498,7 @@ class ModelSettings:
       remat: the training passes' rematerialisation policy.
       decode_attention_impl: the decode steps' cache write and attention.
       logprob_impl: the log-prob and update passes' unembedding and log-softmax.
+      decode_head_impl: the sampler's unembedding and draw at each decode step.
       fuse_decode_projections: decode with q/k/v and gate/up joined into one matmul each.
       scan_unroll: unroll the update passes' scan over layers (`model.scan_unroll`, its
         default resolved: unrolled with token-budget micro-batches, `use_dynamic_bsz`).
@@ -519,6 +520,7 @@ class ModelSettings:
     remat: str
     decode_attention_impl: str = "auto"
     logprob_impl: str = "auto"
+    decode_head_impl: str = "auto"
     fuse_decode_projections: bool = True
     scan_unroll: bool = False
     lora_rank: int = 0
@@ -553,6 +555,7 @@ class ModelSettings:
                 "attention_impl": self.attention_impl,
                 "decode_attention_impl": self.decode_attention_impl,
                 "logprob_impl": self.logprob_impl,
+                "decode_head_impl": self.decode_head_impl,
                 "fuse_decode_projections": self.fuse_decode_projections,
                 "scan_unroll": self.scan_unroll, "lora_rank": self.lora_rank,
                 "lora_alpha": self.lora_alpha, "lora_targets": self.lora_targets,
@@ -1305,7 +1308,10 @@ def _check_model(config) -> None:
               "by the same kernel on Pallas' Mosaic GPU backend: use 'mosaic', 'auto' or 'xla'")
     if "logprob_impl" in config.model:
         _choice("model.logprob_impl", config.model.logprob_impl, model_config.LOGPROB_IMPLS)
-    for key in ("decode_attention_impl", "logprob_impl"):
+    if "decode_head_impl" in config.model:
+        _choice("model.decode_head_impl", config.model.decode_head_impl,
+                model_config.DECODE_HEAD_IMPLS)
+    for key in ("decode_attention_impl", "logprob_impl", "decode_head_impl"):
         if config.model.get(key) == "mosaic":
             mosaic_backend.require(f"model.{key}")
     if _get(config, "model.dtype") == "float16":
@@ -1447,6 +1453,7 @@ def _model(config) -> ModelSettings:
         dtype=model.dtype, remat=model.remat,
         decode_attention_impl=get("decode_attention_impl", "auto"),
         logprob_impl=get("logprob_impl", "auto"),
+        decode_head_impl=get("decode_head_impl", "auto"),
         fuse_decode_projections=bool(get("fuse_decode_projections", True)),
         scan_unroll=bool(unroll), lora_rank=int(get("lora_rank", 0)),
         lora_alpha=float(get("lora_alpha", 16.0)),

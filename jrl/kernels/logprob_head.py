@@ -268,16 +268,38 @@ def _mosaic_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, with_entropy
         out_smem.at[3][...] = jnp.sum(ez_tv, axis=1) * _LN2
 
 
-def _write_statistics(z_tv, y_smem, scratch, out_gmem, j, t0, *, vocab, blocks, scale,
-                      with_entropy, emulated):
-    """The forward kernels' epilogue: a block's statistics (`_mosaic_statistics`; only
-    the last vocabulary block masks padding) to `out_gmem[:, j, t0:]` through the
-    `[stats, rows]` SMEM buffer `scratch[0]`; `y_smem` holds the tokens' targets."""
+def _sample_statistics(z_tv, y_smem, out_smem, *, v0, vocab, scale, parts, masked, emulated):
+    """Writes a block's `(m, l_0, ..., l_{parts-1})` per token to `out_smem` from its
+    accumulator `z_tv` (`h W` without the temperature): `m` the block's largest logit
+    (base e, temperature applied) and `l_s = sum exp(z_v - m)` over the s-th of its
+    `parts` equal column ranges, each range's mass relative to the block's largest
+    (a range whose logits all lie 87 or more below it gets 0: a mass under 1e-38 of the
+    block's, which no draw reaches). `y_smem` is unused. `masked`: the block holds
+    padding (entries from `vocab` on)."""
+    del y_smem
+    z_tv = z_tv * scale  # log2(e) / temperature
+    cols_tv = _columns(z_tv.shape, 0, emulated)
+    if masked:
+        z_tv = jnp.where(cols_tv < vocab - v0, z_tv, -jnp.inf)
+    m_t = jnp.max(z_tv, axis=1)
+    e_tv = jnp.exp2(z_tv - jax.lax.broadcast_in_dim(m_t, z_tv.shape, [0]))
+    out_smem.at[0][...] = m_t * _LN2
+    width = z_tv.shape[1] // parts
+    for s in range(parts):
+        inside_tv = (cols_tv >= s * width) & (cols_tv < (s + 1) * width)
+        out_smem.at[1 + s][...] = jnp.sum(jnp.where(inside_tv, e_tv, 0.0), axis=1)
+
+
+def _write_statistics(z_tv, y_smem, scratch, out_gmem, j, t0, *, vocab, blocks, emulated,
+                      fill=_mosaic_statistics, **settings):
+    """The forward kernels' epilogue: a block's statistics (`fill`, `_mosaic_statistics`
+    or `_sample_statistics`, with `settings`; only the last vocabulary block masks
+    padding) to `out_gmem[:, j, t0:]` through the `[stats, rows]` SMEM buffer
+    `scratch[0]`; `y_smem` holds the tokens' per-token operand (the targets)."""
     mgpu = mosaic_backend.plgpu
     (out_smem,) = scratch
-    stats = functools.partial(_mosaic_statistics, z_tv, y_smem, out_smem, v0=j * blocks.v,
-                              vocab=vocab, scale=scale, with_entropy=with_entropy,
-                              emulated=emulated)
+    stats = functools.partial(fill, z_tv, y_smem, out_smem, v0=j * blocks.v, vocab=vocab,
+                              emulated=emulated, **settings)
     _per_block_mask(stats, j, vocab, blocks)
     mgpu.commit_smem()
     rows = out_smem.shape[1]
@@ -579,6 +601,73 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
         return (rows(3), P(None, None), rows(2)), (rows(2),) * 3
 
     return sharding.per_shard(fn, specs, h_btd, weight, targets_bt)
+
+
+# The sampler's tiles (`block_masses`): blocks of 128 vocabulary entries, which divide
+# the vocabularies of Qwen2/2.5/3 (151,936 and 152,064), Llama 3 (128,256) and Gemma
+# (256,000 and 262,144) with no padded copy of the unembedding; two consumer warpgroups
+# of 64 rows each.
+SAMPLE_BLOCKS = MosaicBlocks(t=128, v=128, k=64, stages=3, overlap=True, group=16,
+                             consumers=2)
+
+# Column ranges of a block whose masses `block_masses` writes: the draw recomputes the
+# logits of one range a row (`v / parts` rows of W gathered a row), so more parts
+# gather less and reduce more on chip.
+SAMPLE_PARTS = 2
+
+
+def _local_masses(h_nd, w, *, vocab, vocab_first, temperature, parts, blocks, interpret):
+    """`block_masses` on this device's `[N, D]` rows, in one launch."""
+    n, d = h_nd.shape
+    _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks)
+    if blocks.v % parts or (blocks.v // parts) % 8:
+        raise ValueError(f"block_masses splits blocks of {blocks.v} entries into {parts} "
+                         "ranges: they must divide it into whole multiples of 8")
+    h = jnp.pad(h_nd, [(0, -n % blocks.t), (0, 0)])
+    nv = (w.shape[0] if vocab_first else w.shape[1]) // blocks.v
+    epilogue = functools.partial(_write_statistics, vocab=vocab, blocks=blocks,
+                                 fill=_sample_statistics, scale=_LOG2E / temperature,
+                                 parts=parts)
+    out = _launch(h, w, jnp.zeros(h.shape[:1], jnp.int32),
+                  out_type=jax.ShapeDtypeStruct((1 + parts, nv, h.shape[0]), jnp.float32),
+                  epilogue=epilogue,
+                  scratch_types=[((1 + parts, blocks.t // blocks.consumers), jnp.float32, ())],
+                  vocab_first=vocab_first, blocks=blocks, interpret=interpret)
+    return out[0, :, :n], out[1:, :, :n]
+
+
+def block_masses(h_nd: Array, weight: Array, *, vocab: int, vocab_first: bool,
+                 temperature: float = 1.0, parts: int = SAMPLE_PARTS,
+                 blocks: MosaicBlocks | None = None, interpret: bool = False):
+    """The distribution `softmax(h W / temperature)` of each row by blocks of the
+    vocabulary, for drawing from it without its logits in memory.
+
+    Args:
+      h_nd: `[N, D]` final hidden states (bf16, or float32 in interpret mode).
+      weight: the unembedding in `h_nd`'s dtype, `[Vp, D]` if `vocab_first` else
+        `[D, Vp]`, with whole `blocks.v` blocks (`pad_vocab`).
+      vocab: the real vocabulary size V (entries from V on are padding).
+      temperature: the logits are divided by it.
+      parts: column ranges of a block (of `blocks.v / parts` entries, a multiple of 8).
+      blocks: the tiles (default `SAMPLE_BLOCKS`).
+      interpret: run in Pallas' GPU interpret mode (always off a GPU).
+
+    Returns:
+      `(block_max [Vp / v, N], masses [parts, Vp / v, N])`, float32: block j's largest
+      logit, and `masses[s, j] = sum exp(z - block_max[j])` over the entries of its s-th
+      range (padding 0). Range `(j, s)` holds entries from `(j parts + s) v / parts`.
+
+    Under a `Sharder` the kernel runs per device's rows, as `log_softmax_stats`.
+    """
+    fn = functools.partial(_local_masses, vocab=vocab, vocab_first=vocab_first,
+                           temperature=temperature, parts=parts,
+                           blocks=blocks or SAMPLE_BLOCKS, interpret=interpret)
+
+    def specs(sharder):
+        batch = sharder.spec(("batch",), h_nd.shape[:1])[0]
+        return (P(batch, None), P(None, None)), (P(None, batch), P(None, None, batch))
+
+    return sharding.per_shard(fn, specs, h_nd, weight)
 
 
 # The backward kernel's tiles: the forward's (`_write_grads` adds a `[64, 256]` tile per

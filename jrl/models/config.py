@@ -41,6 +41,7 @@ REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "mosaic")
 LOGPROB_IMPLS = ("auto", "xla", "mosaic")
+DECODE_HEAD_IMPLS = ("auto", "xla", "mosaic")
 # Projections that can carry a LoRA adapter ("all-linear" is all of them).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_ROLLOUTS = ("merged", "unmerged")
@@ -155,6 +156,13 @@ class ModelConfig:
         on Hopper GPUs for hidden sizes up to 2,048; else XLA), "xla" (chunked float32
         logits) or "mosaic" (the kernel, forced; a ConfigError where jax lacks Mosaic
         GPU).
+      decode_head_impl: the sampler's unembedding and draw at each decode step: "auto"
+        (the Pallas kernel of `jrl.kernels.logprob_head.block_masses`, which keeps the
+        logits on chip, on Hopper GPUs for hidden sizes up to 2,048, where the draw is
+        temperature sampling: no top-k, top-p or greedy decoding; else XLA, which writes
+        the step's float32 logits and reads them back), "xla" or "mosaic" (the kernel,
+        forced; a ConfigError where jax lacks Mosaic GPU, and at the first decode step
+        for a draw it does not make).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.
@@ -214,6 +222,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     decode_attention_impl: str = "auto"
     logprob_impl: str = "auto"
+    decode_head_impl: str = "auto"
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
@@ -234,7 +243,8 @@ class ModelConfig:
         _check_choice("decode_attention_impl", self.decode_attention_impl,
                       DECODE_ATTENTION_IMPLS)
         _check_choice("logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
-        for key in ("decode_attention_impl", "logprob_impl"):
+        _check_choice("decode_head_impl", self.decode_head_impl, DECODE_HEAD_IMPLS)
+        for key in ("decode_attention_impl", "logprob_impl", "decode_head_impl"):
             if getattr(self, key) == "mosaic":
                 mosaic_backend.require(f"model.{key}")
         if self.num_heads % self.num_kv_heads:

@@ -198,7 +198,8 @@ def check(config) -> dict[str, Any]:
                           "TPU, else XLA), 'splash' or 'xla'")
     kernels = {"decode_attention_impl": SLIDING in types
                or config.attn_logit_softcapping is not None,
-               "logprob_impl": config.final_logit_softcapping is not None}
+               "logprob_impl": config.final_logit_softcapping is not None,
+               "decode_head_impl": config.final_logit_softcapping is not None}
     updates: dict[str, Any] = {"layer_types": types}
     for key, unsupported in kernels.items():
         if not unsupported:

@@ -81,6 +81,7 @@ from jrl.rollout.sampler import (
     cache_slots,
     decoding_mask,
     jit_sampler,
+    next_tokens,
     per_layer,
     row_keys,
     sample_tokens,
@@ -129,14 +130,16 @@ class Pages:
     sized: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def _emit(state: TurnState, logits_nv, row_keys, sampling: SamplingConfig, budget: int,
+def _emit(state: TurnState, sample, row_keys, sampling: SamplingConfig, budget: int,
           turn_stop_ids: tuple[int, ...]) -> TurnState:
-    """Samples the next token of every active row and records it in the segment.
+    """Samples the next token of every active row and records it in the segment;
+    `sample(keys [N]) -> (tokens, log_probs)` draws (`next_tokens`, or `sample_tokens`
+    over given logits).
 
     A row's token `u` of the response draws with `fold_in(row_key, u)`, so a row's
     samples do not depend on the other rows or on where segments break."""
     keys = jax.vmap(jax.random.fold_in)(row_keys, state.used)
-    tokens, log_probs = sample_tokens(logits_nv, keys, sampling)
+    tokens, log_probs = sample(keys)
     active = state.active
     tokens = jnp.where(active, tokens, sampling.pad_token_id)
     rows = jnp.arange(tokens.shape[0])
@@ -184,11 +187,10 @@ def _decode_segment(params, state: TurnState, row_keys, sampling, budget, turn_s
         state, write_index = _grow(state, feed.astype(jnp.int32))
         hidden, cache = forward(params, state.last_tokens[:, None], state.positions[:, None],
                                 attended, state.cache, write_index, config=config)
-        logits = constrain(unembed(params, hidden[:, 0], softcap=config.final_logit_softcapping),
-                           ("batch", None))
         state = state.replace(cache=cache, key_mask=key_mask, slot=state.slot + 1,
                               positions=state.positions + feed)
-        return _emit(state, logits, row_keys, sampling, budget, turn_stop_ids)
+        sample = lambda keys: next_tokens(params, hidden[:, 0], keys, sampling, config)
+        return _emit(state, sample, row_keys, sampling, budget, turn_stop_ids)
 
     return lax.while_loop(going, step, state)
 
@@ -361,7 +363,8 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
         pages=pages,
     )
     keys = row_keys(rng, num_rows)
-    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    state = _emit(state, lambda k: sample_tokens(logits, k, sampling), keys, sampling, budget,
+                  turn_stop_ids)
     return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
                            end_fraction)
 
@@ -452,7 +455,8 @@ def resume(params, state: TurnState, block_ids, block_mask, added, lacking, fini
         state = state.replace(pages=state.pages.replace(waiting=state.pages.waiting & ~going))
     state = _compact(state)
     keys = row_keys(rng, num_rows)
-    state = _emit(state, logits, keys, sampling, budget, turn_stop_ids)
+    state = _emit(state, lambda k: sample_tokens(logits, k, sampling), keys, sampling, budget,
+                  turn_stop_ids)
     return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
                            end_fraction)
 

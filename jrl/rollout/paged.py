@@ -405,9 +405,9 @@ def _decode(ctx: _Context, state: _State) -> _State:
     hidden, cache = transformer.forward(ctx.params, state.last_tokens[:, None],
                                         positions[:, None], attended, cache, slot,
                                         config=ctx.config)
-    logits = unembed(ctx.params, hidden[:, 0], softcap=ctx.config.final_logit_softcapping)
     keys = ctx.draw_keys(state.rows, state.lengths)
-    tokens, log_probs = sampler.sample_tokens(logits, keys, ctx.sampling)
+    tokens, log_probs = sampler.next_tokens(ctx.params, hidden[:, 0], keys, ctx.sampling,
+                                            ctx.config)
     state = _held(state.replace(cache=cache, key_mask=key_mask,
                                 num_free=state.num_free - jnp.sum(need)))
     return _take(ctx, state, tokens, log_probs, running)

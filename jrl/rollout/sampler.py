@@ -45,7 +45,8 @@ import numpy as np
 from jax import lax
 
 from jrl import sharding
-from jrl.kernels import decode_attention
+from jrl.errors import ConfigError
+from jrl.kernels import decode_attention, logprob_head
 from jrl.models import gemma, moe, transformer
 from jrl.models.cache import (
     CACHE_LOGICAL_AXES,
@@ -578,7 +579,7 @@ def continue_program(params, prompt_ids, prompt_mask, prefix: Prefix,
         rows=rows,
         offsets=lengths,
     )
-    state = _emit(state, logits_nv, sampling)
+    state = _emit(state, _from_logits(logits_nv, sampling), sampling)
     (*out, finished), state, kept = _decode_to(params, state, steps, prompt_len=total,
                                                sampling=sampling, config=config,
                                                in_order=not width, keep_cache=keep_cache)
@@ -760,7 +761,8 @@ def start(params, prompt_ids, prompt_mask, rng, sampling: SamplingConfig, config
         routing=routing,
         prompt_routing=prompt_routing,
     )
-    return row_prompt_ids, row_prompt_mask, _emit(state, logits_nv, sampling), params
+    return (row_prompt_ids, row_prompt_mask,
+            _emit(state, _from_logits(logits_nv, sampling), sampling), params)
 
 
 def decode_rows(params, state: _DecodeState, out, end: int, sizes: tuple[int, ...], groups: int,
@@ -794,8 +796,9 @@ def decode_until(params, state: _DecodeState, end: int, smaller: int, groups: in
     """Decodes at the state's batch size until step `end` or until every group's
     unfinished rows fit `smaller` rows (0: until none is left)."""
     def decode(state: _DecodeState) -> _DecodeState:
-        logits_nv, state = _decode_step(params, state, prompt_len, config)
-        return _emit(state, logits_nv, sampling)
+        hidden_nd, state = _decode_step(params, state, prompt_len, config)
+        return _emit(state, lambda keys: next_tokens(params, hidden_nd, keys, sampling, config),
+                     sampling)
 
     def running(state: _DecodeState) -> jax.Array:
         unfinished = jnp.sum(~_grouped(state.done, groups), axis=1)
@@ -924,12 +927,13 @@ def row_keys(rng, num_rows: int) -> jax.Array:
 def per_layer(params, config: ModelConfig):
     """`params` with the layers' weights as separate arrays, sliced once per program
     rather than at every decode step, and their projections fused where
-    `config.fuse_decode_projections` and the mesh allow (`_fuses`)."""
+    `config.fuse_decode_projections` and the mesh allow (`_fuses`); the unembedding
+    padded for the decode head's kernel where it needs it (`_padded_head`)."""
     layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
                    for i in range(config.num_layers))
     if _fuses(config):
         layers = tuple(transformer.fuse_projections(layer, config) for layer in layers)
-    return {**params, "layers": layers}
+    return {**params, "layers": layers, **_padded_head(params, config)}
 
 
 def _fuses(config: ModelConfig) -> bool:
@@ -1051,7 +1055,8 @@ def cache_slots(config: ModelConfig, needed: int) -> int:
 
 
 def _decode_step(params, state: _DecodeState, prompt_len: int, config):
-    """Feeds the last sampled token of every row and returns the next logits `[N, V]`.
+    """Feeds the last sampled token of every row: `(final hidden states [N, D], state)`,
+    for `next_tokens`.
 
     The token sampled at step i-1 goes to slot `P + i - 1` (shared by all rows) at
     RoPE position `prompt_lengths + i - 1`. Rows that have stopped are fed their
@@ -1071,13 +1076,11 @@ def _decode_step(params, state: _DecodeState, prompt_len: int, config):
         params, state.last_tokens[:, None], positions, attended, state.cache, slot,
         config=config,
     )
-    logits_nv = unembed(params, hidden_n1d[:, 0], softcap=config.final_logit_softcapping)
-    logits_nv = constrain(logits_nv, ("batch", None))
     if record:  # the experts of response token step - 1 (padding after a stop: none)
         experts = jnp.where(state.done[:, None, None, None], moe.NOT_RECORDED, recorded[0])
         state = state.replace(routing=lax.dynamic_update_slice_in_dim(
             state.routing, experts.astype(state.routing.dtype), state.step - 1, axis=1))
-    return logits_nv, state.replace(cache=cache, key_mask=key_mask)
+    return hidden_n1d[:, 0], state.replace(cache=cache, key_mask=key_mask)
 
 
 def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
@@ -1093,16 +1096,17 @@ def decoding_mask(key_mask: jax.Array, slot, running: jax.Array) -> jax.Array:
     return jnp.where(running[:, None], key_mask, only_new if per_row else only_new[None, :])
 
 
-def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeState:
+def _emit(state: _DecodeState, sample, sampling: SamplingConfig) -> _DecodeState:
     """Samples response token `state.step` of every row (`offsets + step` when
-    continuing) and records it."""
+    continuing) and records it; `sample(keys [N]) -> (tokens, log_probs)` draws
+    (`next_tokens`, or `sample_tokens` over given logits: `_from_logits`)."""
     if state.offsets is None:
         index = state.step
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys, index)
     else:
         index = state.offsets + state.step
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, index)
-    tokens, log_probs = sample_tokens(logits_nv, step_keys, sampling)
+    tokens, log_probs = sample(step_keys)
     tokens = jnp.where(state.done, sampling.pad_token_id, tokens)
     log_probs = jnp.where(state.done, 0.0, log_probs)
     stopped = ~state.done & _is_stop_token(tokens, sampling)
@@ -1128,6 +1132,11 @@ def _emit(state: _DecodeState, logits_nv, sampling: SamplingConfig) -> _DecodeSt
         responses=write(state.responses, tokens),
         log_probs=write(state.log_probs, log_probs),
     )
+
+
+def _from_logits(logits_nv, sampling: SamplingConfig):
+    """`_emit`'s `sample` from given logits `[N, V]`."""
+    return lambda keys: sample_tokens(logits_nv, keys, sampling)
 
 
 def _is_stop_token(tokens_n: jax.Array, sampling: SamplingConfig) -> jax.Array:
@@ -1157,6 +1166,125 @@ def sample_tokens(
         tokens = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
         return tokens, jnp.zeros(tokens.shape, jnp.float32)
     return jax.vmap(functools.partial(_sample_row, sampling=sampling))(logits_nv, keys_n)
+
+
+def next_tokens(params, hidden_nd: jax.Array, keys_n: jax.Array, sampling: SamplingConfig,
+                config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """A decode step's head: each row's next token and its log-prob (`sample_tokens`'s
+    outputs) from its final hidden state `[N, D]`.
+
+    Where `head_impl` takes the kernel, the logits stay on chip: the kernel reduces each
+    row's to the masses of ranges of 64 vocabulary entries (`logprob_head.block_masses`)
+    and the draw (`_draw_from_masses`) recomputes the logits of the one range its uniform
+    number falls in. Otherwise the `[N, V]` float32 logits are formed and sampled."""
+    if head_impl(config, sampling) == "mosaic":
+        weight, vocab_first = _sampling_head(params, config)
+        block_max, masses = logprob_head.block_masses(
+            hidden_nd.astype(config.dtype), weight, vocab=config.vocab_size,
+            vocab_first=vocab_first, temperature=sampling.temperature)
+        return _draw_from_masses(hidden_nd, weight, vocab_first, block_max, masses, keys_n,
+                                 config.vocab_size, sampling.temperature)
+    logits_nv = unembed(params, hidden_nd, softcap=config.final_logit_softcapping)
+    return sample_tokens(constrain(logits_nv, ("batch", None)), keys_n, sampling)
+
+
+def head_impl(config: ModelConfig, sampling: SamplingConfig) -> str:
+    """`"mosaic"` where `next_tokens` takes the kernel (`config.decode_head_impl`), else
+    `"xla"`. "auto" takes it where `logprob_head.choose_impl` would take the log-prob
+    kernel (a Hopper GPU, a 16-bit compute dtype, hidden size a multiple of 64 up to
+    2,048, no `tensor` or `context` axis) for a temperature draw with no final soft-cap;
+    a forced "mosaic" stops with a ConfigError naming what it lacks."""
+    impl = config.decode_head_impl
+    if impl == "xla":
+        return impl
+    lacks = [why for why, missing in (
+        ("greedy decoding (do_sample=False)", not sampling.do_sample),
+        (f"top-k (top_k={sampling.top_k})", 0 < sampling.top_k < config.vocab_size),
+        (f"top-p (top_p={sampling.top_p})", sampling.top_p < 1.0),
+        ("a final logit soft-cap", config.final_logit_softcapping is not None),
+    ) if missing]
+    if impl == "mosaic" and lacks:
+        raise ConfigError(f"model.decode_head_impl='mosaic' draws with temperature alone, "
+                          f"not with {' or '.join(lacks)}; use 'auto' or 'xla'")
+    if lacks:
+        return "xla"
+    return logprob_head.choose_impl(impl, config.hidden_size, dtype=config.dtype)
+
+
+# The unembedding padded to whole `SAMPLE_BLOCKS.v` blocks, made once per rollout by
+# `per_layer` for a vocabulary that needs it (none of the released Qwen, Llama or Gemma
+# ones do).
+PADDED_HEAD = "sampling_head"
+
+
+def _sampling_head(params, config: ModelConfig) -> tuple[jax.Array, bool]:
+    """The kernel's unembedding `(weight, vocab_first)` in the compute dtype: `[Vp, D]`
+    (tied, the embedding) or `[D, Vp]` (`lm_head`), padded (`PADDED_HEAD`) where the
+    vocabulary is not whole blocks."""
+    vocab_first = "lm_head" not in params
+    if PADDED_HEAD in params:
+        return params[PADDED_HEAD], vocab_first
+    weight = params["embed"]["embedding"] if vocab_first else params["lm_head"]["kernel"]
+    return weight.astype(config.dtype), vocab_first
+
+
+def _padded_head(params, config: ModelConfig) -> dict:
+    """`{PADDED_HEAD: weight}` where the kernel may draw (`head_impl` but for the sampling
+    settings) and the vocabulary is not whole blocks, else `{}`: a copy made once per
+    rollout (XLA drops it from a program that does not read it)."""
+    blocks = logprob_head.SAMPLE_BLOCKS
+    if (config.vocab_size % blocks.v == 0 or config.decode_head_impl == "xla"
+            or config.final_logit_softcapping is not None
+            or logprob_head.choose_impl(config.decode_head_impl, config.hidden_size,
+                                        dtype=config.dtype) == "xla"):
+        return {}
+    weight, vocab_first = _sampling_head(params, config)
+    return {PADDED_HEAD: logprob_head.pad_vocab(weight, vocab_first, blocks)}
+
+
+def _draw_from_masses(hidden_nd, weight, vocab_first: bool, block_max, masses, keys_n,
+                      vocab: int, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """`_inverse_cdf_sample` of every row over `block_masses`' ranges: the range whose
+    cumulative mass passes the row's uniform number `u` (the one `jax.random.uniform`
+    draws from the row's key, as the XLA path does), then, within it, the first entry
+    whose cumulative weight passes `u`, the range's logits recomputed from its rows of
+    the unembedding (`[N, v / parts, D]` gathered). Entries of zero weight (padding,
+    and past the last range of positive mass when rounding puts `u` on a boundary) are
+    never returned. The log-prob is `z_token - log Z`, `log Z` from the masses.
+
+    Returns:
+      (tokens int32 `[N]`, log_probs float32 `[N]`).
+    """
+    parts, num_blocks, n = masses.shape
+    width = weight.shape[0 if vocab_first else 1] // (num_blocks * parts)
+    top_n = jnp.max(block_max, axis=0)
+    # Range (j, s) is column j * parts + s: the ranges in vocabulary order.
+    mass_nr = jnp.transpose(masses * jnp.exp(block_max - top_n)[None], (2, 1, 0))
+    mass_nr = mass_nr.reshape(n, num_blocks * parts)
+    cdf_nr = jnp.cumsum(mass_nr, axis=1)
+    total_n = cdf_nr[:, -1]
+    u_n = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys_n) * total_n
+    last_r = jax.vmap(_last_positive)(mass_nr)
+    chosen_n = jnp.minimum(jnp.sum(cdf_nr <= u_n[:, None], axis=1), last_r)
+    if vocab_first:
+        rows_nwd = jnp.take(weight.reshape(-1, width, weight.shape[1]), chosen_n, axis=0)
+        z_nw = jnp.einsum("nd,nwd->nw", hidden_nd.astype(weight.dtype), rows_nwd,
+                          preferred_element_type=jnp.float32)
+    else:
+        cols_dnw = jnp.take(weight.reshape(weight.shape[0], -1, width), chosen_n, axis=1)
+        z_nw = jnp.einsum("nd,dnw->nw", hidden_nd.astype(weight.dtype), cols_dnw,
+                          preferred_element_type=jnp.float32)
+    ids_nw = chosen_n[:, None] * width + jnp.arange(width)[None, :]
+    z_nw = jnp.where(ids_nw < vocab, z_nw / temperature, -jnp.inf)
+    w_nw = jnp.exp(z_nw - top_n[:, None])
+    before_n = (jnp.take_along_axis(cdf_nr, chosen_n[:, None], axis=1)[:, 0]
+                - jnp.take_along_axis(mass_nr, chosen_n[:, None], axis=1)[:, 0])
+    inner_cdf_nw = before_n[:, None] + jnp.cumsum(w_nw, axis=1)
+    inner_n = jnp.minimum(jnp.sum(inner_cdf_nw <= u_n[:, None], axis=1),
+                          jax.vmap(_last_positive)(w_nw))
+    z_n = jnp.take_along_axis(z_nw, inner_n[:, None], axis=1)[:, 0]
+    tokens = (chosen_n * width + inner_n).astype(jnp.int32)
+    return tokens, z_n - top_n - jnp.log(total_n)
 
 
 def _sample_row(logits_v, key, sampling: SamplingConfig):

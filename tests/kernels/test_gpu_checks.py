@@ -1,7 +1,8 @@
 """The kernels at the models' real sizes, compiled on a GPU, against XLA: the decode step's
 Mosaic GPU kernel at the presets' head shapes and caches (and the new token at the cache's
 edges), the log-prob head's Mosaic GPU kernel forward and backward at Qwen2.5-0.5B's head
-(D 896, V 151,936, tied, bf16) and Gemma-3-1B's (D 1,152, V 262,144), and cuDNN's
+(D 896, V 151,936, tied, bf16) and Gemma-3-1B's (D 1,152, V 262,144), the sampler's
+head on the same kernel (`block_masses`) at both, and cuDNN's
 attention (packed, windowed and masked) at Qwen2.5-0.5B's and Gemma-3-1B's heads (head_dim
 256 on Hopper). Skipped off a GPU:
 tests/kernels/test_decode_attention.py and test_logprob_head.py run the same kernels in
@@ -253,6 +254,41 @@ def test_head_forward_matches_xla_at_gemmas_head():
     assert hk.choose_impl("auto", 1152) == "mosaic"
     errors = head_forward_errors(16384, True, shape=HEAD_SHAPES["gemma-3-1b"])
     assert max(errors.values()) < 0.02, errors
+
+
+@NEEDS_MOSAIC
+@ON_HOPPER
+@pytest.mark.parametrize("rows", [256, 37])
+@pytest.mark.parametrize("shape", HEAD_SHAPES)
+def test_decode_head_kernel_matches_xla(shape, rows):
+    """The sampler's head (`block_masses` and the draw from it, `sampler.next_tokens`)
+    against the draw from XLA's float32 logits of the same bf16 operands: the masses of
+    the 64-entry ranges, the tokens drawn with the same keys (at most one row apart,
+    where a uniform number falls between the two sums' roundings) and their log-probs."""
+    from jrl.rollout import sampler
+
+    vocab = HEAD_SHAPES[shape][1]
+    h, w, _ = _head_inputs(rows, shape=HEAD_SHAPES[shape])
+    temperature = 0.9
+    block_max, masses = jax.jit(functools.partial(
+        hk.block_masses, vocab=vocab, vocab_first=True, temperature=temperature))(h, w)
+    z = jnp.einsum("td,vd->tv", h, w, preferred_element_type=jnp.float32) / temperature
+    ranges = z.reshape(rows, -1, 2, 64)
+    want_max = jnp.max(ranges, axis=(2, 3))
+    want_masses = jnp.sum(jnp.exp(ranges - want_max[:, :, None, None]), axis=3)
+    assert _max_diff(block_max, want_max.T) < 1e-3
+    assert _max_diff(masses, jnp.transpose(want_masses, (2, 1, 0))) < 1e-3 * 64
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(1), jnp.arange(rows))
+    sampling = sampler.SamplingConfig(temperature=temperature)
+    tokens, log_probs = jax.jit(lambda h, w, keys: sampler._draw_from_masses(
+        h, w, True, *hk.block_masses(h, w, vocab=vocab, vocab_first=True,
+                                     temperature=temperature), keys, vocab, temperature))(
+        h, w, keys)
+    want_tokens, want_log_probs = jax.jit(sampler.sample_tokens, static_argnums=2)(
+        z * temperature, keys, sampling)
+    same = np.asarray(tokens) == np.asarray(want_tokens)
+    assert (~same).sum() <= 1, np.flatnonzero(~same)
+    assert _max_diff(log_probs[same], want_log_probs[same]) < 2e-3
 
 
 def _xla_grad_logits(h_td, w_vd, y_t, log_z_t, g_lp_t, g_ent_t, ent_t, entropy_grad):

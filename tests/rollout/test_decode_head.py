@@ -55,10 +55,15 @@ def _numpy_masses(z, block, parts):
 @pytest.mark.parametrize("vocab_first", [True, False])
 def test_block_masses_match_float64(vocab_first):
     h, w = _inputs()
-    weight = hk.pad_vocab(jnp.asarray(w if vocab_first else w.T), vocab_first, SMALL_BLOCKS)
-    block_max, masses = hk.block_masses(jnp.asarray(h), weight, vocab=V, vocab_first=vocab_first,
-                                        temperature=TEMPERATURE, parts=2, blocks=SMALL_BLOCKS,
-                                        interpret=True)
+
+    @jax.jit
+    def masses_of(h, w):
+        weight = hk.pad_vocab(w if vocab_first else w.T, vocab_first, SMALL_BLOCKS)
+        return hk.block_masses(h, weight, vocab=V, vocab_first=vocab_first,
+                               temperature=TEMPERATURE, parts=2, blocks=SMALL_BLOCKS,
+                               interpret=True)
+
+    block_max, masses = masses_of(h, w)
     z = h.astype(np.float64) @ w.T.astype(np.float64) / TEMPERATURE
     expected_max, expected_masses = _numpy_masses(z, 32, 2)
     assert block_max.shape == (4, N) and masses.shape == (2, 4, N)
@@ -81,8 +86,15 @@ def test_block_masses_refuses_ranges_off_the_tiles():
                         blocks=SMALL_BLOCKS, interpret=True)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _keys(n, seed=1):
     return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(n))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 6, 7))
+def _draw(h, weight, vocab_first, block_max, masses, keys, vocab, temperature):
+    return sampler._draw_from_masses(h, weight, vocab_first, block_max, masses, keys, vocab,
+                                     temperature)
 
 
 @pytest.mark.parametrize("vocab_first", [True, False])
@@ -95,12 +107,11 @@ def test_draw_from_masses_matches_the_draw_from_the_logits(vocab_first):
     weight = np.zeros((128, D), np.float32)
     weight[:V] = w
     keys = _keys(N)
-    tokens, log_probs = jax.jit(sampler._draw_from_masses, static_argnums=(2, 6, 7))(
-        jnp.asarray(h), jnp.asarray(weight if vocab_first else weight.T), vocab_first,
-        jnp.asarray(block_max, jnp.float32), jnp.asarray(masses, jnp.float32), keys, V,
-        TEMPERATURE)
-    logits = jnp.asarray(h @ w.T)
-    expected, _ = sampler.sample_tokens(logits, keys, SamplingConfig(temperature=TEMPERATURE))
+    tokens, log_probs = _draw(h, weight if vocab_first else weight.T, vocab_first,
+                              block_max.astype(np.float32), masses.astype(np.float32), keys, V,
+                              TEMPERATURE)
+    expected, _ = jax.jit(sampler.sample_tokens, static_argnums=2)(
+        h @ w.T, keys, SamplingConfig(temperature=TEMPERATURE))
     np.testing.assert_array_equal(tokens, expected)
     log_softmax = z - z.max(1, keepdims=True)
     log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
@@ -121,10 +132,10 @@ def test_draw_from_masses_follows_the_softmax():
     draws = 20_000
     weight = np.zeros((16, d), np.float32)
     weight[:vocab] = w
-    tokens, log_probs = jax.jit(sampler._draw_from_masses, static_argnums=(2, 6, 7))(
-        jnp.asarray(np.repeat(h, draws, 0)), jnp.asarray(weight), True,
-        jnp.asarray(np.repeat(block_max, draws, 1), jnp.float32),
-        jnp.asarray(np.repeat(masses, draws, 2), jnp.float32), _keys(draws, seed=4), vocab, 1.0)
+    tokens, log_probs = _draw(np.repeat(h, draws, 0), weight, True,
+                              np.repeat(block_max, draws, 1).astype(np.float32),
+                              np.repeat(masses, draws, 2).astype(np.float32),
+                              _keys(draws, seed=4), vocab, 1.0)
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     counts = np.bincount(np.asarray(tokens), minlength=16)
@@ -154,14 +165,15 @@ def small_sample_blocks(monkeypatch):
 def test_next_tokens_kernel_equals_the_xla_head(small_sample_blocks, tied):
     config = dataclasses.replace(TINY, tie_word_embeddings=tied)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    hidden = jax.random.normal(jax.random.key(1), (N, config.hidden_size)) * 2.0
+    hidden = np.random.default_rng(1).normal(size=(N, config.hidden_size)).astype(np.float32) * 2
     keys = _keys(N, seed=5)
     sampling = SamplingConfig(temperature=TEMPERATURE)
-    draw = lambda impl: jax.jit(functools.partial(
-        sampler.next_tokens, sampling=sampling,
-        config=dataclasses.replace(config, decode_head_impl=impl)))(
-        sampler.per_layer(params, dataclasses.replace(config, decode_head_impl=impl)),
-        hidden, keys)
+
+    def draw(impl):
+        cfg = dataclasses.replace(config, decode_head_impl=impl)
+        return jax.jit(lambda p, h, k: sampler.next_tokens(sampler.per_layer(p, cfg), h, k,
+                                                           sampling, cfg))(params, hidden, keys)
+
     tokens, log_probs = draw("mosaic")
     expected_tokens, expected_log_probs = draw("xla")
     np.testing.assert_array_equal(tokens, expected_tokens)
@@ -211,20 +223,29 @@ def test_head_impl_choices(monkeypatch):
 
 
 def test_padded_head_only_where_the_kernel_may_draw():
-    tied = dataclasses.replace(TINY, tie_word_embeddings=True)
-    params = jax.jit(init_params, static_argnums=0)(tied, jax.random.key(0))
-    assert sampler.PADDED_HEAD not in sampler.per_layer(params, tied)  # off a Hopper GPU
-    forced = dataclasses.replace(tied, decode_head_impl="mosaic")
-    padded = sampler.per_layer(params, forced)[sampler.PADDED_HEAD]
-    assert padded.shape == (128, TINY.hidden_size)  # 101 entries to whole blocks of 128
-    np.testing.assert_array_equal(padded[:V], params["embed"]["embedding"])
-    np.testing.assert_array_equal(padded[V:], 0.0)
-    untied = sampler.per_layer(jax.jit(init_params, static_argnums=0)(TINY, jax.random.key(0)),
-                               dataclasses.replace(TINY, decode_head_impl="mosaic"))
-    assert untied[sampler.PADDED_HEAD].shape == (TINY.hidden_size, 128)  # lm_head's [D, V]
-    whole = dataclasses.replace(forced, vocab_size=128)
-    whole_params = jax.jit(init_params, static_argnums=0)(whole, jax.random.key(0))
-    assert sampler.PADDED_HEAD not in sampler.per_layer(whole_params, whole)
+    def heads(config, tied):
+        """The padded head's shape (None: none), and whether it is the unembedding with
+        zero rows (or columns) after it."""
+        config = dataclasses.replace(config, tie_word_embeddings=tied)
+
+        def padded(key):
+            params = init_params(config, key)
+            head = sampler.per_layer(params, config).get(sampler.PADDED_HEAD)
+            if head is None:
+                return None
+            weight = params["embed"]["embedding"] if tied else params["lm_head"]["kernel"].T
+            rows = head if tied else head.T
+            return head.shape, (jnp.all(rows[:config.vocab_size] == weight)
+                                & jnp.all(rows[config.vocab_size:] == 0))
+
+        return jax.jit(padded)(jax.random.key(0))
+
+    forced = dataclasses.replace(TINY, decode_head_impl="mosaic")
+    assert heads(TINY, True) is None  # auto, off a Hopper GPU
+    for tied in (True, False):  # 101 entries to whole blocks of 128, the weight's layout
+        shape, same = heads(forced, tied)
+        assert shape == ((128, 32) if tied else (32, 128)) and bool(same)
+    assert heads(dataclasses.replace(forced, vocab_size=128), True) is None
 
 
 @NEEDS_MOSAIC

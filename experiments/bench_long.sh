@@ -43,7 +43,8 @@
 # kernel at any rows, or never; the default takes it where the unfused one would not split),
 # "+pmaxN" (--paged_fused_max_splits N: the default's fused kernel also where the unfused
 # one would split a row's blocks into at most N parts), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
-# pool every row at full length), "+hbxla" (--head_backward xla: the log-prob head's
+# pool every row at full length), "+hxla" (--decode_head xla: the sampler's head on XLA's
+# logits, not the kernel's masses), "+hbxla" (--head_backward xla: the log-prob head's
 # backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
 # natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
@@ -93,6 +94,7 @@ for name in "$@"; do
       b*) extra+=(--decode_buckets "${o#b}") ;;
       tok*) extra+=(--max_token_len "${o#tok}") ;;
       hbxla) extra+=(--head_backward xla) ;;
+      hxla) extra+=(--decode_head xla) ;;
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
       keep) extra+=(--partial_keep_cache) ;;

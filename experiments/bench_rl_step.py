@@ -184,6 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.decode_attention_impl")
     p.add_argument("--logprob_impl", default="auto", choices=("auto", "xla", "mosaic"),
                    help="model.logprob_impl")
+    p.add_argument("--decode_head", default="auto", choices=("auto", "xla", "mosaic"),
+                   help="model.decode_head_impl (the sampler's unembedding and draw)")
     p.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "cudnn"),
                    help="model.attention_impl (the training passes' attention)")
     p.add_argument("--head_backward", default="mosaic", choices=("xla", "mosaic"),
@@ -319,6 +321,8 @@ def make_config(args, algo: str):
         c.model.decode_attention_impl = args.decode_attention
     if "logprob_impl" in c.model:
         c.model.logprob_impl = args.logprob_impl
+    if args.decode_head != "auto":
+        c.model.decode_head_impl = args.decode_head
     if args.attention_impl != "auto":
         c.model.attention_impl = args.attention_impl
     if args.scan_unroll != "auto":

@@ -6,7 +6,8 @@ in one jitted `fori_loop`, each step's hidden states nudged by the tokens the la
 drew (so XLA cannot hoist a step out of the loop); the time is the median over `--iters`
 calls after two warm-ups, divided by the steps. XLA's path (`decode_head_impl="xla"`)
 runs first, then the kernel at each of `--configs` (`MosaicBlocks`, as
-`logprob_head.SAMPLE_BLOCKS`). Each kernel row also counts the tokens it drew that
+`logprob_head.SAMPLE_BLOCKS`), each with the blocks split into each of `--parts` ranges
+(`logprob_head.SAMPLE_PARTS`). Each kernel row also counts the tokens it drew that
 XLA's path did not, for the same keys (a uniform number between the two sums' roundings:
 a handful at most). Writes `--out` (JSON) and prints a table.
 
@@ -29,8 +30,7 @@ from jrl.models import ModelConfig
 from jrl.rollout import sampler
 
 # t, v, k, stages, overlap[, group[, consumers]]; the first is SAMPLE_BLOCKS.
-CONFIGS = ("128,128,64,3,1,16,2", "64,128,64,4,1", "128,128,64,4,1,16,2",
-           "256,128,64,3,1,16,2", "64,128,64,3,1,0")
+CONFIGS = ("128,128,64,3,1,16,2", "64,128,64,4,1", "256,128,64,3,1,16,2")
 SMOKE_CONFIGS = ("64,32,16,2,1", "128,32,16,2,1,16,2")
 
 
@@ -38,17 +38,19 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true",
                    help="toy sizes in interpret mode (checks the script on a CPU)")
-    p.add_argument("--shapes", nargs="+", default=["896,151936", "3584,152064"],
+    p.add_argument("--shapes", nargs="+", default=["896,151936"],
                    help="hidden size,vocabulary of each head (tied)")
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--configs", nargs="+", default=None)
+    p.add_argument("--parts", type=int, nargs="+", default=[2, 4],
+                   help="column ranges of a block (logprob_head.SAMPLE_PARTS), each a run")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=20, help="heads per timed call")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="decode_head.json")
     args = p.parse_args()
     if args.smoke:
-        args.shapes, args.rows, args.steps, args.iters = ["32,101"], [37], 2, 1
+        args.shapes, args.rows, args.steps, args.iters, args.parts = ["32,101"], [37], 2, 1, [2]
         args.configs = args.configs or list(SMOKE_CONFIGS)
     args.configs = args.configs or list(CONFIGS)
     return args
@@ -96,13 +98,15 @@ def main() -> None:
             h = jax.random.normal(key_h, (rows, hidden)).astype(dtype)
             keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(1), jnp.arange(rows))
             reference = None
-            for variant in ["xla", *args.configs]:
+            variants = ["xla", *(f"{c}/{parts}" for c in args.configs for parts in args.parts)]
+            for variant in variants:
                 row = dict(hidden=hidden, vocab=vocab, rows=rows, variant=variant)
                 try:
                     impl = "xla" if variant == "xla" else "mosaic"
                     config = head_config(hidden, vocab, dtype, impl)
                     if impl == "mosaic":
-                        hk.SAMPLE_BLOCKS = mosaic_blocks(variant)
+                        blocks, parts = variant.split("/")
+                        hk.SAMPLE_BLOCKS, hk.SAMPLE_PARTS = mosaic_blocks(blocks), int(parts)
                     # The unembedding padded to whole blocks where the vocabulary needs
                     # it, once, as `sampler.per_layer` does per rollout.
                     head = {**params, **sampler._padded_head(params, config)}

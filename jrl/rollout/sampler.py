@@ -1181,7 +1181,8 @@ def next_tokens(params, hidden_nd: jax.Array, keys_n: jax.Array, sampling: Sampl
         weight, vocab_first = _sampling_head(params, config)
         block_max, masses = logprob_head.block_masses(
             hidden_nd.astype(config.dtype), weight, vocab=config.vocab_size,
-            vocab_first=vocab_first, temperature=sampling.temperature)
+            vocab_first=vocab_first, temperature=sampling.temperature,
+            parts=logprob_head.SAMPLE_PARTS)
         return _draw_from_masses(hidden_nd, weight, vocab_first, block_max, masses, keys_n,
                                  config.vocab_size, sampling.temperature)
     logits_nv = unembed(params, hidden_nd, softcap=config.final_logit_softcapping)

@@ -6,7 +6,7 @@ in one jitted `fori_loop`, each step's hidden states nudged by the tokens the la
 drew (so XLA cannot hoist a step out of the loop); the time is the median over `--iters`
 calls after two warm-ups, divided by the steps. XLA's path (`decode_head_impl="xla"`)
 runs first, then the kernel at each of `--configs` (`MosaicBlocks`, as
-`logprob_head.SAMPLE_BLOCKS`), each with the blocks split into each of `--parts` ranges
+`logprob_head.SAMPLE_BLOCKS`, at any rows), each with the blocks split into each of `--parts` ranges
 (`logprob_head.SAMPLE_PARTS`). Each kernel row also counts the tokens it drew that
 XLA's path did not, for the same keys (a uniform number between the two sums' roundings:
 a handful at most). Writes `--out` (JSON) and prints a table.
@@ -29,8 +29,9 @@ from jrl.kernels import logprob_head as hk
 from jrl.models import ModelConfig
 from jrl.rollout import sampler
 
-# t, v, k, stages, overlap[, group[, consumers]]; the first is SAMPLE_BLOCKS.
-CONFIGS = ("128,128,64,3,1,16,2", "64,128,64,4,1", "256,128,64,3,1,16,2")
+# t, v, k, stages, overlap[, group[, consumers]]: SAMPLE_BLOCKS, SAMPLE_BLOCKS_FEW, and 128
+# rows a program on two warpgroups.
+CONFIGS = ("256,128,64,3,1,16,2", "64,128,64,4,1", "128,128,64,3,1,16,2")
 SMOKE_CONFIGS = ("64,32,16,2,1", "128,32,16,2,1,16,2")
 
 
@@ -107,6 +108,7 @@ def main() -> None:
                     if impl == "mosaic":
                         blocks, parts = variant.split("/")
                         hk.SAMPLE_BLOCKS, hk.SAMPLE_PARTS = mosaic_blocks(blocks), int(parts)
+                        hk.SAMPLE_FEW_ROWS = 0  # this config at any rows
                     # The unembedding padded to whole blocks where the vocabulary needs
                     # it, once, as `sampler.per_layer` does per rollout.
                     head = {**params, **sampler._padded_head(params, config)}

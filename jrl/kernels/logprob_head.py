@@ -603,12 +603,25 @@ def log_softmax_stats(h_btd: Array, weight: Array, targets_bt: Array, *, vocab: 
     return sharding.per_shard(fn, specs, h_btd, weight, targets_bt)
 
 
-# The sampler's tiles (`block_masses`): blocks of 128 vocabulary entries, which divide
-# the vocabularies of Qwen2/2.5/3 (151,936 and 152,064), Llama 3 (128,256) and Gemma
-# (256,000 and 262,144) with no padded copy of the unembedding; two consumer warpgroups
-# of 64 rows each.
-SAMPLE_BLOCKS = MosaicBlocks(t=128, v=128, k=64, stages=3, overlap=True, group=16,
+# The sampler's tiles (`block_masses`, `sample_blocks`): blocks of 128 vocabulary entries,
+# which divide the vocabularies of Qwen2/2.5/3 (151,936 and 152,064), Llama 3 (128,256)
+# and Gemma (256,000 and 262,144) with no padded copy of the unembedding. Above
+# `SAMPLE_FEW_ROWS` rows, 256 rows a program on two consumer warpgroups (W read once);
+# up to it, 64 rows on one (less padding). The fastest of a sweep of the head alone at
+# Qwen2.5-0.5B's (one H100, experiments/bench_decode_head.py): at 256 / 512 rows 195 /
+# 310 us against 230 / 385 for 128 rows a program and 299 / 496 for XLA's logits; at
+# 32 / 64 / 128 rows 146 / 148 / 155 us against 166 / 167 / 165 for 128 rows a program,
+# 182 / 205 / 192 for 256, and 151 / 182 / 215 for XLA's.
+SAMPLE_BLOCKS = MosaicBlocks(t=256, v=128, k=64, stages=3, overlap=True, group=16,
                              consumers=2)
+SAMPLE_BLOCKS_FEW = MosaicBlocks(t=64, v=128, k=64, stages=4, overlap=True)
+SAMPLE_FEW_ROWS = 128
+
+
+def sample_blocks(rows: int) -> MosaicBlocks:
+    """`block_masses`' tiles for `rows` rows a device (both settings' blocks of W are of
+    one size, which the unembedding's padding follows)."""
+    return SAMPLE_BLOCKS_FEW if rows <= SAMPLE_FEW_ROWS else SAMPLE_BLOCKS
 
 # Column ranges of a block whose masses `block_masses` writes: the draw recomputes the
 # logits of one range a row (`v / parts` rows of W gathered a row), so more parts
@@ -619,6 +632,7 @@ SAMPLE_PARTS = 2
 def _local_masses(h_nd, w, *, vocab, vocab_first, temperature, parts, blocks, interpret):
     """`block_masses` on this device's `[N, D]` rows, in one launch."""
     n, d = h_nd.shape
+    blocks = blocks or sample_blocks(n)
     _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks)
     if blocks.v % parts or (blocks.v // parts) % 8:
         raise ValueError(f"block_masses splits blocks of {blocks.v} entries into {parts} "
@@ -649,7 +663,7 @@ def block_masses(h_nd: Array, weight: Array, *, vocab: int, vocab_first: bool,
       vocab: the real vocabulary size V (entries from V on are padding).
       temperature: the logits are divided by it.
       parts: column ranges of a block (of `blocks.v / parts` entries, a multiple of 8).
-      blocks: the tiles (default `SAMPLE_BLOCKS`).
+      blocks: the tiles (default: `sample_blocks` of a device's rows).
       interpret: run in Pallas' GPU interpret mode (always off a GPU).
 
     Returns:
@@ -660,8 +674,8 @@ def block_masses(h_nd: Array, weight: Array, *, vocab: int, vocab_first: bool,
     Under a `Sharder` the kernel runs per device's rows, as `log_softmax_stats`.
     """
     fn = functools.partial(_local_masses, vocab=vocab, vocab_first=vocab_first,
-                           temperature=temperature, parts=parts,
-                           blocks=blocks or SAMPLE_BLOCKS, interpret=interpret)
+                           temperature=temperature, parts=parts, blocks=blocks,
+                           interpret=interpret)
 
     def specs(sharder):
         batch = sharder.spec(("batch",), h_nd.shape[:1])[0]

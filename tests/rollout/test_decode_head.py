@@ -156,7 +156,18 @@ TINY = ModelConfig(
 
 @pytest.fixture
 def small_sample_blocks(monkeypatch):
-    monkeypatch.setattr(hk, "SAMPLE_BLOCKS", SMALL_BLOCKS)
+    """Tiles of 32 entries: up to 16 rows one warpgroup of 64 rows a program, above it
+    two of 64 each (the rollouts' 6 rows take the first, `N` rows the second)."""
+    monkeypatch.setattr(hk, "SAMPLE_BLOCKS_FEW", SMALL_BLOCKS)
+    monkeypatch.setattr(hk, "SAMPLE_BLOCKS", dataclasses.replace(SMALL_BLOCKS, t=128,
+                                                                 consumers=2, group=16))
+    monkeypatch.setattr(hk, "SAMPLE_FEW_ROWS", 16)
+
+
+def test_sample_blocks_by_rows():
+    assert hk.sample_blocks(1) is hk.sample_blocks(hk.SAMPLE_FEW_ROWS) is hk.SAMPLE_BLOCKS_FEW
+    assert hk.sample_blocks(hk.SAMPLE_FEW_ROWS + 1) is hk.SAMPLE_BLOCKS
+    assert hk.SAMPLE_BLOCKS.v == hk.SAMPLE_BLOCKS_FEW.v  # one padding of the unembedding
 
 
 @NEEDS_MOSAIC

@@ -1311,6 +1311,10 @@ def _check_model(config) -> None:
     if "decode_head_impl" in config.model:
         _choice("model.decode_head_impl", config.model.decode_head_impl,
                 model_config.DECODE_HEAD_IMPLS)
+        lacks = sampler.head_kernel_lacks(_sampling(config, "rollout"))
+        if config.model.decode_head_impl == "mosaic" and lacks:
+            _fail("model.decode_head_impl", f"'mosaic' draws with temperature alone, not with "
+                  f"{' or '.join(lacks)}; use 'auto' or 'xla'")
     for key in ("decode_attention_impl", "logprob_impl", "decode_head_impl"):
         if config.model.get(key) == "mosaic":
             mosaic_backend.require(f"model.{key}")

@@ -45,7 +45,6 @@ import numpy as np
 from jax import lax
 
 from jrl import sharding
-from jrl.errors import ConfigError
 from jrl.kernels import decode_attention, logprob_head
 from jrl.models import gemma, moe, transformer
 from jrl.models.cache import (
@@ -1191,25 +1190,30 @@ def next_tokens(params, hidden_nd: jax.Array, keys_n: jax.Array, sampling: Sampl
 
 def head_impl(config: ModelConfig, sampling: SamplingConfig) -> str:
     """`"mosaic"` where `next_tokens` takes the kernel (`config.decode_head_impl`), else
-    `"xla"`. "auto" takes it where `logprob_head.choose_impl` would take the log-prob
-    kernel (a Hopper GPU, a 16-bit compute dtype, hidden size a multiple of 64 up to
-    2,048, no `tensor` or `context` axis) for a temperature draw with no final soft-cap;
-    a forced "mosaic" stops with a ConfigError naming what it lacks."""
+    `"xla"`: the kernel draws with temperature alone, so any draw it does not make
+    (`head_kernel_lacks`; a final logit soft-cap too) takes XLA's head, "mosaic" or not
+    (the trainer refuses a forced "mosaic" whose training draws it would not make, so
+    only greedy validation falls back). Otherwise "auto" takes the kernel where
+    `logprob_head.choose_impl` would take the log-prob kernel (a Hopper GPU, a 16-bit
+    compute dtype, hidden size a multiple of 64 up to 2,048, no `tensor` or `context`
+    axis)."""
     impl = config.decode_head_impl
-    if impl == "xla":
-        return impl
-    lacks = [why for why, missing in (
-        ("greedy decoding (do_sample=False)", not sampling.do_sample),
-        (f"top-k (top_k={sampling.top_k})", 0 < sampling.top_k < config.vocab_size),
-        (f"top-p (top_p={sampling.top_p})", sampling.top_p < 1.0),
-        ("a final logit soft-cap", config.final_logit_softcapping is not None),
-    ) if missing]
-    if impl == "mosaic" and lacks:
-        raise ConfigError(f"model.decode_head_impl='mosaic' draws with temperature alone, "
-                          f"not with {' or '.join(lacks)}; use 'auto' or 'xla'")
-    if lacks:
+    if (impl == "xla" or head_kernel_lacks(sampling, config.vocab_size)
+            or config.final_logit_softcapping is not None):
         return "xla"
     return logprob_head.choose_impl(impl, config.hidden_size, dtype=config.dtype)
+
+
+def head_kernel_lacks(sampling, vocab_size: int | None = None) -> list[str]:
+    """What of `sampling`'s draw (a `SamplingConfig`, or the `rollout` settings) the decode
+    head's kernel does not make: greedy decoding, top-k, top-p (empty: a temperature
+    draw, which it makes)."""
+    top_k_on = sampling.top_k > 0 and (vocab_size is None or sampling.top_k < vocab_size)
+    return [why for why, on in (
+        ("greedy decoding (rollout.do_sample=False)", not sampling.do_sample),
+        (f"top-k (rollout.top_k={sampling.top_k})", top_k_on),
+        (f"top-p (rollout.top_p={sampling.top_p})", sampling.top_p < 1.0),
+    ) if on]
 
 
 # The unembedding padded to whole `SAMPLE_BLOCKS.v` blocks, made once per rollout by

@@ -219,10 +219,11 @@ def test_head_impl_choices(monkeypatch):
     assert sampler.head_impl(dataclasses.replace(TINY, decode_head_impl="xla"), sample) == "xla"
     forced = dataclasses.replace(TINY, decode_head_impl="mosaic")
     assert sampler.head_impl(forced, sample) == "mosaic"
-    for sampling, named in ((SamplingConfig(top_k=5), "top-k"), (SamplingConfig(top_p=0.9),
-                            "top-p"), (SamplingConfig(do_sample=False), "greedy")):
-        with pytest.raises(ConfigError, match=f"model.decode_head_impl='mosaic'.*{named}"):
-            sampler.head_impl(forced, sampling)
+    # The draws the kernel does not make take XLA's head, forced or not (greedy validation).
+    for sampling in (SamplingConfig(top_k=5), SamplingConfig(top_p=0.9),
+                     SamplingConfig(do_sample=False)):
+        assert sampler.head_impl(forced, sampling) == "xla"
+    assert sampler.head_impl(forced, SamplingConfig(top_k=V)) == "mosaic"  # top-k off
     # On a Hopper GPU "auto" takes the kernel for a temperature draw alone.
     monkeypatch.setattr(hk.mosaic_backend, "on_hopper", lambda: True)
     bf16 = dataclasses.replace(TINY, dtype="bfloat16", hidden_size=64)  # whole steps of 64
@@ -231,6 +232,20 @@ def test_head_impl_choices(monkeypatch):
     assert sampler.head_impl(dataclasses.replace(bf16, hidden_size=4096, head_dim=1024),
                              sample) == "xla"  # past logprob_head.MAX_HIDDEN
     assert sampler.head_impl(TINY, sample) == "xla"  # float32 compute
+
+
+@pytest.mark.parametrize("setting, named", [("top_k=5", "top-k"), ("top_p=0.9", "top-p"),
+                                            ("do_sample=False", "greedy")])
+def test_a_forced_kernel_head_refuses_training_draws_it_does_not_make(setting, named):
+    """Stopped by the config check, before anything compiles."""
+    from jrl.config import settings
+    from tests.tiny import tiny_config
+
+    config = tiny_config(**{"model.decode_head_impl": "mosaic"})
+    key = setting.split("=")[0]
+    config.rollout[key] = {"top_k": 5, "top_p": 0.9, "do_sample": False}[key]
+    with pytest.raises(ConfigError, match=f"model.decode_head_impl: 'mosaic'.*{named}"):
+        settings.from_config(config)
 
 
 def test_padded_head_only_where_the_kernel_may_draw():

@@ -83,8 +83,9 @@ def base_config() -> ml_collections.ConfigDict:
     # blocks of the vocabulary, and the draw recomputes one block's logits, on Hopper GPUs
     # for hidden sizes up to 2,048 when drawing with temperature alone: no top-k, top-p
     # or greedy decoding; else XLA, which writes each step's float32 logits and reads
-    # them back), xla or mosaic (the kernel, forced; a ConfigError where jax lacks
-    # Mosaic GPU).
+    # them back), xla or mosaic (the kernel, forced, for the temperature draws: a
+    # ConfigError where jax lacks Mosaic GPU or the training rollout draws with top-k,
+    # top-p or greedily; validation's greedy draws take XLA's head).
     c.model.decode_head_impl = "auto"
     # Decode each layer's q/k/v projections as one matmul and gate/up as one (weights
     # joined once per rollout; not under tensor parallelism).

@@ -161,8 +161,8 @@ class ModelConfig:
         logits on chip, on Hopper GPUs for hidden sizes up to 2,048, where the draw is
         temperature sampling: no top-k, top-p or greedy decoding; else XLA, which writes
         the step's float32 logits and reads them back), "xla" or "mosaic" (the kernel,
-        forced; a ConfigError where jax lacks Mosaic GPU, and at the first decode step
-        for a draw it does not make).
+        forced, for the temperature draws; a ConfigError where jax lacks Mosaic GPU; the
+        other draws take XLA's head, `sampler.head_impl`).
       lora_rank: rank r of the LoRA adapters (0: none). Each targeted projection
         `W` computes `x W + (x A) B * lora_alpha / r` (Hu et al. 2021), with A
         `[in, r]` and B `[r, out]` stored next to it as `<name>_lora/{a, b}`.

@@ -54,10 +54,13 @@ def vmapped_model(model_config: ModelConfig) -> ModelConfig:
     """`model_config` as the vmapped programs run it: training attention on XLA where
     "auto" would take cuDNN on a GPU (JAX's cuDNN attention batches neither a vmapped
     mask nor vmapped segment lengths: its batching rule reshapes them per head and per
-    row), or splash on a TPU. A forced "cudnn" is refused before the run (`jrl.train`)."""
-    if model_config.attention_impl != "auto":
-        return model_config
-    return dataclasses.replace(model_config, attention_impl="xla")
+    row), or splash on a TPU. A forced "cudnn" is refused before the run (`jrl.train`).
+    The sampler's decode head on XLA where "auto" would take the kernel: vmapped, the
+    kernel has not run on a GPU, and its interpret mode (the CPU's) cannot be vmapped
+    (its callbacks are ordered effects)."""
+    changes = {name: "xla" for name in ("attention_impl", "decode_head_impl")
+               if getattr(model_config, name) == "auto"}
+    return dataclasses.replace(model_config, **changes) if changes else model_config
 
 
 @dataclasses.dataclass(frozen=True)

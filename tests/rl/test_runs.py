@@ -376,11 +376,12 @@ def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides
     assert not workdir.exists()
 
 
-def test_vmapped_programs_take_xla_attention_where_auto_would_take_cudnn():
+def test_vmapped_programs_take_xla_attention_and_head_where_auto_would_take_kernels():
     from jrl.models import ModelConfig
 
-    assert runs_lib.vmapped_model(ModelConfig.preset("tiny")).attention_impl == "xla"
-    forced = ModelConfig.preset("tiny", attention_impl="splash")
+    vmapped = runs_lib.vmapped_model(ModelConfig.preset("tiny"))
+    assert (vmapped.attention_impl, vmapped.decode_head_impl) == ("xla", "xla")
+    forced = ModelConfig.preset("tiny", attention_impl="splash", decode_head_impl="mosaic")
     assert runs_lib.vmapped_model(forced) is forced
 
 

@@ -1383,6 +1383,12 @@ def _check_multi_run(config, settings: Settings) -> None:
         raise ConfigError("model.attention_impl='cudnn': runs in one program "
                           "(trainer.runs, reward.in_graph_fn) are vmapped, and JAX's cuDNN "
                           "attention cannot be; use 'auto' (XLA there) or 'xla'")
+    if model.decode_head_impl == "mosaic":
+        raise ConfigError("model.decode_head_impl='mosaic': runs in one program "
+                          "(trainer.runs, reward.in_graph_fn) are vmapped, and the decode "
+                          "head's kernel has not run vmapped (its interpret mode cannot be, "
+                          "and a sweep's temperature is traced); use 'auto' (XLA there) or "
+                          "'xla'")
     # The critic's key as the config has it: the estimator may need no critic.
     critic = config.get("critic", {}).get("model", {})
     for key, rank in (("model.lora_rank", model.lora_rank),

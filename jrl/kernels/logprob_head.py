@@ -108,7 +108,7 @@ IMPLS = ("auto", "xla", "mosaic")
 
 
 def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True,
-                dtype=jnp.bfloat16) -> str:
+                dtype=jnp.bfloat16, key: str = "model.logprob_impl") -> str:
     """`"mosaic"` where the kernel applies (a Hopper GPU, jax with Pallas' Mosaic GPU
     backend, 16-bit operands (`dtype`, the compute dtype: wgmma transposes only 16-bit
     operands, and float32 tiles would not fit shared memory), a hidden size of whole
@@ -116,7 +116,7 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True,
     in the active mesh), else `"xla"`; a forced `impl` is returned
     as is (a forced `"mosaic"` without Mosaic GPU stops with a ConfigError, and
     `"pallas"`, the Triton kernel this one replaced, with a ValueError naming the
-    choices).
+    choices). `key`: the config key the errors name.
 
     The kernel is taken in every pass, with the entropy or without (XLA took 1.5-1.7x its
     time either way on an H200). Under tensor parallelism XLA splits the logits over
@@ -130,9 +130,9 @@ def choose_impl(impl: str, hidden_size: int, with_entropy: bool = True,
                          f"got {impl!r}")
     half = jnp.dtype(dtype).itemsize == 2
     if impl == "mosaic":
-        mosaic_backend.require("model.logprob_impl")
+        mosaic_backend.require(key)
         if not half and jax.default_backend() == "gpu":
-            raise ConfigError(f"model.logprob_impl='mosaic' needs a 16-bit compute dtype "
+            raise ConfigError(f"{key}='mosaic' needs a 16-bit compute dtype "
                               f"(model.dtype bfloat16 or float16), got {jnp.dtype(dtype).name}; "
                               "use 'auto' or 'xla'")
     if impl != "auto":
@@ -158,10 +158,10 @@ def pad_vocab(weight: Array, vocab_first: bool, blocks: MosaicBlocks | None = No
     return jnp.pad(weight, widths)
 
 
-def _check_shapes(d, padded_vocab, vocab, blocks):
+def _check_shapes(d, padded_vocab, vocab, blocks, key="model.logprob_impl"):
     if d % blocks.k:
         raise ValueError(f"the log-prob kernel needs a hidden size that is a multiple of "
-                         f"{blocks.k} (MosaicBlocks.k), got {d}; use model.logprob_impl='xla'")
+                         f"{blocks.k} (MosaicBlocks.k), got {d}; use {key}='xla'")
     if padded_vocab % blocks.v or not 0 <= padded_vocab - vocab < blocks.v:
         raise ValueError(f"the unembedding has {padded_vocab} entries for a vocabulary of "
                          f"{vocab}; pad it with pad_vocab (to whole blocks of {blocks.v})")
@@ -633,7 +633,8 @@ def _local_masses(h_nd, w, *, vocab, vocab_first, temperature, parts, blocks, in
     """`block_masses` on this device's `[N, D]` rows, in one launch."""
     n, d = h_nd.shape
     blocks = blocks or sample_blocks(n)
-    _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks)
+    _check_shapes(d, w.shape[0] if vocab_first else w.shape[1], vocab, blocks,
+                  key="model.decode_head_impl")
     if blocks.v % parts or (blocks.v // parts) % 8:
         raise ValueError(f"block_masses splits blocks of {blocks.v} entries into {parts} "
                          "ranges: they must divide it into whole multiples of 8")

@@ -1190,18 +1190,20 @@ def next_tokens(params, hidden_nd: jax.Array, keys_n: jax.Array, sampling: Sampl
 
 def head_impl(config: ModelConfig, sampling: SamplingConfig) -> str:
     """`"mosaic"` where `next_tokens` takes the kernel (`config.decode_head_impl`), else
-    `"xla"`: the kernel draws with temperature alone, so any draw it does not make
-    (`head_kernel_lacks`; a final logit soft-cap too) takes XLA's head, "mosaic" or not
-    (the trainer refuses a forced "mosaic" whose training draws it would not make, so
-    only greedy validation falls back). Otherwise "auto" takes the kernel where
-    `logprob_head.choose_impl` would take the log-prob kernel (a Hopper GPU, a 16-bit
-    compute dtype, hidden size a multiple of 64 up to 2,048, no `tensor` or `context`
-    axis)."""
+    `"xla"`: the kernel draws with a fixed temperature alone, so any draw it does not
+    make (`head_kernel_lacks`, or a traced temperature) takes XLA's head, "mosaic" or not
+    (the config check refuses a forced "mosaic" whose training draws it would not make,
+    and with runs in one program, so only greedy validation falls back; a Gemma config
+    with a final soft-cap refuses it too, `gemma.check`). Otherwise "auto" takes the
+    kernel where `logprob_head.choose_impl` would take the log-prob kernel (a Hopper GPU,
+    a 16-bit compute dtype, hidden size a multiple of 64 up to 2,048, no `tensor` or
+    `context` axis)."""
     impl = config.decode_head_impl
     if (impl == "xla" or head_kernel_lacks(sampling, config.vocab_size)
-            or config.final_logit_softcapping is not None):
+            or config.final_logit_softcapping is not None
+            or not isinstance(sampling.temperature, int | float)):
         return "xla"
-    return logprob_head.choose_impl(impl, config.hidden_size, dtype=config.dtype)
+    return _kernel_applies(config)
 
 
 def head_kernel_lacks(sampling, vocab_size: int | None = None) -> list[str]:
@@ -1233,15 +1235,23 @@ def _sampling_head(params, config: ModelConfig) -> tuple[jax.Array, bool]:
     return weight.astype(config.dtype), vocab_first
 
 
+def _kernel_applies(config: ModelConfig) -> str:
+    """`logprob_head.choose_impl` for the decode head (its errors naming
+    `model.decode_head_impl`)."""
+    return logprob_head.choose_impl(config.decode_head_impl, config.hidden_size,
+                                    dtype=config.dtype, key="model.decode_head_impl")
+
+
 def _padded_head(params, config: ModelConfig) -> dict:
     """`{PADDED_HEAD: weight}` where the kernel may draw (`head_impl` but for the sampling
     settings) and the vocabulary is not whole blocks, else `{}`: a copy made once per
-    rollout (XLA drops it from a program that does not read it)."""
+    rollout, which XLA drops from a program that does not read it (but for the first
+    stage of `cache_segments > 1`, which returns the per-layer parameters to the later
+    stages)."""
     blocks = logprob_head.SAMPLE_BLOCKS
     if (config.vocab_size % blocks.v == 0 or config.decode_head_impl == "xla"
             or config.final_logit_softcapping is not None
-            or logprob_head.choose_impl(config.decode_head_impl, config.hidden_size,
-                                        dtype=config.dtype) == "xla"):
+            or _kernel_applies(config) == "xla"):
         return {}
     weight, vocab_first = _sampling_head(params, config)
     return {PADDED_HEAD: logprob_head.pad_vocab(weight, vocab_first, blocks)}

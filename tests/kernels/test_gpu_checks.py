@@ -258,9 +258,9 @@ def test_head_forward_matches_xla_at_gemmas_head():
 
 @NEEDS_MOSAIC
 @ON_HOPPER
-@pytest.mark.parametrize("rows", [256, 37])
+@pytest.mark.parametrize("rows, vocab_first", [(256, True), (37, True), (256, False)])
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
-def test_decode_head_kernel_matches_xla(shape, rows):
+def test_decode_head_kernel_matches_xla(shape, rows, vocab_first):
     """The sampler's head (`block_masses` and the draw from it, `sampler._draw_from_masses`;
     256 rows take `SAMPLE_BLOCKS`, 37 `SAMPLE_BLOCKS_FEW`) against XLA's float32 logits of
     the same bf16 operands: the masses of the 64-entry ranges; each token where its row's
@@ -274,8 +274,10 @@ def test_decode_head_kernel_matches_xla(shape, rows):
     vocab = HEAD_SHAPES[shape][1]
     h, w, _ = _head_inputs(rows, shape=HEAD_SHAPES[shape])
     temperature = 0.9
+    weight = w if vocab_first else w.T  # tied `[V, D]`, or an `lm_head`'s `[D, V]`
     block_max, masses = jax.jit(functools.partial(
-        hk.block_masses, vocab=vocab, vocab_first=True, temperature=temperature))(h, w)
+        hk.block_masses, vocab=vocab, vocab_first=vocab_first, temperature=temperature))(
+        h, weight)
     z = jnp.einsum("td,vd->tv", h, w, preferred_element_type=jnp.float32) / temperature
     ranges = z.reshape(rows, -1, 2, 64)
     want_max = jnp.max(ranges, axis=(2, 3))
@@ -284,7 +286,7 @@ def test_decode_head_kernel_matches_xla(shape, rows):
     assert _max_diff(masses, jnp.transpose(want_masses, (2, 1, 0))) < 1e-3 * 64
     keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(1), jnp.arange(rows))
     tokens, log_probs = jax.jit(lambda h, w, keys: sampler._draw_from_masses(
-        h, w, True, block_max, masses, keys, vocab, temperature))(h, w, keys)
+        h, w, vocab_first, block_max, masses, keys, vocab, temperature))(h, weight, keys)
     tokens = np.asarray(tokens)
     u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys), np.float64)
     z64 = np.asarray(z, np.float64)

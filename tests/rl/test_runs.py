@@ -363,10 +363,13 @@ def test_print_summary_of_runs(capsys):
     ({**IN_GRAPH, "model.attention_impl": "cudnn"},
      "model.attention_impl='cudnn': runs in one program (trainer.runs, reward.in_graph_fn) "
      "are vmapped"),
+    ({**IN_GRAPH, "model.decode_head_impl": "mosaic"},
+     "model.decode_head_impl='mosaic': runs in one program (trainer.runs, reward.in_graph_fn) "
+     "are vmapped"),
 ], ids=["runs", "steps_per_call", "sweep", "zero_runs", "sweep_key", "sweep_kl_unused",
         "sweep_clip_overridden", "sweep_value", "sweep_empty", "sweep_negative", "sweep_twice",
         "mesh_runs_divisor", "mesh_runs_host_loop", "lora", "rollout_data_dir",
-        "validation_data_dir", "rollout_devices", "cudnn"])
+        "validation_data_dir", "rollout_devices", "cudnn", "decode_head"])
 def test_what_a_multi_run_cannot_do_stops_before_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "run"
     with pytest.raises(ConfigError) as err:

@@ -224,6 +224,10 @@ def test_head_impl_choices(monkeypatch):
                      SamplingConfig(do_sample=False)):
         assert sampler.head_impl(forced, sampling) == "xla"
     assert sampler.head_impl(forced, SamplingConfig(top_k=V)) == "mosaic"  # top-k off
+    chosen = []  # a sweep's run draws with a traced temperature: XLA's head
+    jax.make_jaxpr(lambda t: chosen.append(sampler.head_impl(
+        forced, dataclasses.replace(sample, temperature=t))))(0.5)
+    assert chosen == ["xla"]
     # On a Hopper GPU "auto" takes the kernel for a temperature draw alone.
     monkeypatch.setattr(hk.mosaic_backend, "on_hopper", lambda: True)
     bf16 = dataclasses.replace(TINY, dtype="bfloat16", hidden_size=64)  # whole steps of 64

@@ -1311,8 +1311,9 @@ def _check_model(config) -> None:
     if "decode_head_impl" in config.model:
         _choice("model.decode_head_impl", config.model.decode_head_impl,
                 model_config.DECODE_HEAD_IMPLS)
-        lacks = sampler.head_kernel_lacks(_sampling(config, "rollout"))
-        if config.model.decode_head_impl == "mosaic" and lacks:
+        lacks = (config.model.decode_head_impl == "mosaic"
+                 and sampler.head_kernel_lacks(_sampling(config, "rollout")))
+        if lacks:
             _fail("model.decode_head_impl", f"'mosaic' draws with temperature alone, not with "
                   f"{' or '.join(lacks)}; use 'auto' or 'xla'")
     for key in ("decode_attention_impl", "logprob_impl", "decode_head_impl"):

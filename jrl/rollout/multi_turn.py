@@ -77,6 +77,7 @@ from jrl.models.transformer import forward
 from jrl.rollout import paged
 from jrl.rollout.sampler import (
     SamplingConfig,
+    _from_logits,
     _prefill,
     cache_slots,
     decoding_mask,
@@ -84,7 +85,6 @@ from jrl.rollout.sampler import (
     next_tokens,
     per_layer,
     row_keys,
-    sample_tokens,
 )
 from jrl.sharding import constrain
 
@@ -363,8 +363,7 @@ def start(params, prompt_ids, prompt_mask, rng, *, sampling: SamplingConfig, blo
         pages=pages,
     )
     keys = row_keys(rng, num_rows)
-    state = _emit(state, lambda k: sample_tokens(logits, k, sampling), keys, sampling, budget,
-                  turn_stop_ids)
+    state = _emit(state, _from_logits(logits, sampling), keys, sampling, budget, turn_stop_ids)
     return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
                            end_fraction)
 
@@ -455,8 +454,7 @@ def resume(params, state: TurnState, block_ids, block_mask, added, lacking, fini
         state = state.replace(pages=state.pages.replace(waiting=state.pages.waiting & ~going))
     state = _compact(state)
     keys = row_keys(rng, num_rows)
-    state = _emit(state, lambda k: sample_tokens(logits, k, sampling), keys, sampling, budget,
-                  turn_stop_ids)
+    state = _emit(state, _from_logits(logits, sampling), keys, sampling, budget, turn_stop_ids)
     return _decode_segment(params, state, keys, sampling, budget, turn_stop_ids, config,
                            end_fraction)
 

@@ -1198,12 +1198,10 @@ def head_impl(config: ModelConfig, sampling: SamplingConfig) -> str:
     kernel where `logprob_head.choose_impl` would take the log-prob kernel (a Hopper GPU,
     a 16-bit compute dtype, hidden size a multiple of 64 up to 2,048, no `tensor` or
     `context` axis)."""
-    impl = config.decode_head_impl
-    if (impl == "xla" or head_kernel_lacks(sampling, config.vocab_size)
-            or config.final_logit_softcapping is not None
+    if (head_kernel_lacks(sampling, config.vocab_size)
             or not isinstance(sampling.temperature, int | float)):
         return "xla"
-    return _kernel_applies(config)
+    return "mosaic" if _kernel_applies(config) else "xla"
 
 
 def head_kernel_lacks(sampling, vocab_size: int | None = None) -> list[str]:
@@ -1235,11 +1233,14 @@ def _sampling_head(params, config: ModelConfig) -> tuple[jax.Array, bool]:
     return weight.astype(config.dtype), vocab_first
 
 
-def _kernel_applies(config: ModelConfig) -> str:
-    """`logprob_head.choose_impl` for the decode head (its errors naming
+def _kernel_applies(config: ModelConfig) -> bool:
+    """The model's side of `head_impl`: `decode_head_impl` not "xla", no final soft-cap,
+    and `logprob_head.choose_impl` taking the kernel (its errors naming
     `model.decode_head_impl`)."""
-    return logprob_head.choose_impl(config.decode_head_impl, config.hidden_size,
-                                    dtype=config.dtype, key="model.decode_head_impl")
+    return (config.decode_head_impl != "xla" and config.final_logit_softcapping is None
+            and logprob_head.choose_impl(config.decode_head_impl, config.hidden_size,
+                                         dtype=config.dtype,
+                                         key="model.decode_head_impl") == "mosaic")
 
 
 def _padded_head(params, config: ModelConfig) -> dict:
@@ -1249,9 +1250,7 @@ def _padded_head(params, config: ModelConfig) -> dict:
     stage of `cache_segments > 1`, which returns the per-layer parameters to the later
     stages)."""
     blocks = logprob_head.SAMPLE_BLOCKS
-    if (config.vocab_size % blocks.v == 0 or config.decode_head_impl == "xla"
-            or config.final_logit_softcapping is not None
-            or _kernel_applies(config) == "xla"):
+    if config.vocab_size % blocks.v == 0 or not _kernel_applies(config):
         return {}
     weight, vocab_first = _sampling_head(params, config)
     return {PADDED_HEAD: logprob_head.pad_vocab(weight, vocab_first, blocks)}

@@ -44,7 +44,8 @@
 # "+pmaxN" (--paged_fused_max_splits N: the default's fused kernel also where the unfused
 # one would split a row's blocks into at most N parts), "+paged" (--kv_cache paged: partial+paged is partial rollouts on the paged cache, its
 # pool every row at full length), "+hxla" (--decode_head xla: the sampler's head on XLA's
-# logits, not the kernel's masses), "+hbxla" (--head_backward xla: the log-prob head's
+# logits, not the kernel's masses), "+gxla" (--rollout_gemm xla: the sampler's matmuls
+# left to XLA, Triton GEMM fusions included, not cuBLAS alone), "+hbxla" (--head_backward xla: the log-prob head's
 # backward in XLA),
 # "+hbT,V,K,STAGES,OVERLAP,GROUP,CONSUMERS" (--head_backward_blocks), e.g.
 # natural+split4,1024+b8 or forced+tok32768. Its files are named with "_" for "+".
@@ -95,6 +96,7 @@ for name in "$@"; do
       tok*) extra+=(--max_token_len "${o#tok}") ;;
       hbxla) extra+=(--head_backward xla) ;;
       hxla) extra+=(--decode_head xla) ;;
+      gxla) extra+=(--rollout_gemm xla) ;;
       hb[0-9]*) extra+=(--head_backward_blocks "${o#hb}") ;;
       page[0-9]*) PAGE=${o#page}; extra+=(--page_size "$PAGE") ;;
       keep) extra+=(--partial_keep_cache) ;;

@@ -326,17 +326,19 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
     Args:
       qkv_bjh: `[B, N + 2K, H]` the new tokens' query heads, then key heads, then
         value heads, before the bias and RoPE.
-      bias_jh: `[N + 2K, H]` the projection's bias, or None.
+      bias_jh: `[N + 2K, H]` the projection's bias, a `KernelBias` (the same with the
+        fused kernel's operand made ahead), or None.
       num_heads: N, the query heads.
       The rest as `append_and_attend`'s.
     """
     joined = num_heads + 2 * k_bksh.shape[1]
-    if qkv_bjh.shape[1] != joined or (bias_jh is not None
-                                      and bias_jh.shape != (joined, qkv_bjh.shape[2])):
+    raw = _raw_bias(bias_jh)
+    if qkv_bjh.shape[1] != joined or (raw is not None
+                                      and raw.shape != (joined, qkv_bjh.shape[2])):
         raise ValueError(
             f"append_and_attend_qkv: {num_heads} query heads and {k_bksh.shape[1]} key/value "
             f"heads need qkv [B, {joined}, H] and a bias [{joined}, H], got qkv "
-            f"{tuple(qkv_bjh.shape)} and bias {None if bias_jh is None else tuple(bias_jh.shape)}")
+            f"{tuple(qkv_bjh.shape)} and bias {None if raw is None else tuple(raw.shape)}")
     tiles = tiles or MOSAIC_TILES
     if impl == "mosaic" and tiles.fused:
         _check_slot(slot, k_bksh)
@@ -345,7 +347,7 @@ def append_and_attend_qkv(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, star
                                    tiles=tiles)
         return _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh,
                             start_b.astype(jnp.int32), jnp.asarray(slot, jnp.int32))
-    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, bias_jh, num_heads, k_bksh.shape[1])
+    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, raw, num_heads, k_bksh.shape[1])
     return append_and_attend(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk, k_bksh, v_bksh,
                              start_b, slot, impl=impl, interpret=interpret, tiles=tiles)
 
@@ -611,16 +613,17 @@ def _sharded_attend(kernel, q_bnh, k_bksh, v_bksh, start_b, slot):
 def _sharded_qkv(kernel, qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot):
     """`_sharded` for the fused operand: over the batch axes only (the fused projection
     is not used when a `tensor` axis splits the heads)."""
-    biases = () if bias_jh is None else (bias_jh,)
+    biases, tree = jax.tree.flatten(bias_jh)  # an array or a `KernelBias`, replicated
 
     def specs(sharder):
         batch = sharder.spec(("batch",), start_b.shape)[0]
         qkv_spec, cache_spec, rows = P(batch, None, None), P(batch, None, None, None), P(batch)
-        return ((qkv_spec, *(P(None, None) for _ in biases), P(batch, None), P(batch, None),
-                 cache_spec, cache_spec, rows, P()), (qkv_spec, cache_spec, cache_spec))
+        return ((qkv_spec, *(P(*(None,) * x.ndim) for x in biases), P(batch, None),
+                 P(batch, None), cache_spec, cache_spec, rows, P()),
+                (qkv_spec, cache_spec, cache_spec))
 
     def run(qkv_bjh, *rest):
-        bias = rest[0] if biases else None
+        bias = jax.tree.unflatten(tree, rest[:len(biases)])
         return kernel(qkv_bjh, bias, *rest[len(biases):])
 
     return sharding.per_shard(run, specs, qkv_bjh, *biases, sin_bk, cos_bk, k_bksh, v_bksh,
@@ -907,8 +910,14 @@ def _mosaic_layout(num_heads, k_bksh, v_bksh, tiles: MosaicTiles, page: int = 0)
     transforms = (mgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                   mgpu.SwizzleTransform(swizzle))
     return _Layout(block=block, stages=max(1, min(tiles.stages, s // block)), group=group,
-                   rows=rows, moved=-(-group // 8) * 8 if tiles.compact or tiles.fused else rows,
+                   rows=rows, moved=_fused_moved(group) if tiles.compact or tiles.fused else rows,
                    transforms=transforms)
+
+
+def _fused_moved(group: int) -> int:
+    """Query rows a compact or fused kernel copies in and out: the group, in whole
+    8-row tiles."""
+    return -(-group // 8) * 8
 
 
 def _mosaic(q_bnh, k_bksh, v_bksh, start_b, slot, *, interpret, tiles: MosaicTiles,
@@ -1215,7 +1224,7 @@ def _fused_or_split(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, s
     if tiles.takes_fused(b, kv, s):
         return _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slot,
                              num_heads=num_heads, interpret=interpret, tiles=tiles)
-    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, bias_jh, num_heads, kv)
+    q_bnh, k_new_bkh, v_new_bkh = _split_qkv(qkv_bjh, _raw_bias(bias_jh), num_heads, kv)
     q_bnh, k_bksh, v_bksh = rotate_and_write(q_bnh, k_new_bkh, v_new_bkh, sin_bk, cos_bk,
                                              k_bksh, v_bksh, slot)
     split = dataclasses.replace(tiles, fused=False, splits=0, fused_max_splits=None)
@@ -1253,9 +1262,10 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
                        bool(mosaic_backend.interpret(interpret)), swap_matmul, page)
     operands = [qkv_bjh.astype(dtype).reshape(-1, h)]  # rows as one axis: a free reshape
     if bias_jh is not None:
-        bias_krh = fused_bias(bias_jh.astype(dtype), num_heads=num_heads, num_kv=kv,
-                              moved=moved)
-        operands.append(bias_krh.reshape(kv, -1, parts, h // parts).transpose(0, 2, 1, 3))
+        made = bias_jh.by_parts.get(parts) if isinstance(bias_jh, KernelBias) else None
+        if made is None or made.dtype != dtype:  # made here, at every step
+            made = _bias_operand(_raw_bias(bias_jh).astype(dtype), num_heads, kv, moved, parts)
+        operands.append(made)
     operands += [rope_table(sin_bk, cos_bk, swap_matmul=swap_matmul), start_b]
     if page:
         operands += [slot, _whole_blocks(block_table, block, page)]
@@ -1263,6 +1273,44 @@ def _mosaic_fused(qkv_bjh, bias_jh, sin_bk, cos_bk, k_bksh, v_bksh, start_b, slo
         operands.append(slot.reshape(1))
     out_bnh, k_bksh, v_bksh = call(*operands, k_bksh, v_bksh)
     return out_bnh.astype(qkv_bjh.dtype), k_bksh, v_bksh
+
+
+class KernelBias(NamedTuple):
+    """A fused qkv projection's bias with the fused kernel's operand made from it ahead
+    (`kernel_bias`): a decode loop's steps would otherwise gather it again at every
+    layer of every step, since XLA does not hoist a gather that makes its input larger
+    (`[K, R, H]` of `[N + 2K, H]`) out of a loop.
+
+    Attributes:
+      bias_jh: `[N + 2K, H]` the bias (the unfused path adds it).
+      by_parts: `{parts: [K, parts, R, H / parts]}`, the kernel's bias operand
+        (`_bias_operand`) for each plain tile's column parts it may take (1, or RoPE's
+        halves: 2), in the dtype it was made in (another cache's dtype makes its own).
+    """
+
+    bias_jh: jax.Array
+    by_parts: dict
+
+
+def kernel_bias(bias_jh, *, num_heads: int, num_kv: int, dtype) -> KernelBias:
+    """`bias_jh` with the fused kernel's bias operand in `dtype` (the cache's) for either
+    plain tile (`_plain_parts`: which one a step takes depends on its cache's blocks)."""
+    moved = _fused_moved(num_heads // num_kv)
+    return KernelBias(bias_jh, {parts: _bias_operand(bias_jh.astype(dtype), num_heads, num_kv,
+                                                     moved, parts) for parts in (1, 2)})
+
+
+def _raw_bias(bias):
+    """The bias `[N + 2K, H]` of a `KernelBias`, or `bias` as it is (an array or None)."""
+    return bias.bias_jh if isinstance(bias, KernelBias) else bias
+
+
+def _bias_operand(bias_jh, num_heads: int, num_kv: int, moved: int, parts: int):
+    """The fused kernel's bias operand `[K, parts, R, H / parts]` (`fused_bias` split
+    into the plain tile's column parts)."""
+    h = bias_jh.shape[1]
+    bias_krh = fused_bias(bias_jh, num_heads=num_heads, num_kv=num_kv, moved=moved)
+    return bias_krh.reshape(num_kv, -1, parts, h // parts).transpose(0, 2, 1, 3)
 
 
 def fused_bias(bias_jh, *, num_heads, num_kv, moved):

@@ -411,6 +411,9 @@ class Attention(nn.Module):
             # The kernel takes the projection's output as it is and adds the bias itself.
             qkv_btjh = _dense(c, fused, ("embed", None, "head_dim"), FUSED_QKV)(x_btd)
             bias_jh = self.variables["params"][FUSED_QKV]["bias"] if c.qkv_bias else None
+            if bias_jh is not None and self.has_variable("params", KERNEL_BIAS):
+                made = self.variables["params"][KERNEL_BIAS]
+                bias_jh = decode_lib.KernelBias(bias_jh, {int(p): x for p, x in made.items()})
             if paged_step:  # each row's key and value written at its page, read in place
                 # (physical slots: a row's pages start at its first real token)
                 out_bnh, k_pool, v_pool = decode_lib.append_and_attend_qkv_paged(
@@ -781,6 +784,8 @@ def _valid_tokens(mask) -> jax.Array:
 # Names of the fused projections a layer may carry instead of its separate ones
 # (`fuse_projections`): the sampler's layout, never trained or saved.
 FUSED_QKV, FUSED_GATE_UP = "qkv_proj", moe.GATE_UP_JOINED
+# The fused decode kernel's bias operands, by plain-tile parts (`with_kernel_bias`).
+KERNEL_BIAS = "qkv_kernel_bias"
 
 
 def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
@@ -804,6 +809,23 @@ def fuse_projections(layer_params: dict, config: ModelConfig) -> dict:
             parts = [mlp.pop(n)["kernel"] for n in GATE_UP]
             mlp[FUSED_GATE_UP] = {"kernel": jnp.stack(parts, axis=1)}
     return {**layer_params, "attn": attn, "mlp": mlp}
+
+
+def with_kernel_bias(layer_params: dict, config: ModelConfig) -> dict:
+    """One layer's parameters (fused by `fuse_projections`) with the fused decode
+    kernel's bias operand made from `qkv_proj`'s bias ahead of the decode loop
+    (`KERNEL_BIAS`, `decode_attention.kernel_bias`), where the kernel may read it: a
+    qkv bias, no q/k norm and the Mosaic GPU decode attention. A decode step otherwise
+    makes it at every layer (24 gathers a step at Qwen2.5-0.5B)."""
+    attn = layer_params["attn"]
+    if not (config.qkv_bias and not config.qk_norm and FUSED_QKV in attn
+            and decode_lib.choose_impl(config.decode_attention_impl, config.head_dim,
+                                       dtype=config.dtype) == "mosaic"):
+        return layer_params
+    made = decode_lib.kernel_bias(attn[FUSED_QKV]["bias"], num_heads=config.num_heads,
+                                  num_kv=config.num_kv_heads, dtype=config.dtype)
+    return {**layer_params, "attn": {**attn, KERNEL_BIAS: {str(parts): x for parts, x
+                                                           in made.by_parts.items()}}}
 
 
 def _joins_experts(config: ModelConfig) -> bool:

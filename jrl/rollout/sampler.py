@@ -926,12 +926,14 @@ def row_keys(rng, num_rows: int) -> jax.Array:
 def per_layer(params, config: ModelConfig):
     """`params` with the layers' weights as separate arrays, sliced once per program
     rather than at every decode step, and their projections fused where
-    `config.fuse_decode_projections` and the mesh allow (`_fuses`); the unembedding
+    `config.fuse_decode_projections` and the mesh allow (`_fuses`), with the fused decode
+    kernel's bias operand made once (`transformer.with_kernel_bias`); the unembedding
     padded for the decode head's kernel where it needs it (`_padded_head`)."""
     layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"])
                    for i in range(config.num_layers))
     if _fuses(config):
-        layers = tuple(transformer.fuse_projections(layer, config) for layer in layers)
+        layers = tuple(transformer.with_kernel_bias(transformer.fuse_projections(layer, config),
+                                                    config) for layer in layers)
     return {**params, "layers": layers, **_padded_head(params, config)}
 
 

@@ -342,6 +342,19 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
     with pytest.raises(ValueError, match=rf"{num_heads - 1} query heads.* got qkv \(3, {j}, 64\)"):
         da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
                                  num_heads=num_heads - 1, **kernel_args("mosaic_fused"))
+    # The bias with the kernel's operand made ahead (`kernel_bias`, as the sampler makes
+    # it once a rollout), or made in another dtype (so remade at the step): the same bits.
+    if with_bias:
+        made = da.kernel_bias(bias, num_heads=num_heads, num_kv=num_kv_heads,
+                              dtype=jnp.bfloat16)
+        other = made._replace(by_parts={p: x.astype(jnp.float32)
+                                        for p, x in made.by_parts.items()})
+        for kernel_bias in (made, other):
+            got = _attend_qkv(qkv, kernel_bias, sin, cos, k, v, start, slot,
+                              num_heads=num_heads, **kernel_args("mosaic_fused"))
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                              np.asarray(w, np.float32))
     # A bias that is not applied shows: the kernel reads it.
     if with_bias:
         plain = _attend_qkv(qkv, None, sin, cos, k, v, start, 100, num_heads=num_heads,
@@ -392,6 +405,8 @@ def test_bf16_sampler_on_the_fused_operand_equals_three_operands(family, extra):
 
     def three_operands(qkv, bias, *args, num_heads, **kwargs):
         calls.append(num_heads)
+        if isinstance(bias, da.KernelBias):  # the sampler makes the kernel's operand ahead
+            bias = bias.bias_jh
         biased = qkv if bias is None else qkv + bias.astype(qkv.dtype)
         kv = args[2].shape[1]
         q, k, v = jnp.split(biased, [num_heads, num_heads + kv], axis=1)
@@ -508,15 +523,19 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     qkv = jnp.concatenate([q, k_new, v_new], axis=1)
     want = da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41, num_heads=4,
                                     impl="xla")
-    for name, sizes in (("qkv_data", dict(data=8, fsdp=1, tensor=1)),
-                        ("qkv_data_fsdp", dict(data=2, fsdp=4, tensor=1))):
+    # With the kernel's operand made ahead (`kernel_bias`, as the sampler passes it): the
+    # whole pytree goes to every shard.
+    made = da.kernel_bias(bias, num_heads=4, num_kv=2, dtype=jnp.bfloat16)
+    for name, sizes, shard_bias in (("qkv_data", dict(data=8, fsdp=1, tensor=1), bias),
+                                    ("qkv_data_fsdp", dict(data=2, fsdp=4, tensor=1), bias),
+                                    ("qkv_data_made", dict(data=8, fsdp=1, tensor=1), made)):
         sharder = sharding.Sharder(sharding.make_mesh(sharding.MeshSettings(**sizes)))
         def fn(qkv, bias, k, v, start, sharder=sharder):
             with sharder.active():
                 return da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 41,
                                                 num_heads=4, impl="mosaic", interpret=True)
         shapes.clear()
-        got = jax.jit(fn)(qkv, bias, k, v, start)
+        got = jax.jit(fn)(qkv, shard_bias, k, v, start)
         out[name] = [max_diff(got, want), [list(x[1]) for x in shapes], [x[0] for x in shapes]]
     print(json.dumps(out))
 """)
@@ -538,7 +557,8 @@ def test_kernel_under_a_mesh_runs_per_shard_and_matches():
     for name, (rows, heads) in rows_heads.items():
         want[f"{name} fused"] = [[rows, 2 * heads]]
         want[f"{name} unfused"] = [[rows, heads]]
-    want.update(qkv_data=[[1, 8]], qkv_data_fsdp=[[1, 8]], paged_data=[[1, 4]],
+    want.update(qkv_data=[[1, 8]], qkv_data_fsdp=[[1, 8]], qkv_data_made=[[1, 8]],
+                paged_data=[[1, 4]],
                 paged_data_tensor=[[2, 2]])
     assert result.keys() == want.keys()
     for name, (diff, shapes, kinds) in result.items():
@@ -914,6 +934,58 @@ def test_fused_bias_places_each_heads_rows_where_the_kernel_adds_them():
         want[8] = bias[14 + k]
         want[16] = bias[16 + k]
         np.testing.assert_array_equal(got[k], want)
+
+
+def test_kernel_bias_is_the_operand_the_fused_kernel_makes_at_each_step():
+    """`kernel_bias` makes, for either plain tile (one part, or RoPE's two halves), the
+    operand `_mosaic_fused` would otherwise gather at every step: `fused_bias` in the
+    cache's dtype, split into the tile's column parts (Qwen2.5-7B's 28 query and 4
+    key/value heads of 128)."""
+    n, kv, h = 28, 4, 128
+    bias = jax.random.normal(jax.random.key(5), (n + 2 * kv, h), jnp.float32)
+    made = da.kernel_bias(bias, num_heads=n, num_kv=kv, dtype=jnp.bfloat16)
+    assert made.bias_jh is bias and sorted(made.by_parts) == [1, 2]
+    full = np.asarray(da.fused_bias(bias.astype(jnp.bfloat16), num_heads=n, num_kv=kv,
+                                    moved=8), np.float32)  # `[K, R, H]`
+    for parts, operand in made.by_parts.items():
+        assert operand.shape == (kv, parts, 64, h // parts) and operand.dtype == jnp.bfloat16
+        for part in range(parts):
+            np.testing.assert_array_equal(
+                np.asarray(operand[:, part], np.float32),
+                full[:, :, part * h // parts:(part + 1) * h // parts])
+
+
+@NEEDS_HOPPER_OFF_CPU
+def test_sampler_makes_the_kernels_bias_once_not_at_every_layer_step():
+    """The sampler's per-layer parameters carry the fused kernel's bias operand
+    (`transformer.with_kernel_bias`) where the kernel reads it: the decode loop's
+    compiled body then has no gather of a layer's bias, which it has without it (XLA
+    does not hoist a gather that makes its input larger out of a loop). Without a qkv
+    bias, or on XLA's decode attention, the layers carry none."""
+    config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
+                         dtype="bfloat16", decode_attention_impl="mosaic")
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    layers = sampler.per_layer(params, config)["layers"]
+    assert all(sorted(layer["attn"][transformer.KERNEL_BIAS]) == ["1", "2"] for layer in layers)
+    for other in (dataclasses.replace(config, decode_attention_impl="xla"),
+                  dataclasses.replace(config, qkv_bias=False)):
+        other_params = jax.jit(init_params, static_argnums=0)(other, jax.random.key(0))
+        assert not any(transformer.KERNEL_BIAS in layer["attn"]
+                       for layer in sampler.per_layer(other_params, other)["layers"])
+    ids = np.ones((2, 5), np.int32)
+    sampling = SamplingConfig(max_new_tokens=3, stop_token_ids=(), pad_token_id=0)
+
+    def bias_gathers_in_the_loop():
+        program = jax.jit(functools.partial(sampler.generate_program, sampling=sampling,
+                                            config=config))
+        text = program.lower(params, ids, ids, jax.random.key(1)).compile().as_text()
+        return len(re.findall(r"gather\(.*op_name=\"[^\"]*while/body[^\"]*/attn/gather\"",
+                              text))
+
+    assert bias_gathers_in_the_loop() == 0
+    with mock.patch.object(transformer, "with_kernel_bias", lambda layer, config: layer):
+        assert bias_gathers_in_the_loop() == config.num_layers
 
 
 @pytest.mark.parametrize("swap_matmul", [False, True])

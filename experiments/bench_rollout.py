@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
 from jrl.kernels import decode_attention as decode_lib  # noqa: E402
-from jrl.models import ModelConfig, init_params, moe  # noqa: E402
+from jrl.models import ModelConfig, init_params, moe, transformer  # noqa: E402
 from jrl.rl import step  # noqa: E402
 from jrl.rollout import paged, sampler  # noqa: E402
 
@@ -99,6 +99,10 @@ def parse_args() -> argparse.Namespace:
                         choices=("auto", "xla", "mosaic"),
                         help="model decode_head_impl values to run (one row each): the decode "
                         "step's unembedding and draw, the kernel's masses or XLA's logits")
+    parser.add_argument("--kernel-bias", nargs="+", default=["once"], choices=("once", "each-step"),
+                        help="the fused decode kernel's qkv-bias operand made once a rollout "
+                             "(`transformer.with_kernel_bias`, the default) or at every "
+                             "layer of every step, as before it")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -262,10 +266,18 @@ def main() -> None:
               for page in (args.page_size if cache == "paged" else [None])
               for fused in (args.paged_fused if cache == "paged" else [None])]
     gate_ups = args.moe_gate_up if config.is_moe else [None]
-    for batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up, head in (
-            itertools.product(args.batch_sizes, args.decode_attention, lora_rollouts,
-                              args.fuse_projections, args.gemm, caches, gate_ups,
-                              args.decode_head)):
+    kernel_biases = {"once": transformer.with_kernel_bias,
+                     "each-step": lambda layer, config: layer}  # none made ahead
+    for (batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up, head,
+         kernel_bias) in itertools.product(args.batch_sizes, args.decode_attention, lora_rollouts,
+                                           args.fuse_projections, args.gemm, caches, gate_ups,
+                                           args.decode_head, args.kernel_bias):
+        made = kernel_biases[kernel_bias]
+        if transformer.with_kernel_bias is not made:
+            # Read when a program is traced, which no jit cache key holds: trace afresh.
+            transformer.with_kernel_bias = made
+            jax.clear_caches()
+            sampler._jit.cache_clear()
         if paged_fused:  # read when `bench_jrl` traces
             decode_lib.PAGED_FUSED = paged_fused
         if gate_up:
@@ -280,7 +292,8 @@ def main() -> None:
         trace_dir = args.trace_dir and os.path.join(
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}_{kv_cache}{page or ''}"
             + (f"_fused_{paged_fused}" if paged_fused else "")
-            + (f"_{gate_up}" if gate_up else "") + f"_head_{head}")
+            + (f"_{gate_up}" if gate_up else "") + f"_head_{head}"
+            + ("" if kernel_bias == "once" else "_bias_each_step"))
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
                                      dataclasses.replace(sampling, gemm=gemm, kv_cache=kv_cache,
                                                          page_size=page or 16),
@@ -290,7 +303,7 @@ def main() -> None:
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
             kv_cache=kv_cache, page_size=page, paged_fused=paged_fused, moe_gate_up=gate_up,
-            decode_head=head,
+            decode_head=head, kernel_bias=kernel_bias,
             decode_head_taken=sampler.head_impl(cfg, sampling),
             lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
@@ -330,7 +343,8 @@ def print_table(args, results) -> None:
                  + (f" fused {r['paged_fused']}" if r.get("paged_fused") else "")
                  + (f" gate/up {r['moe_gate_up']}" if r.get("moe_gate_up") else "")
                  + (f" head {r['decode_head']} ({r['decode_head_taken']})"
-                    if r.get("decode_head") else ""))
+                    if r.get("decode_head") else "")
+                 + (" bias each step" if r.get("kernel_bias") == "each-step" else ""))
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
               f"{r['gemm']} | {cache} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "

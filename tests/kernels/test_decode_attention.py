@@ -343,12 +343,12 @@ def test_fused_operand_with_its_bias_equals_three_operands(with_bias, num_heads,
         da.append_and_attend_qkv(qkv, bias, sin, cos, k, v, start, 100,
                                  num_heads=num_heads - 1, **kernel_args("mosaic_fused"))
     # The bias with the kernel's operand made ahead (`kernel_bias`, as the sampler makes
-    # it once a rollout), or made in another dtype (so remade at the step): the same bits.
+    # it once a rollout), or made in another dtype (so remade at the step): the same bits
+    # (at the last slot, rows starting at 0, mid-block and at the new token).
     if with_bias:
-        made = da.kernel_bias(bias, num_heads=num_heads, num_kv=num_kv_heads,
-                              dtype=jnp.bfloat16)
-        other = made._replace(by_parts={p: x.astype(jnp.float32)
-                                        for p, x in made.by_parts.items()})
+        made, other = jax.jit(lambda bias: (lambda made: (made, made._replace(by_parts={
+            p: x.astype(jnp.float32) for p, x in made.by_parts.items()})))(da.kernel_bias(
+                bias, num_heads=num_heads, num_kv=num_kv_heads, dtype=jnp.bfloat16)))(bias)
         for kernel_bias in (made, other):
             got = _attend_qkv(qkv, kernel_bias, sin, cos, k, v, start, slot,
                               num_heads=num_heads, **kernel_args("mosaic_fused"))
@@ -942,17 +942,19 @@ def test_kernel_bias_is_the_operand_the_fused_kernel_makes_at_each_step():
     cache's dtype, split into the tile's column parts (Qwen2.5-7B's 28 query and 4
     key/value heads of 128)."""
     n, kv, h = 28, 4, 128
-    bias = jax.random.normal(jax.random.key(5), (n + 2 * kv, h), jnp.float32)
-    made = da.kernel_bias(bias, num_heads=n, num_kv=kv, dtype=jnp.bfloat16)
-    assert made.bias_jh is bias and sorted(made.by_parts) == [1, 2]
-    full = np.asarray(da.fused_bias(bias.astype(jnp.bfloat16), num_heads=n, num_kv=kv,
-                                    moved=8), np.float32)  # `[K, R, H]`
+    bias = np.random.default_rng(5).normal(size=(n + 2 * kv, h)).astype(np.float32)
+    made, full = jax.jit(lambda bias: (  # one program
+        da.kernel_bias(bias, num_heads=n, num_kv=kv, dtype=jnp.bfloat16),
+        da.fused_bias(bias.astype(jnp.bfloat16), num_heads=n, num_kv=kv, moved=8)))(bias)
+    np.testing.assert_array_equal(made.bias_jh, bias)
+    assert sorted(made.by_parts) == [1, 2]
+    full = np.asarray(full, np.float32)  # `[K, R, H]`
     for parts, operand in made.by_parts.items():
         assert operand.shape == (kv, parts, 64, h // parts) and operand.dtype == jnp.bfloat16
+        operand = np.asarray(operand, np.float32)
         for part in range(parts):
             np.testing.assert_array_equal(
-                np.asarray(operand[:, part], np.float32),
-                full[:, :, part * h // parts:(part + 1) * h // parts])
+                operand[:, part], full[:, :, part * h // parts:(part + 1) * h // parts])
 
 
 @NEEDS_HOPPER_OFF_CPU
@@ -965,21 +967,24 @@ def test_sampler_makes_the_kernels_bias_once_not_at_every_layer_step():
     config = ModelConfig(family="qwen2", vocab_size=48, hidden_size=64, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
                          dtype="bfloat16", decode_attention_impl="mosaic")
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    layers = sampler.per_layer(params, config)["layers"]
-    assert all(sorted(layer["attn"][transformer.KERNEL_BIAS]) == ["1", "2"] for layer in layers)
+    # Shapes only (`jax.eval_shape`): nothing here runs but the two compiles below.
+    shapes = lambda config: jax.eval_shape(functools.partial(init_params, config),
+                                           jax.random.key(0))
+    layers = lambda config: jax.eval_shape(functools.partial(sampler.per_layer, config=config),
+                                           shapes(config))["layers"]
+    assert all(sorted(layer["attn"][transformer.KERNEL_BIAS]) == ["1", "2"]
+               for layer in layers(config))
     for other in (dataclasses.replace(config, decode_attention_impl="xla"),
                   dataclasses.replace(config, qkv_bias=False)):
-        other_params = jax.jit(init_params, static_argnums=0)(other, jax.random.key(0))
-        assert not any(transformer.KERNEL_BIAS in layer["attn"]
-                       for layer in sampler.per_layer(other_params, other)["layers"])
-    ids = np.ones((2, 5), np.int32)
+        assert not any(transformer.KERNEL_BIAS in layer["attn"] for layer in layers(other))
+    ids = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     sampling = SamplingConfig(max_new_tokens=3, stop_token_ids=(), pad_token_id=0)
 
     def bias_gathers_in_the_loop():
         program = jax.jit(functools.partial(sampler.generate_program, sampling=sampling,
                                             config=config))
-        text = program.lower(params, ids, ids, jax.random.key(1)).compile().as_text()
+        text = program.lower(shapes(config), ids, ids,
+                             jax.eval_shape(jax.random.key, 1)).compile().as_text()
         return len(re.findall(r"gather\(.*op_name=\"[^\"]*while/body[^\"]*/attn/gather\"",
                               text))
 

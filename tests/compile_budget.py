@@ -22,7 +22,10 @@ import pytest
 from jax import monitoring
 from jax._src import compiler as _compiler
 
-# Distinct programs of the full suite on the CPU: 5,213 before the budget was last raised,
+# Distinct programs of the full suite on the CPU: 5,239 before the budget was last raised,
+# for the fused decode kernel's qkv-bias operand made once a rollout, whose tests run the
+# kernel on it in interpret mode and compile the sampler's decode loop with and without
+# it (5,250 then); 5,213 when it was raised before that,
 # for the sampler's decode head on the log-prob kernel, whose tests run the kernel's masses
 # and the draw from them in interpret mode against XLA's draw, alone and in a rollout on
 # either cache; 5,209 when it was raised before that,
@@ -50,7 +53,7 @@ from jax._src import compiler as _compiler
 # experts; 4,561 before the mixture-of-experts and Gemma families), and room for a few
 # more. Raise it in the change that adds programs, saying why. (The variable is for the
 # budget's own test.)
-PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5248))
+PROGRAM_BUDGET = int(os.environ.get("JRL_TEST_PROGRAM_BUDGET", 5258))
 
 _DIR_VARIABLE = "JRL_TEST_PROGRAM_COUNTS"
 TOP_MODULES = 10  # the modules the summary names

@@ -101,8 +101,8 @@ def parse_args() -> argparse.Namespace:
                         "step's unembedding and draw, the kernel's masses or XLA's logits")
     parser.add_argument("--kernel-bias", nargs="+", default=["once"], choices=("once", "each-step"),
                         help="the fused decode kernel's qkv-bias operand made once a rollout "
-                             "(`transformer.with_kernel_bias`, the default) or at every "
-                             "layer of every step, as before it")
+                             "(`transformer.with_kernel_bias`, the default) or none made "
+                             "ahead, so every layer of every decode step gathers it")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,

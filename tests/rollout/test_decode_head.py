@@ -238,16 +238,15 @@ def test_head_impl_choices(monkeypatch):
     assert sampler.head_impl(TINY, sample) == "xla"  # float32 compute
 
 
-@pytest.mark.parametrize("setting, named", [("top_k=5", "top-k"), ("top_p=0.9", "top-p"),
-                                            ("do_sample=False", "greedy")])
-def test_a_forced_kernel_head_refuses_training_draws_it_does_not_make(setting, named):
+@pytest.mark.parametrize("key, value, named", [("top_k", 5, "top-k"), ("top_p", 0.9, "top-p"),
+                                              ("do_sample", False, "greedy")])
+def test_a_forced_kernel_head_refuses_training_draws_it_does_not_make(key, value, named):
     """Stopped by the config check, before anything compiles."""
     from jrl.config import settings
     from tests.tiny import tiny_config
 
     config = tiny_config(**{"model.decode_head_impl": "mosaic"})
-    key = setting.split("=")[0]
-    config.rollout[key] = {"top_k": 5, "top_p": 0.9, "do_sample": False}[key]
+    config.rollout[key] = value
     with pytest.raises(ConfigError, match=f"model.decode_head_impl: 'mosaic'.*{named}"):
         settings.from_config(config)
 

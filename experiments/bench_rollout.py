@@ -103,11 +103,6 @@ def parse_args() -> argparse.Namespace:
                         help="the fused decode kernel's qkv-bias operand made once a rollout "
                              "(`transformer.with_kernel_bias`, the default) or none made "
                              "ahead, so every layer of every decode step gathers it")
-    parser.add_argument("--decode-residuals", nargs="+", default=["fused"],
-                        choices=("fused", "mlp", "attn", "both"),
-                        help="the decode step's residual adds kept out of the branches' last "
-                             "matmuls (`transformer.DECODE_UNFUSED_RESIDUALS`): none, the "
-                             "MLP's, attention's or both")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace_dir", default=None,
@@ -273,18 +268,14 @@ def main() -> None:
     gate_ups = args.moe_gate_up if config.is_moe else [None]
     kernel_biases = {"once": transformer.with_kernel_bias,
                      "each-step": lambda layer, config: layer}  # none made ahead
-    residual_sets = {"fused": (), "mlp": ("mlp",), "attn": ("attn",), "both": ("attn", "mlp")}
     for (batch, impl, lora_rollout, fuse, gemm, (kv_cache, page, paged_fused), gate_up, head,
-         kernel_bias, residuals) in itertools.product(
-             args.batch_sizes, args.decode_attention, lora_rollouts, args.fuse_projections,
-             args.gemm, caches, gate_ups, args.decode_head, args.kernel_bias,
-             args.decode_residuals):
+         kernel_bias) in itertools.product(args.batch_sizes, args.decode_attention, lora_rollouts,
+                                           args.fuse_projections, args.gemm, caches, gate_ups,
+                                           args.decode_head, args.kernel_bias):
         made = kernel_biases[kernel_bias]
-        if (transformer.with_kernel_bias is not made
-                or transformer.DECODE_UNFUSED_RESIDUALS != residual_sets[residuals]):
+        if transformer.with_kernel_bias is not made:
             # Read when a program is traced, which no jit cache key holds: trace afresh.
             transformer.with_kernel_bias = made
-            transformer.DECODE_UNFUSED_RESIDUALS = residual_sets[residuals]
             jax.clear_caches()
             sampler._jit.cache_clear()
         if paged_fused:  # read when `bench_jrl` traces
@@ -302,8 +293,7 @@ def main() -> None:
             args.trace_dir, f"b{batch}_{impl}_{lora_rollout}_{fuse}_{gemm}_{kv_cache}{page or ''}"
             + (f"_fused_{paged_fused}" if paged_fused else "")
             + (f"_{gate_up}" if gate_up else "") + f"_head_{head}"
-            + ("" if kernel_bias == "once" else "_bias_each_step")
-            + ("" if residuals == "fused" else f"_residual_{residuals}"))
+            + ("" if kernel_bias == "once" else "_bias_each_step"))
         compile_s, jrl_s = bench_jrl(cfg, params, ids, mask,
                                      dataclasses.replace(sampling, gemm=gemm, kv_cache=kv_cache,
                                                          page_size=page or 16),
@@ -313,7 +303,7 @@ def main() -> None:
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
             kv_cache=kv_cache, page_size=page, paged_fused=paged_fused, moe_gate_up=gate_up,
-            decode_head=head, kernel_bias=kernel_bias, decode_residuals=residuals,
+            decode_head=head, kernel_bias=kernel_bias,
             decode_head_taken=sampler.head_impl(cfg, sampling),
             lora_rank=args.lora_rank,
             lora_rollout=lora_rollout if args.lora_rank else None, compile_s=compile_s, jrl_s=jrl_s,
@@ -354,9 +344,7 @@ def print_table(args, results) -> None:
                  + (f" gate/up {r['moe_gate_up']}" if r.get("moe_gate_up") else "")
                  + (f" head {r['decode_head']} ({r['decode_head_taken']})"
                     if r.get("decode_head") else "")
-                 + (" bias each step" if r.get("kernel_bias") == "each-step" else "")
-                 + (f" residuals {r['decode_residuals']}"
-                    if r.get("decode_residuals", "fused") != "fused" else ""))
+                 + (" bias each step" if r.get("kernel_bias") == "each-step" else ""))
         print(f"| {r['batch']} | {r['decode_attention']} | {r['fuse_projections']} | "
               f"{r['gemm']} | {cache} | "
               f"{lora_cell} | {r['compile_s']:.1f} | "

@@ -639,12 +639,6 @@ def _geglu_bwd(gate_up, d_out):
 geglu.defvjp(_geglu_fwd, _geglu_bwd)
 
 
-# The branches ("attn", "mlp") whose residual add a decode step keeps out of the branch's
-# last matmul (`lax.optimization_barrier`), so that the add fuses into the next norm
-# instead of becoming the matmul's C operand.
-DECODE_UNFUSED_RESIDUALS: tuple[str, ...] = ()
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; the scan body (carry = (hidden, cache))."""
 
@@ -669,8 +663,6 @@ class DecoderLayer(nn.Module):
         )
         if gemma.is_gemma(c):  # sandwich norms: each branch's output normalised too
             attn_out = _norm(c, "embed", "post_attn_norm", recompute)(attn_out)
-        if isinstance(mask_b1ts, DecodeStep) and "attn" in DECODE_UNFUSED_RESIDUALS:
-            attn_out = lax.optimization_barrier(attn_out)
         x_btd = x_btd + attn_out
         mlp_in = _norm(c, "embed", "mlp_norm", recompute)(x_btd)
         if c.is_moe:
@@ -679,8 +671,6 @@ class DecoderLayer(nn.Module):
             mlp_out = Mlp(c, name="mlp")(mlp_in)
         if gemma.is_gemma(c):
             mlp_out = _norm(c, "embed", "post_mlp_norm", recompute)(mlp_out)
-        if isinstance(mask_b1ts, DecodeStep) and "mlp" in DECODE_UNFUSED_RESIDUALS:
-            mlp_out = lax.optimization_barrier(mlp_out)
         x_btd = x_btd + mlp_out
         return (constrain(x_btd, _HIDDEN), cache), None
 

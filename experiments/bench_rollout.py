@@ -15,7 +15,10 @@ k 8: all of them at batch 256, 98.4% at batch 64).
     roofline tokens/s = B / (bytes/step / bandwidth)
 
 The measured time includes the prefill, so the % of roofline is a lower bound
-for the decode loop. Then the same model in PyTorch (`Qwen2ForCausalLM` etc.
+for the decode loop. "% bound" compares the time with ideal kernels instead
+(`bound_seconds`, `--peak-tflops`: by default an H100's or H200's 989): the prefill,
+then each decode step's matmuls at the dense peak or at the weights' bytes, whichever
+is longer, and its attention at the bandwidth, one after the other. Then the same model in PyTorch (`Qwen2ForCausalLM` etc.
 from the preset's HF config, random weights, same dtype, cuda when available)
 runs `transformers` `generate` with the same sampling settings and
 `min_new_tokens = max_new_tokens`.
@@ -62,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after warm-up")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense 16-bit matmul peak for the bound (default: H100 / H200 "
+                             "SXM 989; elsewhere no bound is given)")
     parser.add_argument("--hbm-gbps", type=float, default=None,
                         help="HBM bandwidth for the roofline (default: H100 SXM 3350, "
                              "H200 4800, from the device name)")
@@ -147,6 +153,51 @@ def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbp
     mean_read_tokens = mask.sum() + batch * (new_tokens - 1) / 2
     step_bytes = weight_bytes + kv_token_bytes * (mean_read_tokens + batch)
     return float(step_bytes), float(batch / (step_bytes / (gbps * 1e9)))
+
+
+def matmul_params(params, config: ModelConfig) -> tuple[float, float]:
+    """(weights a token multiplies in the layers, in the head): every matmul kernel, an MoE
+    layer's experts at k of E; the head is the embedding table where tied."""
+    layers = head = 0.0
+    share = config.num_experts_per_tok / config.num_experts if config.is_moe else 1.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [getattr(p, "key", None) for p in path]
+        if keys[0] == "lm_head" or (keys[0] == "embed" and config.tie_word_embeddings):
+            head += leaf.size
+        elif keys[-1] == "kernel":
+            expert = config.is_moe and "mlp" in keys and "router" not in keys
+            layers += leaf.size * (share if expert else 1.0)
+    return layers, head
+
+
+def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int,
+                  gbps: float, tflops: float) -> float:
+    """The least time a rollout's kernels can take on a chip of `gbps` and `tflops`, its
+    matmuls and its attention run one after the other (as a decode step's kernels do),
+    each at whichever of the chip's bandwidth and its peak bounds it: the prefill's
+    matmuls and causal attention (the head on each row's last token), then for each
+    decode step its matmuls (the weights read once, 2 FLOPs per weight a row multiplies)
+    and its attention (the cache `roofline` counts, 4 FLOPs per query head, dimension and
+    filled slot). The roofline's HBM bound counts the decode steps' bytes alone; at a few
+    hundred rows a step's matmuls are at or past the chip's ridge, which this bound sees."""
+    layers, head = matmul_params(params, config)
+    attn = 4.0 * config.num_layers * config.num_heads * config.head_dim  # FLOPs a query-key pair
+    lengths = mask.sum(axis=1).astype(np.float64)
+    batch = len(lengths)
+    peak, bandwidth = tflops * 1e12, gbps * 1e9
+    itemsize = np.dtype(config.dtype).itemsize
+    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    step_bytes, _ = roofline(params, config, mask, 1, gbps)  # a step at the prompts' caches
+    weight_bytes = step_bytes - kv_token_bytes * (lengths.sum() + batch)
+    seconds = (max(weight_bytes / bandwidth,
+                   (2 * layers * lengths.sum() + 2 * head * batch) / peak)
+               + attn * (lengths * (lengths + 1) / 2).sum() / peak)
+    matmuls = max(weight_bytes / bandwidth, 2 * (layers + head) * batch / peak)
+    for i in range(new_tokens - 1):  # the first token comes from the prefill's head
+        filled = lengths.sum() + batch * (i + 1)
+        seconds += matmuls + max(kv_token_bytes * (filled + batch) / bandwidth,
+                                 attn * filled / peak)
+    return seconds
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -260,6 +311,9 @@ def main() -> None:
 
     if args.hbm_gbps is None:
         args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
+    if args.peak_tflops is None and any(name in jax.devices()[0].device_kind
+                                        for name in ("H100", "H200")):
+        args.peak_tflops = 989.0
     results = []
     lora_rollouts = args.lora_rollout if args.lora_rank else ["unmerged"]
     caches = [(cache, page, fused) for cache in args.kv_cache
@@ -300,6 +354,8 @@ def main() -> None:
                                      args.repeats, trace_dir)
         step_bytes, roof_tps = roofline(params, config, mask, args.new_tokens, args.hbm_gbps)
         tokens = batch * args.new_tokens
+        bound_s = (bound_seconds(params, config, mask, args.new_tokens, args.hbm_gbps,
+                                 args.peak_tflops) if args.peak_tflops else None)
         row = dict(
             batch=batch, decode_attention=impl, fuse_projections=fuse, gemm=gemm,
             kv_cache=kv_cache, page_size=page, paged_fused=paged_fused, moe_gate_up=gate_up,
@@ -311,6 +367,7 @@ def main() -> None:
             step_gbytes=step_bytes / 1e9, roofline_tokens_per_s=roof_tps,
             experts_read_per_layer=experts_read(config, batch) if config.is_moe else None,
             pct_roofline=100 * tokens / jrl_s / roof_tps,
+            bound_s=bound_s, pct_bound=bound_s and 100 * bound_s / jrl_s,
         )
         first = (impl == args.decode_attention[0] and lora_rollout == lora_rollouts[0]
                  and fuse == args.fuse_projections[0] and gemm == args.gemm[0]
@@ -331,10 +388,11 @@ def main() -> None:
 def print_table(args, results) -> None:
     print(f"\n{args.preset} {args.dtype}, P={args.prompt_len}, R={args.new_tokens}, "
           f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, "
-          f"HBM {args.hbm_gbps:g} GB/s\n")
+          f"HBM {args.hbm_gbps:g} GB/s"
+          + (f", {args.peak_tflops:g} TFLOP/s" if args.peak_tflops else "") + "\n")
     print("| B | decode attention | fused | GEMM | KV cache | LoRA | compile s | jrl s "
-          "| jrl tok/s | GB/step | roofline tok/s | % roofline | HF tok/s | jrl/HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| jrl tok/s | GB/step | roofline tok/s | % roofline | HF tok/s | jrl/HF | % bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         hf = (f"{r['hf_tokens_per_s']:.0f} | {r['jrl_over_hf']:.2f}x" if "hf_s" in r
               else "- | -")
@@ -350,7 +408,8 @@ def print_table(args, results) -> None:
               f"{lora_cell} | {r['compile_s']:.1f} | "
               f"{r['jrl_s']:.3f} | "
               f"{r['jrl_tokens_per_s']:.0f} | {r['step_gbytes']:.4g} | "
-              f"{r['roofline_tokens_per_s']:.0f} | {r['pct_roofline']:.1f} | {hf} |")
+              f"{r['roofline_tokens_per_s']:.0f} | {r['pct_roofline']:.1f} | {hf} | "
+              + (f"{r['pct_bound']:.1f} |" if r.get("pct_bound") else "- |"))
 
 
 if __name__ == "__main__":

@@ -115,10 +115,13 @@ def main() -> None:
     parser.add_argument("--min-mbytes", type=float, default=256.0,
                         help="copies of each weight (at least the preset's layers) to hold this")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--hbm-gbps", type=float, default=3350.0)
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="default: H200 4800, else 3350 (H100 SXM)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
+    if args.hbm_gbps is None:
+        args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
     config = PRESETS[args.preset]
     residuals = {"off": [False], "on": [True], "both": [False, True]}[args.residual]
     results = []

@@ -18,8 +18,9 @@ The measured time includes the prefill, so the % of roofline is a lower bound
 for the decode loop. "% bound" compares the time with ideal kernels instead
 (`bound_seconds`, `--peak-tflops`: by default an H100's or H200's 989): the prefill,
 then each decode step's matmuls at the dense peak or at the weights' bytes, whichever
-is longer, and its attention at the bandwidth, one after the other. Then the same model in PyTorch (`Qwen2ForCausalLM` etc.
-from the preset's HF config, random weights, same dtype, cuda when available)
+is longer, and its attention at the bandwidth, one after the other. Then the same
+model in PyTorch (`Qwen2ForCausalLM` etc. from the preset's HF config, random weights,
+same dtype, cuda when available)
 runs `transformers` `generate` with the same sampling settings and
 `min_new_tokens = max_new_tokens`.
 
@@ -179,7 +180,9 @@ def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int
     decode step its matmuls (the weights read once, 2 FLOPs per weight a row multiplies)
     and its attention (the cache `roofline` counts, 4 FLOPs per query head, dimension and
     filled slot). The roofline's HBM bound counts the decode steps' bytes alone; at a few
-    hundred rows a step's matmuls are at or past the chip's ridge, which this bound sees."""
+    hundred rows a step's matmuls are at or past the chip's ridge, which this bound sees.
+    Unlike the roofline, an untied model's input embedding table is not counted as read
+    (a step gathers its rows); sliding-window layers are counted over the whole cache."""
     layers, head = matmul_params(params, config)
     attn = 4.0 * config.num_layers * config.num_heads * config.head_dim  # FLOPs a query-key pair
     lengths = mask.sum(axis=1).astype(np.float64)
@@ -189,6 +192,8 @@ def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
     step_bytes, _ = roofline(params, config, mask, 1, gbps)  # a step at the prompts' caches
     weight_bytes = step_bytes - kv_token_bytes * (lengths.sum() + batch)
+    if not config.tie_word_embeddings:  # a step gathers B rows of the input table, not all
+        weight_bytes -= params["embed"]["embedding"].nbytes
     seconds = (max(weight_bytes / bandwidth,
                    (2 * layers * lengths.sum() + 2 * head * batch) / peak)
                + attn * (lengths * (lengths + 1) / 2).sum() / peak)

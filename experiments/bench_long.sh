@@ -17,6 +17,9 @@
 #   partial         long_tail with partial rollouts (rollout.partial, 1,024 tokens a row
 #                   a round; 9 warm-up steps, by which the rows running to 8192 hold
 #                   their steady share of the decode rows)
+#   partial_natural natural with partial rollouts (PTOK tokens a row a round, default
+#                   2,048; 9 warm-up steps): the decode rows kept full between rounds
+#                   instead of the batch's tail decoding alone
 #   forced_mosaic / natural_mosaic   those two with the decode attention on Mosaic GPU
 #                   (`--decode_attention mosaic`, MOSAIC_TILES' default tiles)
 #   before_forced   the tree in before/ (an export of an earlier commit), forced, with
@@ -138,6 +141,8 @@ for name in "$@"; do
                      --kv_cache paged ;;
     partial) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${LONG_TAIL[@]}" \
                --partial_max_tokens 1024 --warmup 9 --steps 2 ;;
+    partial_natural) run "$name" "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
+               --partial_max_tokens "${PTOK:-2048}" --warmup 9 --steps 2 ;;
     forced_mosaic) run forced_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz --decode_attention mosaic ;;
     natural_mosaic) run natural_mosaic "$ROOT" "${LONG_RUN[@]}" --dynamic_bsz "${NATURAL[@]}" \
                       --decode_attention mosaic ;;

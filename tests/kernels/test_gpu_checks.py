@@ -1,10 +1,10 @@
 """The kernels at the models' real sizes, compiled on a GPU, against XLA: the decode step's
 Mosaic GPU kernel at the presets' head shapes and caches (and the new token at the cache's
 edges), the log-prob head's Mosaic GPU kernel forward and backward at Qwen2.5-0.5B's head
-(D 896, V 151,936, tied, bf16) and Gemma-3-1B's (D 1,152, V 262,144), the sampler's
-head on the same kernel (`block_masses`) at both, and cuDNN's
-attention (packed, windowed and masked) at Qwen2.5-0.5B's and Gemma-3-1B's heads (head_dim
-256 on Hopper). Skipped off a GPU:
+(D 896, V 151,936, tied, bf16), Gemma-3-1B's (D 1,152, V 262,144) and Qwen3-30B-A3B's
+(D 2,048, V 151,936), the sampler's head on the same kernel (`block_masses`) at all
+three, and cuDNN's attention (packed, windowed and masked) at Qwen2.5-0.5B's and
+Gemma-3-1B's heads (head_dim 256 on Hopper). Skipped off a GPU:
 tests/kernels/test_decode_attention.py and test_logprob_head.py run the same kernels in
 interpret mode at toy sizes; the timings of these shapes are experiments/bench_*.py's.
 
@@ -182,7 +182,11 @@ def test_paged_fused_kernel_matches_xla_at_the_presets_shapes(name):
 
 HEAD_HIDDEN, HEAD_VOCAB = 896, 151936  # Qwen2.5-0.5B, tied embedding
 # Hidden size, vocabulary of the tied heads `auto` takes the kernel for (`hk.MAX_HIDDEN`).
-HEAD_SHAPES = {"qwen2.5-0.5b": (HEAD_HIDDEN, HEAD_VOCAB), "gemma-3-1b": (1152, 262144)}
+# The heads "auto" takes the kernels at: the smallest and largest hidden sizes up to
+# `logprob_head.MAX_HIDDEN` (Qwen3-30B-A3B's D 2,048, the MoE sampler's and update's) and
+# Gemma's vocabulary.
+HEAD_SHAPES = {"qwen2.5-0.5b": (HEAD_HIDDEN, HEAD_VOCAB), "gemma-3-1b": (1152, 262144),
+               "qwen3-30b-a3b": (2048, 151936)}
 
 
 def _head_inputs(tokens, seed=0, shape=(HEAD_HIDDEN, HEAD_VOCAB)):

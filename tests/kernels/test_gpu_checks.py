@@ -367,6 +367,43 @@ def test_token_log_probs_on_the_kernel_match_xla(shape):
         assert _max_diff(grad, ref) <= 2 ** -6 * float(jnp.max(jnp.abs(ref)))
 
 
+@NEEDS_MOSAIC
+@ON_HOPPER
+def test_token_log_probs_on_the_kernel_vmapped_over_runs_match_xla():
+    """The kernel under `jax.vmap`, as the many-runs programs (`jrl.rl.runs`, whose
+    `vmapped_model` keeps `logprob_impl` "auto") run the update: three runs, each its own
+    unembedding and hidden states, log-probs and gradients against the XLA path vmapped
+    the same way, and each run against the kernel run alone on its own inputs."""
+    shape, runs = HEAD_SHAPES["qwen2.5-0.5b"], 3
+    inputs = [_head_inputs(4096, seed=seed, shape=shape) for seed in range(runs)]
+    hidden = jnp.stack([h.reshape(16, 256, h.shape[-1]) for h, _, _ in inputs])
+    weights = jnp.stack([w.astype(jnp.float32) for _, w, _ in inputs])
+    targets = jnp.stack([y.reshape(16, 256) for _, _, y in inputs])
+    g_lp = jax.random.normal(jax.random.key(7), targets.shape, jnp.float32)
+
+    def one(impl, w, hidden, targets, g_lp):
+        def loss(w, hidden):
+            lp, _ = logprobs.token_log_probs({"embed": {"embedding": w}}, hidden, targets,
+                                             chunk_size=64, impl=impl)
+            return jnp.sum(lp * g_lp), lp
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(w, hidden)
+
+    def vmapped(impl):
+        (grad_w, grad_h), lp = jax.jit(jax.vmap(functools.partial(one, impl)))(
+            weights, hidden, targets, g_lp)
+        return lp, grad_w, grad_h
+
+    got, want = vmapped("mosaic"), vmapped("xla")
+    assert _max_diff(got[0], want[0]) < 0.02
+    for grad, ref in zip(got[1:], want[1:], strict=True):
+        assert _max_diff(grad, ref) <= 2 ** -6 * float(jnp.max(jnp.abs(ref)))
+    alone = jax.jit(functools.partial(one, "mosaic"))
+    for r in range(runs):
+        (grad_w, grad_h), lp = alone(weights[r], hidden[r], targets[r], g_lp[r])
+        assert _max_diff(lp, got[0][r]) < 1e-3
+        assert _max_diff(grad_h, got[2][r]) <= 2 ** -8 * float(jnp.max(jnp.abs(grad_h)))
+
+
 # ------------------------------------------------------------------ packed attention
 
 

@@ -11,7 +11,8 @@ decode-step HBM roofline:
 
 where an MoE layer's weight bytes count only the experts a step reads: with B rows
 routed uniformly to k of E experts, E (1 - (1 - k/E)^B) of them (for Qwen3-30B-A3B's E 128,
-k 8: all of them at batch 256, 98.4% at batch 64).
+k 8: all of them at batch 256, 98.4% at batch 64), and an untied model's input embedding
+table only the B rows a step gathers (tied, it is read whole as the head).
     roofline tokens/s = B / (bytes/step / bandwidth)
 
 The measured time includes the prefill, so the % of roofline is a lower bound
@@ -140,16 +141,20 @@ def experts_read(config: ModelConfig, batch: int) -> float:
 def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbps: float):
     """(bytes per decode step, roofline tokens/s) from the weights a step reads and the
     real KV tokens: every weight, except that an MoE layer reads only the experts its
-    tokens chose (`experts_read`)."""
+    tokens chose (`experts_read`) and an untied model's input embedding table only the
+    rows of the step's tokens (tied, the table is read whole as the head)."""
     weight_bytes = 0.0
-    share = experts_read(config, mask.shape[0]) / config.num_experts if config.is_moe else 1.0
+    batch = mask.shape[0]
+    share = experts_read(config, batch) / config.num_experts if config.is_moe else 1.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [getattr(p, "key", None) for p in path]
         expert = config.is_moe and "mlp" in keys and "router" not in keys
-        weight_bytes += leaf.nbytes * (share if expert else 1.0)
+        if keys[0] == "embed" and not config.tie_word_embeddings:
+            weight_bytes += leaf.nbytes * batch / leaf.shape[0]
+        else:
+            weight_bytes += leaf.nbytes * (share if expert else 1.0)
     itemsize = np.dtype(config.dtype).itemsize
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
-    batch = mask.shape[0]
     # Step i reads the cache of each row's prompt plus i generated tokens.
     mean_read_tokens = mask.sum() + batch * (new_tokens - 1) / 2
     step_bytes = weight_bytes + kv_token_bytes * (mean_read_tokens + batch)
@@ -181,8 +186,7 @@ def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int
     and its attention (the cache `roofline` counts, 4 FLOPs per query head, dimension and
     filled slot). The roofline's HBM bound counts the decode steps' bytes alone; at a few
     hundred rows a step's matmuls are at or past the chip's ridge, which this bound sees.
-    Unlike the roofline, an untied model's input embedding table is not counted as read
-    (a step gathers its rows); sliding-window layers are counted over the whole cache."""
+    Sliding-window layers are counted over the whole cache, as in the roofline."""
     layers, head = matmul_params(params, config)
     attn = 4.0 * config.num_layers * config.num_heads * config.head_dim  # FLOPs a query-key pair
     lengths = mask.sum(axis=1).astype(np.float64)
@@ -192,8 +196,6 @@ def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
     step_bytes, _ = roofline(params, config, mask, 1, gbps)  # a step at the prompts' caches
     weight_bytes = step_bytes - kv_token_bytes * (lengths.sum() + batch)
-    if not config.tie_word_embeddings:  # a step gathers B rows of the input table, not all
-        weight_bytes -= params["embed"]["embedding"].nbytes
     seconds = (max(weight_bytes / bandwidth,
                    (2 * layers * lengths.sum() + 2 * head * batch) / peak)
                + attn * (lengths * (lengths + 1) / 2).sum() / peak)

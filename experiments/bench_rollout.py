@@ -138,13 +138,12 @@ def experts_read(config: ModelConfig, batch: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** batch)
 
 
-def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbps: float):
-    """(bytes per decode step, roofline tokens/s) from the weights a step reads and the
-    real KV tokens: every weight, except that an MoE layer reads only the experts its
-    tokens chose (`experts_read`) and an untied model's input embedding table only the
-    rows of the step's tokens (tied, the table is read whole as the head)."""
+def step_weight_bytes(params, config: ModelConfig, batch: int) -> float:
+    """The weight bytes a decode step of `batch` rows reads: every weight, except that an
+    MoE layer reads only the experts its tokens chose (`experts_read`) and an untied
+    model's input embedding table only the rows of the step's tokens (tied, the table is
+    read whole as the head)."""
     weight_bytes = 0.0
-    batch = mask.shape[0]
     share = experts_read(config, batch) / config.num_experts if config.is_moe else 1.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [getattr(p, "key", None) for p in path]
@@ -153,11 +152,23 @@ def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbp
             weight_bytes += leaf.nbytes * batch / leaf.shape[0]
         else:
             weight_bytes += leaf.nbytes * (share if expert else 1.0)
+    return weight_bytes
+
+
+def kv_token_bytes(config: ModelConfig) -> int:
+    """The key and value bytes of one token over all layers."""
     itemsize = np.dtype(config.dtype).itemsize
-    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+def roofline(params, config: ModelConfig, mask: np.ndarray, new_tokens: int, gbps: float):
+    """(bytes per decode step, roofline tokens/s) from the weights a step reads
+    (`step_weight_bytes`) and the real KV tokens."""
+    batch = mask.shape[0]
     # Step i reads the cache of each row's prompt plus i generated tokens.
     mean_read_tokens = mask.sum() + batch * (new_tokens - 1) / 2
-    step_bytes = weight_bytes + kv_token_bytes * (mean_read_tokens + batch)
+    step_bytes = (step_weight_bytes(params, config, batch)
+                  + kv_token_bytes(config) * (mean_read_tokens + batch))
     return float(step_bytes), float(batch / (step_bytes / (gbps * 1e9)))
 
 
@@ -192,17 +203,14 @@ def bound_seconds(params, config: ModelConfig, mask: np.ndarray, new_tokens: int
     lengths = mask.sum(axis=1).astype(np.float64)
     batch = len(lengths)
     peak, bandwidth = tflops * 1e12, gbps * 1e9
-    itemsize = np.dtype(config.dtype).itemsize
-    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
-    step_bytes, _ = roofline(params, config, mask, 1, gbps)  # a step at the prompts' caches
-    weight_bytes = step_bytes - kv_token_bytes * (lengths.sum() + batch)
+    weight_bytes, kv_bytes = step_weight_bytes(params, config, batch), kv_token_bytes(config)
     seconds = (max(weight_bytes / bandwidth,
                    (2 * layers * lengths.sum() + 2 * head * batch) / peak)
                + attn * (lengths * (lengths + 1) / 2).sum() / peak)
     matmuls = max(weight_bytes / bandwidth, 2 * (layers + head) * batch / peak)
     for i in range(new_tokens - 1):  # the first token comes from the prefill's head
         filled = lengths.sum() + batch * (i + 1)
-        seconds += matmuls + max(kv_token_bytes * (filled + batch) / bandwidth,
+        seconds += matmuls + max(kv_bytes * (filled + batch) / bandwidth,
                                  attn * filled / peak)
     return seconds
 

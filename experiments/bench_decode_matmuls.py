@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import trace_summary  # noqa: E402
 
+from jrl import metrics  # noqa: E402
 from jrl.models import PRESETS  # noqa: E402
 
 GEMM_KERNEL = re.compile(r"nvjet|gemm|splitK|cutlass|xmma|triton", re.IGNORECASE)
@@ -116,12 +117,13 @@ def main() -> None:
                         help="copies of each weight (at least the preset's layers) to hold this")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--hbm-gbps", type=float, default=None,
-                        help="default: H200 4800, else 3350 (H100 SXM)")
+                        help="default: the device's from jrl.metrics.PEAK_HBM_GBPS, else "
+                             "3350 (H100 SXM)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
     if args.hbm_gbps is None:
-        args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
+        args.hbm_gbps = metrics.peak_hbm_gbps(jax.devices()[0].device_kind) or 3350.0
     config = PRESETS[args.preset]
     residuals = {"off": [False], "on": [True], "both": [False, True]}[args.residual]
     results = []

@@ -48,6 +48,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trace_summary  # noqa: E402  (this folder is on the path when a script here runs)
 
+from jrl import metrics  # noqa: E402
 from jrl.kernels import decode_attention as decode_lib  # noqa: E402
 from jrl.models import ModelConfig, init_params, moe, transformer  # noqa: E402
 from jrl.rl import step  # noqa: E402
@@ -68,11 +69,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after warm-up")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="dense 16-bit matmul peak for the bound (default: H100 / H200 "
-                             "SXM 989; elsewhere no bound is given)")
+                        help="dense 16-bit matmul peak for the bound (default: the device's "
+                             "from jrl.metrics.PEAK_FLOPS; elsewhere no bound is given)")
     parser.add_argument("--hbm-gbps", type=float, default=None,
-                        help="HBM bandwidth for the roofline (default: H100 SXM 3350, "
-                             "H200 4800, from the device name)")
+                        help="HBM bandwidth for the roofline (default: the device's from "
+                             "jrl.metrics.PEAK_HBM_GBPS, else H100 SXM's 3350)")
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
                         choices=("auto", "xla", "mosaic"),
                         help="model decode_attention_impl values to run (one row each)")
@@ -324,11 +325,11 @@ def main() -> None:
         hf_model = build_hf_model(config, hf_device)
     print(json.dumps(info, indent=1))
 
+    device_kind = jax.devices()[0].device_kind
     if args.hbm_gbps is None:
-        args.hbm_gbps = 4800.0 if "H200" in jax.devices()[0].device_kind else 3350.0
-    if args.peak_tflops is None and any(name in jax.devices()[0].device_kind
-                                        for name in ("H100", "H200")):
-        args.peak_tflops = 989.0
+        args.hbm_gbps = metrics.peak_hbm_gbps(device_kind) or 3350.0
+    if args.peak_tflops is None and (peak := metrics.peak_flops(device_kind)):
+        args.peak_tflops = peak / 1e12
     results = []
     lora_rollouts = args.lora_rollout if args.lora_rank else ["unmerged"]
     caches = [(cache, page, fused) for cache in args.kv_cache

@@ -21,19 +21,35 @@ import numpy as np
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# Peak dense bf16 FLOP/s per chip, for MFU.
+# Peak dense bf16 FLOP/s per chip, for MFU (the first name found in the device kind
+# wins, so the PCIe H100 comes before the SXM one).
 PEAK_FLOPS = {
-    "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
     "TPU v6 lite": 918e12, "TPU v6e": 918e12,
 }
 
+# Peak HBM bandwidth per chip in GB/s, for a memory roofline (found as PEAK_FLOPS is).
+PEAK_HBM_GBPS = {
+    "H100 PCIe": 2000.0, "H100": 3350.0, "H200": 4800.0, "A100": 2039.0,
+    "TPU v4": 1228.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5p": 2765.0,
+    "TPU v6 lite": 1640.0, "TPU v6e": 1640.0,
+}
+
+
+def _by_device(table: dict[str, float], device_kind: str) -> float | None:
+    return next((value for name, value in table.items()
+                 if name.lower() in device_kind.lower()), None)
+
 
 def peak_flops(device_kind: str) -> float | None:
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
+    """Dense bf16 FLOP/s of one chip of this kind (None when it is not in the table)."""
+    return _by_device(PEAK_FLOPS, device_kind)
+
+
+def peak_hbm_gbps(device_kind: str) -> float | None:
+    """HBM bandwidth of one chip of this kind in GB/s (None when it is not in the table)."""
+    return _by_device(PEAK_HBM_GBPS, device_kind)
 
 
 def validation_metrics(data_sources: Sequence[str], prompt_index: Sequence[int],

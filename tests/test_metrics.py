@@ -179,3 +179,17 @@ def test_validation_metrics_mean_best_maj():
     assert out["val-core/s/acc/best@3/mean"] == 1.0
     assert out["val-core/s/acc/maj@3/mean"] == pytest.approx(0.5)
     assert out["val-aux/s/reward/mean@3"] == pytest.approx((0.4 + 1) / 2)
+
+
+@pytest.mark.parametrize("device_kind, flops, gbps", [
+    # Vendor data sheets: H100 SXM 989 TFLOP/s dense bf16 and 3.35 TB/s, H100 PCIe 756
+    # and 2.0 TB/s, H200 4.8 TB/s, TPU v5e 197 TFLOP/s and 819 GB/s.
+    ("NVIDIA H100 80GB HBM3", 989e12, 3350.0),
+    ("NVIDIA H100 PCIe", 756e12, 2000.0),
+    ("NVIDIA H200", 989e12, 4800.0),
+    ("TPU v5 lite", 197e12, 819.0),
+    ("cpu", None, None),
+])
+def test_peaks_by_device_kind(device_kind, flops, gbps):
+    assert metrics.peak_flops(device_kind) == flops
+    assert metrics.peak_hbm_gbps(device_kind) == gbps

@@ -401,7 +401,10 @@ def test_token_log_probs_on_the_kernel_vmapped_over_runs_match_xla():
     for r in range(runs):
         (grad_w, grad_h), lp = alone(weights[r], hidden[r], targets[r], g_lp[r])
         assert _max_diff(lp, got[0][r]) < 1e-3
-        assert _max_diff(grad_h, got[2][r]) <= 2 ** -8 * float(jnp.max(jnp.abs(grad_h)))
+        # One bfloat16 rounding of the largest element (bf16's spacing is at most 2^-7 of
+        # a value): the batched program may add the hidden gradient's float32 terms in
+        # another order, which can round it to the neighbouring value.
+        assert _max_diff(grad_h, got[2][r]) <= 2 ** -7 * float(jnp.max(jnp.abs(grad_h)))
 
 
 # ------------------------------------------------------------------ packed attention

@@ -23,6 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jrl.app import interrupt, rundir
+from jrl.config import verl_names
 from jrl.errors import ConfigError, JrlError
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -67,6 +68,10 @@ def _load_config(spec: str, module=None):
     (`module`: the file, when already loaded)."""
     path, _, arg = spec.partition(":")
     module = module or _load_module(path)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"--config: {path!r} has no get_config() function; a config file "
+                          "defines get_config() returning an ml_collections.ConfigDict (see "
+                          "configs/grpo_arith.py)")
     return module.get_config(arg) if arg else module.get_config()
 
 
@@ -118,9 +123,11 @@ def check_override_keys(config, keys: Sequence[str]) -> None:
             if not hasattr(node, "keys"):
                 raise ConfigError(f"--config.{key}: {'.'.join(seen)} is a value, not a section")
             if part not in node.keys():
-                nearest = difflib.get_close_matches(key, list(rundir.flatten(config)), n=1,
-                                                    cutoff=0.5)
-                hint = f"; the nearest valid key is {nearest[0]}" if nearest else ""
+                known = rundir.flatten(config)
+                verl = verl_names.suggestion(key, known)
+                nearest = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+                hint = (f"; {verl}" if verl else
+                        f"; the nearest valid key is {nearest[0]}" if nearest else "")
                 raise ConfigError(f"--config.{key}: the config has no key {key}{hint}")
             node, seen = node[part], [*seen, part]
 

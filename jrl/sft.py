@@ -57,8 +57,10 @@ def encode_examples(tokenizer, rows, max_prompt_length: int, max_response_length
             template = template or multi_turn.TurnTemplate(tokenizer)
             ids, trained = multi_turn.demonstration_tokens(tokenizer, shown, template)
         if len(ids) > max_response_length:
-            raise ConfigError(f"answer of row {i} needs {len(ids)} tokens, more than "
-                              f"rollout.response_length={max_response_length}")
+            raise ConfigError(f"the warm start's answer for training row {i + 1} (its "
+                              f"demonstration and the end token) needs {len(ids)} tokens, "
+                              f"more than rollout.response_length={max_response_length}; "
+                              f"set --config.rollout.response_length={len(ids)} or more")
         responses[i, : len(ids)] = ids
         response_mask[i, : len(ids)] = trained
         attention_mask[i, : len(ids)] = 1

@@ -29,11 +29,11 @@ from jrl.config import settings as settings_lib
 from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, JrlError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
-from jrl.rewards import in_graph, scoring  # noqa: E402
+from jrl.rewards import in_graph, responses, scoring  # noqa: E402
 from jrl.rl.trainer import RLTrainer  # noqa: E402
 
-# Training rows whose demonstrations a custom reward function is tried on before the
-# warm start (`_try_reward_fn`).
+# Training rows whose demonstrations a custom reward function is tried on before
+# training (`_try_reward_fn`).
 REWARD_TRIAL_ROWS = 8
 
 
@@ -140,20 +140,27 @@ def _check_batch_sizes_first(config, sharder, reward_fn) -> None:
 
 def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_fn) -> None:
     """The model's and the reward model's files, and the reward function: it resolves,
-    and (under `reward.on_error='raise'`, with a warm start) scores the demonstrations."""
+    and (under `reward.on_error='raise'`) scores the demonstrations."""
     model_path = settings.experiment.model.path
     if model_path:
         hf.check_files(os.path.expanduser(model_path), "model.path")
     if settings.reward.model_path:
         hf.check_files(os.path.expanduser(settings.reward.model_path), "reward_model.model.path")
+    if settings.reward.model_path:
+        return
     custom = reward_fn or settings.reward.custom_fn
-    if custom and not settings.reward.model_path:
+    fn = None  # the rule rewards by data_source
+    if custom:
         try:
             fn = scoring.resolve_fn(custom)
         except (ImportError, TypeError) as err:
             raise ConfigError(f"reward.custom_fn: {err}") from err
-        if settings.reward.on_error == "raise" and settings.experiment.sft.steps > 0:
-            _try_reward_fn(fn, train_rows)
+    filtered = settings.filter_groups is not None
+    if (custom and settings.reward.on_error == "raise") or filtered:
+        fields = _try_reward_fn(fn, train_rows, settings.reward.on_error)
+        if filtered and fields is not None and not fields.num_errors:
+            # A field the reward does not return would stop the first step, compiled.
+            responses.filter_metric(settings.filter_groups.metric, fields.scores, fields.extras)
 
 
 def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
@@ -166,19 +173,24 @@ def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
     in_graph.resolve(settings.reward.in_graph_fn, tokenizer)
 
 
-def _try_reward_fn(fn, rows) -> None:
-    """Scores the demonstrations of the first training rows, the answers the warm start
-    teaches (and so the first responses RL samples), with the reward function: one that
-    raises on them would stop the run at its first step, after the warm start."""
+def _try_reward_fn(fn, rows, on_error: str = "raise") -> scoring.ScoreResult | None:
+    """Scores the demonstrations of the first training rows (their ground truths, or
+    `extra_info.demonstration`) as responses with the reward function, before anything
+    is built: a function that raises on a correct answer would stop the run at its first
+    step, after the warm start and the programs' compilation. (With a warm start these
+    are the answers it teaches, and so the first responses RL scores.)"""
     # Rows without an answer, and multi-turn demonstrations, are not tried.
     tried = [row for row in rows[:REWARD_TRIAL_ROWS]
              if (row.get("extra_info") or {}).get("demonstration", ground_truth(row)) is not None
              and isinstance(sft.demonstration(row), str)]
+    if not tried:
+        return None
     try:
-        scoring.RewardScorer(fn).score(tried, [sft.demonstration(r) for r in tried], n=1)
+        return scoring.RewardScorer(fn, on_error=on_error).score(
+            tried, [sft.demonstration(r) for r in tried], n=1)
     except RewardError as err:
-        raise RewardError(f"before the warm start, on the demonstrations of the first "
-                          f"training rows as responses: {err}") from None
+        raise RewardError(f"before training, on the demonstrations (ground truths) of the "
+                          f"first training rows as responses: {err}") from None
 
 
 def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:

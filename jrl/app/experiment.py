@@ -228,11 +228,15 @@ def _fresh_model(model_settings: ModelSettings, tokenizer, lora_base: bool, base
     """(architecture of a preset, `init(key)` of its parameters)."""
     # A freshly initialised model gets exactly the tokenizer's vocabulary, so it can
     # never sample an id the tokenizer cannot decode.
-    model = ModelConfig.preset(
-        model_settings.preset, param_dtype=model_settings.param_dtype,
-        vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=tuple(tokenizer.eos_token_ids), **model_settings.config_fields(),
-        **model_settings.preset_overrides())
+    try:
+        model = ModelConfig.preset(
+            model_settings.preset, param_dtype=model_settings.param_dtype,
+            vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=tuple(tokenizer.eos_token_ids), **model_settings.config_fields(),
+            **model_settings.preset_overrides())
+    except ConfigError as e:  # name the keys: the fields are the config's model.* keys
+        raise ConfigError(f"model.* (preset {model_settings.preset!r} with the config's "
+                          f"model keys): {e}") from e
 
     def init(key):
         params = init_params(model, key)

@@ -14,6 +14,7 @@ count of `trainer.total_epochs`) is added by `Settings.with_data` once they are 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -39,6 +40,7 @@ from jrl.rollout.sampler import SamplingConfig
 # kl_control.KL_CONTROLLERS, model_config.DTYPES, ...), never a copy.
 NAN_POLICIES = ("skip", "raise")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+_LOGGER_PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
 def _fail(key: str, message: str):
@@ -373,6 +375,12 @@ class TrainerSettings:
         for logger in self.logger:
             if logger not in LOGGERS:
                 _fail("trainer.logger", f"{logger!r} is not valid; choose from {list(LOGGERS)}")
+            # A logger asked for by name writes nothing without its package: stop here
+            # rather than warn once and run without it.
+            package = _LOGGER_PACKAGES.get(logger)
+            if package and importlib.util.find_spec(package) is None:
+                _fail("trainer.logger", f"{logger!r} needs the {package} package, which is not "
+                      f"installed: pip install {package}, or leave {logger!r} out")
         _set(self, logger=tuple(self.logger))
         if self.total_training_steps:
             _set(self, total_training_steps=_number(
@@ -608,8 +616,15 @@ class DataSettings:
     num_train: int | None
 
     def __post_init__(self):
+        _set(self, val_batch_size=_number("data.val_batch_size", self.val_batch_size,
+                                          integer=True),
+             seed=_number("data.seed", self.seed, allow_zero=True, integer=True))
         if self.train_files:
             return
+        _set(self, digits=_number("data.digits", self.digits, integer=True),
+             num_val=_number("data.num_val", self.num_val, allow_zero=True, integer=True))
+        if self.num_train is not None:
+            _set(self, num_train=_number("data.num_train", self.num_train, integer=True))
         if self.val_files:
             raise ConfigError("data.val_files is set without data.train_files; give both, or "
                               "neither for the synthetic data.task")
@@ -636,6 +651,13 @@ class SftSettings:
     lr: float = 1e-3
     lr_warmup_steps: int = 0
     max_response_length: int = 8
+
+    def __post_init__(self):
+        _set(self, steps=_number("sft.steps", self.steps, allow_zero=True, integer=True),
+             batch_size=_number("sft.batch_size", self.batch_size, integer=True),
+             lr=_number("sft.lr", self.lr, allow_zero=True),
+             lr_warmup_steps=_number("sft.lr_warmup_steps", self.lr_warmup_steps,
+                                     allow_zero=True, integer=True))
 
     def check_steps(self) -> None:
         """`python -m jrl.sft` trains: it needs steps."""
@@ -670,6 +692,7 @@ class ExperimentSettings:
     rule_reward: bool = True
 
     def __post_init__(self):
+        _set(self, seed=_number("seed", self.seed, allow_zero=True, integer=True))
         if self.tokenizer.name == "hf" and not (self.tokenizer.path or self.model.path):
             raise ConfigError("tokenizer.name='hf' needs tokenizer.path or model.path")
 

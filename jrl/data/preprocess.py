@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from jrl.data.files import convert_splits
+from jrl.errors import DataError, JrlError
 from jrl.rewards.math_answers import DATA_SOURCES, last_boxed
 
 SPLITS = ("train", "test")
@@ -56,7 +58,7 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 def _check_strings(record: dict, keys: tuple[str, ...], where: str) -> None:
     for key in keys:
         if not isinstance(record.get(key), str):
-            raise ValueError(f"{where}: field {key!r} must be a string; fields present: "
+            raise DataError(f"{where}: field {key!r} must be a string; fields present: "
                              f"{sorted(record)}")
 
 
@@ -64,7 +66,7 @@ def gsm8k_ground_truth(answer: str, where: str) -> str:
     """The number after the first "#### " of a GSM8K solution, commas removed."""
     match = _GSM8K_FINAL_ANSWER.search(answer)
     if match is None:
-        raise ValueError(f"{where}: answer has no '#### <number>' line: {answer[-80:]!r}")
+        raise DataError(f"{where}: answer has no '#### <number>' line: {answer[-80:]!r}")
     return match.group(1).replace(",", "")
 
 
@@ -87,7 +89,7 @@ def math_ground_truth(record: dict, where: str) -> str:
     if answer is None:
         answer = record.get("answer")
     if not isinstance(answer, str):
-        raise ValueError(f"{where}: the solution has no \\boxed{{...}} answer and the record "
+        raise DataError(f"{where}: the solution has no \\boxed{{...}} answer and the record "
                          f"no 'answer' field: {record['solution'][-80:]!r}")
     return answer
 
@@ -111,7 +113,7 @@ def convert_gsm8k(local_dir: str | Path, output_dir: str | Path) -> dict[str, in
 
     Raises:
       FileNotFoundError: neither split is found under `local_dir` (layouts named).
-      ValueError: a record lacks a field or a final answer (file and record named).
+      DataError: a record lacks a field or a final answer (file and record named).
     """
     return convert_splits(local_dir, output_dir, SPLITS, gsm8k_row)
 
@@ -122,7 +124,7 @@ def convert_math(local_dir: str | Path, output_dir: str | Path,
 
     Raises:
       FileNotFoundError: neither split is found under `local_dir` (layouts named).
-      ValueError: a record lacks a field or a final answer (file and record named).
+      DataError: a record lacks a field or a final answer (file and record named).
     """
     return convert_splits(local_dir, output_dir, SPLITS,
                           lambda r, split, i, where: math_row(r, split, i, where, data_source))
@@ -161,5 +163,15 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     return written
 
 
+def _main_with_errors() -> None:
+    """`main` as a command: a missing or malformed dataset prints one line and exits with
+    status 2, as `python -m jrl.train` does."""
+    try:
+        main()
+    except (JrlError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    _main_with_errors()

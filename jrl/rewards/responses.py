@@ -16,6 +16,7 @@ import numpy as np
 
 from jrl import sharding
 from jrl.data.dataset import Row
+from jrl.errors import ConfigError
 from jrl.rewards import overlong, scoring
 
 # What `ResponseScorer.submit`'s function returns: (scores [N] with DAPO's overlong
@@ -55,8 +56,8 @@ def filter_metric(name: str, scores: np.ndarray, extras: dict[str, np.ndarray]) 
         return extras[name]
     if name in ("score", "acc"):
         return extras.get("score", scores)
-    raise ValueError(f"algorithm.filter_groups.metric={name!r} is not among the reward's "
-                     f"fields {['score', 'seq_reward', *sorted(extras)]}")
+    raise ConfigError(f"algorithm.filter_groups.metric={name!r} is not among the reward's "
+                      f"fields {['score', 'seq_reward', *sorted(extras)]}")
 
 
 class ResponseScorer:

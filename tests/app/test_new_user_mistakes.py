@@ -147,3 +147,63 @@ def test_variant_notes_and_the_missing_config_error_in_the_process():
             cli.required_config()
     finally:
         flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(("key", "hint"), [
+    ("data.max_response_length", "verl's data.max_response_length is rollout.response_length "
+                                 "here"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+     "verl's actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is "
+     "actor.ppo_micro_batch_size here (counted in sequences over all devices, not per GPU: "
+     "verl's value times the number of GPUs)"),
+    ("actor_rollout_ref.actor.optim.lr", "verl's actor_rollout_ref.actor.optim.lr is "
+                                         "actor.optim.lr here"),
+    ("actor_rollout_ref.rollout.temperature", "verl's actor_rollout_ref.rollout.temperature "
+                                              "is rollout.temperature here"),
+    ("actor.optim.lrr", "the nearest valid key is actor.optim.lr"),
+])
+def test_a_verl_key_names_the_jrl_key(key, hint):
+    """verl's names for keys jrl names otherwise get the jrl key (docs/from_verl.md's
+    map), not the nearest spelling; a misspelling still gets the nearest key."""
+    from jrl import cli
+    from jrl.config.defaults import base_config
+    from jrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        cli.check_override_keys(base_config(), [key])
+    assert str(raised.value) == f"--config.{key}: the config has no key {key}; {hint}"
+
+
+def test_every_verl_rename_points_at_a_jrl_key_in_the_docs_map():
+    from jrl.app import rundir
+    from jrl.config import verl_names
+    from jrl.config.defaults import base_config
+
+    known = rundir.flatten(base_config())
+    with open(os.path.join(REPO, "docs", "from_verl.md")) as f:
+        docs = f.read()
+    for verl, (ours, _) in verl_names.RENAMED.items():
+        assert ours == "--workdir" or ours in known, (verl, ours)
+        assert verl not in known, verl
+        assert f"`{verl}" in docs or f"`{verl.rsplit('.', 1)[-1]}" in docs, verl
+
+
+def test_a_config_file_without_get_config_is_one_line(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text("LR = 1e-6\n")
+    done = _train(f"--config={path}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: --config: '{path}' has no get_config() function; a config file defines "
+        "get_config() returning an ml_collections.ConfigDict (see configs/grpo_arith.py)"]
+
+
+def test_preprocess_of_a_missing_dataset_is_one_line(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, "-m", "jrl.data.preprocess", "gsm8k",
+                           "--local_dir", str(tmp_path / "nowhere"), "--output_dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nowhere" in lines[0], lines

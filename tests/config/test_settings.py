@@ -110,8 +110,43 @@ def test_a_mosaic_kernel_needs_the_mosaic_backend(monkeypatch):
             _settings(**{key: "mosaic"})
 
 
-def test_loggers():
+def test_loggers(monkeypatch):
+    real = settings.importlib.util.find_spec
+    monkeypatch.setattr(settings.importlib.util, "find_spec",
+                        lambda name: object() if name == "wandb" else real(name))
     _settings(**{"trainer.logger": settings.LOGGERS})
+
+
+def test_a_logger_whose_package_is_missing_stops(monkeypatch):
+    """Asked for by name, a logger without its package is an error, not a warning in the
+    progress bar and a run that logs nowhere."""
+    real = settings.importlib.util.find_spec
+    monkeypatch.setattr(settings.importlib.util, "find_spec",
+                        lambda name: None if name == "wandb" else real(name))
+    with pytest.raises(ConfigError, match=r"^trainer\.logger: 'wandb' needs the wandb package, "
+                                          r"which is not installed: pip install wandb, or "
+                                          r"leave 'wandb' out$"):
+        _settings(**{"trainer.logger": ("console", "wandb")})
+
+
+@pytest.mark.parametrize(("overrides", "key", "kind"), [
+    ({"data.val_batch_size": 0}, "data.val_batch_size", "positive"),
+    ({"data.val_batch_size": -4}, "data.val_batch_size", "positive"),
+    ({"data.seed": -1}, "data.seed", "non-negative"),
+    ({"seed": -1}, "seed", "non-negative"),
+    ({"data.digits": 0}, "data.digits", "positive"),
+    ({"data.num_val": -1}, "data.num_val", "non-negative"),
+    ({"sft.steps": -3}, "sft.steps", "non-negative"),
+    ({"sft.batch_size": 0}, "sft.batch_size", "positive"),
+    ({"sft.lr": -1.0}, "sft.lr", "non-negative"),
+    ({"sft.lr_warmup_steps": -3}, "sft.lr_warmup_steps", "non-negative"),
+])
+def test_counts_seeds_and_rates_out_of_range_name_their_key(overrides, key, kind):
+    """Each would otherwise run: a validation or warm start skipped without a word, a
+    warm start with no batch or climbing the loss, or a numpy error about a seed."""
+    with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.") + f": must be a {kind} "
+                       "number, got "):
+        settings.experiment_from_config(tiny_config(**overrides))
 
 
 def test_sampling_keys_are_the_rollouts():
@@ -337,3 +372,14 @@ def test_paged_cache_settings():
     with pytest.raises(ConfigError, match=r"^rollout.partial_keep_cache: =True hands a "
                                           r"contiguous cache.*rollout.kv_cache='contiguous'"):
         _settings(**keys, **partial, **{"rollout.partial_keep_cache": True})
+
+
+def test_a_model_shape_that_cannot_be_built_names_the_model_keys():
+    from jrl.app import experiment
+
+    experiment_settings = settings.experiment_from_config(tiny_config(
+        **{"model.num_heads": 3, "model.num_kv_heads": 2}))
+    with pytest.raises(ConfigError, match=r"^model\.\* \(preset '[^']+' with the config's model "
+                                          r"keys\): num_heads \(3\) must be a multiple of "
+                                          r"num_kv_heads \(2\)$"):
+        experiment.build_model(experiment_settings, CharTokenizer())

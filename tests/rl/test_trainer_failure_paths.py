@@ -163,17 +163,34 @@ def test_reward_error_is_one_line_with_the_hint_and_on_error_may_then_change(tmp
     assert all(r["reward/num_errors"] > 0 for r in _metrics(workdir) if r["step"] > 0)
 
 
-def test_reward_fn_raising_on_the_demonstrations_stops_before_the_warm_start(tmp_path,
-                                                                              monkeypatch):
+@pytest.mark.parametrize("sft_steps", [0, 2])
+def test_reward_fn_raising_on_the_demonstrations_stops_before_anything_is_built(
+        tmp_path, monkeypatch, sft_steps):
+    """With a warm start or without one: the demonstrations are the rows' answers."""
     monkeypatch.setattr(experiment, "build_model", lambda *a, **k: pytest.fail("built"))
     path = tmp_path / "hashes.py"
     path.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
                     "    return float(solution_str.split('####')[1] == ground_truth)\n")
-    config = _config(**{"reward.custom_fn": f"{path}:score", "sft.steps": 2})
-    with pytest.raises(RewardError, match=r"^before the warm start, on the demonstrations of "
-                       r"the first training rows as responses: reward function failed on "
-                       r"sample 0 \(data_source='synthetic/arithmetic'\): IndexError: list "
-                       r"index out of range \(hashes.py:2\); set reward.on_error=score"):
+    config = _config(**{"reward.custom_fn": f"{path}:score", "sft.steps": sft_steps})
+    with pytest.raises(RewardError, match=r"^before training, on the demonstrations \(ground "
+                       r"truths\) of the first training rows as responses: reward function "
+                       r"failed on sample 0 \(data_source='synthetic/arithmetic'\): "
+                       r"IndexError: list index out of range \(hashes.py:2\); set "
+                       r"reward.on_error=score"):
+        train.run(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_filter_metric_the_reward_does_not_return_stops_before_anything_is_built(
+        tmp_path, monkeypatch):
+    """The rule reward's fields are read off the demonstrations: a dynamic-sampling metric
+    among none of them stops the run before the model or its programs (else at the first
+    step's scoring, after compiling)."""
+    monkeypatch.setattr(experiment, "build_model", lambda *a, **k: pytest.fail("built"))
+    config = _config(**{"algorithm.filter_groups.enable": True,
+                        "algorithm.filter_groups.metric": "accuracy"})
+    with pytest.raises(ConfigError, match=r"^algorithm\.filter_groups\.metric='accuracy' is "
+                       r"not among the reward's fields \['score', 'seq_reward', 'acc'"):
         train.run(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
@@ -219,7 +236,9 @@ def test_signal_between_steps_saves_stops_and_resumes_exactly(tmp_path):
 
     def reward(data_source, solution_str, ground_truth, extra_info):
         calls.append(1)
-        if len(calls) == 9:  # during step 2 (8 samples a step; no validation before)
+        # During step 2: after the trial on the demonstrations (`train.REWARD_TRIAL_ROWS`
+        # calls) and step 1 (8 samples a step; no validation before).
+        if len(calls) == train.REWARD_TRIAL_ROWS + 9:
             interrupt._received.append(signal.SIGTERM)
         return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 

@@ -195,8 +195,10 @@ def test_encode_multi_turn_demonstration():
 
 def test_encode_names_a_too_long_demonstration():
     rows = [_row("The answer is 407."), _row(_TOOL_DEMO)]
-    with pytest.raises(ConfigError, match=r"row 1 needs 105 tokens, more than "
-                                          r"rollout\.response_length=104"):
+    with pytest.raises(ConfigError, match=r"training row 2 \(its demonstration and the end "
+                                          r"token\) needs 105 tokens, more than "
+                                          r"rollout\.response_length=104; set "
+                                          r"--config\.rollout\.response_length=105 or more"):
         encode_examples(CHAR, rows, 24, 104, apply_chat_template=True)
     encode_examples(CHAR, rows, 24, 105, apply_chat_template=True)  # fits exactly
 

@@ -50,7 +50,7 @@ def _check_tokenizer_fits_model(experiment_settings: ExperimentSettings, tokeniz
     """The checkpoint must embed every id the tokenizer makes; the character tokenizer
     goes only with a checkpoint of exactly its vocabulary (one trained with it) that
     carries no tokenizer of its own."""
-    vocab = hf.read_hf_config(model_path).get("vocab_size")
+    vocab = hf.read_supported_config(model_path, "model.path").get("vocab_size")
     where = f"model.path={experiment_settings.model.path!r}"
     if experiment_settings.tokenizer.name == "char":
         own = os.path.isfile(os.path.join(model_path, "tokenizer.json"))
@@ -91,8 +91,8 @@ def build_data(experiment_settings: ExperimentSettings, tokenizer=None, reward_f
                 splits.append(_file_rows(data, tokenizer, split, rule_reward, tools))
             except DataError as err:
                 errors.append(str(err))
-        if errors:
-            raise DataError("\n".join(errors))
+        if errors:  # the same file as both splits fails the same way: said once
+            raise DataError("\n".join(dict.fromkeys(errors)))
         return tuple(splits)
     if data.task == "tool_multiplication":
         train_rows, val_rows = synthetic.tool_multiplication(

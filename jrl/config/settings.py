@@ -547,6 +547,9 @@ class ModelSettings:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        if self.path and os.path.isfile(os.path.expanduser(self.path)):
+            raise ConfigError(f"model.path: {self.path!r} is a file; model.path is the "
+                              "checkpoint's directory (the one holding config.json)")
         if self.path and not os.path.isdir(os.path.expanduser(self.path)):
             raise ConfigError(f"model.path: {self.path!r} does not exist; expected a "
                               "checkpoint directory with config.json and safetensors weights")
@@ -1301,7 +1304,7 @@ def _model_family(config) -> str:
     path = _get(config, "model.path")
     if path:
         return model_config.hf_family_and_head(
-            hf.read_hf_config(os.path.expanduser(path)))[0]
+            hf.read_supported_config(os.path.expanduser(path), "model.path"))[0]
     return model_config.ModelConfig.preset(_get(config, "model.preset")).family
 
 

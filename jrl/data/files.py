@@ -42,17 +42,41 @@ MAX_LISTED_BAD_ROWS = 20
 # --------------------------------------------------------------------------- raw records
 
 
+def _unreadable(path: Path, kind: str, err: Exception) -> DataError:
+    # pyarrow's messages can run over several lines; the error stays on one.
+    detail = " ".join(str(err).split())
+    return DataError(f"data file {str(path)!r} is not a readable {kind} file (pyarrow: "
+                     f"{detail}); copy or write it again")
+
+
 def _iter_parquet(path: Path) -> Iterator[dict]:
     # to_pylist gives plain Python lists and dicts; pandas would give numpy object arrays.
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        yield from batch.to_pylist()
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            yield from batch.to_pylist()
+    except (pa.ArrowInvalid, OSError) as err:
+        raise _unreadable(path, "parquet", err) from err
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError, data: bytes, line: int | None = None
+              ) -> DataError:
+    """The error for `data` (line `line` of `path`, or all of it) failing to decode."""
+    what = str(path) if line is None else f"{path}: line {line}"
+    return DataError(f"{what} is not UTF-8 text (its byte {err.start + 1} is "
+                     f"0x{data[err.start]:02x}); save the file as UTF-8")
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """`(line number, record, problem)` of each non-blank line; `problem` names invalid
-    JSON (the record is then None)."""
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    JSON (the record is then None). A line that is not UTF-8 stops the read (the whole
+    file is then in another encoding, more often than not)."""
+    # Read as bytes and decode line by line, so that a bad byte is placed on its line.
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, err, raw, line_number) from None
             if not line.strip():
                 continue
             try:
@@ -70,8 +94,8 @@ def _iter_json_lines(path: Path) -> Iterator[dict]:
 
 
 def _is_json_array(path: Path) -> bool:
-    with path.open(encoding="utf-8") as f:
-        return f.read(4096).lstrip().startswith("[")
+    with path.open("rb") as f:
+        return f.read(4096).lstrip().startswith(b"[")
 
 
 def _iter_json(path: Path) -> Iterator[dict]:
@@ -79,8 +103,11 @@ def _iter_json(path: Path) -> Iterator[dict]:
     if not _is_json_array(path):
         yield from _iter_json_lines(path)
         return
+    data = path.read_bytes()
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err, data) from None
     except json.JSONDecodeError as err:
         raise DataError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from err
     yield from records
@@ -89,14 +116,28 @@ def _iter_json(path: Path) -> Iterator[dict]:
 def _iter_arrow(path: Path) -> Iterator[dict]:
     """An arrow file of `datasets.save_to_disk` (IPC stream format) or an IPC file."""
     try:
-        reader = pa.ipc.open_stream(path)
-    except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(path)
-        for i in range(reader.num_record_batches):
-            yield from reader.get_batch(i).to_pylist()
-        return
-    for batch in reader:
-        yield from batch.to_pylist()
+        try:
+            reader = pa.ipc.open_stream(path)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(path)
+            for i in range(reader.num_record_batches):
+                yield from reader.get_batch(i).to_pylist()
+            return
+        for batch in reader:
+            yield from batch.to_pylist()
+    except (pa.ArrowInvalid, OSError) as err:
+        raise _unreadable(path, "arrow", err) from err
+
+
+def _check_is_file(path: Path) -> None:
+    """A data path must be a file: a missing one and a directory are named."""
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in RECORD_SUFFIXES)[:5]
+        holds = f"; it holds {inside}" if inside else ""
+        raise DataError(f"data file {str(path)!r} is a directory, not a data file (give a "
+                        f"{'/'.join(ROW_SUFFIXES)} file){holds}")
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
 
 
 def iter_records(path: str | os.PathLike) -> Iterator[Any]:
@@ -104,12 +145,12 @@ def iter_records(path: str | os.PathLike) -> Iterator[Any]:
 
     Raises:
       FileNotFoundError: the file does not exist (named).
-      ValueError: an unsupported suffix (named, with the supported ones) or invalid JSON
-        (file and line named).
+      DataError: a directory, an unsupported suffix (named, with the supported ones),
+        invalid JSON or text that is not UTF-8 (file and line named), or a parquet or
+        arrow file pyarrow cannot read.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    _check_is_file(path)
     readers = {".parquet": _iter_parquet, ".jsonl": _iter_json_lines, ".json": _iter_json,
                ".arrow": _iter_arrow}
     if path.suffix not in readers:
@@ -319,8 +360,10 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 
     Raises:
       FileNotFoundError: a path does not exist (named).
-      DataError: no paths, an unsupported suffix, or malformed rows (file, rows,
-        fields and what is valid named).
+      DataError: no paths, a directory, an unsupported suffix, an unreadable file, a
+        column missing from every row of a file (one line: the file's columns and the
+        key naming the column), or malformed rows (file, rows, fields and what is
+        valid named).
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
@@ -329,17 +372,21 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     if max_rows is not None and max_rows < 1:
         raise DataError(f"max_rows={max_rows} must be positive (or None for all rows)")
     for path in paths:  # fail on a missing or unreadable file before reading a large one
-        if not Path(path).expanduser().is_file():
-            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        _check_is_file(Path(path).expanduser())
         if Path(path).suffix not in ROW_SUFFIXES:
             raise DataError(f"{path}: unsupported file type {Path(path).suffix!r}; expected "
                             f"one of {list(ROW_SUFFIXES)}")
     rows: list[Row] = []
     bad = BadRows()
     for path in paths:
+        # The columns of the file's rows, to tell a column missing from every row (one
+        # error for the file) from rows that lack it here and there (one error a row).
+        columns: set[str] = set()
         for number, record, problem in numbered_records(path):
             if max_rows is not None and len(rows) >= max_rows:
                 break
+            if isinstance(record, Mapping):
+                columns.update(record)
             where = f"row {number}"
             try:
                 if problem:
@@ -351,8 +398,28 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
                 bad.add(str(path), str(err))
                 continue
             rows.append(row)
+        if columns:
+            _check_columns(path, columns, prompt_key)
     bad.raise_any()
     return rows
+
+
+def _check_columns(path, columns: set[str], prompt_key: str) -> None:
+    """Raises one error when no row of the file has the prompt column or 'data_source'."""
+    described = {prompt_key: f"{prompt_key!r} named by data.prompt_key",
+                 "data_source": "'data_source' (each row's data source, which picks its "
+                                "reward function)"}
+    fixes = {prompt_key: "set data.prompt_key to the column holding the prompts",
+             "data_source": "add a 'data_source' column"}
+    missing = [name for name in described if name not in columns]
+    if not missing:
+        return
+    if len(missing) == 1:
+        subject = f"the column {described[missing[0]]} is"
+    else:
+        subject = f"the columns {' and '.join(described[n] for n in missing)} are"
+    raise DataError(f"{path}: {subject} missing from every row; the file's columns are "
+                    f"{sorted(columns)}; {' and '.join(fixes[n] for n in missing)}")
 
 
 def filter_overlong_prompts(rows: Sequence[Row], tokenizer, max_prompt_length: int,

@@ -183,39 +183,84 @@ def _expert_specs(config: ModelConfig) -> list[TensorSpec]:
 # --------------------------------------------------------------------------- loading
 
 
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Parsed `config.json` of a checkpoint directory, with clear errors if absent."""
+def read_hf_config(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]:
+    """Parsed `config.json` of a checkpoint directory, with clear errors if absent or
+    unreadable.
+
+    Args:
+      path: the checkpoint directory.
+      key: the config key that gave `path` (e.g. "model.path"), which starts every
+        message when given.
+
+    Raises:
+      FileNotFoundError: the directory or its config.json does not exist.
+      CheckpointError: config.json is not a JSON object (the file, and the line and
+        column of invalid JSON, named).
+    """
+    prefix = f"{key}: " if key else ""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{prefix}checkpoint directory {str(path)!r} does not exist")
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(
-            f"{CONFIG_NAME} not found in checkpoint directory {str(path)!r} "
+            f"{prefix}{CONFIG_NAME} not found in checkpoint directory {str(path)!r} "
             f"(found: {sorted(p.name for p in path.iterdir())})"
         )
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_bytes())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{prefix}{str(config_file)!r} is not valid JSON: {err.msg} at "
+                              f"line {err.lineno} column {err.colno}") from None
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{prefix}{str(config_file)!r} is not UTF-8 text "
+                              f"({err.reason} at byte {err.start})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{prefix}{str(config_file)!r} holds a JSON "
+                              f"{type(config).__name__}; expected an object of model settings")
+    return config
+
+
+def read_supported_config(path: str | os.PathLike, key: str = "model.path") -> dict[str, Any]:
+    """`read_hf_config`, and the architecture it names is one jrl loads: checked wherever
+    a run first reads a checkpoint's config, so an unsupported model stops before
+    anything is written or compiled.
+
+    Raises:
+      FileNotFoundError, CheckpointError: as `read_hf_config`; CheckpointError also for
+        an unsupported architecture or model_type (`key` and the file named, with the
+        supported ones).
+    """
+    config = read_hf_config(path, key)
+    try:
+        hf_family_and_head(config)
+    except errors.ConfigError as err:
+        raise CheckpointError(f"{key}: {str(Path(path) / CONFIG_NAME)!r}: {err}") from None
+    return config
 
 
 def check_files(path: str | os.PathLike, key: str = "model.path") -> None:
-    """Checks a checkpoint directory without reading its tensors: config.json parses,
-    the weight files exist, and each safetensors file has a readable header and is as
-    long as the header says (a copy cut short is found here, not while loading).
+    """Checks a checkpoint directory without reading its tensors: config.json parses and
+    names a supported architecture, the weight files exist, and each safetensors file
+    has a readable header and is as long as the header says (a copy cut short is found
+    here, not while loading).
 
     Raises:
       FileNotFoundError: missing directory, config.json or weight files (named).
-      CheckpointError: an unreadable config.json or index, or a truncated or corrupt
-        safetensors file (its path named, with `key`, the config key that gave it).
+      CheckpointError: an unreadable config.json or index, an unsupported architecture,
+        or a truncated or corrupt safetensors file (its path named, with `key`, the
+        config key that gave it).
     """
     path = Path(path)
+    read_supported_config(path, key)
     try:
-        read_hf_config(path)
         names = sorted(set(_CheckpointReader.weight_files(path)))
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{key}: {err}") from None
-    except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
-        raise CheckpointError(f"{key}: {str(path)!r} has an unreadable {CONFIG_NAME} "
-                              f"or {INDEX_NAME} ({type(err).__name__}: {err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError,
+            TypeError) as err:
+        raise CheckpointError(f"{key}: {str(path / INDEX_NAME)!r} is unreadable "
+                              f"({type(err).__name__}: {err})") from None
     for name in names:
         _check_safetensors(path / name, key)
 

@@ -238,6 +238,18 @@ def test_settings_dataclasses_check_themselves():
     assert dataclasses.replace(good.trainer, test_freq=3.0).test_freq == 3  # normalised
 
 
+def test_model_path_is_a_directory(tmp_path):
+    """model.path given as the checkpoint's config.json, or a path that is not there."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text("{}")
+    with pytest.raises(ConfigError) as err:
+        _settings(**{"model.path": str(config_file)})
+    assert str(err.value) == (f"model.path: '{config_file}' is a file; model.path is the "
+                              "checkpoint's directory (the one holding config.json)")
+    with pytest.raises(ConfigError, match=r"^model\.path: .*nowhere' does not exist"):
+        _settings(**{"model.path": str(tmp_path / "nowhere")})
+
+
 def test_a_mini_batch_below_one_micro_batch_is_reported_against_the_mini_batch_key():
     """configs/grpo_arith.py sets actor.ppo_micro_batch_size to 128 sequences; a user who
     sets only actor.ppo_mini_batch_size=7 (7 x rollout.n=8 = 56 sequences) is told about

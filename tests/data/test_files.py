@@ -73,7 +73,8 @@ def test_prompt_key_is_copied_to_prompt(tmp_path):
     path = _write_jsonl(tmp_path / "q.jsonl", [row])
     (loaded,) = files.load_rows(path, prompt_key="question")
     assert loaded["prompt"] == row["question"] and loaded["question"] == row["question"]
-    with pytest.raises(ValueError, match=r"row 1: missing field 'prompt'.*\['data_source', "):
+    with pytest.raises(files.DataError, match=r"q.jsonl: the column 'prompt' named by "
+                       r"data.prompt_key is missing from every row"):
         files.load_rows(path)
 
 
@@ -108,6 +109,77 @@ def test_file_errors(tmp_path):
         files.read_records(broken)
     with pytest.raises(ValueError, match="no data files"):
         files.load_rows([])
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1" + b"\0" * 40, b"hello"])
+def test_unreadable_parquet_names_the_file(tmp_path, content):
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(content)
+    for read in (files.load_rows, files.read_records):
+        with pytest.raises(files.DataError, match=r"^data file '.*rows.parquet' is not a "
+                           r"readable parquet file \(pyarrow: .*\); copy or write it again$"):
+            read(path)
+
+
+def test_truncated_parquet_names_the_file(parquet_file):
+    data = parquet_file.read_bytes()
+    parquet_file.write_bytes(data[:len(data) // 2])
+    with pytest.raises(files.DataError, match=r"train.parquet' is not a readable parquet file"):
+        files.load_rows(parquet_file)
+
+
+def test_non_utf8_json_names_the_file_and_line(tmp_path):
+    lines = tmp_path / "rows.jsonl"
+    lines.write_bytes(json.dumps(TEXT_ROW).encode() + b'\n{"prompt": "\xff"}\n')
+    with pytest.raises(files.DataError) as err:
+        files.load_rows(lines)
+    assert str(err.value) == (f"{lines}: line 2 is not UTF-8 text (its byte 13 is 0xff); save "
+                              "the file as UTF-8")
+    array = tmp_path / "rows.json"
+    array.write_bytes('[{"prompt": "café"}]'.encode("latin-1"))
+    with pytest.raises(files.DataError, match=r"rows.json is not UTF-8 text \(its byte 17 is "
+                       r"0xe9\)"):
+        files.read_records(array)
+
+
+def test_a_directory_is_not_a_data_file(parquet_file, tmp_path):
+    for read in (files.load_rows, files.read_records):
+        with pytest.raises(files.DataError) as err:
+            read(tmp_path)
+        assert str(err.value) == (f"data file '{tmp_path}' is a directory, not a data file "
+                                  "(give a .parquet/.jsonl/.json file); it holds "
+                                  "['train.parquet']")
+
+
+def test_a_column_missing_from_every_row_is_one_line(tmp_path):
+    rows = [{"question": f"{i}+1=", "data_source": "s", "reward_model": {"ground_truth": "1"}}
+            for i in range(64)]
+    path = tmp_path / "q.parquet"
+    files.write_parquet(rows, path)
+    with pytest.raises(files.DataError) as err:
+        files.load_rows(path)
+    assert str(err.value) == (
+        f"{path}: the column 'prompt' named by data.prompt_key is missing from every row; the "
+        "file's columns are ['data_source', 'question', 'reward_model']; set data.prompt_key "
+        "to the column holding the prompts")
+    assert len(files.load_rows(path, prompt_key="question")) == 64
+    files.write_parquet([{"question": "1+1="}] * 3, path)
+    with pytest.raises(files.DataError, match=r"the columns 'text' named by data.prompt_key "
+                       r"and 'data_source' \(.*\) are missing from every row; the file's "
+                       r"columns are \['question'\]; set data.prompt_key to the column "
+                       r"holding the prompts and add a 'data_source' column$"):
+        files.load_rows(path, prompt_key="text")
+
+
+def test_a_column_missing_from_some_rows_is_reported_by_row(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [TEXT_ROW, {"data_source": "s"}, TEXT_ROW,
+                                                   {"data_source": "s", "question": "q"}])
+    with pytest.raises(files.DataError) as err:
+        files.load_rows(path)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"{path}: 2 bad rows")
+    assert lines[1].startswith("  row 2: missing field 'prompt'")
+    assert lines[2].startswith("  row 4: missing field 'prompt'")
 
 
 def test_ground_truth_of_rows_without_reward_model():

@@ -3,11 +3,12 @@ workdir, without reading tensors; each problem names the file with its path."""
 
 import json
 import os
+import re
 
 import pytest
 
 from jrl.models import ModelConfig, save_pretrained
-from jrl.models.hf import CheckpointError, check_files
+from jrl.models.hf import CheckpointError, check_files, read_supported_config
 
 
 def test_valid_checkpoint_passes(checkpoint):
@@ -44,10 +45,38 @@ def test_missing_weights_and_directory_name_the_key(broken, tmp_path):
 
 
 def test_unreadable_config_json(broken):
-    (broken / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"model.path: .*ckpt' has an unreadable "
-                       r"config.json"):
+    config = broken / "config.json"
+    config.write_text('{\n  "vocab_size": 99,\n  oops\n}')
+    with pytest.raises(CheckpointError) as err:
         check_files(broken)
+    assert str(err.value) == (f"model.path: '{config}' is not valid JSON: Expecting property "
+                              "name enclosed in double quotes at line 3 column 3")
+    # The run reads config.json first for the tokenizer check: the same error there.
+    with pytest.raises(CheckpointError, match=r"^model.path: .*config.json' is not valid JSON"):
+        read_supported_config(broken, "model.path")
+    config.write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json' holds a JSON list; expected an "
+                       "object"):
+        check_files(broken)
+
+
+def test_unsupported_architecture_names_the_key_and_file(broken):
+    config = broken / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "architectures": ["BertModel"]}))
+    with pytest.raises(CheckpointError, match=rf"^model.path: '{re.escape(str(config))}': "
+                       r"unsupported architecture \['BertModel'\]; supported architectures are \[.*"
+                       "'Qwen2ForCausalLM'"):
+        check_files(broken)
+    with pytest.raises(CheckpointError, match=r"^reward_model.model.path: .*BertModel"):
+        read_supported_config(broken, "reward_model.model.path")
+
+
+def test_missing_config_json_names_the_key(broken):
+    (broken / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"^model.path: config.json not found in "
+                       r"checkpoint directory .*ckpt' \(found: \['model.safetensors'\]\)"):
+        read_supported_config(broken, "model.path")
 
 
 def test_sharded_checkpoint_checks_every_shard(checkpoint, tmp_path, random_params):

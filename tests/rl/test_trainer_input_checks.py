@@ -13,7 +13,7 @@ import pytest
 from jrl import train
 from jrl.app import experiment
 from jrl.config.settings import experiment_from_config
-from jrl.errors import DataError
+from jrl.errors import CheckpointError, DataError
 from tests.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -105,6 +105,31 @@ def test_bad_rows_of_the_training_and_validation_files_come_in_one_error(tmp_pat
         "{'role': str, 'content': str} messages; it is empty (no text to condition on)",
         f"{paths['val']}: row 5: field 'reward_model.ground_truth' must be a non-empty string "
         "or a number (the answer the 'synthetic/arithmetic' reward compares with); got str ''"]
+
+
+def test_a_file_without_the_prompt_column_as_both_splits_is_one_line(tmp_path, no_model):
+    path = str(tmp_path / "rows.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"question": "1+2=", "data_source": "synthetic/arithmetic"})
+                     + "\n" for _ in range(64))
+    with pytest.raises(DataError) as err:
+        train.run(_config({"train": path, "val": path}), str(tmp_path / "run"))
+    assert str(err.value) == (
+        f"{path}: the column 'prompt' named by data.prompt_key is missing from every row; the "
+        "file's columns are ['data_source', 'question']; set data.prompt_key to the column "
+        "holding the prompts")
+
+
+def test_an_unsupported_checkpoint_stops_before_the_workdir_is_claimed(tmp_path, no_model):
+    checkpoint = tmp_path / "bert"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["BertModel"],
+                                                        "vocab_size": 30522}))
+    workdir = tmp_path / "run"
+    with pytest.raises(CheckpointError, match=rf"^model.path: '{re.escape(str(checkpoint))}/"
+                       r"config.json': unsupported architecture \['BertModel'\]; supported "):
+        train.run(tiny_config(**{"model.path": str(checkpoint)}), str(workdir))
+    assert not workdir.exists()
 
 
 def test_bad_rows_past_twenty_are_counted_not_listed(tmp_path):

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from jrl.metrics import read_jsonl
 from jrl import train
+from jrl.metrics import read_jsonl
 from jrl.train import run
 from tests.tiny import tiny_config
 

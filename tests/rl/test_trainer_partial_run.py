@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
+from jrl import train
 from jrl.data.dataset import BatchIterator, encode_prompts
 from jrl.errors import ConfigError
 from jrl.metrics import read_jsonl
 from jrl.rl import partial
 from jrl.rollout.sampler import RolloutOutput
-from jrl import train
 from jrl.train import run
 from tests.tiny import tiny_config, tiny_trainer
 

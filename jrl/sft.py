@@ -21,10 +21,10 @@ from jrl.app import experiment, interrupt, rundir
 from jrl.config import settings
 from jrl.config.settings import ExperimentSettings
 from jrl.data.dataset import Row, encode_prompts, ground_truth
-from jrl.errors import ConfigError, JrlError, RunDirError
+from jrl.errors import CheckpointError, ConfigError, JrlError, RunDirError
 from jrl.models.config import ModelConfig
 from jrl.rl import logprobs, update
-from jrl.rl.checkpoint import Checkpointer
+from jrl.rl.checkpoint import Checkpointer, UnreadableCheckpoint
 from jrl.rollout import multi_turn
 
 
@@ -210,8 +210,15 @@ def warm_start(experiment_settings: ExperimentSettings, workdir, model, params, 
                            tools=experiment_settings.prompt_tools)
         ckpt.save(steps, params, {"steps": steps, "settings": config_keys})
         return params
+    except UnreadableCheckpoint as err:
+        raise unreadable_warm_start(err, directory) from err
     finally:
         ckpt.close()
+
+
+def unreadable_warm_start(err: UnreadableCheckpoint, directory: str) -> CheckpointError:
+    """A stored warm start that could not be read, and how to make it again."""
+    return CheckpointError(f"{err}; remove {directory} to run the warm start again")
 
 
 def main(argv):

@@ -1,15 +1,16 @@
 """Entry point: `python -m jrl.train --config=configs/<name>.py [--config.key=value ...]`.
 
 Builds the tokenizer, data, model and (optionally) a supervised warm start, then
-runs the RL trainer, resuming from the workdir's latest checkpoint when there is
-one. At the end it prints held-out accuracy before and after RL and writes the
-reward curves to `workdir/curves.png`.
+runs the RL trainer, resuming from the workdir's latest complete checkpoint when
+there is one. At the end it prints held-out accuracy before and after RL and writes
+the reward curves to `workdir/curves.png`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from jrl.app import interrupt
 
@@ -30,6 +31,7 @@ from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, JrlError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
 from jrl.rewards import in_graph, responses, scoring  # noqa: E402
+from jrl.rl import checkpoint  # noqa: E402
 from jrl.rl.trainer import RLTrainer  # noqa: E402
 
 # Training rows whose demonstrations a custom reward function is tried on before
@@ -195,8 +197,7 @@ def _try_reward_fn(fn, rows, on_error: str = "raise") -> scoring.ScoreResult | N
 
 def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     lead, settings = jax.process_index() == 0, p.settings
-    start = rundir.check_config(workdir, config, has_checkpoint=_has_checkpoint(workdir),
-                                write=lead)
+    start = rundir.check_config(workdir, config, write=lead)
     if jax.process_count() > 1:  # process 0 has written config.json (or cleared the workdir)
         from jax.experimental import multihost_utils
 
@@ -204,6 +205,8 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     if lead:
         for note in start.notes:
             print(note, flush=True)
+        for warning in start.warnings:
+            print(warning, file=sys.stderr, flush=True)
     if start.kind == "finished":
         return _finished(settings, workdir)
     if settings.reward.in_graph_fn or settings.trainer.multi_run:
@@ -332,18 +335,11 @@ def _finished(settings: settings_lib.Settings, workdir: str) -> dict:
             **_results(settings, workdir, final={})}
 
 
-def _has_checkpoint(workdir: str) -> bool:
-    directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
-
-
 def _checkpoint_step(workdir: str) -> int:
     """The step of the workdir's latest complete checkpoint (0: none), where a stopped
     start resumes."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return 0
-    return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
+    complete, _ = checkpoint.scan(os.path.join(workdir, "checkpoints"))
+    return complete[-1] if complete else 0
 
 
 def _results(settings: settings_lib.Settings, workdir: str, final: dict) -> dict:

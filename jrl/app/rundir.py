@@ -10,7 +10,9 @@ A later start into the same workdir compares its config with `config.json`
 (`check_config`): the same config resumes (or reports a finished run), a changed one
 stops with the changed keys, unless `trainer.resume_mode` says otherwise (verl's
 names): `disable` starts over, `resume_path` resumes from `trainer.resume_from_path`
-whatever changed. Keys that cannot change what the steps already taken computed
+whatever changed. A resume takes the newest complete checkpoint (`latest_checkpoint`:
+a newer step directory that lacks files, such as a partial copy, is skipped with a
+warning). Keys that cannot change what the steps already taken computed
 (`may_change`: loggers, devices, checkpoint and validation cadence, what to do on a
 reward or NaN error, a longer run under a constant learning rate) may differ.
 
@@ -144,11 +146,13 @@ class Start:
         of the workdir, or from `resume_from`) or "finished" (the run is complete).
       resume_from: the checkpoint step directory of `resume_mode=resume_path`.
       notes: lines to print (what was removed, which keys changed).
+      warnings: lines to print on stderr (incomplete checkpoints skipped).
     """
 
     kind: str
     resume_from: str | None = None
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 def _read_json(path: str) -> dict | None:
@@ -166,20 +170,24 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpoint: bool,
+def check_config(workdir: str, config: ml_collections.ConfigDict, *,
                  write: bool = True) -> Start:
     """Compares `config` with the run already in `workdir` and decides how to start.
+
+    Under `resume_mode=auto` the run resumes from the newest complete checkpoint of
+    `workdir/checkpoints` (`latest_checkpoint`: newer incomplete ones are skipped, with
+    a warning).
 
     Args:
       workdir: the run directory.
       config: this start's config.
-      has_checkpoint: whether `workdir/checkpoints` holds a complete checkpoint.
       write: record the config (and remove old outputs for `disable`): process 0 only.
 
     Raises:
       RunDirError: the workdir's run used another config (the changed keys listed),
         under `resume_mode=auto`.
-      ConfigError / CheckpointError: a bad `resume_mode` or `resume_from_path`.
+      ConfigError / CheckpointError: a bad `resume_mode` or `resume_from_path`, or
+        (`auto`) checkpoints of which none is complete.
     """
     mode = config.trainer.resume_mode
     if mode not in RESUME_MODES:
@@ -189,6 +197,8 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
     config_path = os.path.join(workdir, CONFIG_FILE)
     old = _read_json(config_path)
     notes: list[str] = []
+    latest, warnings = latest_checkpoint(workdir) if mode == "auto" else (None, [])
+    has_checkpoint = latest is not None
     if mode == "disable":
         removed = clear_run(workdir) if write else []
         if removed:
@@ -222,8 +232,9 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *, has_checkpo
     if mode == "resume_path":
         return Start("resume", resume_from, tuple(notes))
     if finished is not None:
-        return Start("finished", notes=tuple(notes))
-    return Start("resume" if has_checkpoint else "new", notes=tuple(notes))
+        return Start("finished", notes=tuple(notes), warnings=tuple(warnings))
+    return Start("resume" if has_checkpoint else "new", notes=tuple(notes),
+                 warnings=tuple(warnings))
 
 
 def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
@@ -250,7 +261,8 @@ def clear_run(workdir: str) -> list[str]:
 
 
 def checkpoint_step_dir(path: str | None) -> str:
-    """The checkpoint directory `trainer.resume_from_path` names (`.../checkpoints/<step>`)."""
+    """The checkpoint directory `trainer.resume_from_path` names (`.../checkpoints/<step>`),
+    checked to hold a complete checkpoint (`jrl.rl.checkpoint.missing`)."""
     if not path:
         raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path: a "
                           "checkpoint directory such as <workdir>/checkpoints/<step>")
@@ -258,7 +270,86 @@ def checkpoint_step_dir(path: str | None) -> str:
     if not os.path.isdir(path) or not os.path.basename(path).isdigit():
         raise CheckpointError(f"trainer.resume_from_path: {path} is not a checkpoint directory; "
                               "expected <workdir>/checkpoints/<step> of an earlier run")
+    from jrl.rl import checkpoint  # orbax: imported once a checkpoint is looked at
+
+    lacks = checkpoint.missing(path)
+    if lacks:
+        raise CheckpointError(f"trainer.resume_from_path: {path} is not a complete checkpoint "
+                              f"({checkpoint.summary(lacks)}); {_other_steps(path)}")
     return path
+
+
+def _other_steps(step_dir: str) -> str:
+    """What to give `trainer.resume_from_path` instead of `step_dir`: the complete
+    checkpoints beside it."""
+    from jrl.rl import checkpoint
+
+    parent, step = os.path.dirname(step_dir), int(os.path.basename(step_dir))
+    others = [s for s in checkpoint.scan(parent)[0] if s != step]
+    if not others:
+        return (f"{parent} holds no other complete checkpoint; point "
+                "--config.trainer.resume_from_path at the step directory of another run")
+    return (f"point --config.trainer.resume_from_path at another step directory; complete "
+            f"checkpoints in {parent}: step{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))} (e.g. "
+            f"--config.trainer.resume_from_path={os.path.join(parent, str(others[-1]))})")
+
+
+def latest_checkpoint(workdir: str) -> tuple[int | None, list[str]]:
+    """The step of the newest complete checkpoint in `workdir/checkpoints` (None: none),
+    where `resume_mode=auto` resumes, and a warning for each incomplete step directory
+    after it (a partial copy, files deleted): those are skipped, and replaced if the run
+    saves their step again.
+
+    Raises:
+      CheckpointError: step directories are there but none is complete (starting over
+        silently would discard what the user meant to resume).
+    """
+    from jrl.rl import checkpoint
+
+    directory = os.path.join(workdir, "checkpoints")
+    complete, incomplete = checkpoint.scan(directory)
+    latest = complete[-1] if complete else None
+    if latest is None and incomplete:
+        listed = "; ".join(f"{os.path.join(directory, str(step))} ({checkpoint.summary(lacks)})"
+                           for step, lacks in incomplete.items())
+        raise CheckpointError(
+            f"{directory} holds no complete checkpoint to resume from: {listed}. Copy the "
+            "checkpoint again in full, or pass --config.trainer.resume_mode=disable to start "
+            "the run over (this removes its checkpoints and metrics)")
+    warnings = [f"warning: skipping {os.path.join(directory, str(step))}, an incomplete "
+                f"checkpoint ({checkpoint.summary(lacks)}); resuming from step {latest}, the "
+                f"newest complete one; it is replaced if this run saves step {step}"
+                for step, lacks in incomplete.items() if step > latest]
+    return latest, warnings
+
+
+def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:
+    """The error for a checkpoint that looked complete but failed to restore
+    (`jrl.rl.checkpoint.UnreadableCheckpoint` `err`: a truncated or corrupted file, or
+    the state of another model or algorithm), with what to do: under
+    `resume_mode=resume_path` (`from_path`) another step directory, else removing it to
+    resume from the one before, or starting over."""
+    from jrl.rl import checkpoint
+
+    step_dir, cause = err.step_dir, checkpoint.describe(err.cause)
+    head = (f"trainer.resume_from_path: {step_dir}" if from_path else
+            f"{step_dir}, the newest checkpoint of this run,")
+    if err.mismatch:
+        return CheckpointError(
+            f"{head} holds the state of another model or algorithm than this run's "
+            f"({cause}); resume from a checkpoint of a run with this config's model.* and "
+            "algorithm.* settings")
+    message = f"{head} could not be read; the checkpoint is incomplete or damaged ({cause}); "
+    if from_path:
+        return CheckpointError(message + _other_steps(step_dir))
+    parent, step = os.path.dirname(step_dir), int(os.path.basename(step_dir))
+    earlier = [s for s in checkpoint.scan(parent)[0] if s < step]
+    if earlier:
+        message += (f"remove it to resume from step {earlier[-1]}, the newest complete one "
+                    "before it, or ")
+    return CheckpointError(message + "pass --config.trainer.resume_mode=disable to start the "
+                           "run over (this removes its checkpoints and metrics)")
 
 
 def read_finished(workdir: str) -> dict | None:

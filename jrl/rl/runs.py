@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrl import metrics, sft
 from jrl.algos import kl_control
-from jrl.app import interrupt
+from jrl.app import interrupt, rundir
 from jrl.config.settings import SWEEPABLE, ExperimentSettings, Settings, parse_sweep
 from jrl.data.dataset import BatchIterator, IteratorState, encode_prompts
 from jrl.errors import ConfigError
@@ -46,7 +46,7 @@ from jrl.rewards import in_graph
 from jrl.rewards.responses import decode_responses
 from jrl.rl import evaluate, update
 from jrl.rl import step as step_lib
-from jrl.rl.checkpoint import Checkpointer
+from jrl.rl.checkpoint import Checkpointer, UnreadableCheckpoint
 from jrl.rl.trainer import learn_metrics
 
 
@@ -335,12 +335,15 @@ class MultiRunTrainer:
         interrupt.check(self.step)
 
     def maybe_restore(self) -> bool:
-        """Continues from the workdir's latest checkpoint, if any."""
+        """Continues from the workdir's latest complete checkpoint, if any."""
         step = self.checkpointer.latest_step()
         if step is None:
             return False
-        state, self.step, self.data = self.checkpointer.restore_train_state(
-            step, self.state, None)
+        try:
+            state, self.step, self.data = self.checkpointer.restore_train_state(
+                step, self.state, None)
+        except UnreadableCheckpoint as err:
+            raise rundir.unreadable_checkpoint(err, from_path=False) from err
         self.state = state.replace(step=self.mesh.put(jnp.full((self.num_runs,), self.step,
                                                                jnp.int32)))
         self._saved_step = self.step
@@ -476,6 +479,8 @@ def warm_start(experiment_settings: ExperimentSettings, workdir: str, model: Mod
                                 mesh=mesh)
         ckpt.save(sft_settings.steps, params, {"steps": sft_settings.steps, "settings": wanted})
         return params
+    except UnreadableCheckpoint as err:
+        raise sft.unreadable_warm_start(err, directory) from err
     finally:
         ckpt.close()
 

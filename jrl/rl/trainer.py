@@ -34,7 +34,7 @@ import numpy as np
 from jrl import metrics
 from jrl import sharding as sharding_lib
 from jrl.algos import advantages as adv_lib
-from jrl.app import interrupt
+from jrl.app import interrupt, rundir
 from jrl.config import batches
 from jrl.config.settings import Settings
 from jrl.data.dataset import BatchIterator, IteratorState
@@ -43,7 +43,7 @@ from jrl.models.config import ModelConfig
 from jrl.rl import evaluate, experience, partial, types
 from jrl.rl import programs as programs_lib
 from jrl.rl import step as step_lib
-from jrl.rl.checkpoint import Checkpointer
+from jrl.rl.checkpoint import Checkpointer, UnreadableCheckpoint
 from jrl.rollout import multi_turn
 
 
@@ -415,7 +415,12 @@ class RLTrainer:
 
     def maybe_restore(self, resume_from: str | None = None) -> bool:
         """Continues from a checkpoint: `resume_from` (a `<dir>/<step>` checkpoint directory,
-        possibly of another run) or else the workdir's latest complete one, if any."""
+        possibly of another run) or else the workdir's latest complete one, if any.
+
+        Raises:
+          CheckpointError: the checkpoint's files could not be read (truncated, corrupted
+            or missing ones), with what to resume from instead.
+        """
         checkpointer, step = self.checkpointer, self.checkpointer.latest_step()
         if resume_from is not None:
             checkpointer = Checkpointer(os.path.dirname(resume_from))
@@ -427,6 +432,8 @@ class RLTrainer:
                 step, self.state, self.sharder.replicated)
             self._saved_step = self.step
             self.experience.restore(checkpointer, step)
+        except UnreadableCheckpoint as err:
+            raise rundir.unreadable_checkpoint(err, from_path=resume_from is not None) from err
         finally:
             if checkpointer is not self.checkpointer:
                 checkpointer.close()

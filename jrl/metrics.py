@@ -22,16 +22,19 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 # Peak dense bf16 FLOP/s per chip, for MFU (the first name found in the device kind
-# wins, so the PCIe H100 comes before the SXM one).
+# wins, so each variant comes before the name it contains: "H100 PCIe" before "H100",
+# "GH200" before "H200").
 PEAK_FLOPS = {
-    "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12,
+    "H200": 989e12, "A100": 312e12,
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
     "TPU v6 lite": 918e12, "TPU v6e": 918e12,
 }
 
 # Peak HBM bandwidth per chip in GB/s, for a memory roofline (found as PEAK_FLOPS is).
 PEAK_HBM_GBPS = {
-    "H100 PCIe": 2000.0, "H100": 3350.0, "H200": 4800.0, "A100": 2039.0,
+    "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "H100": 3350.0, "GH200": 4000.0,
+    "H200": 4800.0, "A100": 2039.0,
     "TPU v4": 1228.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5p": 2765.0,
     "TPU v6 lite": 1640.0, "TPU v6e": 1640.0,
 }

@@ -30,12 +30,12 @@ from jrl.config import settings as settings_lib
 from jrl.data.dataset import ground_truth  # noqa: E402
 from jrl.errors import ConfigError, JrlError, RewardError  # noqa: E402
 from jrl.models import hf, lora  # noqa: E402
-from jrl.rewards import in_graph, responses, scoring  # noqa: E402
+from jrl.rewards import in_graph, overlong, responses, scoring  # noqa: E402
 from jrl.rl import checkpoint  # noqa: E402
 from jrl.rl.trainer import RLTrainer  # noqa: E402
 
-# Training rows whose demonstrations a custom reward function is tried on before
-# training (`_try_reward_fn`).
+# Training rows whose demonstrations the reward function is tried on before the warm
+# start (`_try_reward_fn`).
 REWARD_TRIAL_ROWS = 8
 
 
@@ -142,7 +142,8 @@ def _check_batch_sizes_first(config, sharder, reward_fn) -> None:
 
 def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_fn) -> None:
     """The model's and the reward model's files, and the reward function: it resolves,
-    and (under `reward.on_error='raise'`) scores the demonstrations."""
+    and (under `reward.on_error='raise'`, with a warm start) scores the demonstrations;
+    a dynamic-sampling metric is looked for among the fields it returns on them."""
     model_path = settings.experiment.model.path
     if model_path:
         hf.check_files(os.path.expanduser(model_path), "model.path")
@@ -157,12 +158,20 @@ def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_
             fn = scoring.resolve_fn(custom)
         except (ImportError, TypeError) as err:
             raise ConfigError(f"reward.custom_fn: {err}") from err
+    # The demonstrations are the responses a warm start teaches, so a function that
+    # raises on them would raise at the first step; without one they are only the
+    # rows' bare answers, which a function may rightly not parse, so they raise nothing.
+    raises = bool(custom) and settings.reward.on_error == "raise" and (
+        settings.experiment.sft.steps > 0)
     filtered = settings.filter_groups is not None
-    if (custom and settings.reward.on_error == "raise") or filtered:
-        fields = _try_reward_fn(fn, train_rows, settings.reward.on_error)
+    if raises or filtered:
+        fields = _try_reward_fn(fn, train_rows, "raise" if raises else "score")
         if filtered and fields is not None and not fields.num_errors:
             # A field the reward does not return would stop the first step, compiled.
-            responses.filter_metric(settings.filter_groups.metric, fields.scores, fields.extras)
+            extras = dict(fields.extras)
+            if settings.reward.overlong_buffer_len:  # the fields the scorer adds
+                extras.update(overlong.overlong_extras(np.zeros_like(fields.scores)))
+            responses.filter_metric(settings.filter_groups.metric, fields.scores, extras)
 
 
 def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
@@ -177,10 +186,11 @@ def _check_runs(settings: settings_lib.Settings, tokenizer) -> None:
 
 def _try_reward_fn(fn, rows, on_error: str = "raise") -> scoring.ScoreResult | None:
     """Scores the demonstrations of the first training rows (their ground truths, or
-    `extra_info.demonstration`) as responses with the reward function, before anything
-    is built: a function that raises on a correct answer would stop the run at its first
-    step, after the warm start and the programs' compilation. (With a warm start these
-    are the answers it teaches, and so the first responses RL scores.)"""
+    `extra_info.demonstration`) as responses with the reward function (None: the rule
+    rewards), before anything is built; None when no row has one. With a warm start
+    these are the answers it teaches, and so the first responses RL scores: a function
+    that raises on them (`on_error="raise"`) would stop the run at its first step,
+    after the warm start and the programs' compilation."""
     # Rows without an answer, and multi-turn demonstrations, are not tried.
     tried = [row for row in rows[:REWARD_TRIAL_ROWS]
              if (row.get("extra_info") or {}).get("demonstration", ground_truth(row)) is not None
@@ -191,8 +201,8 @@ def _try_reward_fn(fn, rows, on_error: str = "raise") -> scoring.ScoreResult | N
         return scoring.RewardScorer(fn, on_error=on_error).score(
             tried, [sft.demonstration(r) for r in tried], n=1)
     except RewardError as err:
-        raise RewardError(f"before training, on the demonstrations (ground truths) of the "
-                          f"first training rows as responses: {err}") from None
+        raise RewardError(f"before the warm start, on the demonstrations of the first "
+                          f"training rows as responses: {err}") from None
 
 
 def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
@@ -338,8 +348,7 @@ def _finished(settings: settings_lib.Settings, workdir: str) -> dict:
 def _checkpoint_step(workdir: str) -> int:
     """The step of the workdir's latest complete checkpoint (0: none), where a stopped
     start resumes."""
-    complete, _ = checkpoint.scan(os.path.join(workdir, "checkpoints"))
-    return complete[-1] if complete else 0
+    return checkpoint.latest_complete(os.path.join(workdir, "checkpoints")) or 0
 
 
 def _results(settings: settings_lib.Settings, workdir: str, final: dict) -> dict:

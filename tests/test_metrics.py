@@ -183,9 +183,12 @@ def test_validation_metrics_mean_best_maj():
 
 @pytest.mark.parametrize("device_kind, flops, gbps", [
     # Vendor data sheets: H100 SXM 989 TFLOP/s dense bf16 and 3.35 TB/s, H100 PCIe 756
-    # and 2.0 TB/s, H200 4.8 TB/s, TPU v5e 197 TFLOP/s and 819 GB/s.
+    # and 2.0 TB/s, H100 NVL 835 and 3.9 TB/s, GH200 (HBM3) 989 and 4.0 TB/s, H200 4.8
+    # TB/s, TPU v5e 197 TFLOP/s and 819 GB/s.
     ("NVIDIA H100 80GB HBM3", 989e12, 3350.0),
     ("NVIDIA H100 PCIe", 756e12, 2000.0),
+    ("NVIDIA H100 NVL", 835e12, 3900.0),
+    ("NVIDIA GH200 480GB", 989e12, 4000.0),
     ("NVIDIA H200", 989e12, 4800.0),
     ("TPU v5 lite", 197e12, 819.0),
     ("cpu", None, None),

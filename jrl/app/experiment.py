@@ -50,7 +50,7 @@ def _check_tokenizer_fits_model(experiment_settings: ExperimentSettings, tokeniz
     """The checkpoint must embed every id the tokenizer makes; the character tokenizer
     goes only with a checkpoint of exactly its vocabulary (one trained with it) that
     carries no tokenizer of its own."""
-    vocab = hf.read_supported_config(model_path, "model.path").get("vocab_size")
+    vocab = hf.read_hf_config(model_path, "model.path").get("vocab_size")
     where = f"model.path={experiment_settings.model.path!r}"
     if experiment_settings.tokenizer.name == "char":
         own = os.path.isfile(os.path.join(model_path, "tokenizer.json"))

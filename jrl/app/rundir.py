@@ -11,10 +11,12 @@ A later start into the same workdir compares its config with `config.json`
 stops with the changed keys, unless `trainer.resume_mode` says otherwise (verl's
 names): `disable` starts over, `resume_path` resumes from `trainer.resume_from_path`
 whatever changed. A resume takes the newest complete checkpoint (`latest_checkpoint`:
-a newer step directory that lacks files, such as a partial copy, is skipped with a
-warning). Keys that cannot change what the steps already taken computed
-(`may_change`: loggers, devices, checkpoint and validation cadence, what to do on a
-reward or NaN error, a longer run under a constant learning rate) may differ.
+a newer step directory that lacks files, such as a partial copy, is moved aside with a
+warning); a resume from an earlier step of the workdir's own checkpoints moves the
+later ones aside, as another history of the run. Keys that cannot change what the
+steps already taken computed (`may_change`: loggers, devices, checkpoint and
+validation cadence, what to do on a reward or NaN error, a longer run under a constant
+learning rate) may differ.
 
 A start claims the workdir (`claimed`) only after everything that can be checked
 beforehand passed; a start that fails or is stopped before it wrote any output
@@ -175,8 +177,9 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
     """Compares `config` with the run already in `workdir` and decides how to start.
 
     Under `resume_mode=auto` the run resumes from the newest complete checkpoint of
-    `workdir/checkpoints` (`latest_checkpoint`: newer incomplete ones are skipped, with
-    a warning).
+    `workdir/checkpoints` (`latest_checkpoint`: newer incomplete ones are moved aside,
+    with a warning); under `resume_path`, from a step of this workdir, its later
+    checkpoints are moved aside (a note).
 
     Args:
       workdir: the run directory.
@@ -197,8 +200,8 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
     config_path = os.path.join(workdir, CONFIG_FILE)
     old = _read_json(config_path)
     notes: list[str] = []
-    latest, warnings = latest_checkpoint(workdir) if mode == "auto" else (None, [])
-    has_checkpoint = latest is not None
+    latest, skipped = latest_checkpoint(workdir) if mode == "auto" else (None, {})
+    has_checkpoint, warnings = latest is not None, []
     if mode == "disable":
         removed = clear_run(workdir) if write else []
         if removed:
@@ -225,6 +228,10 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
     if write:
         os.makedirs(workdir, exist_ok=True)
         _write_json(config_path, new)
+        if skipped:
+            warnings += _move_incomplete_aside(workdir, skipped, latest)
+        if resume_from is not None:
+            notes += _move_later_steps_aside(workdir, resume_from)
         if finished is not None and (mode == "resume_path" or extended):
             os.remove(os.path.join(workdir, FINISHED_FILE))
     if extended:
@@ -235,6 +242,40 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
         return Start("finished", notes=tuple(notes), warnings=tuple(warnings))
     return Start("resume" if has_checkpoint else "new", notes=tuple(notes),
                  warnings=tuple(warnings))
+
+
+def _move_incomplete_aside(workdir: str, skipped: dict[int, list[str]], latest: int
+                           ) -> list[str]:
+    """Moves the incomplete checkpoints after the one resumed from out of orbax's sight
+    (`checkpoint.move_aside`); a warning line for each."""
+    from jrl.rl import checkpoint
+
+    directory = os.path.join(workdir, "checkpoints")
+    moved = checkpoint.move_aside(directory, skipped, "incomplete")
+    return [f"warning: {os.path.join(directory, str(step))} is an incomplete checkpoint "
+            f"({checkpoint.summary(lacks)}), moved aside to {target}; resuming from step "
+            f"{latest}, the newest complete one"
+            for (step, lacks), target in zip(skipped.items(), moved, strict=True)]
+
+
+def _move_later_steps_aside(workdir: str, resume_from: str) -> list[str]:
+    """A resume from an earlier step of this workdir's own checkpoints: the steps after
+    it are another history of the run, which the run will save again; moved aside
+    (`checkpoint.move_aside`), not removed or mixed with this one's. A note for them."""
+    from jrl.rl import checkpoint
+
+    directory = os.path.join(workdir, "checkpoints")
+    parent = os.path.dirname(os.path.abspath(resume_from))
+    if not os.path.isdir(directory) or not os.path.samefile(parent, directory):
+        return []
+    step = int(os.path.basename(os.path.abspath(resume_from)))
+    complete, incomplete = checkpoint.scan(directory)
+    later = sorted(s for s in [*complete, *incomplete] if s > step)
+    if not later:
+        return []
+    moved = checkpoint.move_aside(directory, later, f"after_resume_from_{step}")
+    return [f"resuming from step {step} of this run: its later checkpoints moved aside to "
+            + ", ".join(moved)]
 
 
 def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
@@ -282,10 +323,9 @@ def checkpoint_step_dir(path: str | None) -> str:
 def _other_steps(step_dir: str) -> str:
     """What to give `trainer.resume_from_path` instead of `step_dir`: the complete
     checkpoints beside it."""
-    from jrl.rl import checkpoint
 
-    parent, step = os.path.dirname(step_dir), int(os.path.basename(step_dir))
-    others = [s for s in checkpoint.scan(parent)[0] if s != step]
+    parent = os.path.dirname(step_dir)
+    others = [s for s in _complete_beside(step_dir) if s != int(os.path.basename(step_dir))]
     if not others:
         return (f"{parent} holds no other complete checkpoint; point "
                 "--config.trainer.resume_from_path at the step directory of another run")
@@ -295,11 +335,21 @@ def _other_steps(step_dir: str) -> str:
             f"--config.trainer.resume_from_path={os.path.join(parent, str(others[-1]))})")
 
 
-def latest_checkpoint(workdir: str) -> tuple[int | None, list[str]]:
+def _complete_beside(step_dir: str) -> list[int]:
+    """The steps of the complete checkpoints in `step_dir`'s directory (its own too)."""
+    from jrl.rl import checkpoint
+
+    return checkpoint.scan(os.path.dirname(step_dir))[0]
+
+
+# What `resume_mode=disable` removes, as the errors that suggest it say.
+_DISABLE_REMOVES = "this removes its checkpoints, warm start and metrics"
+
+
+def latest_checkpoint(workdir: str) -> tuple[int | None, dict[int, list[str]]]:
     """The step of the newest complete checkpoint in `workdir/checkpoints` (None: none),
-    where `resume_mode=auto` resumes, and a warning for each incomplete step directory
-    after it (a partial copy, files deleted): those are skipped, and replaced if the run
-    saves their step again.
+    where `resume_mode=auto` resumes, and the incomplete step directories after it (a
+    partial copy, files deleted), each with what it lacks (`checkpoint.missing`).
 
     Raises:
       CheckpointError: step directories are there but none is complete (starting over
@@ -315,13 +365,9 @@ def latest_checkpoint(workdir: str) -> tuple[int | None, list[str]]:
                            for step, lacks in incomplete.items())
         raise CheckpointError(
             f"{directory} holds no complete checkpoint to resume from: {listed}. Copy the "
-            "checkpoint again in full, or pass --config.trainer.resume_mode=disable to start "
-            "the run over (this removes its checkpoints and metrics)")
-    warnings = [f"warning: skipping {os.path.join(directory, str(step))}, an incomplete "
-                f"checkpoint ({checkpoint.summary(lacks)}); resuming from step {latest}, the "
-                f"newest complete one; it is replaced if this run saves step {step}"
-                for step, lacks in incomplete.items() if step > latest]
-    return latest, warnings
+            f"checkpoint again in full, or pass --config.trainer.resume_mode=disable to start "
+            f"the run over ({_DISABLE_REMOVES})")
+    return latest, {step: lacks for step, lacks in incomplete.items() if step > latest}
 
 
 def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:
@@ -343,13 +389,13 @@ def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:
     message = f"{head} could not be read; the checkpoint is incomplete or damaged ({cause}); "
     if from_path:
         return CheckpointError(message + _other_steps(step_dir))
-    parent, step = os.path.dirname(step_dir), int(os.path.basename(step_dir))
-    earlier = [s for s in checkpoint.scan(parent)[0] if s < step]
+    earlier = [s for s in _complete_beside(step_dir) if s < int(os.path.basename(step_dir))]
     if earlier:
-        message += (f"remove it to resume from step {earlier[-1]}, the newest complete one "
-                    "before it, or ")
+        message += (f"move it out of {os.path.dirname(step_dir)} (rename it, e.g. to "
+                    f"{step_dir}.damaged) to resume from step {earlier[-1]}, the newest "
+                    "complete one before it, or ")
     return CheckpointError(message + "pass --config.trainer.resume_mode=disable to start the "
-                           "run over (this removes its checkpoints and metrics)")
+                           f"run over ({_DISABLE_REMOVES})")
 
 
 def read_finished(workdir: str) -> dict | None:

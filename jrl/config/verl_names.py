@@ -25,9 +25,6 @@ RENAMED = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
         "rollout.log_prob_micro_batch_size", _GLOBAL + "; one key for old and reference "
         "log-probs"),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": ("rollout.log_prob_use_dynamic_bsz", ""),
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (
-        "rollout.log_prob_max_token_len_per_gpu", ""),
     "critic.ppo_micro_batch_size_per_gpu": ("critic.ppo_micro_batch_size", _GLOBAL),
     "critic.forward_micro_batch_size_per_gpu": (
         "rollout.log_prob_micro_batch_size", _GLOBAL + "; shared with the log-prob passes"),

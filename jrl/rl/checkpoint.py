@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
 
 import jax
@@ -58,21 +57,27 @@ class UnreadableCheckpoint(CheckpointError):
 
     def __init__(self, step_dir: str, cause: BaseException):
         self.step_dir, self.cause = step_dir, cause
-        self.mismatch = any(words in str(_origin(cause)) for words in _MISMATCH)
+        self.mismatch = any(words in str(err) for err in _chain(cause) for words in _MISMATCH)
         why = ("it holds the state of another model or algorithm" if self.mismatch else
                "it is incomplete or damaged")
         super().__init__(f"{step_dir}: the checkpoint could not be read; {why} "
                          f"({describe(cause)})")
 
 
-def _origin(err: BaseException) -> BaseException:
-    """The exception `err` was raised from, through its chain."""
-    seen = {id(err)}
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from, outermost first."""
+    chain, seen = [err], {id(err)}
     while (inner := err.__cause__ or (None if err.__suppress_context__ else err.__context__)
            ) is not None and id(inner) not in seen:
         seen.add(id(inner))
+        chain.append(inner)
         err = inner
-    return err
+    return chain
+
+
+def _origin(err: BaseException) -> BaseException:
+    """The exception `err` was raised from, through its chain."""
+    return _chain(err)[-1]
 
 
 def describe(err: BaseException) -> str:
@@ -204,7 +209,24 @@ class _AbandonedTasks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not ((self.reads.open or self.reads.failed) and str(record.msg).startswith((
             "Task exception was never retrieved", "Future exception was never retrieved",
-            "Task was destroyed but it is pending")))
+            "Task was destroyed but it is pending")) and _orbax_report(record))
+
+
+def _orbax_report(record: logging.LogRecord) -> bool:
+    """Whether asyncio's report is of orbax's work: its exception was raised through
+    orbax or tensorstore code, or (no exception: a task destroyed pending) it names an
+    orbax coroutine."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None:
+        return f"{os.sep}orbax{os.sep}" in record.getMessage()
+    for err in _chain(exc):
+        tb = err.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if f"{os.sep}orbax{os.sep}" in name or "tensorstore" in name:
+                return True
+            tb = tb.tb_next
+    return False
 
 
 _ABANDONED_TASKS = _AbandonedTasks(_reads)
@@ -229,6 +251,30 @@ def scan(directory: str) -> tuple[list[int], dict[int, list[str]]]:
     return sorted(complete), dict(sorted(incomplete.items()))
 
 
+def latest_complete(directory: str) -> int | None:
+    """The step of `directory`'s newest complete checkpoint (`scan`), or None."""
+    complete, _ = scan(directory)
+    return complete[-1] if complete else None
+
+
+def move_aside(directory: str, steps, suffix: str) -> list[str]:
+    """Renames the step directories `steps` of `directory` to `<step>.<suffix>`, where
+    orbax, which reads only step-named directories, no longer counts or deletes them
+    (an incomplete one would otherwise take a place of `max_to_keep`, and a later step
+    block a save of it); returns the new paths."""
+    moved = []
+    for step in steps:
+        source = os.path.join(directory, str(step))
+        target = f"{source}.{suffix}"
+        n = 1
+        while os.path.exists(target):  # an earlier start moved one of this step aside
+            n += 1
+            target = f"{source}.{suffix}{n}"
+        os.rename(source, target)
+        moved.append(target)
+    return moved
+
+
 class Checkpointer:
     """Saves and restores `(state, meta)` pairs under `directory/<step>`."""
 
@@ -242,30 +288,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The step of the latest complete checkpoint (`scan`), or None."""
         self.manager.reload()
-        complete, _ = scan(self.directory)
-        return complete[-1] if complete else None
+        return latest_complete(self.directory)
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
     def save(self, step: int, state, meta: dict, **extra) -> None:
-        """Saves `state` and `meta`, and each `extra` pytree as an item of its own.
-
-        A directory of this step already there is replaced: one left incomplete, or one
-        of a run resumed from an earlier step, whose later checkpoints it writes again
-        (orbax would refuse to save the step)."""
-        path = self.step_dir(step)
-        replace = os.path.isdir(path)
-        if jax.process_count() > 1:  # every process decides as process 0 saw it
-            from jax.experimental import multihost_utils
-
-            replace = bool(multihost_utils.broadcast_one_to_all(np.int32(replace)))
-        if replace:
-            if jax.process_index() == 0:
-                shutil.rmtree(path)
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices(f"jrl: replaced checkpoint {step}")
-            self.manager.reload()
+        """Saves `state` and `meta`, and each `extra` pytree as an item of its own."""
         items = {name: ocp.args.StandardSave(tree) for name, tree in extra.items()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta), **items)
@@ -274,7 +303,11 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _reading(self, step: int):
-        """Any error reading checkpoint `step` becomes `UnreadableCheckpoint`."""
+        """An error of checkpoint `step`'s files becomes `UnreadableCheckpoint`: one
+        that is, or was raised from, what tensorstore and orbax raise for a file
+        missing, truncated or not in the format read (ValueError, KeyError, OSError;
+        orbax wraps tensorstore's in a bare Exception). Others (out of device memory, a
+        sharding error) keep their own type: they say nothing of the files."""
         _quiet_abandoned_reads()
         _reads.open += 1
         try:
@@ -282,6 +315,8 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as err:
+            if not any(isinstance(e, (ValueError, KeyError, OSError)) for e in _chain(err)):
+                raise
             _reads.failed = True
             raise UnreadableCheckpoint(self.step_dir(step), err) from err
         finally:

@@ -114,19 +114,33 @@ def test_resume_path_to_an_empty_step_directory(tmp_path):
     assert not workdir.exists()
 
 
-def test_auto_resume_skips_an_incomplete_newest_checkpoint(saved, tmp_path):
+def test_auto_resume_moves_an_incomplete_newest_checkpoint_aside(saved, tmp_path):
     """An empty `checkpoints/2` (a partial copy) beside a complete step 1: the start
-    resumes from step 1 and says which directory it skipped."""
+    resumes from step 1, and renames the other out of orbax's sight (where it would
+    count against max_to_keep and stop the save of step 2), saying so."""
     workdir, checkpoints = _copy(saved, tmp_path, second=False)
     (checkpoints / "2").mkdir()
     os.remove(workdir / "finished.json")
-    done = _train(workdir)
+    done = _train(workdir, "--config.trainer.total_training_steps=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert (f"warning: skipping {checkpoints / '2'}, an incomplete checkpoint (the directory "
-            "is empty); resuming from step 1, the newest complete one; it is replaced if this "
-            "run saves step 2") in done.stderr.splitlines()
-    assert "resumed from step 1 (of 1)" in done.stdout
+    assert (f"warning: {checkpoints / '2'} is an incomplete checkpoint (the directory is "
+            f"empty), moved aside to {checkpoints / '2.incomplete'}; resuming from step 1, "
+            "the newest complete one") in done.stderr.splitlines()
+    assert "resumed from step 1 (of 2)" in done.stdout
+    assert sorted(os.listdir(checkpoints)) == ["1", "2", "2.incomplete"]
+    assert checkpoint.missing(str(checkpoints / "2")) == []  # this run's step 2, saved
+
+
+def test_resume_path_to_an_earlier_step_of_the_run_moves_the_later_ones_aside(saved, tmp_path):
+    workdir, checkpoints = _copy(saved, tmp_path)
+    os.remove(workdir / "finished.json")
+    done = _train(workdir, *_resume_from(checkpoints / "1"),
+                  "--config.trainer.total_training_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"resuming from step 1 of this run: its later checkpoints moved aside to "
+            f"{checkpoints / '2.after_resume_from_1'}") in done.stdout.splitlines()
+    assert sorted(os.listdir(checkpoints)) == ["1", "2", "2.after_resume_from_1"]
 
 
 def test_auto_resume_with_no_complete_checkpoint_stops(saved, tmp_path):
@@ -138,7 +152,7 @@ def test_auto_resume_with_no_complete_checkpoint_stops(saved, tmp_path):
         f"error: {checkpoints} holds no complete checkpoint to resume from: "
         f"{checkpoints / '2'} (missing meta/). Copy the checkpoint again in full, or pass "
         "--config.trainer.resume_mode=disable to start the run over (this removes its "
-        "checkpoints and metrics)")
+        "checkpoints, warm start and metrics)")
 
 
 def test_auto_resume_from_a_damaged_newest_checkpoint_names_the_one_before(saved, tmp_path):
@@ -150,12 +164,21 @@ def test_auto_resume_from_a_damaged_newest_checkpoint_names_the_one_before(saved
     assert message.startswith(f"error: {checkpoints / '2'}, the newest checkpoint of this "
                               "run, could not be read; the checkpoint is incomplete or damaged (")
     assert message.endswith(
-        "; remove it to resume from step 1, the newest complete one before it, or pass "
+        f"; move it out of {checkpoints} (rename it, e.g. to {checkpoints / '2'}.damaged) to "
+        "resume from step 1, the newest complete one before it, or pass "
         "--config.trainer.resume_mode=disable to start the run over (this removes its "
-        "checkpoints and metrics)")
+        "checkpoints, warm start and metrics)")
 
 
 # -- the checkpointer, in the process (numpy trees: nothing compiles) ---------------------------
+
+
+@pytest.fixture(autouse=True)
+def _reads_reset():
+    """A failed read keeps orbax's abandoned reads quiet for the rest of the process;
+    the tests after this module's see the state they would alone."""
+    yield
+    checkpoint._reads.failed = False
 
 
 def _tree():
@@ -163,17 +186,22 @@ def _tree():
             "b": np.ones(7, np.float32)}
 
 
-def test_incomplete_step_directories_are_not_the_latest_and_are_replaced(tmp_path):
+def test_incomplete_step_directories_are_not_the_latest_and_move_aside(tmp_path):
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(1, _tree(), {"step": 1})
     (tmp_path / "2").mkdir()  # a partial copy
     (tmp_path / "3.orbax-checkpoint-tmp-17").mkdir()  # a save cut short
     assert checkpoint.scan(str(tmp_path)) == ([1], {2: ["the directory is empty"]})
     assert ckpt.latest_step() == 1
-    ckpt.save(2, _tree(), {"step": 2})  # replaces the partial copy
+    ckpt.close()
+    (tmp_path / "2.incomplete").mkdir()  # moved aside by an earlier start
+    # As a start does, before the run's checkpointer is made.
+    assert checkpoint.move_aside(str(tmp_path), [2], "incomplete") == [
+        str(tmp_path / "2.incomplete2")]
+    assert checkpoint.scan(str(tmp_path)) == ([1], {})
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(2, _tree(), {"step": 2})
     assert ckpt.latest_step() == 2 and ckpt.read_meta(2) == {"step": 2}
-    ckpt.save(2, _tree(), {"step": 2, "again": True})  # a resumed run saves step 2 anew
-    assert ckpt.read_meta(2) == {"step": 2, "again": True}
     (tmp_path / "2" / "meta" / "metadata").write_text('{"step": ')
     assert checkpoint.missing(str(tmp_path / "2")) == ["meta/metadata (not valid JSON)"]
     assert checkpoint.summary(["meta/metadata (not valid JSON)"]) == \

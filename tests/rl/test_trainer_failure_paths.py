@@ -163,22 +163,23 @@ def test_reward_error_is_one_line_with_the_hint_and_on_error_may_then_change(tmp
     assert all(r["reward/num_errors"] > 0 for r in _metrics(workdir) if r["step"] > 0)
 
 
-@pytest.mark.parametrize("sft_steps", [0, 2])
-def test_reward_fn_raising_on_the_demonstrations_stops_before_anything_is_built(
-        tmp_path, monkeypatch, sft_steps):
-    """With a warm start or without one: the demonstrations are the rows' answers."""
+def test_reward_fn_raising_on_the_demonstrations_stops_before_the_warm_start(tmp_path,
+                                                                              monkeypatch):
     monkeypatch.setattr(experiment, "build_model", lambda *a, **k: pytest.fail("built"))
     path = tmp_path / "hashes.py"
     path.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
                     "    return float(solution_str.split('####')[1] == ground_truth)\n")
-    config = _config(**{"reward.custom_fn": f"{path}:score", "sft.steps": sft_steps})
-    with pytest.raises(RewardError, match=r"^before training, on the demonstrations \(ground "
-                       r"truths\) of the first training rows as responses: reward function "
-                       r"failed on sample 0 \(data_source='synthetic/arithmetic'\): "
-                       r"IndexError: list index out of range \(hashes.py:2\); set "
-                       r"reward.on_error=score"):
+    config = _config(**{"reward.custom_fn": f"{path}:score", "sft.steps": 2})
+    with pytest.raises(RewardError, match=r"^before the warm start, on the demonstrations of "
+                       r"the first training rows as responses: reward function failed on "
+                       r"sample 0 \(data_source='synthetic/arithmetic'\): IndexError: list "
+                       r"index out of range \(hashes.py:2\); set reward.on_error=score"):
         train.run(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+    # Without a warm start the rows' bare answers are not responses it teaches: a
+    # function that does not parse them is not stopped for it (here: at its first step).
+    with pytest.raises(pytest.fail.Exception, match="built"):
+        train.run(_config(**{"reward.custom_fn": f"{path}:score"}), str(tmp_path / "run2"))
 
 
 def test_a_filter_metric_the_reward_does_not_return_stops_before_anything_is_built(
@@ -236,9 +237,7 @@ def test_signal_between_steps_saves_stops_and_resumes_exactly(tmp_path):
 
     def reward(data_source, solution_str, ground_truth, extra_info):
         calls.append(1)
-        # During step 2: after the trial on the demonstrations (`train.REWARD_TRIAL_ROWS`
-        # calls) and step 1 (8 samples a step; no validation before).
-        if len(calls) == train.REWARD_TRIAL_ROWS + 9:
+        if len(calls) == 9:  # during step 2 (8 samples a step; no validation before)
             interrupt._received.append(signal.SIGTERM)
         return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 

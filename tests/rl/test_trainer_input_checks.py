@@ -13,6 +13,7 @@ import pytest
 from jrl import train
 from jrl.app import experiment
 from jrl.config.settings import experiment_from_config
+from jrl.data.tokenizers import CharTokenizer
 from jrl.errors import CheckpointError, DataError
 from tests.tiny import tiny_config
 
@@ -123,8 +124,10 @@ def test_a_file_without_the_prompt_column_as_both_splits_is_one_line(tmp_path, n
 def test_an_unsupported_checkpoint_stops_before_the_workdir_is_claimed(tmp_path, no_model):
     checkpoint = tmp_path / "bert"
     checkpoint.mkdir()
+    # The character tokenizer's vocabulary, so that only the architecture is wrong.
+    vocab = CharTokenizer().vocab_size
     (checkpoint / "config.json").write_text(json.dumps({"architectures": ["BertModel"],
-                                                        "vocab_size": 30522}))
+                                                        "vocab_size": vocab}))
     workdir = tmp_path / "run"
     with pytest.raises(CheckpointError, match=rf"^model.path: '{re.escape(str(checkpoint))}/"
                        r"config.json': unsupported architecture \['BertModel'\]; supported "):

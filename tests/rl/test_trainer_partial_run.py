@@ -7,7 +7,6 @@ import jax
 import numpy as np
 import pytest
 
-from jrl import train
 from jrl.data.dataset import BatchIterator, encode_prompts
 from jrl.errors import ConfigError
 from jrl.metrics import read_jsonl
@@ -41,12 +40,11 @@ def test_rows_carry_across_steps_and_groups_train_whole(tmp_path, cache):
     run(config, str(tmp_path), reward_fn=reward_fn)
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    # After the trial on the demonstrations, each step scores exactly its batch: BATCH
-    # groups, the n samples of a group one after another on the same prompt.
-    scored = calls[train.REWARD_TRIAL_ROWS:]
-    assert len(scored) == STEPS * BATCH * N
-    for i in range(0, len(scored), N):
-        assert len({c[:2] for c in scored[i:i + N]}) == 1, scored[i:i + N]
+    # Each step scores exactly its batch: BATCH groups, the n samples of a group one
+    # after another on the same prompt.
+    assert len(calls) == STEPS * BATCH * N
+    for i in range(0, len(calls), N):
+        assert len({c[:2] for c in calls[i:i + N]}) == 1, calls[i:i + N]
     for step, record in enumerate(records, start=1):
         assert all(math.isfinite(v) for v in record.values()), record
         # A round draws one token a row: a row of up to 3 tokens takes up to 3 rounds,

@@ -147,9 +147,8 @@ def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_
     model_path = settings.experiment.model.path
     if model_path:
         hf.check_files(os.path.expanduser(model_path), "model.path")
-    if settings.reward.model_path:
+    if settings.reward.model_path:  # the reward model scores: no function to try
         hf.check_files(os.path.expanduser(settings.reward.model_path), "reward_model.model.path")
-    if settings.reward.model_path:
         return
     custom = reward_fn or settings.reward.custom_fn
     fn = None  # the rule rewards by data_source

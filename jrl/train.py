@@ -142,8 +142,9 @@ def _check_batch_sizes_first(config, sharder, reward_fn) -> None:
 
 def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_fn) -> None:
     """The model's and the reward model's files, and the reward function: it resolves,
-    and (under `reward.on_error='raise'`, with a warm start) scores the demonstrations;
-    a dynamic-sampling metric is looked for among the fields it returns on them."""
+    and with a warm start it scores the demonstrations (under
+    `reward.on_error='raise'`), where a dynamic-sampling metric is looked for among the
+    fields it returns."""
     model_path = settings.experiment.model.path
     if model_path:
         hf.check_files(os.path.expanduser(model_path), "model.path")
@@ -157,12 +158,14 @@ def _check_files_and_reward(settings: settings_lib.Settings, train_rows, reward_
             fn = scoring.resolve_fn(custom)
         except (ImportError, TypeError) as err:
             raise ConfigError(f"reward.custom_fn: {err}") from err
-    # The demonstrations are the responses a warm start teaches, so a function that
-    # raises on them would raise at the first step; without one they are only the
-    # rows' bare answers, which a function may rightly not parse, so they raise nothing.
-    raises = bool(custom) and settings.reward.on_error == "raise" and (
-        settings.experiment.sft.steps > 0)
-    filtered = settings.filter_groups is not None
+    # The demonstrations are the responses a warm start teaches, so what the function
+    # does on them it does at the first step; without one they are only the rows' bare
+    # answers, which a function may rightly not parse (or return fewer fields for).
+    if settings.experiment.sft.steps <= 0:
+        return
+    raises = bool(custom) and settings.reward.on_error == "raise"
+    # Multi-turn rewards can take fields from the tools' rewards, which a trial lacks.
+    filtered = settings.filter_groups is not None and settings.experiment.multi_turn is None
     if raises or filtered:
         fields = _try_reward_fn(fn, train_rows, "raise" if raises else "score")
         if filtered and fields is not None and not fields.num_errors:

@@ -12,8 +12,8 @@ stops with the changed keys, unless `trainer.resume_mode` says otherwise (verl's
 names): `disable` starts over, `resume_path` resumes from `trainer.resume_from_path`
 whatever changed. A resume takes the newest complete checkpoint (`latest_checkpoint`:
 a newer step directory that lacks files, such as a partial copy, is moved aside with a
-warning); a resume from an earlier step of the workdir's own checkpoints moves the
-later ones aside, as another history of the run. Keys that cannot change what the
+warning); a `resume_path` start into a workdir whose checkpoints go past the step
+resumed from stops, rather than write over or mix them. Keys that cannot change what the
 steps already taken computed (`may_change`: loggers, devices, checkpoint and
 validation cadence, what to do on a reward or NaN error, a longer run under a constant
 learning rate) may differ.
@@ -178,8 +178,8 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
 
     Under `resume_mode=auto` the run resumes from the newest complete checkpoint of
     `workdir/checkpoints` (`latest_checkpoint`: newer incomplete ones are moved aside,
-    with a warning); under `resume_path`, from a step of this workdir, its later
-    checkpoints are moved aside (a note).
+    with a warning); under `resume_path`, `workdir/checkpoints` must hold no step after
+    the one resumed from.
 
     Args:
       workdir: the run directory.
@@ -189,8 +189,9 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
     Raises:
       RunDirError: the workdir's run used another config (the changed keys listed),
         under `resume_mode=auto`.
-      ConfigError / CheckpointError: a bad `resume_mode` or `resume_from_path`, or
-        (`auto`) checkpoints of which none is complete.
+      ConfigError / CheckpointError: a bad `resume_mode` or `resume_from_path`,
+        (`auto`) checkpoints of which none is complete, or (`resume_path`) checkpoints
+        after the step resumed from.
     """
     mode = config.trainer.resume_mode
     if mode not in RESUME_MODES:
@@ -211,6 +212,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
     resume_from = None
     if mode == "resume_path":
         resume_from = checkpoint_step_dir(config.trainer.resume_from_path)
+        _check_no_later_steps(workdir, resume_from)
         if old is not None:
             changes = changed_keys(old, new)
             if changes:
@@ -230,8 +232,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, *,
         _write_json(config_path, new)
         if skipped:
             warnings += _move_incomplete_aside(workdir, skipped, latest)
-        if resume_from is not None:
-            notes += _move_later_steps_aside(workdir, resume_from)
+
         if finished is not None and (mode == "resume_path" or extended):
             os.remove(os.path.join(workdir, FINISHED_FILE))
     if extended:
@@ -258,24 +259,24 @@ def _move_incomplete_aside(workdir: str, skipped: dict[int, list[str]], latest: 
             for (step, lacks), target in zip(skipped.items(), moved, strict=True)]
 
 
-def _move_later_steps_aside(workdir: str, resume_from: str) -> list[str]:
-    """A resume from an earlier step of this workdir's own checkpoints: the steps after
-    it are another history of the run, which the run will save again; moved aside
-    (`checkpoint.move_aside`), not removed or mixed with this one's. A note for them."""
+def _check_no_later_steps(workdir: str, resume_from: str) -> None:
+    """A `resume_path` start writes its steps into `workdir/checkpoints`: steps there
+    after the one resumed from (another history of this run, or of the run this workdir
+    held) would be written over, or resumed from by a later start; the user chooses."""
     from jrl.rl import checkpoint
 
     directory = os.path.join(workdir, "checkpoints")
-    parent = os.path.dirname(os.path.abspath(resume_from))
-    if not os.path.isdir(directory) or not os.path.samefile(parent, directory):
-        return []
-    step = int(os.path.basename(os.path.abspath(resume_from)))
+    step = int(os.path.basename(os.path.normpath(resume_from)))
     complete, incomplete = checkpoint.scan(directory)
     later = sorted(s for s in [*complete, *incomplete] if s > step)
-    if not later:
-        return []
-    moved = checkpoint.move_aside(directory, later, f"after_resume_from_{step}")
-    return [f"resuming from step {step} of this run: its later checkpoints moved aside to "
-            + ", ".join(moved)]
+    if later:
+        raise CheckpointError(
+            f"trainer.resume_from_path: resuming from step {step} into {workdir}, whose "
+            f"checkpoints already go on to step{'s' if len(later) > 1 else ''} "
+            f"{', '.join(map(str, later))}, which this run would write again; to continue "
+            f"the run in {workdir} from its newest checkpoint use "
+            "--config.trainer.resume_mode=auto, or move those step directories out of "
+            f"{directory}, or give a fresh --workdir")
 
 
 def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 
 import jax
@@ -73,6 +74,20 @@ def _chain(err: BaseException) -> list[BaseException]:
         chain.append(inner)
         err = inner
     return chain
+
+
+# Tensorstore's errors start with a status code ("NOT_FOUND: ...", "DATA_LOSS: ...").
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+
+
+def _of_the_files(err: BaseException) -> bool:
+    """Whether `err` is about a checkpoint's files or contents: an OS error, a missing
+    item (KeyError), JSON that does not parse, a tensorstore status, a metadata record
+    without the fields read (TypeError), or a tree other than the one asked for."""
+    if isinstance(err, (OSError, KeyError, TypeError, json.JSONDecodeError)):
+        return True
+    return isinstance(err, ValueError) and (
+        bool(_STATUS.match(str(err))) or any(words in str(err) for words in _MISMATCH))
 
 
 def _origin(err: BaseException) -> BaseException:
@@ -260,8 +275,8 @@ def latest_complete(directory: str) -> int | None:
 def move_aside(directory: str, steps, suffix: str) -> list[str]:
     """Renames the step directories `steps` of `directory` to `<step>.<suffix>`, where
     orbax, which reads only step-named directories, no longer counts or deletes them
-    (an incomplete one would otherwise take a place of `max_to_keep`, and a later step
-    block a save of it); returns the new paths."""
+    (an incomplete one would otherwise take a place of `max_to_keep` and block a save
+    of its step); returns the new paths."""
     moved = []
     for step in steps:
         source = os.path.join(directory, str(step))
@@ -269,7 +284,7 @@ def move_aside(directory: str, steps, suffix: str) -> list[str]:
         n = 1
         while os.path.exists(target):  # an earlier start moved one of this step aside
             n += 1
-            target = f"{source}.{suffix}{n}"
+            target = f"{source}.{suffix}.{n}"
         os.rename(source, target)
         moved.append(target)
     return moved
@@ -305,9 +320,9 @@ class Checkpointer:
     def _reading(self, step: int):
         """An error of checkpoint `step`'s files becomes `UnreadableCheckpoint`: one
         that is, or was raised from, what tensorstore and orbax raise for a file
-        missing, truncated or not in the format read (ValueError, KeyError, OSError;
-        orbax wraps tensorstore's in a bare Exception). Others (out of device memory, a
-        sharding error) keep their own type: they say nothing of the files."""
+        missing, truncated or not in the format read (`_of_the_files`; orbax wraps
+        tensorstore's in a bare Exception). Others (out of device memory, a sharding
+        error) keep their own type: they say nothing of the files."""
         _quiet_abandoned_reads()
         _reads.open += 1
         try:
@@ -315,7 +330,7 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as err:
-            if not any(isinstance(e, (ValueError, KeyError, OSError)) for e in _chain(err)):
+            if not any(_of_the_files(e) for e in _chain(err)):
                 raise
             _reads.failed = True
             raise UnreadableCheckpoint(self.step_dir(step), err) from err

@@ -117,7 +117,7 @@ def test_resume_path_to_an_empty_step_directory(tmp_path):
 def test_auto_resume_moves_an_incomplete_newest_checkpoint_aside(saved, tmp_path):
     """An empty `checkpoints/2` (a partial copy) beside a complete step 1: the start
     resumes from step 1, and renames the other out of orbax's sight (where it would
-    count against max_to_keep and stop the save of step 2), saying so."""
+    stop the save of step 2), saying so."""
     workdir, checkpoints = _copy(saved, tmp_path, second=False)
     (checkpoints / "2").mkdir()
     os.remove(workdir / "finished.json")
@@ -132,15 +132,23 @@ def test_auto_resume_moves_an_incomplete_newest_checkpoint_aside(saved, tmp_path
     assert checkpoint.missing(str(checkpoints / "2")) == []  # this run's step 2, saved
 
 
-def test_resume_path_to_an_earlier_step_of_the_run_moves_the_later_ones_aside(saved, tmp_path):
+def test_resume_path_to_an_earlier_step_of_the_run_stops_naming_the_later_ones(saved,
+                                                                               tmp_path):
+    """Its saves would write step 2 again (orbax refuses, after a step) and a later auto
+    start would mix the two histories: the start stops, before anything is built."""
     workdir, checkpoints = _copy(saved, tmp_path)
     os.remove(workdir / "finished.json")
     done = _train(workdir, *_resume_from(checkpoints / "1"),
                   "--config.trainer.total_training_steps=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (f"resuming from step 1 of this run: its later checkpoints moved aside to "
-            f"{checkpoints / '2.after_resume_from_1'}") in done.stdout.splitlines()
-    assert sorted(os.listdir(checkpoints)) == ["1", "2", "2.after_resume_from_1"]
+    assert _error(done) == (
+        f"error: trainer.resume_from_path: resuming from step 1 into {workdir}, whose "
+        "checkpoints already go on to step 2, which this run would write again; to continue "
+        f"the run in {workdir} from its newest checkpoint use "
+        "--config.trainer.resume_mode=auto, or move those step directories out of "
+        f"{checkpoints}, or give a fresh --workdir")
+    assert "mesh" not in done.stdout  # stopped before the model was built
+    assert sorted(os.listdir(checkpoints)) == ["1", "2"]
+    assert checkpoint.missing(str(checkpoints / "2")) == []  # left as it was
 
 
 def test_auto_resume_with_no_complete_checkpoint_stops(saved, tmp_path):
@@ -197,7 +205,7 @@ def test_incomplete_step_directories_are_not_the_latest_and_move_aside(tmp_path)
     (tmp_path / "2.incomplete").mkdir()  # moved aside by an earlier start
     # As a start does, before the run's checkpointer is made.
     assert checkpoint.move_aside(str(tmp_path), [2], "incomplete") == [
-        str(tmp_path / "2.incomplete2")]
+        str(tmp_path / "2.incomplete.2")]
     assert checkpoint.scan(str(tmp_path)) == ([1], {})
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(2, _tree(), {"step": 2})

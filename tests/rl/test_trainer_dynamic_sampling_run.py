@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pytest
 
-from jrl import train
 from jrl.metrics import read_jsonl
 from jrl.train import run
 from tests.tiny import tiny_config
@@ -64,9 +63,7 @@ def test_dropped_groups_are_replaced_until_the_batch_is_full(tmp_path):
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
 
-    # The first calls are the trial on the demonstrations, before anything is built,
-    # which looks for the metric among the reward's fields (every tiny row has one).
-    replay = _replay(calls[train.REWARD_TRIAL_ROWS:], 2, GEN_BATCH, "acc")
+    replay = _replay(calls, 2, GEN_BATCH, "acc")
     # The data exercise the filter: some step needed more than one round.
     assert max(rounds for rounds, _, _ in replay) > 1, replay
     for record, (rounds, dropped, batch) in zip(records, replay, strict=True):
@@ -103,7 +100,5 @@ def test_constant_reward_exhausts_the_generation_bound(tmp_path):
                        match=r"algorithm\.filter_groups\.max_num_gen_batches=3") as err:
         run(config, str(tmp_path), reward_fn=reward_fn)
     assert "0 of the 4" in str(err.value)
-    # The trial on the demonstrations (the metric among the reward's fields), then
-    # exactly three rounds of train_batch_size
-    # prompts (the default gen_batch_size) x n.
-    assert len(calls) == train.REWARD_TRIAL_ROWS + 3 * BATCH * N
+    # Exactly three rounds of train_batch_size prompts (the default gen_batch_size) x n.
+    assert len(calls) == 3 * BATCH * N

@@ -184,11 +184,12 @@ def test_reward_fn_raising_on_the_demonstrations_stops_before_the_warm_start(tmp
 
 def test_a_filter_metric_the_reward_does_not_return_stops_before_anything_is_built(
         tmp_path, monkeypatch):
-    """The rule reward's fields are read off the demonstrations: a dynamic-sampling metric
-    among none of them stops the run before the model or its programs (else at the first
-    step's scoring, after compiling)."""
+    """With a warm start the rule reward's fields are read off the demonstrations (the
+    first responses RL scores): a dynamic-sampling metric among none of them stops the
+    run before the model or its programs (else at the first step's scoring, after
+    compiling)."""
     monkeypatch.setattr(experiment, "build_model", lambda *a, **k: pytest.fail("built"))
-    config = _config(**{"algorithm.filter_groups.enable": True,
+    config = _config(**{"algorithm.filter_groups.enable": True, "sft.steps": 2,
                         "algorithm.filter_groups.metric": "accuracy"})
     with pytest.raises(ConfigError, match=r"^algorithm\.filter_groups\.metric='accuracy' is "
                        r"not among the reward's fields \['score', 'seq_reward', 'acc'"):

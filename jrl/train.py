@@ -222,7 +222,7 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     if start.kind == "finished":
         return _finished(settings, workdir)
     if settings.reward.in_graph_fn or settings.trainer.multi_run:
-        return _run_multi(workdir, p, exit_after_steps)
+        return _run_multi(workdir, p, exit_after_steps, start.resume_from)
     scorer, reward_model = experiment.build_reward(settings, reward_fn)
     experiment_settings, trainer = settings.experiment, None
     try:  # reward workers and the checkpointer are closed however the run ends
@@ -244,8 +244,9 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     return _finish(settings, workdir, trainer, model, summary)
 
 
-def _run_multi(workdir, p: _Prepared, exit_after_steps) -> dict:
-    """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.rl.runs`)."""
+def _run_multi(workdir, p: _Prepared, exit_after_steps, resume_from: str | None) -> dict:
+    """The runs of `trainer.runs` / `trainer.sweep` in one device program (`jrl.rl.runs`);
+    `resume_from`: the checkpoint of `resume_mode=resume_path`."""
     from jrl.rl import runs as runs_lib
 
     settings, lead = p.settings, jax.process_index() == 0
@@ -264,7 +265,7 @@ def _run_multi(workdir, p: _Prepared, exit_after_steps) -> dict:
         apply_chat_template=experiment_settings.data.apply_chat_template,
         data_seed=experiment_settings.data.seed, steps_per_call=steps_per_call, mesh=mesh)
     try:
-        resumed = trainer.maybe_restore()
+        resumed = trainer.maybe_restore(resume_from)
         if lead:
             print(f"{len(plan)} runs in one program on {mesh.size} device(s), "
                   f"{steps_per_call} steps a call: "

@@ -334,21 +334,29 @@ class MultiRunTrainer:
             self.save()
         interrupt.check(self.step)
 
-    def maybe_restore(self) -> bool:
-        """Continues from the workdir's latest complete checkpoint, if any."""
-        step = self.checkpointer.latest_step()
+    def maybe_restore(self, resume_from: str | None = None) -> bool:
+        """Continues from a checkpoint: `resume_from` (a `<dir>/<step>` checkpoint directory,
+        possibly of another run) or else the workdir's latest complete one, if any."""
+        checkpointer, step = self.checkpointer, self.checkpointer.latest_step()
+        if resume_from is not None:
+            checkpointer = Checkpointer(os.path.dirname(resume_from))
+            step = int(os.path.basename(resume_from))
         if step is None:
             return False
         try:
-            state, self.step, self.data = self.checkpointer.restore_train_state(
+            state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, None)
         except UnreadableCheckpoint as err:
-            raise rundir.unreadable_checkpoint(err, from_path=False) from err
+            raise rundir.unreadable_checkpoint(err, from_path=resume_from is not None) from err
+        finally:
+            if checkpointer is not self.checkpointer:
+                checkpointer.close()
         self.state = state.replace(step=self.mesh.put(jnp.full((self.num_runs,), self.step,
                                                                jnp.int32)))
         self._saved_step = self.step
         if jax.process_index() == 0:
-            print(f"resumed from step {self.step} (of {self.settings.total_steps})",
+            source = f" ({resume_from})" if resume_from else ""
+            print(f"resumed from step {self.step} (of {self.settings.total_steps}){source}",
                   flush=True)
         return True
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -273,6 +274,20 @@ def test_a_multi_run_checkpoint_resumes_bit_identically(runs, warm_start, tmp_pa
                 for s, r in _per_step(straight, run).items()}
         _assert_same_steps(_per_step(resumed, run), want,
                            sorted({k for r in want.values() for k in r}), exact=True)
+    # resume_path: step 2's checkpoint, read into another workdir, runs step 3 as the
+    # resumed run did.
+    checkpoint = str(tmp_path / "checkpoints" / "2")
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "sft", other / "sft")  # the same warm starts
+    third = train.run(_config("grpo", warm_start, **IN_GRAPH, **SFT, **{
+        "trainer.runs": 2, "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": checkpoint}), str(other))
+    assert third["resumed"] and third["step"] == STEPS
+    assert f"resumed from step 2 (of 3) ({checkpoint})" in capsys.readouterr().out
+    last = {r["run"]: r for r in read_jsonl(str(other / "metrics.jsonl"))
+            if r["step"] == STEPS}
+    for run in range(2):
+        assert last[run][ACC] == _per_step(resumed, run)[STEPS][ACC]
 
 
 # --------------------------------------------------------------------------- outputs

@@ -371,6 +371,27 @@ def latest_checkpoint(workdir: str) -> tuple[int | None, dict[int, list[str]]]:
     return latest, {step: lacks for step, lacks in incomplete.items() if step > latest}
 
 
+@contextlib.contextmanager
+def restoring(checkpointer, resume_from: str | None):
+    """`(checkpointer, step)` a trainer restores from: `resume_from`'s (a `<dir>/<step>`
+    checkpoint directory of `resume_mode=resume_path`, read by a checkpointer of its
+    own, closed after) or else `checkpointer`'s latest complete step (None: none). An
+    `UnreadableCheckpoint` inside becomes `unreadable_checkpoint`'s error."""
+    from jrl.rl import checkpoint
+
+    source, step = checkpointer, None
+    if resume_from is not None:
+        source = checkpoint.Checkpointer(os.path.dirname(resume_from))
+        step = int(os.path.basename(resume_from))
+    try:
+        yield source, (checkpointer.latest_step() if resume_from is None else step)
+    except checkpoint.UnreadableCheckpoint as err:
+        raise unreadable_checkpoint(err, from_path=resume_from is not None) from err
+    finally:
+        if source is not checkpointer:
+            source.close()
+
+
 def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:
     """The error for a checkpoint that looked complete but failed to restore
     (`jrl.rl.checkpoint.UnreadableCheckpoint` `err`: a truncated or corrupted file, or

@@ -58,7 +58,7 @@ class UnreadableCheckpoint(CheckpointError):
 
     def __init__(self, step_dir: str, cause: BaseException):
         self.step_dir, self.cause = step_dir, cause
-        self.mismatch = any(words in str(err) for err in _chain(cause) for words in _MISMATCH)
+        self.mismatch = any(_is_mismatch(err) for err in _chain(cause))
         why = ("it holds the state of another model or algorithm" if self.mismatch else
                "it is incomplete or damaged")
         super().__init__(f"{step_dir}: the checkpoint could not be read; {why} "
@@ -86,8 +86,13 @@ def _of_the_files(err: BaseException) -> bool:
     without the fields read (TypeError), or a tree other than the one asked for."""
     if isinstance(err, (OSError, KeyError, TypeError, json.JSONDecodeError)):
         return True
-    return isinstance(err, ValueError) and (
-        bool(_STATUS.match(str(err))) or any(words in str(err) for words in _MISMATCH))
+    return isinstance(err, ValueError) and (bool(_STATUS.match(str(err)))
+                                            or _is_mismatch(err))
+
+
+def _is_mismatch(err: BaseException) -> bool:
+    """Whether `err` is orbax's word for a tree other than the one asked for."""
+    return any(words in str(err) for words in _MISMATCH)
 
 
 def _origin(err: BaseException) -> BaseException:

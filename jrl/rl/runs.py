@@ -337,20 +337,11 @@ class MultiRunTrainer:
     def maybe_restore(self, resume_from: str | None = None) -> bool:
         """Continues from a checkpoint: `resume_from` (a `<dir>/<step>` checkpoint directory,
         possibly of another run) or else the workdir's latest complete one, if any."""
-        checkpointer, step = self.checkpointer, self.checkpointer.latest_step()
-        if resume_from is not None:
-            checkpointer = Checkpointer(os.path.dirname(resume_from))
-            step = int(os.path.basename(resume_from))
-        if step is None:
-            return False
-        try:
+        with rundir.restoring(self.checkpointer, resume_from) as (checkpointer, step):
+            if step is None:
+                return False
             state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, None)
-        except UnreadableCheckpoint as err:
-            raise rundir.unreadable_checkpoint(err, from_path=resume_from is not None) from err
-        finally:
-            if checkpointer is not self.checkpointer:
-                checkpointer.close()
         self.state = state.replace(step=self.mesh.put(jnp.full((self.num_runs,), self.step,
                                                                jnp.int32)))
         self._saved_step = self.step

@@ -43,7 +43,7 @@ from jrl.models.config import ModelConfig
 from jrl.rl import evaluate, experience, partial, types
 from jrl.rl import programs as programs_lib
 from jrl.rl import step as step_lib
-from jrl.rl.checkpoint import Checkpointer, UnreadableCheckpoint
+from jrl.rl.checkpoint import Checkpointer
 from jrl.rollout import multi_turn
 
 
@@ -421,22 +421,13 @@ class RLTrainer:
           CheckpointError: the checkpoint's files could not be read (truncated, corrupted
             or missing ones), with what to resume from instead.
         """
-        checkpointer, step = self.checkpointer, self.checkpointer.latest_step()
-        if resume_from is not None:
-            checkpointer = Checkpointer(os.path.dirname(resume_from))
-            step = int(os.path.basename(resume_from))
-        if step is None:
-            return False
-        try:
+        with rundir.restoring(self.checkpointer, resume_from) as (checkpointer, step):
+            if step is None:
+                return False
             self.state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, self.sharder.replicated)
             self._saved_step = self.step
             self.experience.restore(checkpointer, step)
-        except UnreadableCheckpoint as err:
-            raise rundir.unreadable_checkpoint(err, from_path=resume_from is not None) from err
-        finally:
-            if checkpointer is not self.checkpointer:
-                checkpointer.close()
         if jax.process_index() == 0:
             source = f" ({resume_from})" if resume_from else ""
             print(f"resumed from step {self.step} (of {self.settings.total_steps}){source}",

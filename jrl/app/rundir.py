@@ -324,7 +324,6 @@ def checkpoint_step_dir(path: str | None) -> str:
 def _other_steps(step_dir: str) -> str:
     """What to give `trainer.resume_from_path` instead of `step_dir`: the complete
     checkpoints beside it."""
-
     parent = os.path.dirname(step_dir)
     others = [s for s in _complete_beside(step_dir) if s != int(os.path.basename(step_dir))]
     if not others:

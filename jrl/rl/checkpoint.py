@@ -76,17 +76,22 @@ def _chain(err: BaseException) -> list[BaseException]:
     return chain
 
 
-# Tensorstore's errors start with a status code ("NOT_FOUND: ...", "DATA_LOSS: ...").
+# Tensorstore's errors start with a status code ("NOT_FOUND: ...", "DATA_LOSS: ..."),
+# or, where it maps the status to ValueError alone (a store that fails to open: "Error
+# opening "zarr" driver: ..."), end with the spec of the store it was reading.
 _STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+_STORE_SPEC = "[tensorstore_spec="
 
 
 def _of_the_files(err: BaseException) -> bool:
     """Whether `err` is about a checkpoint's files or contents: an OS error, a missing
-    item (KeyError), JSON that does not parse, a tensorstore status, a metadata record
-    without the fields read (TypeError), or a tree other than the one asked for."""
+    item (KeyError), JSON that does not parse, a tensorstore error (a status, or a
+    store's spec), a metadata record without the fields read (TypeError), or a tree
+    other than the one asked for."""
     if isinstance(err, (OSError, KeyError, TypeError, json.JSONDecodeError)):
         return True
-    return isinstance(err, ValueError) and (bool(_STATUS.match(str(err)))
+    text = str(err)
+    return isinstance(err, ValueError) and (bool(_STATUS.match(text)) or _STORE_SPEC in text
                                             or _is_mismatch(err))
 
 
@@ -110,7 +115,7 @@ def describe(err: BaseException) -> str:
     text = lines[0]
     if text.endswith(":") and len(lines) > 1:
         text += " " + lines[1]
-    text = text.split(" [tensorstore_spec", 1)[0]
+    text = text.split(" " + _STORE_SPEC, 1)[0]
     if len(text) > 300:
         text = "..." + text[-300:].partition(" ")[2]
     return f"{type(err).__name__}: {text}" if text else type(err).__name__

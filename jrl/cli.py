@@ -6,7 +6,8 @@ A config, data, checkpoint, reward-function or run-directory error
 parse) prints `error: <message>` and exits with status 2; `--debug` adds the
 traceback. Anything else is unexpected and keeps its traceback. Ctrl-C or SIGTERM
 stops the run at its next safe point (`jrl.app.interrupt`): it prints `stopped at step N;
-run the same command to resume` and exits with 130 (SIGINT) or 143 (SIGTERM).
+run the same command to resume` (`rundir.resume_command`) and exits with 130 (SIGINT) or
+143 (SIGTERM).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _prepare(config, workdir: str, reward_fn, sharder) -> _Prepared:
     if jax.process_index() == 0:
         rundir.check_writable(workdir)
     rollout_sharder = experiment.build_rollout_sharder(settings)
-    interrupt.check(_checkpoint_step(workdir))
+    interrupt.check(_start_step(workdir, config))
     return _Prepared(tokenizer, train_rows, val_rows, settings, sharder, rollout_sharder,
                      config.to_dict(), rundir.warm_start_settings(config))
 
@@ -227,7 +227,7 @@ def _run(config, workdir, p: _Prepared, exit_after_steps, reward_fn) -> dict:
     experiment_settings, trainer = settings.experiment, None
     try:  # reward workers and the checkpointer are closed however the run ends
         model, params = experiment.build_model(experiment_settings, p.tokenizer, p.sharder)
-        interrupt.check(_checkpoint_step(workdir))
+        interrupt.check(_start_step(workdir, config))
         os.makedirs(workdir, exist_ok=True)
         params = _warm_start(workdir, model, params, p)
         trainer = RLTrainer(settings, model, params, p.tokenizer, p.train_rows, p.val_rows,
@@ -348,9 +348,15 @@ def _finished(settings: settings_lib.Settings, workdir: str) -> dict:
             **_results(settings, workdir, final={})}
 
 
-def _checkpoint_step(workdir: str) -> int:
-    """The step of the workdir's latest complete checkpoint (0: none), where a stopped
-    start resumes."""
+def _start_step(workdir: str, config) -> int:
+    """The step a start stopped before its trainer restored resumes from: the
+    `resume_mode=resume_path` checkpoint's, else the workdir's latest complete one (0:
+    none; `resume_mode=disable` starts over)."""
+    if config.trainer.resume_mode == "disable":
+        return 0
+    if config.trainer.resume_mode == "resume_path":
+        step = os.path.basename(os.path.normpath(config.trainer.resume_from_path or ""))
+        return int(step) if step.isdigit() else 0
     return checkpoint.latest_complete(os.path.join(workdir, "checkpoints")) or 0
 
 

@@ -37,8 +37,8 @@ class Stopped(Exception):  # noqa: N818 (a request to stop, not an error)
       step: the RL step the run stopped at (its checkpoint holds it).
     """
 
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"stopped at step {step}; run the same command to resume")
+    def __init__(self, signum: int, step: int, resume: str = "run the same command"):
+        super().__init__(f"stopped at step {step}; {resume} to resume")
         self.signum, self.step = signum, step
 
     @property
@@ -74,10 +74,11 @@ def requested() -> int | None:
     return _received[0] if _received else None
 
 
-def check(step: int) -> None:
-    """Raises `Stopped` if a signal has arrived; `step` is where the run stands."""
+def check(step: int, resume: str = "run the same command") -> None:
+    """Raises `Stopped` if a signal has arrived; `step` is where the run stands, `resume`
+    what continues it."""
     if _received:
-        raise Stopped(_received[0], step)
+        raise Stopped(_received[0], step, resume)
 
 
 def finish() -> None:

@@ -371,24 +371,42 @@ def latest_checkpoint(workdir: str) -> tuple[int | None, dict[int, list[str]]]:
 
 
 @contextlib.contextmanager
-def restoring(checkpointer, resume_from: str | None):
+def restoring(checkpointer, resume_from: str | None, total_steps: int):
     """`(checkpointer, step)` a trainer restores from: `resume_from`'s (a `<dir>/<step>`
     checkpoint directory of `resume_mode=resume_path`, read by a checkpointer of its
     own, closed after) or else `checkpointer`'s latest complete step (None: none). An
-    `UnreadableCheckpoint` inside becomes `unreadable_checkpoint`'s error."""
+    `UnreadableCheckpoint` inside becomes `unreadable_checkpoint`'s error; a restore
+    prints which step (of `total_steps`) the run resumed from."""
+    import jax
+
     from jrl.rl import checkpoint
 
     source, step = checkpointer, None
-    if resume_from is not None:
+    if resume_from is None:
+        step = checkpointer.latest_step()
+    else:
         source = checkpoint.Checkpointer(os.path.dirname(resume_from))
         step = int(os.path.basename(resume_from))
     try:
-        yield source, (checkpointer.latest_step() if resume_from is None else step)
+        yield source, step
     except checkpoint.UnreadableCheckpoint as err:
         raise unreadable_checkpoint(err, from_path=resume_from is not None) from err
     finally:
         if source is not checkpointer:
             source.close()
+    if step is not None and jax.process_index() == 0:
+        where = f" ({resume_from})" if resume_from else ""
+        print(f"resumed from step {step} (of {total_steps}){where}", flush=True)
+
+
+def resume_command(resume_from: str | None, saved_step: int) -> str:
+    """What continues a run stopped after its checkpoint of `saved_step` (0: none saved
+    yet) was written: the same command, unless it started from `resume_from`
+    (`resume_mode=resume_path`) and has saved later steps in its workdir since, which
+    that command would refuse to write over."""
+    if resume_from is not None and saved_step > int(os.path.basename(resume_from)):
+        return "run the same command with --config.trainer.resume_mode=auto"
+    return "run the same command"
 
 
 def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:

@@ -302,6 +302,7 @@ class MultiRunTrainer:
         self.state = jax.jit(jax.vmap(init), out_shardings=mesh.stacked)(
             params, init_keys).replace(kl=kl)
         self.step, self.data, self._saved_step = 0, IteratorState(), 0
+        self._resumed_from: str | None = None  # the resume_path checkpoint started from
         kw = dict(settings=settings, model_config=model_config, reward=self.reward)
         self._steps = jax.jit(functools.partial(
             rl_steps, **kw, actor_opt=self.actor_opt, critic_opt=self.critic_opt),
@@ -332,12 +333,14 @@ class MultiRunTrainer:
             return
         if self.step > 0 and self.step != self._saved_step:
             self.save()
-        interrupt.check(self.step)
+        interrupt.check(self.step, rundir.resume_command(self._resumed_from, self._saved_step))
 
     def maybe_restore(self, resume_from: str | None = None) -> bool:
         """Continues from a checkpoint: `resume_from` (a `<dir>/<step>` checkpoint directory,
         possibly of another run) or else the workdir's latest complete one, if any."""
-        with rundir.restoring(self.checkpointer, resume_from) as (checkpointer, step):
+        self._resumed_from = resume_from
+        with rundir.restoring(self.checkpointer, resume_from,
+                              self.settings.total_steps) as (checkpointer, step):
             if step is None:
                 return False
             state, self.step, self.data = checkpointer.restore_train_state(
@@ -345,10 +348,6 @@ class MultiRunTrainer:
         self.state = state.replace(step=self.mesh.put(jnp.full((self.num_runs,), self.step,
                                                                jnp.int32)))
         self._saved_step = self.step
-        if jax.process_index() == 0:
-            source = f" ({resume_from})" if resume_from else ""
-            print(f"resumed from step {self.step} (of {self.settings.total_steps}){source}",
-                  flush=True)
         return True
 
     # -- the loop ------------------------------------------------------------------------------

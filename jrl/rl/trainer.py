@@ -160,6 +160,7 @@ class RLTrainer:
             experience.SyncExperience(self.rollouts))
         self.step, self.data = 0, IteratorState()  # the host's part of the state
         self._saved_step = 0  # the step of the latest checkpoint (saved or restored)
+        self._resumed_from: str | None = None  # the resume_path checkpoint started from
         self._programs_compiled = False  # `compile_programs` has run
         self._compile_s = None  # its seconds, until the first step reports them
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -421,17 +422,15 @@ class RLTrainer:
           CheckpointError: the checkpoint's files could not be read (truncated, corrupted
             or missing ones), with what to resume from instead.
         """
-        with rundir.restoring(self.checkpointer, resume_from) as (checkpointer, step):
+        self._resumed_from = resume_from
+        with rundir.restoring(self.checkpointer, resume_from,
+                              self.settings.total_steps) as (checkpointer, step):
             if step is None:
                 return False
             self.state, self.step, self.data = checkpointer.restore_train_state(
                 step, self.state, self.sharder.replicated)
             self._saved_step = self.step
             self.experience.restore(checkpointer, step)
-        if jax.process_index() == 0:
-            source = f" ({resume_from})" if resume_from else ""
-            print(f"resumed from step {self.step} (of {self.settings.total_steps}){source}",
-                  flush=True)
         return True
 
     def save(self) -> None:
@@ -448,4 +447,4 @@ class RLTrainer:
             return
         if self.step > 0 and self.step != self._saved_step:
             self.save()
-        interrupt.check(self.step)
+        interrupt.check(self.step, rundir.resume_command(self._resumed_from, self._saved_step))

@@ -255,6 +255,45 @@ def test_signal_between_steps_saves_stops_and_resumes_exactly(tmp_path):
     assert _metrics(stopped) == _metrics(straight)
 
 
+def test_a_resume_path_run_stopped_after_a_later_step_says_to_resume_from_its_workdir(tmp_path):
+    # The same command (resume_path) would refuse the workdir's later step; auto takes it.
+    config = _config(**{"trainer.save_freq": 0, "algorithm.adv_estimator": "gae"})
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    train.run(_config(**{"trainer.save_freq": 1, "algorithm.adv_estimator": "gae"}), first,
+              exit_after_steps=1)
+    from_path = _config(**{"trainer.save_freq": 0, "algorithm.adv_estimator": "gae",
+                           "trainer.resume_mode": "resume_path",
+                           "trainer.resume_from_path": os.path.join(first, "checkpoints", "1")})
+    calls = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info):
+        calls.append(1)
+        if len(calls) == 1:  # during step 2, the first after the one resumed from
+            interrupt._received.append(signal.SIGINT)
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    with pytest.raises(interrupt.Stopped) as err:
+        try:
+            train.run(from_path, second, reward_fn=reward)
+        finally:
+            interrupt.reset()
+    assert str(err.value) == ("stopped at step 2; run the same command with "
+                              "--config.trainer.resume_mode=auto to resume")
+    assert sorted(os.listdir(os.path.join(second, "checkpoints"))) == ["2"]
+    with pytest.raises(CheckpointError, match="already go on to step 2"):
+        train.run(from_path, second)
+    config.trainer.resume_mode = "auto"
+    summary = train.run(config, second)
+    assert summary["resumed"] and summary["step"] == 3
+
+
+def test_resume_command_names_auto_only_once_a_later_step_is_saved():
+    assert rundir.resume_command(None, 4) == "run the same command"
+    assert rundir.resume_command("/runs/a/checkpoints/4", 4) == "run the same command"
+    assert rundir.resume_command("/runs/a/checkpoints/4", 5) == (
+        "run the same command with --config.trainer.resume_mode=auto")
+
+
 def test_cli_malformed_float_is_one_line(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     done = subprocess.run([sys.executable, "-m", "jrl.train", "--config=configs/grpo_arith.py",

@@ -230,24 +230,32 @@ def test_nan_warm_start_loss_stops_at_that_step():
 # ----------------------------------------------------------------------------- signals
 
 
-def test_signal_between_steps_saves_stops_and_resumes_exactly(tmp_path):
-    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
-    config = _config(**{"trainer.save_freq": 0, "algorithm.adv_estimator": "gae"})
-    train.run(config, straight)
+def _stopped_by_signal(config, workdir, signum, at_call):
+    """`train.run` with `signum` arriving at the reward function's `at_call`-th call;
+    the `interrupt.Stopped` it raised."""
     calls = []
 
     def reward(data_source, solution_str, ground_truth, extra_info):
         calls.append(1)
-        if len(calls) == 9:  # during step 2 (8 samples a step; no validation before)
-            interrupt._received.append(signal.SIGTERM)
+        if len(calls) == at_call:
+            interrupt._received.append(signum)
         return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 
     with pytest.raises(interrupt.Stopped) as err:
         try:
-            train.run(config, stopped, reward_fn=reward)
+            train.run(config, workdir, reward_fn=reward)
         finally:
             interrupt.reset()
-    assert err.value.step == 2 and err.value.exit_code == 143
+    return err.value
+
+
+def test_signal_between_steps_saves_stops_and_resumes_exactly(tmp_path):
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    config = _config(**{"trainer.save_freq": 0, "algorithm.adv_estimator": "gae"})
+    train.run(config, straight)
+    # During step 2 (8 samples a step; no validation before).
+    err = _stopped_by_signal(config, stopped, signal.SIGTERM, at_call=9)
+    assert err.step == 2 and err.exit_code == 143
     assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["2"]  # save_freq=0
     assert not os.path.exists(os.path.join(stopped, rundir.LOCK_FILE))
     summary = train.run(config, stopped)
@@ -264,21 +272,10 @@ def test_a_resume_path_run_stopped_after_a_later_step_says_to_resume_from_its_wo
     from_path = _config(**{"trainer.save_freq": 0, "algorithm.adv_estimator": "gae",
                            "trainer.resume_mode": "resume_path",
                            "trainer.resume_from_path": os.path.join(first, "checkpoints", "1")})
-    calls = []
-
-    def reward(data_source, solution_str, ground_truth, extra_info):
-        calls.append(1)
-        if len(calls) == 1:  # during step 2, the first after the one resumed from
-            interrupt._received.append(signal.SIGINT)
-        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
-
-    with pytest.raises(interrupt.Stopped) as err:
-        try:
-            train.run(from_path, second, reward_fn=reward)
-        finally:
-            interrupt.reset()
-    assert str(err.value) == ("stopped at step 2; run the same command with "
-                              "--config.trainer.resume_mode=auto to resume")
+    # During step 2, the first after the one resumed from.
+    err = _stopped_by_signal(from_path, second, signal.SIGINT, at_call=1)
+    assert str(err) == ("stopped at step 2; run the same command with "
+                        "--config.trainer.resume_mode=auto to resume")
     assert sorted(os.listdir(os.path.join(second, "checkpoints"))) == ["2"]
     with pytest.raises(CheckpointError, match="already go on to step 2"):
         train.run(from_path, second)

@@ -80,7 +80,7 @@ def _chain(err: BaseException) -> list[BaseException]:
 # or, where it maps the status to ValueError alone (a store that fails to open: "Error
 # opening "zarr" driver: ..."), end with the spec of the store it was reading.
 _STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
-_STORE_SPEC = "[tensorstore_spec="
+_STORE_SPEC = "[tensorstore_spec"  # also "[tensorstore_spec[1]=...]", before the spec
 
 
 def _of_the_files(err: BaseException) -> bool:

@@ -267,8 +267,9 @@ def _run_multi(workdir, p: _Prepared, exit_after_steps, resume_from: str | None)
     try:
         resumed = trainer.maybe_restore(resume_from)
         if lead:
-            print(f"{len(plan)} runs in one program on {mesh.size} device(s), "
-                  f"{steps_per_call} steps a call: "
+            per_call = min(steps_per_call, settings.total_steps)
+            print(f"{len(plan)} runs in one program on {mesh.size} device(s), {per_call} "
+                  f"step{'' if per_call == 1 else 's'} a call: "
                   + "; ".join(r.label for r in plan), flush=True)
         writer = metrics.MetricsWriter(workdir, settings.trainer.logger, settings.total_steps,
                                        p.config_dict, start_step=trainer.step, enabled=lead)

@@ -51,8 +51,8 @@ def _handle(signum, frame) -> None:
     _received.append(signum)
     if len(_received) == 1:
         name = signal.Signals(signum).name
-        os.write(2, f"{name}: stopping after the current step (again to stop at once)\n"
-                 .encode())
+        os.write(2, f"{_below_progress_bar()}{name}: stopping after the current step (again "
+                 "to stop at once)\n".encode())
         return
     for callback in list(_force_exit_callbacks):
         try:
@@ -61,6 +61,14 @@ def _handle(signum, frame) -> None:
             pass
     os.write(2, f"{signal.Signals(signum).name} again: exiting now\n".encode())
     os._exit(128 + _received[0])
+
+
+def _below_progress_bar() -> str:
+    """A newline where a progress bar (tqdm's, on stderr) holds the current line, so
+    that the notice starts a line of its own; else nothing."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", ())
+    return "\n" if any(not getattr(bar, "disable", True) for bar in list(bars)) else ""
 
 
 def install() -> None:

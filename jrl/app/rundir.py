@@ -287,8 +287,8 @@ def _refuse_changes(workdir: str, old: Mapping[str, Any], new: Mapping[str, Any]
             f"{workdir} holds a run started with another config "
             f"({os.path.join(workdir, CONFIG_FILE)}); changed keys, old -> new:\n"
             f"{format_changes(changes)}\nPass a new --workdir for a new run, "
-            "--config.trainer.resume_mode=disable to start this one over (its checkpoints and "
-            "metrics are removed), or --config.trainer.resume_mode=resume_path "
+            "--config.trainer.resume_mode=disable to start this one over (its checkpoints, warm "
+            "start and metrics are removed), or --config.trainer.resume_mode=resume_path "
             "--config.trainer.resume_from_path=<checkpoint dir> to continue from a checkpoint "
             "with this config.")
 

@@ -75,6 +75,24 @@ def test_cli_run_turns_a_signal_into_the_stop_line_and_status():
     assert "not reached" not in done.stdout
 
 
+def test_the_stop_notice_starts_a_line_of_its_own_below_a_progress_bar():
+    done = _python("""
+        import os, signal, sys, time
+        from tqdm import tqdm
+        from jrl.app import interrupt
+
+        interrupt.install()
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        bar.close()
+    """)
+    # The bar redraws itself after "\r"; the notice follows it after a newline.
+    before, notice, _ = done.stderr.partition("SIGINT: stopping after the current step")
+    assert notice and before.endswith("\n") and "/10 [" in before.split("\n")[-2]
+
+
 def test_a_signal_while_python_shuts_down_after_the_run_is_ignored():
     """Once `cli.run`'s main has returned, signals are ignored: a Ctrl-C then (here from
     an atexit hook) neither prints a stop notice nor, later in the shutdown, when Python

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from jrl.app import interrupt, rundir
 from jrl.config import verl_names
-from jrl.errors import ConfigError, JrlError
+from jrl.errors import EXIT_USER_ERROR, ConfigError, JrlError
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                          lock_config=True)
@@ -33,7 +33,6 @@ WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (
                               "runs/<config name>).")
 DEBUG = flags.DEFINE_bool("debug", False, "Print the full traceback of config, data and "
                           "checkpoint errors too.")
-EXIT_USER_ERROR = 2
 _UNSAFE = re.compile(r"[^\w.=+-]+")  # characters kept out of workdir names
 
 

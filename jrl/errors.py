@@ -8,6 +8,9 @@ traceback with `--debug`).
 
 from __future__ import annotations
 
+# The command-line entry points' exit status for a `JrlError` (and a missing file).
+EXIT_USER_ERROR = 2
+
 
 class JrlError(Exception):
     """Bad input the user can fix: the message names the key, file or row."""

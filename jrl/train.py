@@ -358,7 +358,7 @@ def _start_step(workdir: str, config) -> int:
     if config.trainer.resume_mode == "resume_path":
         step = os.path.basename(os.path.normpath(config.trainer.resume_from_path or ""))
         return int(step) if step.isdigit() else 0
-    return checkpoint.latest_complete(os.path.join(workdir, "checkpoints")) or 0
+    return checkpoint.latest_complete(rundir.checkpoints_dir(workdir)) or 0
 
 
 def _results(settings: settings_lib.Settings, workdir: str, final: dict) -> dict:

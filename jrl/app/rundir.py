@@ -71,6 +71,16 @@ _RL_ONLY_DATA_KEYS = ("data.train_batch_size", "data.val_batch_size", "data.gen_
 ABSENT = "<absent>"
 
 
+def checkpoints_dir(workdir: str) -> str:
+    """Where a run in `workdir` keeps its RL checkpoints, one `<step>` directory each."""
+    return os.path.join(workdir, "checkpoints")
+
+
+def step_of(step_dir: str) -> int:
+    """The step of checkpoint directory `step_dir` (`.../checkpoints/<step>`)."""
+    return int(os.path.basename(os.path.normpath(step_dir)))
+
+
 def flatten(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """`{"actor.optim.lr": 1e-6, ...}` (`docs.flatten`) with JSON values (tuples
     become lists), as `config.json` stores them."""
@@ -251,7 +261,7 @@ def _move_incomplete_aside(workdir: str, skipped: dict[int, list[str]], latest: 
     (`checkpoint.move_aside`); a warning line for each."""
     from jrl.rl import checkpoint
 
-    directory = os.path.join(workdir, "checkpoints")
+    directory = checkpoints_dir(workdir)
     moved = checkpoint.move_aside(directory, skipped, "incomplete")
     return [f"warning: {os.path.join(directory, str(step))} is an incomplete checkpoint "
             f"({checkpoint.summary(lacks)}), moved aside to {target}; resuming from step "
@@ -265,8 +275,8 @@ def _check_no_later_steps(workdir: str, resume_from: str) -> None:
     held) would be written over, or resumed from by a later start; the user chooses."""
     from jrl.rl import checkpoint
 
-    directory = os.path.join(workdir, "checkpoints")
-    step = int(os.path.basename(os.path.normpath(resume_from)))
+    directory = checkpoints_dir(workdir)
+    step = step_of(resume_from)
     complete, incomplete = checkpoint.scan(directory)
     later = sorted(s for s in [*complete, *incomplete] if s > step)
     if later:
@@ -325,7 +335,7 @@ def _other_steps(step_dir: str) -> str:
     """What to give `trainer.resume_from_path` instead of `step_dir`: the complete
     checkpoints beside it."""
     parent = os.path.dirname(step_dir)
-    others = [s for s in _complete_beside(step_dir) if s != int(os.path.basename(step_dir))]
+    others = [s for s in _complete_beside(step_dir) if s != step_of(step_dir)]
     if not others:
         return (f"{parent} holds no other complete checkpoint; point "
                 "--config.trainer.resume_from_path at the step directory of another run")
@@ -357,7 +367,7 @@ def latest_checkpoint(workdir: str) -> tuple[int | None, dict[int, list[str]]]:
     """
     from jrl.rl import checkpoint
 
-    directory = os.path.join(workdir, "checkpoints")
+    directory = checkpoints_dir(workdir)
     complete, incomplete = checkpoint.scan(directory)
     latest = complete[-1] if complete else None
     if latest is None and incomplete:
@@ -386,7 +396,7 @@ def restoring(checkpointer, resume_from: str | None, total_steps: int):
         step = checkpointer.latest_step()
     else:
         source = checkpoint.Checkpointer(os.path.dirname(resume_from))
-        step = int(os.path.basename(resume_from))
+        step = step_of(resume_from)
     try:
         yield source, step
     except checkpoint.UnreadableCheckpoint as err:
@@ -404,7 +414,7 @@ def resume_command(resume_from: str | None, saved_step: int) -> str:
     yet) was written: the same command, unless it started from `resume_from`
     (`resume_mode=resume_path`) and has saved later steps in its workdir since, which
     that command would refuse to write over."""
-    if resume_from is not None and saved_step > int(os.path.basename(resume_from)):
+    if resume_from is not None and saved_step > step_of(resume_from):
         return "run the same command with --config.trainer.resume_mode=auto"
     return "run the same command"
 
@@ -428,7 +438,7 @@ def unreadable_checkpoint(err, *, from_path: bool) -> CheckpointError:
     message = f"{head} could not be read; the checkpoint is incomplete or damaged ({cause}); "
     if from_path:
         return CheckpointError(message + _other_steps(step_dir))
-    earlier = [s for s in _complete_beside(step_dir) if s < int(os.path.basename(step_dir))]
+    earlier = [s for s in _complete_beside(step_dir) if s < step_of(step_dir)]
     if earlier:
         message += (f"move it out of {os.path.dirname(step_dir)} (rename it, e.g. to "
                     f"{step_dir}.damaged) to resume from step {earlier[-1]}, the newest "

@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 from jrl.data.files import convert_splits
-from jrl.errors import DataError, JrlError
+from jrl.errors import EXIT_USER_ERROR, DataError, JrlError
 from jrl.rewards.math_answers import DATA_SOURCES, last_boxed
 
 SPLITS = ("train", "test")
@@ -170,7 +170,7 @@ def _main_with_errors() -> None:
         main()
     except (JrlError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

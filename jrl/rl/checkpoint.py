@@ -45,6 +45,8 @@ _DAMAGED = " (not valid JSON)"
 # How orbax words a checkpoint whose tree differs from the one asked for (a run of
 # another algorithm or model), which is not damage.
 _MISMATCH = ("tree structures do not match", "Structure mismatch")
+# A path inside the orbax package: how a report is told to come from orbax's code.
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -209,7 +211,7 @@ def _quiet_abandoned_reads() -> None:
     this module's globals, which are gone by the time the last coroutines are
     collected at exit."""
     if not getattr(sys.unraisablehook, "_abandoned_reads", False):
-        previous, reads, orbax_dir = sys.unraisablehook, _reads, f"{os.sep}orbax{os.sep}"
+        previous, reads, orbax_dir = sys.unraisablehook, _reads, _ORBAX_DIR
 
         def hook(unraisable):
             exc, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
@@ -243,12 +245,12 @@ def _orbax_report(record: logging.LogRecord) -> bool:
     orbax coroutine."""
     exc = record.exc_info[1] if record.exc_info else None
     if exc is None:
-        return f"{os.sep}orbax{os.sep}" in record.getMessage()
+        return _ORBAX_DIR in record.getMessage()
     for err in _chain(exc):
         tb = err.__traceback__
         while tb is not None:
             name = tb.tb_frame.f_code.co_filename
-            if f"{os.sep}orbax{os.sep}" in name or "tensorstore" in name:
+            if _ORBAX_DIR in name or "tensorstore" in name:
                 return True
             tb = tb.tb_next
     return False

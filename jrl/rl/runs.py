@@ -309,7 +309,7 @@ class MultiRunTrainer:
             out_shardings=(mesh.stacked, mesh.scanned), donate_argnums=0)
         self._validate = jax.jit(functools.partial(validation_rollouts, **kw),
                                  out_shardings=mesh.stacked)
-        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+        self.checkpointer = Checkpointer(rundir.checkpoints_dir(workdir),
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
 
     @property

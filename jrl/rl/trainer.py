@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import time
 from collections.abc import Callable
 
@@ -163,7 +162,7 @@ class RLTrainer:
         self._resumed_from: str | None = None  # the resume_path checkpoint started from
         self._programs_compiled = False  # `compile_programs` has run
         self._compile_s = None  # its seconds, until the first step reports them
-        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+        self.checkpointer = Checkpointer(rundir.checkpoints_dir(workdir),
                                          max_to_keep=settings.trainer.max_ckpt_to_keep)
 
     def _place_models(self, actor_params, seed: int):
